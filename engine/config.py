@@ -1,0 +1,42 @@
+"""Engine configuration: one frozen dataclass, resolved once at start-up.
+
+CLI flags, `TESSERA_*` environment variables and YAML files (configs/) map
+one-to-one onto these fields (see `server/settings.py`). What the engine learns
+at start-up (number of KV blocks, the model's context length) goes into a new
+resolved config via `dataclasses.replace`, never mutated in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str  # local Hugging Face checkpoint folder
+    served_model_name: str | None = None  # defaults to the folder name
+    dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # auto = cuda if available else cpu
+    max_model_len: int | None = None  # None = the model's max_position_embeddings
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_memory_gib: float = 2.0
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory_gib (tests force preemption)
+    enable_prefix_caching: bool = True
+    encoder_cache_tokens: int = 16384
+    max_encoder_tokens_per_step: int = 16384
+    split_media: bool = True  # False = a prefill chunk never ends inside a media span
+    attention_backend: str = "torch"
+    num_threads: int | None = None  # torch intra-op threads on CPU; None = torch default
+    seed: int = 0
+
+    def replace(self, **changes) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return self.model.rstrip("/").rsplit("/", 1)[-1]

@@ -1,0 +1,67 @@
+"""Typed errors raised at the edges of the engine and the server.
+
+Every error a client can cause is an `InvalidRequest` (or a subclass). The server
+maps them to OpenAI error bodies in one place (`server/errors.py`); the engine
+turns one raised while handling a request into that request's `ErrorInfo`, and
+goes on serving the others. Messages must name the problem and the parameter,
+never internals (paths, addresses, stack traces).
+"""
+
+from __future__ import annotations
+
+
+class TesseraError(Exception):
+    """Base class. `status`, `type` and `code` map onto the OpenAI error body."""
+
+    status: int = 500
+    type: str = "internal_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+
+class InvalidRequest(TesseraError):
+    """The client sent something we cannot serve (HTTP 400)."""
+
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_value"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    code = "context_length_exceeded"
+
+
+class MediaError(InvalidRequest):
+    """A media item could not be fetched, decoded or matched to its placeholders."""
+
+    code = "invalid_media"
+
+
+class ModelNotFound(TesseraError):
+    status = 404
+    type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class ModelLoadError(TesseraError):
+    """A checkpoint cannot be loaded: unsupported architecture, missing or mis-shaped tensor."""
+
+    code = "model_load_error"
+
+
+class EngineDeadError(TesseraError):
+    status = 503
+    type = "server_error"
+    code = "engine_dead"
+
+
+class ServerOverloaded(TesseraError):
+    status = 503
+    type = "server_error"
+    code = "server_overloaded"

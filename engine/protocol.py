@@ -1,0 +1,185 @@
+"""The wire contract between the server process and the engine process.
+
+Only msgspec Structs and enums live here. Messages are msgpack-encoded; tensors
+(pixel values, pre-encoded features) travel as raw buffers in extra ZMQ frames,
+described by a `TensorRef` (frame index, dtype, shape). Nothing is pickled.
+
+Direction server -> engine: `EngineRequest`, `AbortRequests`, `Shutdown`
+(decoded with `ENGINE_INBOX_DECODER`).
+Direction engine -> server: `Ready`, `EngineOutputs`, `EngineFailed`
+(decoded with `SERVER_INBOX_DECODER`).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """How to pick tokens for one sequence. Validated by the server before sending.
+
+    `top_k == 0` and `top_p == 1.0` and `min_p == 0.0` mean "off". `logprobs is None`
+    means no logprobs; `logprobs == k` returns the chosen token's logprob plus the
+    top-k alternatives. A `seed` makes the sequence reproducible whatever else is
+    in the batch.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class TensorRef(msgspec.Struct, frozen=True):
+    """A tensor carried in extra frame number `frame` (0 = first frame after the message)."""
+
+    frame: int
+    dtype: str  # torch dtype name without "torch.", e.g. "float32", "bfloat16"
+    shape: tuple[int, ...]
+
+
+class Modality(str, enum.Enum):
+    IMAGE = "image"
+    VIDEO = "video"
+
+
+class FeatureSource(msgspec.Struct, frozen=True):
+    """Where the engine's FeatureFetcher downloads pre-encoded features from."""
+
+    url: str
+
+
+class MediaInput(msgspec.Struct, frozen=True, kw_only=True):
+    """One media item of a request and the placeholder span it fills.
+
+    `offset` is the index in `prompt_token_ids` of the first placeholder token and
+    `num_tokens` the number of placeholders (= encoder output rows). Exactly one
+    of `pixel_values` / `feature` is set, or neither when the engine is expected
+    to hold `content_hash` in its encoder cache already.
+    """
+
+    modality: Modality
+    content_hash: str  # blake3 hex of decoded content + processing parameters
+    offset: int
+    num_tokens: int
+    grid_thw: tuple[int, int, int]
+    pixel_values: TensorRef | None = None  # [num_patches, C * T_patch * P * P]
+    feature: FeatureSource | None = None
+
+
+class EngineRequest(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    media: list[MediaInput] = []
+    arrival_time: float = 0.0  # time.time() when the server received it
+
+
+class AbortRequests(msgspec.Struct, frozen=True, tag=True):
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, frozen=True, tag=True):
+    pass
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS or a stop token (stop strings are the server's job)
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"
+    ERROR = "error"
+
+
+class ErrorInfo(msgspec.Struct, frozen=True):
+    """A per-request failure, mapped by the server onto an OpenAI error body."""
+
+    message: str
+    type: str = "invalid_request_error"
+    code: str | None = None
+    param: str | None = None
+    status: int = 400
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = []  # (token_id, logprob), best first
+
+
+class RequestOutput(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """What one request produced in one step. `finish_reason` set means it is done."""
+
+    request_id: str
+    new_token_ids: list[int] = []
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    error: ErrorInfo | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
+    """Gauges are current values; `*_total` fields are deltas since the last message."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_fetching: int = 0
+    kv_cache_usage: float = 0.0  # fraction of KV blocks in use, 0..1
+    num_preemptions_total: int = 0
+    num_scheduled_tokens: int = 0
+    step_seconds: float = 0.0
+    vision_encoder_seconds: float = 0.0
+    vision_encoder_items_total: int = 0
+    vision_encoder_batches_total: int = 0
+    encoder_cache_queries_total: int = 0
+    encoder_cache_hits_total: int = 0
+    prefix_cache_queries_total: int = 0  # tokens
+    prefix_cache_hits_total: int = 0  # tokens
+
+
+class EngineOutputs(msgspec.Struct, frozen=True, tag=True):
+    outputs: list[RequestOutput]
+    stats: EngineStats
+
+
+class Ready(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """The READY handshake: facts the server needs, resolved by the engine at start-up."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    hidden_size: int
+    block_size: int
+    num_kv_blocks: int
+    eos_token_ids: list[int]
+    modalities: list[Modality]
+    dtype: str
+    device: str
+
+
+class EngineFailed(msgspec.Struct, frozen=True, tag=True):
+    """The engine hit an unrecoverable error and is about to exit."""
+
+    message: str
+
+
+ServerToEngine = EngineRequest | AbortRequests | Shutdown
+EngineToServer = Ready | EngineOutputs | EngineFailed
+
+ENCODER = msgspec.msgpack.Encoder()
+ENGINE_INBOX_DECODER = msgspec.msgpack.Decoder(ServerToEngine)
+SERVER_INBOX_DECODER = msgspec.msgpack.Decoder(EngineToServer)
