@@ -1,0 +1,72 @@
+"""Small building blocks shared by the model files: norms, activations, rotary helpers.
+
+Plain PyTorch, no state beyond parameters. The numerics follow the Hugging Face
+reference implementations exactly (e.g. RMSNorm in float32, rotary "rotate half"
+layout) so parity tests can hold tight tolerances.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32 and cast back before the weight."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        input_dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(input_dtype)
+
+
+class SiluAndMul(nn.Module):
+    """silu(gate) * up for a fused [.., 2 * intermediate] gate_up projection."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "quick_gelu": quick_gelu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": gelu_tanh,
+    "silu": F.silu,
+}
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[..., D] -> [..., D]: (x1, x2) -> (-x2, x1) over the two halves of the last dim."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox-style rotary. x [T, H, D]; cos, sin [T, D] (already in x's dtype)."""
+    cos = cos.unsqueeze(-2)  # [T, 1, D]
+    sin = sin.unsqueeze(-2)  # [T, 1, D]
+    return x * cos + rotate_half(x) * sin
+
+
+def rope_inv_freq(dim: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
+    """[dim // 2] float32 inverse frequencies 1 / theta^(2i / dim)."""
+    exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim
+    return 1.0 / (theta**exponents)

@@ -1,0 +1,173 @@
+"""Builds a model from a Hugging Face checkpoint folder (config.json + *.safetensors).
+
+Tensors are read memory-mapped with `safetensors.safe_open` (never pickle) and
+copied straight into the model's parameters, which are allocated once on the
+target device without random initialisation.
+
+Checkpoint names are first normalised to the hub layout:
+    model.language_model.X -> model.X        (transformers >= 4.52 / 5 layout)
+    model.visual.X         -> visual.X
+then each expected hub name maps to (our parameter, row range, how to reshape):
+    model.layers.N.self_attn.{q,k,v}_proj.*  -> rows of model.layers.N.self_attn.qkv_proj.*
+    model.layers.N.mlp.{gate,up}_proj.weight -> rows of model.layers.N.mlp.gate_up_proj.weight
+    visual.patch_embed.proj.weight [E,C,T,P,P] -> visual.patch_embed.weight [E, C*T*P*P]
+    visual.merger.mlp.{0,2}.*                -> visual.merger.{fc1,fc2}.*
+Everything else keeps its name. Missing, mis-shaped or unexpected tensors raise
+`ModelLoadError` naming the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.attention.base import AttentionBackend
+from engine.errors import ModelLoadError
+from engine.model_config import ModelConfig
+from engine.models.qwen2_vl import Qwen2VLForConditionalGeneration
+
+# Buffers some exporters save; they are recomputed, never loaded.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_pos_emb.inv_freq")
+
+
+@dataclass(frozen=True)
+class _Target:
+    """Where one checkpoint tensor goes: rows [start, start + shape[0]) of `param_name`."""
+
+    param_name: str
+    start: int
+    shape: tuple[int, ...]  # the checkpoint tensor's expected shape
+
+
+def load_model(
+    model_dir: str,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    attention: AttentionBackend,
+) -> Qwen2VLForConditionalGeneration:
+    """Loads a Qwen2-VL checkpoint folder; raises `ModelLoadError` on any mismatch."""
+    config = ModelConfig.from_model_dir(model_dir)
+    with torch.device("meta"):
+        model = Qwen2VLForConditionalGeneration(config, attention)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.init_buffers()  # buffers were lost on meta; rebuild them (float32) on `device`
+    params = dict(model.named_parameters())
+    targets = expected_tensors(config, params)
+    seen: set[str] = set()
+    with torch.no_grad():
+        for file in checkpoint_files(Path(model_dir)):
+            with safe_open(str(file), framework="pt", device="cpu") as reader:
+                for raw_name in reader.keys():
+                    name = normalize_name(raw_name)
+                    if name.endswith(_IGNORED_SUFFIXES):
+                        continue
+                    if name == "lm_head.weight" and config.tie_word_embeddings:
+                        continue  # tied: logits use the embedding matrix
+                    target = targets.get(name)
+                    if target is None:
+                        raise ModelLoadError(f"unexpected tensor {raw_name!r} in checkpoint")
+                    shape = tuple(reader.get_slice(raw_name).get_shape())
+                    if shape != target.shape:
+                        raise ModelLoadError(
+                            f"tensor {raw_name!r} has shape {list(shape)}, "
+                            f"expected {list(target.shape)}"
+                        )
+                    _copy_into(params[target.param_name], target, reader.get_tensor(raw_name))
+                    seen.add(name)
+    missing = sorted(set(targets) - seen)
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ModelLoadError(
+            f"checkpoint lacks tensor {missing[0]!r}{more}, shape {list(targets[missing[0]].shape)}"
+        )
+    return model.eval()
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a folder: those the index names, else every *.safetensors."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ModelLoadError("model.safetensors.index.json is malformed") from exc
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        for file in files:
+            if not file.is_file():
+                raise ModelLoadError(f"checkpoint shard {file.name!r} is missing")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError("no *.safetensors files in the model folder")
+    return files
+
+
+def normalize_name(name: str) -> str:
+    """Maps the transformers >= 4.52 save layout onto the hub layout."""
+    if name.startswith("model.language_model."):
+        return "model." + name[len("model.language_model.") :]
+    if name.startswith("model.visual."):
+        return name[len("model.") :]
+    if name.startswith("language_model.model."):  # older nested export layout
+        return "model." + name[len("language_model.model.") :]
+    if name.startswith("language_model.lm_head."):
+        return name[len("language_model.") :]
+    return name
+
+
+def expected_tensors(
+    config: ModelConfig, params: dict[str, torch.nn.Parameter]
+) -> dict[str, _Target]:
+    """Every hub-layout tensor name the checkpoint must hold, and where it goes."""
+    targets: dict[str, _Target] = {}
+    q_size = config.num_attention_heads * config.head_dim
+    kv_size = config.num_key_value_heads * config.head_dim
+    fused = {
+        "self_attn.qkv_proj": [
+            ("self_attn.q_proj", q_size),
+            ("self_attn.k_proj", kv_size),
+            ("self_attn.v_proj", kv_size),
+        ],
+        "mlp.gate_up_proj": [
+            ("mlp.gate_proj", config.intermediate_size),
+            ("mlp.up_proj", config.intermediate_size),
+        ],
+    }
+    vision = config.vision
+    for param_name, param in params.items():
+        shape = tuple(param.shape)
+        if param_name == "visual.patch_embed.weight":
+            hf_shape = (
+                vision.embed_dim,
+                vision.in_channels,
+                vision.temporal_patch_size,
+                vision.patch_size,
+                vision.patch_size,
+            )
+            targets["visual.patch_embed.proj.weight"] = _Target(param_name, 0, hf_shape)
+            continue
+        if param_name.startswith("visual.merger.fc"):
+            hf_name = param_name.replace("merger.fc1.", "merger.mlp.0.")
+            targets[hf_name.replace("merger.fc2.", "merger.mlp.2.")] = _Target(param_name, 0, shape)
+            continue
+        fused_key = next((key for key in fused if f".{key}." in param_name), None)
+        if fused_key is None:
+            targets[param_name] = _Target(param_name, 0, shape)
+            continue
+        start = 0
+        for hf_part, rows in fused[fused_key]:
+            hf_name = param_name.replace(fused_key, hf_part)
+            targets[hf_name] = _Target(param_name, start, (rows, *shape[1:]))
+            start += rows
+    return targets
+
+
+def _copy_into(param: torch.nn.Parameter, target: _Target, tensor: torch.Tensor) -> None:
+    rows = target.shape[0]
+    destination = param.data[target.start : target.start + rows]
+    destination.copy_(tensor.reshape(destination.shape))

@@ -1,0 +1,146 @@
+"""The Qwen2 text decoder with multimodal rotary embeddings (M-RoPE), over a paged KV cache.
+
+Inputs are flat over all sequences of a step (no padding): `T` tokens in all.
+Attention is delegated to an `AttentionBackend`, which writes this step's K/V
+into the per-layer cache and attends over each sequence's history.
+
+Projections are fused at load time: one `qkv_proj` (q, k, v weights and biases
+concatenated along the output dim) and one `gate_up_proj` per layer.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.model_config import ModelConfig
+from engine.models.layers import RMSNorm, SiluAndMul, apply_rotary, rope_inv_freq
+
+
+class MRotaryEmbedding(nn.Module):
+    """cos/sin for 3-row M-RoPE positions.
+
+    The `head_dim // 2` frequencies are split into `mrope_section = (s_t, s_h, s_w)`
+    consecutive groups; group j takes its angle from position row j (t, h or w).
+    For text tokens all three rows are equal, which reduces to ordinary RoPE.
+    """
+
+    def __init__(self, head_dim: int, theta: float, mrope_section: tuple[int, int, int]) -> None:
+        super().__init__()
+        if sum(mrope_section) != head_dim // 2:
+            raise ValueError(f"mrope_section {mrope_section} must sum to head_dim // 2")
+        self.head_dim = head_dim
+        self.theta = theta
+        self.mrope_section = mrope_section
+        self.register_buffer("inv_freq", torch.empty(head_dim // 2), persistent=False)
+        self.register_buffer(
+            "section_rows", torch.empty(head_dim // 2, dtype=torch.long), persistent=False
+        )
+        self.init_buffers()
+
+    def init_buffers(self) -> None:
+        """(Re)compute the constant buffers; the loader calls this after materialising."""
+        device = self.inv_freq.device
+        self.inv_freq = rope_inv_freq(self.head_dim, self.theta, device=device)  # [D/2] fp32
+        rows = [row for row, size in enumerate(self.mrope_section) for _ in range(size)]
+        self.section_rows = torch.tensor(rows, dtype=torch.long, device=device)  # [D/2]
+
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions [3, T] int64 -> cos, sin [T, D] in `dtype`
+        freqs = positions.unsqueeze(-1).float() * self.inv_freq.float()  # [3, T, D/2]
+        index = self.section_rows.view(1, 1, -1).expand(1, freqs.shape[1], -1)  # [1, T, D/2]
+        freqs = freqs.gather(0, index).squeeze(0)  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class Qwen2Attention(nn.Module):
+    def __init__(self, config: ModelConfig, attention: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=True)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.attention = attention
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, D]
+        sin: torch.Tensor,  # [T, D]
+        kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, KVH, D]
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)  # [T, H, D]
+        k = apply_rotary(
+            k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin
+        )  # [T, KVH, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        out = self.attention.forward(q, k, v, kv_cache, attn_metadata, self.scale)  # [T, H, D]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class Qwen2MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.act = SiluAndMul()
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class Qwen2DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, attention: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Qwen2Attention(config, attention)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = Qwen2MLP(config.hidden_size, config.intermediate_size)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attn_metadata)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen2Decoder(nn.Module):
+    """Token embedding, the decoder layers and the final norm (no LM head)."""
+
+    def __init__(self, config: ModelConfig, attention: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            [Qwen2DecoderLayer(config, attention) for _ in range(config.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = MRotaryEmbedding(config.head_dim, config.rope_theta, config.mrope_section)
+
+    def forward(
+        self,
+        embeds: torch.Tensor,  # [T, hidden]
+        positions: torch.Tensor,  # [3, T] int64
+        kv_caches: list[torch.Tensor],  # per layer [num_blocks, 2, block_size, KVH, D]
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        cos, sin = self.rotary(positions, embeds.dtype)  # [T, D] each
+        x = embeds
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache, attn_metadata)
+        return self.norm(x)

@@ -1,0 +1,93 @@
+"""Qwen2-VL: the vision tower and the Qwen2 decoder behind one module.
+
+The model runner calls, per step:
+    rows = model.encode_images(pixel_values, grid_thw)      # uncached media, all at once
+    hidden = model.forward(input_ids, positions, kv_caches, attn_metadata,
+                           multimodal_embeds, multimodal_mask)
+    logits = model.compute_logits(hidden[last_rows])
+Build it with `engine.models.loader.load_model`, which fills the weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.errors import MediaError
+from engine.model_config import ModelConfig
+from engine.models.qwen2_decoder import Qwen2Decoder
+from engine.models.qwen2_vl_vision import Qwen2VisionTransformer
+
+
+class Qwen2VLForConditionalGeneration(nn.Module):
+    """Qwen2-VL over a paged KV cache. Inputs are flat over all sequences of a step.
+
+    Parameter names mirror the hub checkpoint ("model.layers.N...", "visual.blocks.N...")
+    except the fused projections (`qkv_proj`, `gate_up_proj`), the patch embedding
+    (a Linear instead of the reference's Conv3d) and the merger's `fc1` / `fc2`.
+    With tied word embeddings there is no `lm_head`; logits use the embedding matrix.
+    """
+
+    def __init__(self, config: ModelConfig, attention: AttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        vision_act = (config.extra.get("vision_config") or {}).get("hidden_act", "quick_gelu")
+        self.visual = Qwen2VisionTransformer(config.vision, act=vision_act)
+        self.model = Qwen2Decoder(config, attention)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    def init_buffers(self) -> None:
+        """Recompute constant (non-checkpoint) buffers, e.g. after `to_empty`."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "init_buffers"):
+                module.init_buffers()
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        return self.model.embed_tokens(input_ids)
+
+    def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """Encodes all items in one call; returns [sum t*h*w / merge**2, hidden], items in order.
+
+        pixel_values [num_patches, C * T_patch * P * P] (items concatenated);
+        grid_thw [num_items, 3] int64. Works for images and videos alike.
+        """
+        vision = self.config.vision
+        patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+        grids = grid_thw.tolist()
+        merge = vision.spatial_merge_size
+        if any(h % merge or w % merge or min(t, h, w) <= 0 for t, h, w in grids):
+            raise MediaError(f"grid_thw {grids} is not a positive multiple of the merge size")
+        num_patches = sum(t * h * w for t, h, w in grids)
+        if pixel_values.dim() != 2 or tuple(pixel_values.shape) != (num_patches, patch_dim):
+            raise MediaError(
+                f"pixel_values shape {tuple(pixel_values.shape)} does not match "
+                f"grid_thw (expected ({num_patches}, {patch_dim}))"
+            )
+        return self.visual(pixel_values, grid_thw)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [3, T] int64 (t, h, w rows)
+        kv_caches: list[torch.Tensor],  # per layer [num_blocks, 2, block_size, KVH, D]
+        attn_metadata: AttentionMetadata,
+        multimodal_embeds: torch.Tensor | None = None,  # [M, hidden]
+        multimodal_mask: torch.Tensor | None = None,  # [T] bool, M True rows
+    ) -> torch.Tensor:  # [T, hidden], after the final norm
+        embeds = self.model.embed_tokens(input_ids)  # [T, hidden]
+        if multimodal_embeds is not None and multimodal_mask is not None:
+            # masked_scatter fills True rows in order, without a host sync.
+            embeds = embeds.masked_scatter(
+                multimodal_mask.unsqueeze(-1), multimodal_embeds.to(embeds.dtype)
+            )
+        return self.model(embeds, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, V] fp32
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()

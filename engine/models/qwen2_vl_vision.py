@@ -1,0 +1,198 @@
+"""The Qwen2-VL vision tower: patch embedding, ViT blocks with 2D rotary, patch merger.
+
+All items (images and videos) of one call are concatenated row-wise, no padding.
+Attention is block-diagonal: every frame (`h * w` patches) attends only within
+itself, exactly like the reference. Frames of equal length are attended in one
+batched SDPA call, so a call costs one SDPA per distinct frame size.
+
+Patch rows arrive in the order the Qwen2-VL image processor writes them:
+per frame, `merge x merge` blocks of neighbouring patches are consecutive, so
+the merger can fold 4 (for merge 2) consecutive rows into one output token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model_config import VisionConfig
+from engine.models.layers import ACTIVATIONS, rope_inv_freq, rotate_half
+
+VISION_ROPE_THETA = 10000.0
+
+
+@dataclass(frozen=True)
+class FrameGroup:
+    """Frames of one length `length`; `rows` [num_frames, length] indexes the patch rows
+    (None when the group covers all rows in order, so a plain view suffices)."""
+
+    length: int
+    rows: torch.Tensor | None
+
+
+def plan_frame_groups(
+    grid_thw: Sequence[tuple[int, int, int]], device: torch.device
+) -> list[FrameGroup]:
+    """Groups the frames of all items by length, for batched block-diagonal attention."""
+    starts_by_length: dict[int, list[int]] = {}
+    start = 0
+    for t, h, w in grid_thw:
+        for _ in range(t):
+            starts_by_length.setdefault(h * w, []).append(start)
+            start += h * w
+    if len(starts_by_length) == 1:
+        (length,) = starts_by_length
+        return [FrameGroup(length, None)]
+    groups = []
+    for length, starts in starts_by_length.items():
+        starts_tensor = torch.tensor(starts, dtype=torch.long).unsqueeze(1)  # [F, 1]
+        rows = (starts_tensor + torch.arange(length)).to(device)  # [F, L]
+        groups.append(FrameGroup(length, rows))
+    return groups
+
+
+def vision_rotary_positions(
+    grid_thw: Sequence[tuple[int, int, int]], merge: int
+) -> torch.Tensor:  # [N, 2] int64 (h, w) per patch row, in processor order
+    positions = []
+    for t, h, w in grid_thw:
+        hpos = torch.arange(h).view(h // merge, merge, 1, 1).expand(-1, -1, w // merge, merge)
+        wpos = torch.arange(w).view(1, 1, w // merge, merge).expand(h // merge, merge, -1, -1)
+        # block-major order: (h_block, w_block, h_in, w_in)
+        hpos = hpos.permute(0, 2, 1, 3).reshape(-1)
+        wpos = wpos.permute(0, 2, 1, 3).reshape(-1)
+        positions.append(torch.stack([hpos, wpos], dim=-1).repeat(t, 1))
+    return torch.cat(positions, dim=0)
+
+
+class VisionRotary(nn.Module):
+    """2D rotary: a quarter of the head dim rotates with h, a quarter with w (then mirrored)."""
+
+    def __init__(self, head_dim: int) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.register_buffer("inv_freq", torch.empty(head_dim // 4), persistent=False)
+        self.init_buffers()
+
+    def init_buffers(self) -> None:
+        self.inv_freq = rope_inv_freq(self.head_dim // 2, VISION_ROPE_THETA, self.inv_freq.device)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions [N, 2] -> cos, sin [N, head_dim] float32
+        freqs = positions.unsqueeze(-1).float() * self.inv_freq  # [N, 2, D/4]
+        freqs = freqs.flatten(1)  # [N, D/2] (h freqs then w freqs)
+        emb = torch.cat((freqs, freqs), dim=-1)  # [N, D]
+        return emb.cos(), emb.sin()
+
+
+def _rotate_fp32(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [N, H, D]; cos, sin [N, D] float32; rotation in float32 like the reference
+    x32 = x.float()
+    out = x32 * cos.unsqueeze(-2) + rotate_half(x32) * sin.unsqueeze(-2)
+    return out.to(x.dtype)
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, dim: int, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=True)
+        self.proj = nn.Linear(dim, dim, bias=True)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, groups: list[FrameGroup]
+    ) -> torch.Tensor:  # x [N, dim] -> [N, dim]
+        num_rows = x.shape[0]
+        q, k, v = self.qkv(x).view(num_rows, 3, self.num_heads, self.head_dim).unbind(1)
+        q = _rotate_fp32(q, cos, sin)  # [N, H, D]
+        k = _rotate_fp32(k, cos, sin)  # [N, H, D]
+        if len(groups) == 1 and groups[0].rows is None:
+            out = self._attend(q, k, v, groups[0].length).reshape(num_rows, -1)
+        else:
+            out = torch.empty_like(q)  # [N, H, D]
+            for group in groups:
+                rows = group.rows.reshape(-1)
+                out[rows] = self._attend(q[rows], k[rows], v[rows], group.length)
+            out = out.reshape(num_rows, -1)
+        return self.proj(out)
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int
+    ) -> torch.Tensor:  # [F * L, H, D] -> [F * L, H, D], attention within each frame
+        def frames(t: torch.Tensor) -> torch.Tensor:
+            return t.view(-1, length, self.num_heads, self.head_dim).transpose(1, 2)  # [F, H, L, D]
+
+        out = F.scaled_dot_product_attention(frames(q), frames(k), frames(v))  # [F, H, L, D]
+        return out.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)
+
+
+class VisionMLP(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int, act: str) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden_dim)
+        self.act = ACTIVATIONS[act]
+        self.fc2 = nn.Linear(hidden_dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, config: VisionConfig, act: str) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(config.embed_dim, eps=1e-6)
+        self.attn = VisionAttention(config.embed_dim, config.num_heads)
+        self.norm2 = nn.LayerNorm(config.embed_dim, eps=1e-6)
+        self.mlp = VisionMLP(config.embed_dim, int(config.embed_dim * config.mlp_ratio), act)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, groups: list[FrameGroup]
+    ) -> torch.Tensor:  # [N, embed] -> [N, embed]
+        x = x + self.attn(self.norm1(x), cos, sin, groups)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    """LayerNorm, fold `merge**2` neighbouring rows into one, 2-layer GELU MLP to the LLM width."""
+
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        self.merged_dim = config.embed_dim * config.spatial_merge_size**2
+        self.ln_q = nn.LayerNorm(config.embed_dim, eps=1e-6)
+        self.fc1 = nn.Linear(self.merged_dim, self.merged_dim)
+        self.fc2 = nn.Linear(self.merged_dim, config.out_hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, embed] -> [N / merge**2, out]
+        x = self.ln_q(x).view(-1, self.merged_dim)
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Qwen2VisionTransformer(nn.Module):
+    """Encodes concatenated patch rows of several items in one call."""
+
+    def __init__(self, config: VisionConfig, act: str = "quick_gelu") -> None:
+        super().__init__()
+        self.config = config
+        patch_dim = config.in_channels * config.temporal_patch_size * config.patch_size**2
+        # The reference's Conv3d has kernel == stride == the whole patch: a plain matmul.
+        self.patch_embed = nn.Linear(patch_dim, config.embed_dim, bias=False)
+        self.rotary = VisionRotary(config.embed_dim // config.num_heads)
+        self.blocks = nn.ModuleList([VisionBlock(config, act) for _ in range(config.depth)])
+        self.merger = PatchMerger(config)
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        # pixel_values [N, C * T_patch * P * P]; grid_thw [num_items, 3] -> [N / merge**2, out]
+        grids = [tuple(int(v) for v in row) for row in grid_thw.tolist()]
+        device = self.patch_embed.weight.device
+        x = self.patch_embed(pixel_values.to(device=device, dtype=self.patch_embed.weight.dtype))
+        positions = vision_rotary_positions(grids, self.config.spatial_merge_size).to(device)
+        cos, sin = self.rotary(positions)  # [N, D] each, float32
+        groups = plan_frame_groups(grids, device)
+        for block in self.blocks:
+            x = block(x, cos, sin, groups)
+        return self.merger(x)
