@@ -1,0 +1,217 @@
+"""engine.tiny_model: deterministic random-weight Qwen2-VL checkpoints (no transformers here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from safetensors import safe_open
+from tokenizers import Tokenizer
+
+from engine.model_config import ModelConfig
+from engine.tiny_model import (
+    SIZES,
+    SPECIAL_TOKENS,
+    main,
+    make_tiny_model,
+    read_chat_template,
+    weight_shapes,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "preprocessor_config.json",
+    "chat_template.json",
+    "chat_template.jinja",
+)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "seed0", seed=0)
+
+
+def _read(path: Path, name: str) -> bytes:
+    return (path / name).read_bytes()
+
+
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+
+
+def test_same_seed_gives_byte_identical_files(tiny, tmp_path):
+    again = make_tiny_model(tmp_path / "again", seed=0)
+    assert sorted(p.name for p in again.iterdir()) == sorted(FILES)
+    for name in FILES:
+        assert _read(tiny, name) == _read(again, name), name
+
+
+def test_cli_in_a_fresh_process_gives_identical_files(tiny, tmp_path):
+    """A new process has new hash seeds and thread pools: tokenizer training and weight
+    generation must still give the same bytes."""
+    out = tmp_path / "cli"
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    subprocess.run(
+        [sys.executable, "-m", "engine.tiny_model", str(out), "--seed", "0"],
+        check=True,
+        env=env,
+        capture_output=True,
+    )
+    for name in FILES:
+        assert _read(tiny, name) == _read(out, name), name
+
+
+def test_different_seed_gives_different_weights_same_tokenizer(tiny, tmp_path):
+    other = make_tiny_model(tmp_path / "seed1", seed=1)
+    for name in ("tokenizer.json", "config.json", "preprocessor_config.json"):
+        assert _read(tiny, name) == _read(other, name), name
+    a, b = _tensors(tiny), _tensors(other)
+    assert a.keys() == b.keys()
+    for name in a:
+        if a[name].abs().sum() > 0:
+            assert not torch.equal(a[name], b[name]), name
+
+
+def test_tensor_names_shapes_and_dtype(tiny):
+    config = json.loads(_read(tiny, "config.json"))
+    tensors = _tensors(tiny)
+    expected = dict(weight_shapes(SIZES["tiny"], config["vocab_size"]))
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == expected
+    assert {v.dtype for v in tensors.values()} == {torch.float32}
+    for name in (
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.q_proj.bias",
+        "lm_head.weight",
+        "visual.patch_embed.proj.weight",
+        "visual.merger.mlp.0.weight",
+        "visual.blocks.1.attn.qkv.weight",
+        "model.layers.3.mlp.down_proj.weight",
+    ):
+        assert name in tensors
+
+
+def test_special_token_ids_match_config(tiny):
+    tokenizer = Tokenizer.from_file(str(tiny / "tokenizer.json"))
+    config = json.loads(_read(tiny, "config.json"))
+    ids = [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS]
+    num_tokens = tokenizer.get_vocab_size(with_added_tokens=True)
+    assert ids == list(range(num_tokens - len(SPECIAL_TOKENS), num_tokens))  # after BPE vocab
+    assert 1000 <= num_tokens - len(SPECIAL_TOKENS) <= 2048
+    assert num_tokens <= config["vocab_size"] and config["vocab_size"] % 64 == 0
+    by_name = dict(zip(SPECIAL_TOKENS, ids, strict=True))
+    assert config["eos_token_id"] == by_name["<|im_end|>"]
+    assert config["bos_token_id"] == by_name["<|endoftext|>"]
+    assert config["image_token_id"] == by_name["<|image_pad|>"]
+    assert config["video_token_id"] == by_name["<|video_pad|>"]
+    assert config["vision_start_token_id"] == by_name["<|vision_start|>"]
+    assert config["vision_end_token_id"] == by_name["<|vision_end|>"]
+    generation = json.loads(_read(tiny, "generation_config.json"))
+    assert by_name["<|im_end|>"] in generation["eos_token_id"]
+    tokenizer_config = json.loads(_read(tiny, "tokenizer_config.json"))
+    assert tokenizer_config["eos_token"] == "<|im_end|>"
+    assert tokenizer_config["pad_token"] == "<|endoftext|>"
+    assert tokenizer_config["chat_template"] == read_chat_template()
+
+
+def test_padded_vocab_rows_are_zero(tiny):
+    tokenizer = Tokenizer.from_file(str(tiny / "tokenizer.json"))
+    num_tokens = tokenizer.get_vocab_size(with_added_tokens=True)
+    tensors = _tensors(tiny)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        assert torch.all(tensors[name][num_tokens:] == 0)
+        assert torch.all(tensors[name][:num_tokens].abs().sum(dim=1) > 0)
+
+
+def test_model_config_parses_and_matches_spec(tiny):
+    config = ModelConfig.from_model_dir(tiny)
+    spec = SIZES["tiny"]
+    assert config.hidden_size == spec.hidden_size
+    assert config.head_dim == spec.head_dim == 2 * sum(config.mrope_section)
+    assert config.num_key_value_heads == spec.num_key_value_heads
+    assert config.vision.embed_dim == spec.vision_embed_dim
+    assert config.vision.out_hidden_size == spec.hidden_size
+    assert config.tie_word_embeddings is False
+
+
+def test_tokenizer_round_trips_text_and_keeps_specials_whole(tiny):
+    tokenizer = Tokenizer.from_file(str(tiny / "tokenizer.json"))
+    text = "Describe the picture: a dog, 42 cats; héllo 世界 🙂\n\tdone."
+    ids = tokenizer.encode(text).ids
+    assert tokenizer.decode(ids) == text
+    assert len(ids) < len(text.encode())  # merges were learned
+    prompt = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>hi<|im_end|>"
+    encoded = tokenizer.encode(prompt).ids
+    for token in ("<|im_start|>", "<|vision_start|>", "<|image_pad|>", "<|im_end|>"):
+        assert encoded.count(tokenizer.token_to_id(token)) == 1
+
+
+def _render(messages, add_generation_prompt=False) -> str:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    return env.from_string(read_chat_template()).render(
+        messages=messages, add_generation_prompt=add_generation_prompt
+    )
+
+
+def test_chat_template_default_system_and_generation_prompt():
+    text = _render([{"role": "user", "content": "Hi there"}], add_generation_prompt=True)
+    assert text == (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        "<|im_start|>user\nHi there<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+
+
+def test_chat_template_media_parts_and_given_system():
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": "http://x/a.png"}},
+                {"type": "text", "text": "Compare "},
+                {"type": "image"},
+                {"type": "text", "text": " and "},
+                {"type": "video", "video": "v.mp4"},
+            ],
+        },
+        {"role": "assistant", "content": "Same."},
+    ]
+    assert _render(messages) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Compare "
+        "<|vision_start|><|image_pad|><|vision_end|> and "
+        "<|vision_start|><|video_pad|><|vision_end|><|im_end|>\n"
+        "<|im_start|>assistant\nSame.<|im_end|>\n"
+    )
+
+
+def test_tiny2_has_a_different_shape(tmp_path):
+    path = make_tiny_model(tmp_path / "tiny2", size="tiny2")
+    tiny2, tiny = ModelConfig.from_model_dir(path), SIZES["tiny"]
+    assert (tiny2.hidden_size, tiny2.head_dim, tiny2.num_hidden_layers) != (
+        tiny.hidden_size,
+        tiny.head_dim,
+        tiny.num_hidden_layers,
+    )
+    assert tiny2.head_dim == 2 * sum(tiny2.mrope_section)
+
+
+def test_main_cli_and_unknown_size(tmp_path, capsys):
+    assert main([str(tmp_path / "m"), "--seed", "3", "--size", "tiny2"]) == 0
+    assert (tmp_path / "m" / "model.safetensors").is_file()
+    with pytest.raises(ValueError, match="unknown size"):
+        make_tiny_model(tmp_path / "x", size="huge")
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "y"), "--size", "huge"])
