@@ -1,0 +1,72 @@
+"""Content hashes for media items (blake3, hex).
+
+A media item's hash names its *encoder output*: the prefix cache chains it into block
+hashes and the encoder cache stores embeddings under it. Two items may share a hash only
+if the vision encoder would produce the same rows for both, so the hash covers the decoded
+pixels **and** every processing parameter that changes the pixel values fed to the encoder
+(resize bounds, patch geometry, normalisation). A domain tag and a version prefix keep
+hashes of different kinds (decoded image, pre-encoded features, ...) from ever colliding.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import TYPE_CHECKING
+
+import blake3
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+    from engine.multimodal.image_processor import ImageProcessorConfig
+
+HASH_VERSION = b"tessera-mm-v1"
+
+
+def _update_tagged(hasher: blake3.blake3, tag: str, payload: bytes | memoryview) -> None:
+    # Length-prefix every field so that no two field sequences serialise to the same bytes.
+    name = tag.encode()
+    num_bytes = memoryview(payload).nbytes
+    hasher.update(struct.pack("<Q", len(name)) + name + struct.pack("<Q", num_bytes))
+    hasher.update(payload)
+
+
+def _config_fingerprint(config: ImageProcessorConfig) -> bytes:
+    ints = (
+        config.min_pixels,
+        config.max_pixels,
+        config.patch_size,
+        config.temporal_patch_size,
+        config.merge_size,
+        config.resample,
+    )
+    floats = (*config.image_mean, *config.image_std, config.rescale_factor)
+    return struct.pack(f"<{len(ints)}q{len(floats)}d", *ints, *floats)
+
+
+def image_content_hash(image: Image.Image, config: ImageProcessorConfig) -> str:
+    """Hash of an RGB image as the encoder will see it under `config`.
+
+    `image` must already be RGB (what `decode_image` / `convert_rgb` return); the hash
+    covers its raw pixel bytes, its size and the processing parameters, so the same image
+    with another `max_pixels` gets another hash.
+    """
+    if image.mode != "RGB":
+        raise ValueError(f"image_content_hash needs an RGB image, got mode {image.mode!r}")
+    hasher = blake3.blake3(HASH_VERSION)
+    width, height = image.size
+    _update_tagged(hasher, "kind", b"image")
+    _update_tagged(hasher, "size", struct.pack("<QQ", width, height))
+    _update_tagged(hasher, "processor", _config_fingerprint(config))
+    _update_tagged(hasher, "pixels", image.tobytes())
+    return hasher.hexdigest()
+
+
+def bytes_content_hash(data: bytes | memoryview, *, kind: str) -> str:
+    """Hash of opaque bytes, e.g. a pre-encoded feature tensor; `kind` separates domains
+    (use e.g. "image_features" / "video_features" plus anything else that changes meaning,
+    such as dtype and shape, folded into `kind`)."""
+    hasher = blake3.blake3(HASH_VERSION)
+    _update_tagged(hasher, "kind", kind.encode())
+    _update_tagged(hasher, "data", data)
+    return hasher.hexdigest()

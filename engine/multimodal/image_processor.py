@@ -1,0 +1,219 @@
+"""Qwen2-VL image preprocessing: resize, rescale, normalise, cut into merged patches.
+
+Output matches `transformers`' Qwen2-VL PIL image processor exactly (same resize filter,
+same float64 rescale then float32 normalise, same patch order), so the vision encoder sees
+the same `pixel_values` whether a request came through Tessera or through `transformers`.
+
+Patch layout, for one image resized to (H, W) with patch P, merge M, temporal patch T:
+
+    grid_h = H / P, grid_w = W / P              (both multiples of M)
+    rows   = grid_h * grid_w, ordered (gh/M, gw/M, M, M): the M*M patches that the merger
+             fuses into one LLM token are consecutive rows
+    row    = [C, T, P, P] flattened; a still image is repeated T times along T
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from engine.errors import InvalidRequest, MediaError, ModelLoadError
+from engine.multimodal.hashing import image_content_hash
+from engine.multimodal.media import convert_rgb
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+MAX_ASPECT_RATIO = 200
+
+
+@dataclass(frozen=True)
+class ImageProcessorConfig:
+    """Image preprocessing parameters of one model, read from preprocessor_config.json.
+
+    `min_pixels` / `max_pixels` bound the resized area (in pixels); `resample` is a PIL
+    resampling filter id (3 = bicubic, what Qwen2-VL uses).
+    """
+
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    image_mean: tuple[float, float, float] = CLIP_MEAN
+    image_std: tuple[float, float, float] = CLIP_STD
+    rescale_factor: float = 1 / 255
+    resample: int = 3  # added field: PIL filter id, 3 = bicubic
+
+    def __post_init__(self) -> None:
+        if min(self.patch_size, self.temporal_patch_size, self.merge_size) < 1:
+            raise ValueError("patch_size, temporal_patch_size and merge_size must be >= 1")
+        if not 0 < self.min_pixels <= self.max_pixels:
+            raise ValueError(
+                f"need 0 < min_pixels <= max_pixels, got {self.min_pixels}, {self.max_pixels}"
+            )
+        if len(self.image_mean) != 3 or len(self.image_std) != 3:
+            raise ValueError("image_mean and image_std must have 3 values (RGB)")
+
+    @property
+    def factor(self) -> int:
+        """Both resized sides are multiples of this (one merged token covers factor^2 px)."""
+        return self.patch_size * self.merge_size
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ImageProcessorConfig:
+        """Parse a preprocessor_config.json dict (transformers 4.x or 5.x layout)."""
+        defaults = cls()
+        size = data.get("size") or {}
+        # transformers: `size` first, then top-level min/max_pixels override it.
+        min_pixels = size.get("shortest_edge", size.get("min_pixels", defaults.min_pixels))
+        max_pixels = size.get("longest_edge", size.get("max_pixels", defaults.max_pixels))
+        if data.get("min_pixels") is not None:
+            min_pixels = data["min_pixels"]
+        if data.get("max_pixels") is not None:
+            max_pixels = data["max_pixels"]
+        return cls(
+            min_pixels=int(min_pixels),
+            max_pixels=int(max_pixels),
+            patch_size=int(data.get("patch_size", defaults.patch_size)),
+            temporal_patch_size=int(data.get("temporal_patch_size", defaults.temporal_patch_size)),
+            merge_size=int(data.get("merge_size", defaults.merge_size)),
+            image_mean=_three_floats(data.get("image_mean", defaults.image_mean)),
+            image_std=_three_floats(data.get("image_std", defaults.image_std)),
+            rescale_factor=float(data.get("rescale_factor", defaults.rescale_factor)),
+            resample=int(data.get("resample", defaults.resample)),
+        )
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> ImageProcessorConfig:
+        path = Path(model_dir) / "preprocessor_config.json"
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            return cls.from_dict(data)
+        except FileNotFoundError as exc:
+            raise ModelLoadError("the model folder has no preprocessor_config.json") from exc
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise ModelLoadError(f"preprocessor_config.json is invalid: {exc}") from exc
+
+    def with_overrides(
+        self, *, min_pixels: int | None = None, max_pixels: int | None = None
+    ) -> ImageProcessorConfig:
+        """A copy with per-request pixel bounds; bad bounds raise `InvalidRequest`."""
+        changes = {}
+        if min_pixels is not None:
+            changes["min_pixels"] = int(min_pixels)
+        if max_pixels is not None:
+            changes["max_pixels"] = int(max_pixels)
+        if not changes:
+            return self
+        try:
+            return replace(self, **changes)
+        except ValueError as exc:
+            param = "max_pixels" if max_pixels is not None else "min_pixels"
+            raise InvalidRequest(str(exc), param=param) from exc
+
+
+def _three_floats(values) -> tuple[float, float, float]:
+    if isinstance(values, (int, float)):
+        values = [values] * 3
+    a, b, c = (float(v) for v in values)
+    return (a, b, c)
+
+
+def smart_resize(
+    height: int, width: int, *, factor: int, min_pixels: int, max_pixels: int
+) -> tuple[int, int]:
+    """Qwen2-VL's target size: sides multiples of `factor`, area within
+    [min_pixels, max_pixels], aspect ratio kept as closely as possible."""
+    if height < 1 or width < 1:
+        raise MediaError(f"image has an empty side ({width}x{height})")
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise MediaError(
+            f"image aspect ratio must be at most {MAX_ASPECT_RATIO}:1, got {width}x{height}"
+        )
+    resized_height = round(height / factor) * factor
+    resized_width = round(width / factor) * factor
+    if resized_height * resized_width > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        resized_height = max(factor, math.floor(height / beta / factor) * factor)
+        resized_width = max(factor, math.floor(width / beta / factor) * factor)
+    elif resized_height * resized_width < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        resized_height = math.ceil(height * beta / factor) * factor
+        resized_width = math.ceil(width * beta / factor) * factor
+    return resized_height, resized_width
+
+
+@dataclass(frozen=True)
+class ProcessedImage:
+    """One image ready for the vision encoder.
+
+    `pixel_values` rows are patches in merge order (see the module docstring);
+    `num_tokens` is how many placeholder tokens the image takes in the prompt.
+    """
+
+    pixel_values: torch.Tensor  # [grid_t * grid_h * grid_w, C * T * P * P] float32
+    grid_thw: tuple[int, int, int]
+    num_tokens: int
+    content_hash: str
+
+
+def num_image_tokens(height: int, width: int, config: ImageProcessorConfig) -> int:
+    """Placeholder count of an image of this size, without processing it."""
+    resized_height, resized_width = smart_resize(
+        height,
+        width,
+        factor=config.factor,
+        min_pixels=config.min_pixels,
+        max_pixels=config.max_pixels,
+    )
+    return (resized_height // config.factor) * (resized_width // config.factor)
+
+
+def process_image(image: Image.Image, config: ImageProcessorConfig) -> ProcessedImage:
+    """Resize, normalise and patchify one image (any PIL mode; converted to RGB first)."""
+    rgb = convert_rgb(image)
+    width, height = rgb.size
+    resized_height, resized_width = smart_resize(
+        height,
+        width,
+        factor=config.factor,
+        min_pixels=config.min_pixels,
+        max_pixels=config.max_pixels,
+    )
+    resized = rgb.resize((resized_width, resized_height), resample=config.resample)
+    pixels = np.asarray(resized)  # [H, W, C] uint8
+    # transformers rescales in float64 then casts to float32, and normalises in float32.
+    scaled = (pixels.astype(np.float64) * config.rescale_factor).astype(np.float32)
+    mean = np.asarray(config.image_mean, dtype=np.float32)
+    std = np.asarray(config.image_std, dtype=np.float32)
+    normalized = (scaled - mean) / std  # [H, W, C] float32
+    patches, grid_h, grid_w = _patchify(normalized, config)
+    return ProcessedImage(
+        pixel_values=torch.from_numpy(patches),
+        grid_thw=(1, grid_h, grid_w),
+        num_tokens=grid_h * grid_w // config.merge_size**2,
+        content_hash=image_content_hash(rgb, config),
+    )
+
+
+def _patchify(image: np.ndarray, config: ImageProcessorConfig) -> tuple[np.ndarray, int, int]:
+    height, width, channels = image.shape
+    patch, merge, temporal = config.patch_size, config.merge_size, config.temporal_patch_size
+    grid_h, grid_w = height // patch, width // patch
+    blocks = image.reshape(grid_h // merge, merge, patch, grid_w // merge, merge, patch, channels)
+    # [gh/M, M, P, gw/M, M, P, C] -> [gh/M, gw/M, M, M, C, P, P]
+    blocks = blocks.transpose(0, 3, 1, 4, 6, 2, 5)
+    # A still image fills every temporal slot: [gh/M, gw/M, M, M, C, T, P, P]
+    blocks = np.broadcast_to(
+        blocks[:, :, :, :, :, None], (*blocks.shape[:5], temporal, patch, patch)
+    )
+    flat = np.ascontiguousarray(blocks).reshape(
+        grid_h * grid_w, channels * temporal * patch * patch
+    )  # [num_patches, C * T * P * P]
+    return flat, grid_h, grid_w

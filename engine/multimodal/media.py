@@ -1,0 +1,130 @@
+"""Turn untrusted bytes into RGB images, or typed `MediaError`s.
+
+Everything here runs on client-supplied data, so it is defensive: only a few decoders
+are ever tried, the pixel count is checked from the header before any pixel is decoded,
+and every decoder failure becomes a `MediaError` whose message names the parameter and
+never leaks internals.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from engine.errors import MediaError
+
+ALLOWED_IMAGE_FORMATS = {"PNG", "JPEG", "WEBP", "GIF", "BMP"}
+# Pillow reports JPEGs with a multi-picture extension (many camera photos) as "MPO".
+_FORMAT_ALIASES = {"MPO": "JPEG"}
+_SIXTEEN_BIT_MODES = {"I;16", "I;16L", "I;16B", "I;16N"}
+_SUPPORTED = ", ".join(sorted(ALLOWED_IMAGE_FORMATS))
+
+
+def decode_image(
+    data: bytes, *, max_pixels: int = 64_000_000, param: str | None = None
+) -> Image.Image:
+    """Decode one still image (the first frame of an animation) into an RGB PIL image.
+
+    Raises `MediaError` (carrying `param`) for empty or truncated data, data that is not
+    an image in `ALLOWED_IMAGE_FORMATS`, and images over `max_pixels` (checked from the
+    header, before decoding) or over Pillow's decompression-bomb limit.
+    """
+    if not data:
+        raise MediaError("the image is empty", param=param)
+    try:
+        image = Image.open(io.BytesIO(data), formats=sorted(ALLOWED_IMAGE_FORMATS))
+    except Image.DecompressionBombError as exc:
+        raise MediaError("the image has too many pixels", param=param) from exc
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError) as exc:
+        raise MediaError(
+            f"the data is not a readable image; supported formats are {_SUPPORTED}", param=param
+        ) from exc
+    image_format = _FORMAT_ALIASES.get(image.format or "", image.format)
+    if image_format not in ALLOWED_IMAGE_FORMATS:
+        raise MediaError(
+            f"image format {image.format} is not supported; use one of {_SUPPORTED}", param=param
+        )
+    width, height = image.size
+    if width < 1 or height < 1:
+        raise MediaError(f"the image has an empty side ({width}x{height})", param=param)
+    pixel_limit = min(max_pixels, Image.MAX_IMAGE_PIXELS or max_pixels)
+    if width * height > pixel_limit:
+        raise MediaError(
+            f"the image is {width}x{height} = {width * height} pixels; the limit is {pixel_limit}",
+            param=param,
+        )
+    try:
+        if getattr(image, "is_animated", False):
+            image.seek(0)
+        image.load()
+        return convert_rgb(image)
+    except Image.DecompressionBombError as exc:
+        raise MediaError("the image has too many pixels", param=param) from exc
+    except Exception as exc:  # noqa: BLE001 - any decoder failure is the client's data
+        raise MediaError("the image data is truncated or corrupt", param=param) from exc
+
+
+def convert_rgb(image: Image.Image) -> Image.Image:
+    """Convert to RGB the way `transformers`' `convert_to_rgb` does: anything with an alpha
+    channel or a transparency key is composited onto white, everything else goes through
+    `Image.convert("RGB")` (which handles L, 1, P, CMYK, YCbCr, ...).
+
+    One deliberate difference: 16/32-bit integer and float images are first scaled to
+    8 bits. Pillow's own conversion clips them at 255, which turns most 16-bit images white.
+    """
+    image = _to_eight_bit(image)
+    if image.mode == "RGB" and image.info.get("transparency") is None:
+        return image
+    has_alpha = "A" in image.getbands() or image.info.get("transparency") is not None
+    if has_alpha:
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def _to_eight_bit(image: Image.Image) -> Image.Image:
+    if image.mode in _SIXTEEN_BIT_MODES or image.mode == "I":
+        # "I" is how older Pillow versions open 16-bit grayscale PNGs; treat it as 16-bit.
+        values = np.asarray(image, dtype=np.int64)  # [H, W]
+        scaled = np.clip(values, 0, 65535) >> 8
+        return Image.fromarray(scaled.astype(np.uint8), mode="L")
+    if image.mode == "F":
+        values = np.asarray(image, dtype=np.float32)  # [H, W], assumed in [0, 1]
+        scaled = np.clip(np.rint(values * 255.0), 0, 255)
+        return Image.fromarray(scaled.astype(np.uint8), mode="L")
+    return image
+
+
+def decode_data_url(url: str, *, max_bytes: int, param: str | None = None) -> bytes:
+    """Decode a base64 `data:` URL (e.g. "data:image/png;base64,iVBOR...") to its bytes.
+
+    The size cap is checked on the base64 text before decoding, so an oversized payload
+    costs no decode work.
+    """
+    if not url.startswith("data:"):
+        raise MediaError("expected a data: URL", param=param)
+    header, comma, payload = url[5:].partition(",")
+    if not comma:
+        raise MediaError("the data: URL has no ',' before its payload", param=param)
+    if not header.lower().endswith(";base64"):
+        raise MediaError("only base64 data: URLs are supported (';base64,')", param=param)
+    max_encoded = 4 * ((max_bytes + 2) // 3)
+    if len(payload) > max_encoded + 64:  # slack for line breaks some encoders insert
+        raise MediaError(f"the data: URL payload is over {max_bytes} bytes", param=param)
+    payload = "".join(payload.split())
+    if len(payload) > max_encoded:
+        raise MediaError(f"the data: URL payload is over {max_bytes} bytes", param=param)
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise MediaError("the data: URL payload is not valid base64", param=param) from exc
+    if not data:
+        raise MediaError("the data: URL payload is empty", param=param)
+    if len(data) > max_bytes:
+        raise MediaError(f"the data: URL payload is over {max_bytes} bytes", param=param)
+    return data

@@ -1,0 +1,379 @@
+"""Chat template, tokenizer and placeholder expansion for one model folder.
+
+The chat template renders one `<|image_pad|>` (or `<|video_pad|>`) per media item; once
+the items are processed and their token counts known, `expand_placeholders` widens each
+single placeholder into that many copies and records where each item's span starts:
+
+    rendered:  ... <|vision_start|> <|image_pad|> <|vision_end|> ...
+    expanded:  ... <|vision_start|> <|image_pad|> x num_tokens <|vision_end|> ...
+                                    ^ PlaceholderSpan.offset
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from engine.errors import InvalidRequest, MediaError, ModelLoadError
+
+IMAGE_PART_TYPES = {"image", "image_url", "input_image", "image_features"}
+VIDEO_PART_TYPES = {"video", "video_url", "video_features"}
+MODALITIES = ("image", "video")
+
+
+@dataclass(frozen=True)
+class PlaceholderSpan:
+    """Where one media item's placeholder tokens sit in a prompt."""
+
+    modality: str  # "image" | "video"
+    offset: int  # index in token_ids of the first placeholder token
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class ProcessedPrompt:
+    """Token ids with every media placeholder expanded; one span per item, in order."""
+
+    token_ids: list[int]
+    spans: list[PlaceholderSpan]
+
+
+class PromptProcessor:
+    """Chat template + tokenizer for one model folder (tokenizer.json via the `tokenizers`
+    library; chat template from chat_template.jinja / chat_template.json /
+    tokenizer_config.json["chat_template"]). Thread-safe for concurrent use: it holds no
+    mutable state after construction, and compiled templates are cached immutably.
+
+    Token ids of the special tokens are None when the model does not have them (a
+    text-only model has no image placeholder).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        chat_template: str | None,
+        *,
+        special_tokens: dict[str, str | None] | None = None,
+        eos_token_ids: list[int] | None = None,
+        model_token_ids: dict[str, int] | None = None,
+    ):
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.special_tokens = dict(special_tokens or {})
+        ids = dict(model_token_ids or {})
+
+        def lookup(key: str, token: str) -> int | None:
+            return ids.get(key, tokenizer.token_to_id(token))
+
+        self.image_token_id = lookup("image_token_id", "<|image_pad|>")
+        self.video_token_id = lookup("video_token_id", "<|video_pad|>")
+        self.vision_start_token_id = lookup("vision_start_token_id", "<|vision_start|>")
+        self.vision_end_token_id = lookup("vision_end_token_id", "<|vision_end|>")
+        self.pad_token_id = self._token_id(self.special_tokens.get("pad_token"))
+        self.bos_token_id = self._token_id(self.special_tokens.get("bos_token"))
+        eos = list(eos_token_ids or [])
+        tokenizer_eos = self._token_id(self.special_tokens.get("eos_token"))
+        if tokenizer_eos is not None:
+            eos.append(tokenizer_eos)
+        self.eos_token_ids: list[int] = list(dict.fromkeys(eos))
+        self.special_token_ids: frozenset[int] = frozenset(
+            token_id
+            for token_id, added in tokenizer.get_added_tokens_decoder().items()
+            if added.special
+        )
+        self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+        self._placeholder_kinds = {
+            token_id: modality
+            for modality, token_id in (
+                ("image", self.image_token_id),
+                ("video", self.video_token_id),
+            )
+            if token_id is not None
+        }
+
+    def _token_id(self, token: str | None) -> int | None:
+        return None if token is None else self.tokenizer.token_to_id(token)
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> PromptProcessor:
+        folder = Path(model_dir)
+        tokenizer_path = folder / "tokenizer.json"
+        if not tokenizer_path.is_file():
+            raise ModelLoadError("the model folder has no tokenizer.json")
+        try:
+            tokenizer = Tokenizer.from_file(str(tokenizer_path))
+        except Exception as exc:  # noqa: BLE001 - the tokenizers library raises bare Exception
+            raise ModelLoadError("tokenizer.json could not be loaded") from exc
+        tokenizer_config = _read_json(folder / "tokenizer_config.json")
+        special_tokens = {
+            name: _token_content(tokenizer_config.get(name))
+            for name in ("bos_token", "eos_token", "pad_token", "unk_token")
+        }
+        generation_config = _read_json(folder / "generation_config.json")
+        model_config = _read_json(folder / "config.json")
+        model_token_ids = {
+            key: model_config[key]
+            for key in (
+                "image_token_id",
+                "video_token_id",
+                "vision_start_token_id",
+                "vision_end_token_id",
+            )
+            if isinstance(model_config.get(key), int)
+        }
+        eos_ids = generation_config.get("eos_token_id", model_config.get("eos_token_id"))
+        if isinstance(eos_ids, int):
+            eos_ids = [eos_ids]
+        return cls(
+            tokenizer,
+            _find_chat_template(folder, tokenizer_config),
+            special_tokens=special_tokens,
+            eos_token_ids=[int(i) for i in eos_ids or []],
+            model_token_ids=model_token_ids,
+        )
+
+    # ------------------------------------------------------------------ chat rendering
+
+    def render_chat(
+        self,
+        messages: list[dict],
+        *,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        tools: list[dict] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """Render OpenAI-shaped messages through the chat template (the model's, or
+        `chat_template` if given). Media parts become {"type": "image"} / {"type": "video"}
+        so the template emits one placeholder per item."""
+        template_source = chat_template or self.chat_template
+        if not template_source:
+            raise InvalidRequest(
+                "this model has no chat template; pass chat_template or use completions",
+                param="chat_template",
+            )
+        try:
+            template = _compile_template(template_source)
+        except jinja2.TemplateSyntaxError as exc:
+            raise InvalidRequest(
+                f"the chat template has a syntax error: {exc.message}", param="chat_template"
+            ) from exc
+        context = {name: value for name, value in self.special_tokens.items() if value is not None}
+        context.update(template_kwargs or {})
+        try:
+            return template.render(
+                messages=normalize_messages(messages),
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                **context,
+            )
+        except jinja2.TemplateError as exc:
+            # raise_exception() in templates (e.g. "roles must alternate") lands here.
+            raise InvalidRequest(
+                f"the chat template rejected the messages: {exc.message}", param="messages"
+            ) from exc
+
+    # ------------------------------------------------------------------ tokens
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; special tokens written in the text are recognised, no
+        BOS/EOS is added."""
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, token_ids, *, skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def expand_placeholders(
+        self, token_ids: list[int], media_token_counts: list[tuple[str, int]]
+    ) -> ProcessedPrompt:
+        """Replace the i-th placeholder token with `media_token_counts[i][1]` copies.
+
+        The placeholders in `token_ids` must match the media items one for one, in kind and
+        order; anything else (including placeholder tokens typed into a text prompt) is a
+        `MediaError`.
+        """
+        kinds = self._placeholder_kinds
+        positions = [i for i, token_id in enumerate(token_ids) if token_id in kinds]
+        found = [kinds[token_ids[i]] for i in positions]
+        given = [modality for modality, _ in media_token_counts]
+        if found != given:
+            raise MediaError(_mismatch_message(found, given), param="messages")
+        output: list[int] = []
+        spans: list[PlaceholderSpan] = []
+        start = 0
+        for position, (modality, num_tokens) in zip(positions, media_token_counts, strict=True):
+            if num_tokens < 1:
+                raise MediaError(f"a {modality} must take at least one token", param="messages")
+            output.extend(token_ids[start:position])
+            spans.append(PlaceholderSpan(modality, len(output), num_tokens))
+            output.extend([token_ids[position]] * num_tokens)
+            start = position + 1
+        output.extend(token_ids[start:])
+        return ProcessedPrompt(token_ids=output, spans=spans)
+
+    def process_chat(
+        self,
+        messages: list[dict],
+        media_token_counts: list[tuple[str, int]],
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> ProcessedPrompt:
+        """Render, tokenise and expand placeholders in one go."""
+        text = self.render_chat(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
+            tools=tools,
+            template_kwargs=template_kwargs,
+        )
+        return self.expand_placeholders(self.encode(text), media_token_counts)
+
+
+def normalize_messages(messages: list[dict]) -> list[dict]:
+    """Copy OpenAI-shaped messages into what chat templates expect: media parts become
+    {"type": "image"} / {"type": "video"}, text parts {"type": "text", "text": ...}."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("messages must be a non-empty list", param="messages")
+    normalized = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise InvalidRequest(
+                "each message must be an object with a string role", param=f"messages[{index}]"
+            )
+        copy = dict(message)
+        content = message.get("content")
+        if isinstance(content, list):
+            copy["content"] = [
+                _normalize_part(part, f"messages[{index}].content[{j}]")
+                for j, part in enumerate(content)
+            ]
+        elif content is not None and not isinstance(content, str):
+            raise InvalidRequest(
+                "content must be a string or a list of parts", param=f"messages[{index}].content"
+            )
+        normalized.append(copy)
+    return normalized
+
+
+def _normalize_part(part: Any, param: str) -> dict:
+    if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+        raise InvalidRequest("each content part must be an object with a type", param=param)
+    part_type = part["type"]
+    if part_type == "text":
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise InvalidRequest("a text part needs a string 'text'", param=param)
+        return {"type": "text", "text": text}
+    if part_type in IMAGE_PART_TYPES:
+        return {"type": "image"}
+    if part_type in VIDEO_PART_TYPES:
+        return {"type": "video"}
+    raise InvalidRequest(f"unsupported content part type {part_type!r}", param=param)
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def _mismatch_message(found: list[str], given: list[str]) -> str:
+    for modality in MODALITIES:
+        num_found, num_given = found.count(modality), given.count(modality)
+        if num_found != num_given:
+            verb = "was" if num_given == 1 else "were"
+            return (
+                f"the prompt has {_plural(num_found, modality + ' placeholder')} "
+                f"but {_plural(num_given, modality)} {verb} given"
+            )
+    return (
+        f"the media items ({', '.join(given)}) are not in the order of the prompt's "
+        f"placeholders ({', '.join(found)})"
+    )
+
+
+# ---------------------------------------------------------------------- model folder files
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise ModelLoadError(f"{path.name} is not valid JSON") from exc
+    return data if isinstance(data, dict) else {}
+
+
+def _token_content(token: Any) -> str | None:
+    if isinstance(token, dict):  # older tokenizer_config.json: {"content": "...", ...}
+        token = token.get("content")
+    return token if isinstance(token, str) else None
+
+
+def _find_chat_template(folder: Path, tokenizer_config: dict) -> str | None:
+    jinja_file = folder / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = _read_json(folder / "chat_template.json").get("chat_template")
+    if template is None:
+        template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": "..."}, ...]
+        named = {
+            item.get("name"): item.get("template") for item in template if isinstance(item, dict)
+        }
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+# ---------------------------------------------------------------------- jinja environment
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """Accept `{% generation %}...{% endgeneration %}` (HF's assistant-mask marker) and
+    render its body unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # Jinja's own tojson escapes HTML characters; chat templates expect plain JSON.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(date_format: str) -> str:
+    return datetime.now().strftime(date_format)
+
+
+@lru_cache(maxsize=32)
+def _compile_template(source: str) -> jinja2.Template:
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationTag, jinja2.ext.loopcontrols],
+    )
+    environment.filters["tojson"] = _tojson
+    environment.globals["raise_exception"] = _raise_exception
+    environment.globals["strftime_now"] = _strftime_now
+    return environment.from_string(source)

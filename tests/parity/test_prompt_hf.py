@@ -1,0 +1,53 @@
+"""PromptProcessor vs transformers' tokenizer: same rendered chat, same token ids."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.multimodal.prompt import PromptProcessor
+from engine.tiny_model import make_tiny_model
+
+transformers = pytest.importorskip("transformers")
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hello, how are you today?"}],
+    [
+        {"role": "system", "content": "You answer in one word."},
+        {"role": "user", "content": [{"type": "text", "text": "Colour of the sky?"}]},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "And grass? 123 !?"},
+    ],
+    [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image"},
+                {"type": "text", "text": "What is in these?"},
+                {"type": "image"},
+                {"type": "video"},
+            ],
+        }
+    ],
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0, size="tiny")
+
+
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_render_and_encode_match_transformers(model_dir, messages, add_generation_prompt):
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    processor = PromptProcessor.from_model_dir(model_dir)
+    expected_text = hf_tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    text = processor.render_chat(messages, add_generation_prompt=add_generation_prompt)
+    assert text == expected_text
+    expected_ids = hf_tokenizer(expected_text, add_special_tokens=False)["input_ids"]
+    ids = processor.encode(text)
+    assert ids == expected_ids
+    assert processor.decode(ids) == hf_tokenizer.decode(ids, skip_special_tokens=True)
+    assert processor.decode(ids, skip_special_tokens=False) == hf_tokenizer.decode(ids)

@@ -1,0 +1,227 @@
+"""PromptProcessor: chat rendering, tokenisation, placeholder expansion and its errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from engine.errors import InvalidRequest, MediaError, ModelLoadError
+from engine.multimodal.prompt import PlaceholderSpan, PromptProcessor
+from engine.tiny_model import make_tiny_model
+
+DEFAULT_SYSTEM = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0, size="tiny")
+
+
+@pytest.fixture(scope="module")
+def processor(model_dir):
+    return PromptProcessor.from_model_dir(model_dir)
+
+
+def _user(*parts) -> list[dict]:
+    return [{"role": "user", "content": list(parts)}]
+
+
+IMAGE_URL = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+
+
+def test_special_token_ids_match_config(processor, model_dir):
+    config = json.loads((model_dir / "config.json").read_text())
+    assert processor.image_token_id == config["image_token_id"]
+    assert processor.video_token_id == config["video_token_id"]
+    assert processor.vision_start_token_id == config["vision_start_token_id"]
+    assert processor.vision_end_token_id == config["vision_end_token_id"]
+    im_end = processor.tokenizer.token_to_id("<|im_end|>")
+    endoftext = processor.tokenizer.token_to_id("<|endoftext|>")
+    assert set(processor.eos_token_ids) == {im_end, endoftext}
+    assert processor.pad_token_id == endoftext
+    assert processor.image_token_id in processor.special_token_ids
+
+
+def test_render_text_adds_default_system_message(processor):
+    text = processor.render_chat([{"role": "user", "content": "Hello there"}])
+    assert (
+        text == DEFAULT_SYSTEM + "<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_render_explicit_system_and_no_generation_prompt(processor):
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+        {"role": "assistant", "content": "Hello!"},
+    ]
+    text = processor.render_chat(messages, add_generation_prompt=False)
+    assert text == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+        "<|im_start|>assistant\nHello!<|im_end|>\n"
+    )
+
+
+def test_render_media_parts_become_placeholders(processor):
+    messages = _user(
+        IMAGE_URL,
+        {"type": "text", "text": "and"},
+        {"type": "image_features", "image_features": {"url": "s3://b/k"}},
+        {"type": "video", "video": "x"},
+        {"type": "video_features", "video_features": {"url": "s3://b/v"}},
+    )
+    text = processor.render_chat(messages)
+    image = "<|vision_start|><|image_pad|><|vision_end|>"
+    video = "<|vision_start|><|video_pad|><|vision_end|>"
+    assert f"user\n{image}and{image}{video}{video}<|im_end|>" in text
+
+
+def test_normalisation_does_not_touch_caller_messages(processor):
+    messages = _user(IMAGE_URL)
+    processor.render_chat(messages)
+    assert messages[0]["content"][0] is IMAGE_URL and IMAGE_URL["type"] == "image_url"
+
+
+def test_encode_recognises_special_tokens_and_decode_skips_them(processor):
+    ids = processor.encode("<|im_start|>user\nhello world<|im_end|>")
+    assert ids[0] == processor.tokenizer.token_to_id("<|im_start|>")
+    assert ids[-1] == processor.tokenizer.token_to_id("<|im_end|>")
+    assert processor.decode(ids) == "user\nhello world"
+    assert (
+        processor.decode(ids, skip_special_tokens=False)
+        == "<|im_start|>user\nhello world<|im_end|>"
+    )
+    assert processor.encode("hello") == processor.encode("hello")  # no BOS/EOS added
+
+
+def test_expand_placeholders_spans(processor):
+    image, video = processor.image_token_id, processor.video_token_id
+    token_ids = [1, 2, image, 3, video, image, 4]
+    result = processor.expand_placeholders(token_ids, [("image", 3), ("video", 2), ("image", 1)])
+    assert result.token_ids == [1, 2, image, image, image, 3, video, video, image, 4]
+    assert result.spans == [
+        PlaceholderSpan("image", 2, 3),
+        PlaceholderSpan("video", 6, 2),
+        PlaceholderSpan("image", 8, 1),
+    ]
+    for span in result.spans:
+        expected = image if span.modality == "image" else video
+        assert (
+            result.token_ids[span.offset : span.offset + span.num_tokens]
+            == [expected] * span.num_tokens
+        )
+
+
+def test_expand_without_media_is_identity(processor):
+    result = processor.expand_placeholders([5, 6, 7], [])
+    assert result.token_ids == [5, 6, 7] and result.spans == []
+
+
+def test_count_mismatch_messages(processor):
+    image = processor.image_token_id
+    with pytest.raises(MediaError) as info:
+        processor.expand_placeholders([image, 1, image], [("image", 4)])
+    assert info.value.message == "the prompt has 2 image placeholders but 1 image was given"
+    with pytest.raises(MediaError, match="has 1 image placeholder but 2 images were given"):
+        processor.expand_placeholders([image], [("image", 4), ("image", 4)])
+    with pytest.raises(MediaError, match="has 0 video placeholders but 1 video was given"):
+        processor.expand_placeholders([image], [("image", 4), ("video", 4)])
+
+
+def test_order_mismatch_and_empty_item(processor):
+    image, video = processor.image_token_id, processor.video_token_id
+    with pytest.raises(MediaError, match="not in the order"):
+        processor.expand_placeholders([video, image], [("image", 1), ("video", 1)])
+    with pytest.raises(MediaError, match="at least one token"):
+        processor.expand_placeholders([image], [("image", 0)])
+
+
+def test_placeholder_typed_into_text_prompt_is_rejected(processor):
+    messages = [{"role": "user", "content": "look: <|image_pad|> ok"}]
+    with pytest.raises(MediaError, match="1 image placeholder but 0 images were given"):
+        processor.process_chat(messages, [])
+
+
+def test_process_chat_end_to_end(processor):
+    messages = _user({"type": "text", "text": "Describe"}, IMAGE_URL)
+    result = processor.process_chat(messages, [("image", 5)])
+    (span,) = result.spans
+    assert span == PlaceholderSpan("image", span.offset, 5)
+    assert result.token_ids[span.offset - 1] == processor.vision_start_token_id
+    assert result.token_ids[span.offset + 5] == processor.vision_end_token_id
+    rendered = processor.encode(processor.render_chat(messages))
+    assert len(result.token_ids) == len(rendered) + 4
+
+
+def test_custom_template_and_template_errors(processor):
+    template = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+    text = processor.render_chat([{"role": "user", "content": "x"}], chat_template=template)
+    assert text == "[user]x"
+    with pytest.raises(InvalidRequest) as info:
+        processor.render_chat([{"role": "user", "content": "x"}], chat_template="{% for %}")
+    assert info.value.param == "chat_template"
+    strict = (
+        "{% if messages[0]['role'] != 'system' %}{{ raise_exception('need a system') }}{% endif %}"
+    )
+    with pytest.raises(InvalidRequest, match="need a system"):
+        processor.render_chat([{"role": "user", "content": "x"}], chat_template=strict)
+
+
+def test_sandbox_blocks_attribute_escapes(processor):
+    escape = "{{ messages.__class__.__mro__ }}"
+    with pytest.raises(InvalidRequest):
+        processor.render_chat([{"role": "user", "content": "x"}], chat_template=escape)
+
+
+@pytest.mark.parametrize(
+    ("messages", "param"),
+    [
+        ([], "messages"),
+        ([{"content": "no role"}], "messages[0]"),
+        ([{"role": "user", "content": 5}], "messages[0].content"),
+        ([{"role": "user", "content": [{"type": "audio"}]}], "messages[0].content[0]"),
+        ([{"role": "user", "content": [{"type": "text"}]}], "messages[0].content[0]"),
+        ([{"role": "user", "content": ["bare string"]}], "messages[0].content[0]"),
+    ],
+)
+def test_bad_messages(processor, messages, param):
+    with pytest.raises(InvalidRequest) as info:
+        processor.render_chat(messages)
+    assert info.value.param == param
+
+
+def test_chat_template_sources(tmp_path, model_dir, processor):
+    folder = tmp_path / "model"
+    shutil.copytree(model_dir, folder)
+    (folder / "chat_template.jinja").unlink()
+    assert PromptProcessor.from_model_dir(folder).chat_template == processor.chat_template
+    (folder / "chat_template.json").unlink()  # falls back to tokenizer_config.json
+    assert PromptProcessor.from_model_dir(folder).chat_template == processor.chat_template
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = [
+        {"name": "default", "template": "T"},
+        {"name": "tool_use", "template": "U"},
+    ]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    assert PromptProcessor.from_model_dir(folder).chat_template == "T"
+    del config["chat_template"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    no_template = PromptProcessor.from_model_dir(folder)
+    with pytest.raises(InvalidRequest, match="no chat template"):
+        no_template.render_chat([{"role": "user", "content": "x"}])
+    (folder / "tokenizer.json").unlink()
+    with pytest.raises(ModelLoadError):
+        PromptProcessor.from_model_dir(folder)
+
+
+def test_concurrent_use_is_consistent(processor):
+    def run(index: int):
+        messages = _user({"type": "text", "text": f"picture number {index}"}, IMAGE_URL)
+        return processor.process_chat(messages, [("image", index % 7 + 1)])
+
+    expected = [run(i) for i in range(64)]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        assert list(pool.map(run, range(64))) == expected
