@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Installs Tessera with its test dependencies and runs the test suite
+# (unit, parity against Hugging Face transformers, end-to-end). GPU tests are
+# skipped without CUDA. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/install.sh test
+venv=${TESSERA_VENV:-.venv}
+"$venv/bin/ruff" check engine server kernels tests bench
+exec "$venv/bin/pytest" -q "$@"
