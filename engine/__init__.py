@@ -1,0 +1,31 @@
+"""Tessera's engine. `from engine import LLM, SamplingParams` for offline generation.
+
+Exports resolve lazily so that `import engine.protocol` (the server's only engine
+dependency) does not load torch or the model code.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.llm import LLM, GenerationResult
+    from engine.protocol import SamplingParams
+
+__all__ = ["LLM", "EngineConfig", "GenerationResult", "SamplingParams"]
+
+_EXPORTS = {
+    "LLM": "engine.llm",
+    "GenerationResult": "engine.llm",
+    "EngineConfig": "engine.config",
+    "SamplingParams": "engine.protocol",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

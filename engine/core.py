@@ -1,0 +1,244 @@
+"""EngineCore: the engine loop's body. add_request / abort_requests / step.
+
+`step()` is schedule -> execute -> update, and returns one `EngineOutputs` with
+everything the step produced, including requests refused at `add_request` (bad
+input never raises here; it finishes that request with an `ErrorInfo`).
+The server's engine process and the offline `LLM` drive the same loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+
+from engine.config import EngineConfig
+from engine.errors import ContextLengthExceeded, InvalidRequest, MediaError, TesseraError
+from engine.model_runner import ModelRunner, error_info
+from engine.models.mrope import mrope_positions
+from engine.protocol import (
+    EngineOutputs,
+    EngineRequest,
+    EngineStats,
+    ErrorInfo,
+    FinishReason,
+    MediaInput,
+    Modality,
+    Ready,
+    RequestOutput,
+)
+from engine.request import MediaItem, Request
+from engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """One model, one scheduler, one loop. Not thread-safe: call from one thread."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.runner = ModelRunner(config)
+        self.model_config = self.runner.model_config
+        self.config = config.replace(
+            max_model_len=self.runner.max_model_len, num_kv_blocks=self.runner.num_kv_blocks
+        )
+        self.scheduler = Scheduler(
+            self.config,
+            num_kv_blocks=self.runner.num_kv_blocks,
+            max_model_len=self.runner.max_model_len,
+        )
+        self._pending: list[RequestOutput] = []  # refusals and aborts for the next step
+
+    @property
+    def ready(self) -> Ready:
+        mc = self.model_config
+        return Ready(
+            model_name=self.config.model_name,
+            max_model_len=self.runner.max_model_len,
+            vocab_size=mc.vocab_size,
+            hidden_size=mc.hidden_size,
+            block_size=self.config.block_size,
+            num_kv_blocks=self.runner.num_kv_blocks,
+            eos_token_ids=list(mc.eos_token_ids),
+            modalities=[Modality.IMAGE, Modality.VIDEO],
+            dtype=str(self.runner.dtype).removeprefix("torch."),
+            device=str(self.runner.device),
+        )
+
+    def add_request(self, request: EngineRequest, tensors: Sequence[torch.Tensor] = ()) -> None:
+        """Queues a request; invalid input finishes it with an error in the next step."""
+        try:
+            if request.request_id in self.scheduler.requests:
+                raise InvalidRequest(f"duplicate request id {request.request_id!r}")
+            self.scheduler.add_request(self._build(request, tensors))
+        except TesseraError as exc:
+            self._refuse(request, error_info(exc))
+        except Exception:  # noqa: BLE001 - never let one request take the engine down
+            logger.exception("could not admit request %s", request.request_id)
+            self._refuse(request, error_info(RuntimeError()))
+
+    def abort_requests(self, request_ids: Sequence[str]) -> None:
+        self._pending += self.scheduler.abort(list(request_ids))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._pending)
+
+    def step(self) -> EngineOutputs:
+        started = time.perf_counter()
+        outputs, self._pending = self._pending, []
+        scheduler_output = self.scheduler.schedule()
+        encoder_seconds, num_items, num_batches = 0.0, 0, 0
+        if not scheduler_output.is_empty:
+            try:
+                result = self.runner.execute(scheduler_output)
+            except Exception:  # noqa: BLE001 - fail this step's requests, keep serving
+                logger.exception("model step failed")
+                failure = error_info(RuntimeError())
+                for chunk in scheduler_output.chunks:
+                    output = self.scheduler.fail(chunk.request.request_id, failure)
+                    if output is not None:
+                        outputs.append(output)
+            else:
+                outputs += self.scheduler.update(
+                    scheduler_output, result.sampled_token_ids, result.logprobs, result.errors
+                )
+                encoder_seconds = result.encoder_seconds
+                num_items, num_batches = result.num_encoder_items, result.num_encoder_batches
+        counters = self.scheduler.pop_counters()
+        stats = EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.scheduler.kv.usage,
+            num_preemptions_total=counters.num_preemptions,
+            num_scheduled_tokens=scheduler_output.num_scheduled_tokens,
+            step_seconds=time.perf_counter() - started,
+            vision_encoder_seconds=encoder_seconds,
+            vision_encoder_items_total=num_items,
+            vision_encoder_batches_total=num_batches,
+            encoder_cache_queries_total=counters.encoder_cache_queries,
+            encoder_cache_hits_total=counters.encoder_cache_hits,
+            prefix_cache_queries_total=counters.prefix_cache_queries,
+            prefix_cache_hits_total=counters.prefix_cache_hits,
+        )
+        return EngineOutputs(outputs, stats)
+
+    def _refuse(self, request: EngineRequest, error: ErrorInfo) -> None:
+        self._pending.append(
+            RequestOutput(
+                request_id=request.request_id,
+                finish_reason=FinishReason.ERROR,
+                error=error,
+                num_prompt_tokens=len(request.prompt_token_ids),
+            )
+        )
+
+    # ---- validation ----------------------------------------------------------------------
+
+    def _build(self, request: EngineRequest, tensors: Sequence[torch.Tensor]) -> Request:
+        mc = self.model_config
+        prompt = request.prompt_token_ids
+        max_len = self.runner.max_model_len
+        max_tokens = request.sampling.max_tokens
+        if not prompt:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        if max_tokens < 1:
+            raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
+        if min(prompt) < 0 or max(prompt) >= mc.vocab_size:
+            raise InvalidRequest(
+                f"prompt token ids must be in [0, {mc.vocab_size})", param="prompt"
+            )
+        if len(prompt) >= max_len:
+            raise ContextLengthExceeded(
+                f"the prompt has {len(prompt)} tokens but the model's context length is {max_len}",
+                param="messages",
+            )
+        if len(prompt) + max_tokens > max_len:
+            raise ContextLengthExceeded(
+                f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                f"model's context length of {max_len}",
+                param="max_tokens",
+            )
+        media = [self._media_item(m, i, tensors) for i, m in enumerate(request.media)]
+        self._check_placeholders(prompt, media)
+        positions, rope_delta = mrope_positions(
+            prompt,
+            [(m.offset, m.num_tokens, m.grid_thw, m.modality) for m in media],
+            spatial_merge_size=mc.vision.spatial_merge_size,
+        )
+        result = Request(
+            request.request_id,
+            prompt,
+            request.sampling,
+            media=media,
+            arrival_time=request.arrival_time or time.time(),
+            eos_token_ids=mc.eos_token_ids,
+        )
+        result.positions, result.rope_delta = positions, rope_delta  # [3, L]
+        return result
+
+    def _media_item(
+        self, media: MediaInput, index: int, tensors: Sequence[torch.Tensor]
+    ) -> MediaItem:
+        vision = self.model_config.vision
+        param = f"media[{index}]"
+        t, h, w = media.grid_thw
+        merge = vision.spatial_merge_size
+        if min(t, h, w) <= 0 or h % merge or w % merge:
+            raise MediaError(f"grid_thw {tuple(media.grid_thw)} is invalid", param=param)
+        if t * h * w // merge**2 != media.num_tokens:
+            raise MediaError(
+                f"{media.num_tokens} placeholders do not match grid_thw {tuple(media.grid_thw)}",
+                param=param,
+            )
+        pixel_values = None
+        if media.pixel_values is not None:
+            ref = media.pixel_values
+            if not 0 <= ref.frame < len(tensors):
+                raise MediaError("pixel values frame is missing", param=param)
+            pixel_values = tensors[ref.frame]
+            patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+            if tuple(pixel_values.shape) != (t * h * w, patch_dim):
+                raise MediaError(
+                    f"pixel values of shape {tuple(pixel_values.shape)} do not match grid_thw "
+                    f"{tuple(media.grid_thw)} (expected {(t * h * w, patch_dim)})",
+                    param=param,
+                )
+        elif media.content_hash not in self.runner.encoder_cache:
+            raise MediaError("media item has no pixel values and is not cached", param=param)
+        return MediaItem(
+            media.modality.value,
+            media.content_hash,
+            media.offset,
+            media.num_tokens,
+            tuple(media.grid_thw),
+            pixel_values,
+        )
+
+    def _check_placeholders(self, prompt: list[int], media: list[MediaItem]) -> None:
+        mc = self.model_config
+        placeholder_ids = {"image": mc.image_token_id, "video": mc.video_token_id}
+        cursor = 0
+        for index, item in enumerate(media):
+            if item.offset < cursor or item.end > len(prompt):
+                raise MediaError(
+                    f"{item.modality} span at {item.offset} overlaps another span "
+                    "or leaves the prompt",
+                    param=f"media[{index}]",
+                )
+            expected = placeholder_ids[item.modality]
+            if any(token != expected for token in prompt[item.offset : item.end]):
+                raise MediaError(
+                    f"{item.modality} span at {item.offset} is not made of placeholder tokens",
+                    param=f"media[{index}]",
+                )
+            cursor = item.end
+        num_placeholders = sum(1 for token in prompt if token in placeholder_ids.values())
+        num_expected = sum(item.num_tokens for item in media)
+        if num_placeholders != num_expected:
+            raise MediaError(
+                f"the prompt has {num_placeholders} media placeholder tokens but "
+                f"the media items fill {num_expected}",
+                param="messages",
+            )

@@ -1,0 +1,191 @@
+"""Offline generation: `LLM(model_dir).generate(prompts)` over the same EngineCore loop.
+
+A prompt is a str (raw text, tokenized as is, no chat template), a list[int]
+(token ids), or {"messages": [...]} (OpenAI-style chat; content parts
+{"type": "text", "text"} and {"type": "image", "image": PIL.Image | bytes}).
+Bad input for one prompt gives that prompt a result with `error` set (or raises
+`InvalidRequest` when `raise_on_error=True`); the others still complete.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.errors import InvalidRequest, TesseraError
+from engine.model_runner import error_info
+from engine.protocol import (
+    EngineRequest,
+    ErrorInfo,
+    MediaInput,
+    Modality,
+    SamplingParams,
+    TensorRef,
+    TokenLogprob,
+)
+
+Prompt = str | list[int] | dict
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """The finished output of one prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
+    logprobs: list[TokenLogprob] | None = None
+    error: ErrorInfo | None = None
+
+
+class LLM:
+    """An in-process engine for offline batch generation."""
+
+    def __init__(self, model: str, **engine_options: Any) -> None:
+        from engine.multimodal.image_processor import ImageProcessorConfig
+        from engine.multimodal.prompt import PromptProcessor
+
+        self.engine = EngineCore(EngineConfig(model=model, **engine_options))
+        self.prompt_processor = PromptProcessor.from_model_dir(model)
+        self.image_config = ImageProcessorConfig.from_model_dir(model)
+        self._ids = itertools.count()
+        self.last_stats: list = []  # EngineStats of the last generate() call, one per step
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        raise_on_error: bool = False,
+    ) -> list[GenerationResult]:
+        """Runs all prompts to completion together; results in prompt order."""
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else params
+        if len(params_list) != len(prompts):
+            raise ValueError("pass one SamplingParams or one per prompt")
+        request_ids, prompt_ids = [], {}
+        outputs: dict[str, list] = {}
+        results: dict[str, GenerationResult] = {}
+        for prompt, sampling in zip(prompts, params_list, strict=True):
+            request_id = f"llm-{next(self._ids)}"
+            request_ids.append(request_id)
+            try:
+                request, tensors = self._build_request(request_id, prompt, sampling)
+            except TesseraError as exc:
+                if raise_on_error:
+                    raise
+                results[request_id] = GenerationResult(
+                    request_id, [], [], "", "error", None, error_info(exc)
+                )
+                continue
+            prompt_ids[request_id] = request.prompt_token_ids
+            outputs[request_id] = []
+            self.engine.add_request(request, tensors)
+        self.last_stats = []
+        while outputs.keys() - results.keys() and self.engine.has_unfinished_requests():
+            step = self.engine.step()
+            self.last_stats.append(step.stats)
+            for output in step.outputs:
+                if output.request_id in outputs:
+                    outputs[output.request_id].append(output)
+                    if output.finish_reason is not None:
+                        results[output.request_id] = self._result(
+                            output.request_id,
+                            prompt_ids[output.request_id],
+                            outputs[output.request_id],
+                        )
+        for request_id in request_ids:
+            error = results[request_id].error
+            if raise_on_error and error is not None:
+                raise InvalidRequest(error.message, param=error.param, code=error.code)
+        return [results[request_id] for request_id in request_ids]
+
+    def _result(
+        self, request_id: str, prompt_token_ids: list[int], outputs: list
+    ) -> GenerationResult:
+        token_ids = [t for output in outputs for t in output.new_token_ids]
+        logprobs = None
+        if any(output.logprobs for output in outputs):
+            logprobs = [lp for output in outputs for lp in (output.logprobs or [])]
+        last = outputs[-1]
+        return GenerationResult(
+            request_id,
+            prompt_token_ids,
+            token_ids,
+            self.prompt_processor.decode(token_ids),
+            last.finish_reason.value,
+            logprobs,
+            last.error,
+        )
+
+    def _build_request(
+        self, request_id: str, prompt: Prompt, sampling: SamplingParams
+    ) -> tuple[EngineRequest, list[torch.Tensor]]:
+        if isinstance(prompt, str):
+            return EngineRequest(
+                request_id=request_id,
+                prompt_token_ids=self.prompt_processor.encode(prompt),
+                sampling=sampling,
+            ), []
+        if isinstance(prompt, list):
+            return EngineRequest(
+                request_id=request_id, prompt_token_ids=list(prompt), sampling=sampling
+            ), []
+        if isinstance(prompt, dict) and "messages" in prompt:
+            return self._chat_request(request_id, prompt["messages"], sampling)
+        raise InvalidRequest(
+            "a prompt is a str, a list of token ids or {'messages': [...]}", param="prompts"
+        )
+
+    def _chat_request(
+        self, request_id: str, messages: list[dict], sampling: SamplingParams
+    ) -> tuple[EngineRequest, list[torch.Tensor]]:
+        from engine.multimodal.image_processor import process_image
+        from engine.multimodal.media import decode_image
+
+        images = []
+        for message_index, message in enumerate(messages):
+            content = message.get("content")
+            if not isinstance(content, list):
+                continue
+            for part_index, part in enumerate(content):
+                if part.get("type") != "image":
+                    continue
+                image = part.get("image")
+                if isinstance(image, (bytes, bytearray)):
+                    param = f"messages[{message_index}].content[{part_index}]"
+                    image = decode_image(bytes(image), param=param)
+                images.append(process_image(image, self.image_config))
+        processed = self.prompt_processor.process_chat(
+            messages, media_token_counts=[("image", image.num_tokens) for image in images]
+        )
+        media = [
+            MediaInput(
+                modality=Modality(span.modality),
+                content_hash=image.content_hash,
+                offset=span.offset,
+                num_tokens=span.num_tokens,
+                grid_thw=tuple(image.grid_thw),
+                pixel_values=TensorRef(index, "float32", tuple(image.pixel_values.shape)),
+            )
+            for index, (span, image) in enumerate(zip(processed.spans, images, strict=True))
+        ]
+        request = EngineRequest(
+            request_id=request_id,
+            prompt_token_ids=processed.token_ids,
+            sampling=sampling,
+            media=media,
+        )
+        return request, [image.pixel_values for image in images]

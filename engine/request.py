@@ -1,0 +1,130 @@
+"""All per-request state the engine keeps: tokens, media, positions, KV blocks, status.
+
+A `Request` is created by `EngineCore.add_request` from an `EngineRequest`, owned by
+the scheduler while it lives, and read by the model runner. Sequence index i of a
+request is prompt token i for i < num_prompt_tokens, else output token
+i - num_prompt_tokens. After preemption `num_computed_tokens` falls back to 0 and
+the generated tokens are recomputed together with the prompt.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from engine.protocol import ErrorInfo, FinishReason, SamplingParams, TokenLogprob
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
+
+    @property
+    def is_finished(self) -> bool:
+        return self.value.startswith("finished")
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+@dataclass
+class MediaItem:
+    """One media item of a request and the placeholder span [offset, offset + num_tokens)."""
+
+    modality: str  # "image" | "video"
+    content_hash: str
+    offset: int
+    num_tokens: int
+    grid_thw: tuple[int, int, int]
+    pixel_values: torch.Tensor | None = None  # [num_patches, C * T_patch * P * P], host
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.num_tokens
+
+
+class Request:
+    """Mutable state of one sequence, from admission to its finish."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        media: list[MediaItem] | None = None,
+        arrival_time: float = 0.0,
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.sampling = sampling
+        self.media: list[MediaItem] = list(media or [])
+        self.arrival_time = arrival_time
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0  # tokens whose KV is (or is being) written
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
+        self.block_ids: list[int] = []
+        self.block_hashes: list[bytes] = []  # chained hashes of the full blocks so far
+        self.positions: torch.Tensor | None = None  # [3, num_prompt_tokens] int64 M-RoPE
+        self.rope_delta = 0
+        self.generator: torch.Generator | None = None
+        if sampling.seed is not None:
+            self.generator = torch.Generator().manual_seed(sampling.seed)
+        self.logprobs: list[TokenLogprob] | None = [] if sampling.logprobs is not None else None
+        self.error: ErrorInfo | None = None
+        self.num_preemptions = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """Sequence indices [start, end) without building the whole list when possible."""
+        num_prompt = self.num_prompt_tokens
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        return self.all_token_ids[start:end]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def media_overlapping(self, start: int, end: int) -> list[MediaItem]:
+        """Media items whose span intersects sequence indices [start, end)."""
+        return [m for m in self.media if m.offset < end and m.end > start]
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.value}, "
+            f"tokens={self.num_tokens}, computed={self.num_computed_tokens})"
+        )

@@ -1,0 +1,172 @@
+"""Token sampling, vectorised over the rows of one step.
+
+Order of operations per row (as HF / OpenAI define them):
+    raw logits --log_softmax--> logprobs (reported)
+    raw logits -> repetition penalty (prompt + output tokens, HF: divide positive,
+                  multiply negative) -> presence / frequency penalties (output tokens)
+               -> greedy rows: argmax
+               -> random rows: / temperature -> top-k -> top-p -> min-p -> softmax
+                  -> exponential race: argmax(probs / E), E ~ Exp(1)
+Rows with a seed draw E from their request's own generator, so their tokens do
+not depend on what else is in the batch. One host sync per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.protocol import SamplingParams, TokenLogprob
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """What the sampler needs to know about one row."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None = None  # CPU generator of a seeded request
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+class Sampler:
+    """Samples one token per row of a [S, V] float32 logits tensor."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self._generators: dict[torch.device, torch.Generator] = {}
+        self._seed = seed
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device).manual_seed(self._seed)
+        return self._generators[device]
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        # logits [S, V] float32
+        num_rows, vocab = logits.shape
+        device = logits.device
+        params = [row.params for row in rows]
+        num_top = max((p.logprobs or 0) for p in params)
+        wants_logprobs = any(p.logprobs is not None for p in params)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None  # [S, V]
+
+        logits = apply_penalties(logits, rows)
+        greedy = torch.tensor([p.is_greedy for p in params], device=device)  # [S]
+        sampled = logits.argmax(dim=-1)  # [S]
+        if not all(p.is_greedy for p in params):
+            random_ids = self._sample_random(logits, rows)  # [S]
+            sampled = torch.where(greedy, sampled, random_ids)
+
+        if raw_logprobs is None:
+            return SamplerOutput(sampled.tolist(), [None] * num_rows)
+        chosen = raw_logprobs.gather(1, sampled.unsqueeze(1))  # [S, 1]
+        packed = [sampled.unsqueeze(1).double(), chosen.double()]
+        if num_top > 0:
+            top_values, top_ids = raw_logprobs.topk(min(num_top, vocab), dim=-1)  # [S, N]
+            packed += [top_ids.double(), top_values.double()]
+        host = torch.cat(packed, dim=1).tolist()  # the one host sync; float64 keeps ids exact
+        token_ids, logprobs = [], []
+        width = min(num_top, vocab)
+        for row, param in zip(host, params, strict=True):
+            token_ids.append(int(row[0]))
+            if param.logprobs is None:
+                logprobs.append(None)
+                continue
+            n = min(param.logprobs, vocab)
+            top = [(int(row[2 + i]), row[2 + width + i]) for i in range(n)]
+            logprobs.append(TokenLogprob(int(row[0]), row[1], top))
+        return SamplerOutput(token_ids, logprobs)
+
+    def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        device = logits.device
+        params = [row.params for row in rows]
+        temperature = torch.tensor(
+            [p.temperature if p.temperature > 0 else 1.0 for p in params],
+            device=device,
+            dtype=logits.dtype,
+        )
+        logits = logits / temperature.unsqueeze(1)  # [S, V]
+        logits = apply_top_k_top_p(logits, params)
+        probs = torch.softmax(logits, dim=-1)  # [S, V]
+        min_p = [p.min_p for p in params]
+        if any(m > 0 for m in min_p):
+            threshold = torch.tensor(min_p, device=device).unsqueeze(1) * probs.amax(-1, True)
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        noise = torch.empty_like(probs).exponential_(generator=self._generator(device))  # [S, V]
+        for index, row in enumerate(rows):
+            if row.generator is not None and not row.params.is_greedy:
+                own = torch.empty(probs.shape[1]).exponential_(generator=row.generator)  # [V]
+                noise[index] = own.to(device)
+        return (probs / noise).argmax(dim=-1)  # [S]
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Repetition (HF), presence and frequency (OpenAI) penalties; [S, V] -> [S, V]."""
+    params = [row.params for row in rows]
+    has_repetition = any(p.repetition_penalty != 1.0 for p in params)
+    has_additive = any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params)
+    if not has_repetition and not has_additive:
+        return logits
+    num_rows, vocab = logits.shape
+    device = logits.device
+    output_counts = torch.zeros(num_rows, vocab + 1, device=device)  # [S, V + pad]
+    outputs = _padded([row.output_token_ids for row in rows], vocab, device)  # [S, Lo]
+    output_counts.scatter_add_(1, outputs, torch.ones_like(outputs, dtype=logits.dtype))
+    output_counts = output_counts[:, :vocab]
+    logits = logits.clone()
+    if has_repetition:
+        prompts = _padded([row.prompt_token_ids for row in rows], vocab, device)  # [S, Lp]
+        seen = torch.zeros(num_rows, vocab + 1, dtype=torch.bool, device=device)
+        seen.scatter_(1, prompts, True)
+        seen = seen[:, :vocab] | (output_counts > 0)  # [S, V]
+        penalty = torch.tensor([p.repetition_penalty for p in params], device=device)
+        penalty = penalty.unsqueeze(1).expand_as(logits)
+        penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, penalized, logits)
+    if has_additive:
+        presence = torch.tensor([p.presence_penalty for p in params], device=device)
+        frequency = torch.tensor([p.frequency_penalty for p in params], device=device)
+        logits -= frequency.unsqueeze(1) * output_counts
+        logits -= presence.unsqueeze(1) * (output_counts > 0).to(logits.dtype)
+    return logits
+
+
+def apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Masks (to -inf) tokens outside each row's top-k and top-p nucleus; [S, V] -> [S, V]."""
+    use_top_k = any(p.top_k > 0 for p in params)
+    use_top_p = any(p.top_p < 1.0 for p in params)
+    if not use_top_k and not use_top_p:
+        return logits
+    num_rows, vocab = logits.shape
+    device = logits.device
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [S, V]
+    remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if use_top_k:
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+        ranks = torch.arange(vocab, device=device).unsqueeze(0)  # [1, V]
+        remove |= ranks >= top_k.unsqueeze(1)
+    if use_top_p:
+        top_p = torch.tensor([p.top_p for p in params], device=device, dtype=logits.dtype)
+        probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # [S, V] mass of better tokens
+        remove |= mass_before >= top_p.unsqueeze(1)
+        remove[:, 0] = False  # always keep the best token
+    mask = torch.zeros_like(remove).scatter(1, order, remove)
+    return logits.masked_fill(mask, float("-inf"))
+
+
+def _padded(lists: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    """[S, max_len] int64 with `pad` (an out-of-vocab column index) filling short rows."""
+    width = max(1, max(len(ids) for ids in lists))
+    out = torch.full((len(lists), width), pad, dtype=torch.long)
+    for index, ids in enumerate(lists):
+        if ids:
+            out[index, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+    return out.to(device)

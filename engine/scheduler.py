@@ -1,0 +1,346 @@
+"""Continuous batching: which requests run this step, how many tokens each, what to encode.
+
+Each step spends a token budget (`max_num_batched_tokens`):
+
+    1. running requests with one token left (decodes), one token each;
+    2. running requests mid-prefill, a chunk each from what is left;
+    3. waiting requests, FCFS, while fewer than `max_num_seqs` run.
+
+KV blocks are allocated per chunk. When the pool is full, the most recently
+admitted running request not yet scheduled this step is preempted: its blocks are
+freed, `num_computed_tokens` falls to 0 and it goes to the front of the waiting
+queue; its generated tokens are recomputed with the prompt later. Never an error:
+a request whose prompt + max_tokens cannot fit the pool alone is refused at
+`add_request`.
+
+A chunk may end inside a media span (`split_media=True`); the item is encoded by
+the first chunk touching it and kept in the encoder cache for the next chunks.
+With `split_media=False` a chunk stops before a span it would split, unless the
+span starts the chunk (then it must still make progress).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.encoder_cache import EncoderCacheManager
+from engine.errors import ContextLengthExceeded, MediaError
+from engine.kv_cache_manager import KVCacheManager
+from engine.protocol import ErrorInfo, RequestOutput, TokenLogprob
+from engine.request import MediaItem, Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Sequence indices [start, start + num_tokens) of `request` are computed this step."""
+
+    request: Request
+    start: int
+    num_tokens: int
+    samples: bool  # the chunk reaches the end of the sequence: its last row is sampled
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One step's plan. `media_to_encode` has unique content hashes, in schedule order."""
+
+    chunks: list[ScheduledChunk]
+    media_to_encode: list[MediaItem] = field(default_factory=list)
+    evicted_encoder_hashes: list[str] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(chunk.num_tokens for chunk in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass
+class SchedulerCounters:
+    """Deltas since the last `Scheduler.pop_counters()`."""
+
+    num_preemptions: int = 0
+    encoder_cache_queries: int = 0
+    encoder_cache_hits: int = 0
+    prefix_cache_queries: int = 0  # tokens
+    prefix_cache_hits: int = 0  # tokens
+
+
+class Scheduler:
+    """Decides each step's batch; owns the KV and encoder cache accounting."""
+
+    def __init__(self, config: EngineConfig, *, num_kv_blocks: int, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.kv = KVCacheManager(
+            num_kv_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+        )
+        self.encoder_cache = EncoderCacheManager(config.encoder_cache_tokens)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order
+        self.requests: dict[str, Request] = {}
+        self.counters = SchedulerCounters()
+
+    # ---- admission / removal -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queues a validated request; raises if it can never be scheduled alone."""
+        max_len = min(request.num_prompt_tokens + request.sampling.max_tokens, self.max_model_len)
+        needed = self.kv.num_blocks_for(max_len)
+        if needed > self.kv.num_blocks:
+            capacity = self.kv.num_blocks * self.kv.block_size
+            raise ContextLengthExceeded(
+                f"prompt ({request.num_prompt_tokens} tokens) + max_tokens "
+                f"({request.sampling.max_tokens}) needs {max_len} KV slots but the KV cache "
+                f"holds {capacity}",
+                param="max_tokens",
+            )
+        for media in request.media:
+            limit = min(self.config.encoder_cache_tokens, self.config.max_encoder_tokens_per_step)
+            if media.num_tokens > limit:
+                raise MediaError(
+                    f"{media.modality} needs {media.num_tokens} tokens; the encoder budget is {limit}"
+                )
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_ids: list[str]) -> list[RequestOutput]:
+        outputs = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                self._finish(request, RequestStatus.FINISHED_ABORTED)
+                outputs.append(self._output(request, []))
+        return outputs
+
+    def fail(self, request_id: str, error: ErrorInfo) -> RequestOutput | None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        request.error = error
+        self._finish(request, RequestStatus.FINISHED_ERROR)
+        return self._output(request, [])
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def pop_counters(self) -> SchedulerCounters:
+        counters, self.counters = self.counters, SchedulerCounters()
+        return counters
+
+    # ---- schedule ------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        encoder_budget = [self.config.max_encoder_tokens_per_step]
+        chunks: list[ScheduledChunk] = []
+        scheduled: set[str] = set()
+        to_encode: dict[str, MediaItem] = {}
+        preempted: list[str] = []
+
+        def run(request: Request, start: int, num_tokens: int) -> None:
+            nonlocal budget
+            self._commit_media(request, start, start + num_tokens, to_encode, encoder_budget)
+            request.num_computed_tokens = start + num_tokens
+            samples = request.num_computed_tokens == request.num_tokens
+            chunks.append(ScheduledChunk(request, start, num_tokens, samples))
+            scheduled.add(request.request_id)
+            budget -= num_tokens
+
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for request in decodes + prefills:
+            if budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:  # preempted earlier in this step
+                continue
+            start = request.num_computed_tokens
+            num_tokens = self._plan_chunk(request, start, budget, to_encode, encoder_budget[0])
+            if num_tokens == 0:
+                continue
+            if self._allocate_or_preempt(request, num_tokens, scheduled, preempted):
+                run(request, start, num_tokens)
+
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if request.request_id in preempted:
+                break  # do not readmit what this step just preempted
+            computed_blocks, num_cached = self.kv.get_computed_blocks(request)
+            num_tokens = self._plan_chunk(request, num_cached, budget, to_encode, encoder_budget[0])
+            if num_tokens == 0 or not self.kv.allocate_slots(request, num_tokens, computed_blocks):
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_cached
+                self.counters.prefix_cache_queries += request.num_prompt_tokens
+                self.counters.prefix_cache_hits += num_cached
+            run(request, num_cached, num_tokens)
+
+        return SchedulerOutput(
+            chunks=chunks,
+            media_to_encode=list(to_encode.values()),
+            evicted_encoder_hashes=self.encoder_cache.pop_evicted(),
+            preempted_request_ids=preempted,
+        )
+
+    def _plan_chunk(
+        self,
+        request: Request,
+        start: int,
+        budget: int,
+        to_encode: dict[str, MediaItem],
+        encoder_budget: int,
+    ) -> int:
+        """How many tokens from `start` fit the budgets and the media rules (may be 0)."""
+        end = min(start + budget, request.num_tokens)
+        if not self.config.split_media:
+            for media in request.media:
+                if media.offset < end < media.end and media.offset > start:
+                    end = media.offset  # stop before the span rather than split it
+                    break
+        num_new_encoder_tokens = 0
+        for media in request.media_overlapping(start, end):
+            if self.encoder_cache.has(media.content_hash) or media.content_hash in to_encode:
+                continue
+            num_new_encoder_tokens += media.num_tokens
+            fits = num_new_encoder_tokens <= encoder_budget and self.encoder_cache.can_allocate(
+                num_new_encoder_tokens
+            )
+            if not fits:
+                end = max(media.offset, start)
+                break
+        return end - start
+
+    def _commit_media(
+        self,
+        request: Request,
+        start: int,
+        end: int,
+        to_encode: dict[str, MediaItem],
+        encoder_budget: list[int],
+    ) -> None:
+        """References (or accounts and queues for encoding) the media a chunk touches."""
+        overlapping = request.media_overlapping(start, end)
+        for media in overlapping:  # existing entries first, so allocation cannot evict them
+            if self.encoder_cache.has(media.content_hash):
+                if not self.encoder_cache.is_referenced_by(media.content_hash, request.request_id):
+                    self.encoder_cache.acquire(media.content_hash, request.request_id)
+                    self.counters.encoder_cache_queries += 1
+                    self.counters.encoder_cache_hits += 1
+        for media in overlapping:
+            if not self.encoder_cache.has(media.content_hash):
+                self.encoder_cache.allocate(
+                    media.content_hash, media.num_tokens, request.request_id
+                )
+                to_encode[media.content_hash] = media
+                encoder_budget[0] -= media.num_tokens
+                self.counters.encoder_cache_queries += 1
+
+    def _allocate_or_preempt(
+        self, request: Request, num_tokens: int, scheduled: set[str], preempted: list[str]
+    ) -> bool:
+        while not self.kv.allocate_slots(request, num_tokens):
+            victim = next(r for r in reversed(self.running) if r.request_id not in scheduled)
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        self._release_media(request, everything=True)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.running.remove(request)
+        self.waiting.appendleft(request)
+        self.counters.num_preemptions += 1
+
+    # ---- update --------------------------------------------------------------------------
+
+    def update(
+        self,
+        scheduler_output: SchedulerOutput,
+        sampled_token_ids: dict[str, int],
+        logprobs: dict[str, TokenLogprob] | None = None,
+        errors: dict[str, ErrorInfo] | None = None,
+    ) -> list[RequestOutput]:
+        """Appends sampled tokens, finishes requests that hit a stop condition."""
+        outputs = []
+        for chunk in scheduler_output.chunks:
+            request = chunk.request
+            if request.is_finished:
+                continue
+            if errors and request.request_id in errors:
+                request.error = errors[request.request_id]
+                self._finish(request, RequestStatus.FINISHED_ERROR)
+                outputs.append(self._output(request, []))
+                continue
+            self._release_media(request, everything=False)
+            if not chunk.samples:
+                continue  # mid-prefill: no token this step
+            token_id = sampled_token_ids[request.request_id]
+            request.output_token_ids.append(token_id)
+            token_logprob = (logprobs or {}).get(request.request_id)
+            if request.logprobs is not None and token_logprob is not None:
+                request.logprobs.append(token_logprob)
+            status = self._stop_status(request, token_id)
+            if status is not None:
+                self._finish(request, status)
+            step_logprobs = [token_logprob] if token_logprob is not None else None
+            outputs.append(self._output(request, [token_id], step_logprobs))
+        return outputs
+
+    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
+        sampling = request.sampling
+        if not sampling.ignore_eos and token_id in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in sampling.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= sampling.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv.free(request, keep_cached=status != RequestStatus.FINISHED_ERROR)
+        self._release_media(request, everything=True)
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.requests.pop(request.request_id, None)
+
+    def _release_media(self, request: Request, *, everything: bool) -> None:
+        """Drops encoder references a request no longer needs (spans already in its KV)."""
+        for media in request.media:
+            if everything or media.end <= request.num_computed_tokens:
+                self.encoder_cache.release(media.content_hash, request.request_id)
+
+    @staticmethod
+    def _output(
+        request: Request, token_ids: list[int], logprobs: list[TokenLogprob] | None = None
+    ) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=token_ids,
+            logprobs=logprobs,
+            finish_reason=request.status.finish_reason,
+            error=request.error,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+        )

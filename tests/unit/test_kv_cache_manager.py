@@ -1,0 +1,100 @@
+"""KVCacheManager: block accounting, all-or-nothing allocation, prefix caching."""
+
+from engine.kv_cache_manager import KVCacheManager
+from engine.protocol import SamplingParams
+from engine.request import MediaItem, Request
+
+
+def make_request(request_id: str, tokens: list[int], media=None) -> Request:
+    return Request(request_id, tokens, SamplingParams(max_tokens=4), media=media)
+
+
+def test_allocate_and_free_counts_blocks():
+    kv = KVCacheManager(8, 4, enable_prefix_caching=False)
+    request = make_request("a", list(range(10)))
+    assert kv.allocate_slots(request, 10)
+    assert len(request.block_ids) == 3 and len(set(request.block_ids)) == 3
+    assert kv.num_free_blocks == 5
+    assert kv.usage == 3 / 8
+    request.num_computed_tokens = 10
+    assert kv.allocate_slots(request, 2)  # 12 tokens still fit 3 blocks
+    assert len(request.block_ids) == 3
+    assert kv.allocate_slots(request, 3)  # 13..15 -> a 4th block
+    assert len(request.block_ids) == 4
+    kv.free(request)
+    assert request.block_ids == [] and kv.num_free_blocks == 8 and kv.usage == 0.0
+
+
+def test_allocation_is_all_or_nothing():
+    kv = KVCacheManager(4, 4, enable_prefix_caching=False)
+    first = make_request("a", list(range(12)))
+    assert kv.allocate_slots(first, 12)
+    second = make_request("b", list(range(8)))
+    assert not kv.allocate_slots(second, 8)
+    assert second.block_ids == [] and kv.num_free_blocks == 1
+
+
+def test_prefix_hit_reuses_full_blocks_but_not_last_token():
+    kv = KVCacheManager(16, 4)
+    tokens = list(range(100, 112))  # exactly 3 blocks
+    first = make_request("a", tokens)
+    assert kv.get_computed_blocks(first) == ([], 0)
+    assert kv.allocate_slots(first, 12)
+    first_blocks = list(first.block_ids)
+    kv.free(first)
+    second = make_request("b", tokens)
+    blocks, num_cached = kv.get_computed_blocks(second)
+    assert num_cached == 8  # the last block holds the last token: recomputed
+    assert blocks == first_blocks[:2]
+    assert kv.allocate_slots(second, 4, blocks)
+    assert second.block_ids[:2] == blocks and len(second.block_ids) == 3
+    third = make_request("c", tokens[:8] + [1, 2, 3, 4, 5])
+    blocks3, cached3 = kv.get_computed_blocks(third)
+    assert cached3 == 8 and blocks3 == blocks
+    assert kv.allocate_slots(third, 5, blocks3)
+    assert kv.blocks[blocks[0]].ref_count == 2
+
+
+def test_different_media_same_tokens_do_not_share():
+    kv = KVCacheManager(16, 4)
+    tokens = [7] * 12
+    image_a = MediaItem("image", "hash-a", 0, 4, (1, 4, 4))
+    image_b = MediaItem("image", "hash-b", 0, 4, (1, 4, 4))
+    first = make_request("a", tokens, [image_a])
+    kv.get_computed_blocks(first)
+    assert kv.allocate_slots(first, 12)
+    other = make_request("b", tokens, [image_b])
+    assert kv.get_computed_blocks(other) == ([], 0)
+    same = make_request("c", tokens, [MediaItem("image", "hash-a", 0, 4, (1, 4, 4))])
+    assert kv.get_computed_blocks(same)[1] == 8
+
+
+def test_prefix_hit_never_splits_a_media_span():
+    kv = KVCacheManager(16, 4)
+    tokens = list(range(20))
+    image = MediaItem("image", "h", 6, 8, (1, 4, 8))  # span [6, 14)
+    first = make_request("a", tokens, [image])
+    assert kv.allocate_slots(first, 20)
+    second = make_request("b", tokens[:10] + [99], [MediaItem("image", "h", 6, 8, (1, 4, 8))])
+    # 10 of 11 tokens could hit 2 blocks (8 tokens) but 8 is inside [6, 14): cut to 4.
+    assert kv.get_computed_blocks(second)[1] == 4
+
+
+def test_evicted_block_loses_its_hash():
+    kv = KVCacheManager(3, 4)
+    first = make_request("a", list(range(12)))
+    kv.get_computed_blocks(first)
+    assert kv.allocate_slots(first, 12)
+    kv.free(first)
+    other = make_request("b", list(range(50, 62)))
+    assert kv.allocate_slots(other, 12)  # reuses (evicts) all three blocks
+    again = make_request("c", list(range(12)))
+    assert kv.get_computed_blocks(again) == ([], 0)
+
+
+def test_free_without_keep_cached_drops_hashes():
+    kv = KVCacheManager(8, 4)
+    first = make_request("a", list(range(12)))
+    assert kv.allocate_slots(first, 12)
+    kv.free(first, keep_cached=False)
+    assert kv.get_computed_blocks(make_request("b", list(range(12)))) == ([], 0)

@@ -1,0 +1,191 @@
+"""Scheduler: budgets, decode-first, chunking, preemption, abort, media-span rules."""
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.errors import ContextLengthExceeded
+from engine.protocol import FinishReason, SamplingParams
+from engine.request import MediaItem, Request, RequestStatus
+from engine.scheduler import Scheduler
+
+
+def make_scheduler(num_blocks=64, block_size=4, max_model_len=1000, **options) -> Scheduler:
+    options.setdefault("enable_prefix_caching", False)
+    config = EngineConfig(model="unused", block_size=block_size, **options)
+    return Scheduler(config, num_kv_blocks=num_blocks, max_model_len=max_model_len)
+
+
+def make_request(request_id, num_prompt, max_tokens=8, media=None, eos=()) -> Request:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    return Request(
+        request_id, list(range(1, num_prompt + 1)), params, media=media, eos_token_ids=eos
+    )
+
+
+def sample_all(scheduler, out, token=5):
+    tokens = {c.request.request_id: token for c in out.chunks if c.samples}
+    return scheduler.update(out, tokens)
+
+
+def test_prefill_then_decode_and_finish_on_max_tokens():
+    scheduler = make_scheduler()
+    request = make_request("a", 10, max_tokens=3)
+    scheduler.add_request(request)
+    out = scheduler.schedule()
+    assert [(c.request.request_id, c.start, c.num_tokens, c.samples) for c in out.chunks] == [
+        ("a", 0, 10, True)
+    ]
+    assert sample_all(scheduler, out)[0].new_token_ids == [5]
+    for expected_finish in (None, FinishReason.LENGTH):
+        out = scheduler.schedule()
+        assert [(c.start, c.num_tokens) for c in out.chunks] == [(request.num_tokens - 1, 1)]
+        assert sample_all(scheduler, out)[0].finish_reason == expected_finish
+    assert request.output_token_ids == [5, 5, 5]
+    assert not scheduler.has_unfinished_requests()
+    assert scheduler.kv.num_free_blocks == 64
+
+
+def test_eos_and_stop_tokens():
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("eos", 4, eos=(5,)))
+    params = SamplingParams(max_tokens=8, stop_token_ids=(5,), ignore_eos=True)
+    scheduler.add_request(Request("stop", [1, 2], params, eos_token_ids=(5,)))
+    scheduler.add_request(make_request("ignored", 4, eos=(6,)))
+    outputs = {o.request_id: o for o in sample_all(scheduler, scheduler.schedule())}
+    assert outputs["eos"].finish_reason == FinishReason.STOP
+    assert outputs["stop"].finish_reason == FinishReason.STOP
+    assert outputs["ignored"].finish_reason is None
+
+
+def test_decodes_first_and_chunked_prefill_within_budget():
+    scheduler = make_scheduler(max_num_batched_tokens=8)
+    scheduler.add_request(make_request("a", 6))
+    out = scheduler.schedule()
+    sample_all(scheduler, out)
+    scheduler.add_request(make_request("b", 20))
+    out = scheduler.schedule()
+    # the decode of "a" comes first, then 7 tokens of "b"'s prefill
+    assert [(c.request.request_id, c.num_tokens, c.samples) for c in out.chunks] == [
+        ("a", 1, True),
+        ("b", 7, False),
+    ]
+    outputs = sample_all(scheduler, out)
+    assert [o.request_id for o in outputs] == ["a"]  # mid-prefill produces nothing
+    out = scheduler.schedule()
+    assert [(c.request.request_id, c.start, c.num_tokens) for c in out.chunks] == [
+        ("a", 7, 1),
+        ("b", 7, 7),
+    ]
+    assert out.num_scheduled_tokens <= 8
+
+
+def test_max_num_seqs():
+    scheduler = make_scheduler(max_num_seqs=2)
+    for name in "abc":
+        scheduler.add_request(make_request(name, 3))
+    out = scheduler.schedule()
+    assert [c.request.request_id for c in out.chunks] == ["a", "b"]
+    assert [r.request_id for r in scheduler.waiting] == ["c"]
+
+
+def test_preempts_most_recent_and_recomputes_output():
+    # 4 blocks of 4: "a" and "b" each need 2 blocks for their 8-token prompts.
+    scheduler = make_scheduler(num_blocks=4, max_num_batched_tokens=64)
+    a, b = make_request("a", 8, max_tokens=8), make_request("b", 8, max_tokens=8)
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    sample_all(scheduler, scheduler.schedule())
+    # Both decode token 9 -> each needs a third block: "b" (admitted last) is preempted.
+    out = scheduler.schedule()
+    assert out.preempted_request_ids == ["b"]
+    assert [c.request.request_id for c in out.chunks] == ["a"]
+    assert b.status == RequestStatus.WAITING and b.num_computed_tokens == 0 and b.block_ids == []
+    assert b.output_token_ids == [5] and scheduler.waiting[0] is b
+    assert scheduler.pop_counters().num_preemptions == 1
+    sample_all(scheduler, out)
+    while a.status == RequestStatus.RUNNING:
+        sample_all(scheduler, scheduler.schedule())
+    # "a" finished; "b" recomputes prompt + its generated token as one chunk.
+    out = scheduler.schedule()
+    assert [(c.request.request_id, c.start, c.num_tokens) for c in out.chunks] == [("b", 0, 9)]
+
+
+def test_abort_frees_blocks():
+    scheduler = make_scheduler(num_blocks=8)
+    request = make_request("a", 10)
+    scheduler.add_request(request)
+    scheduler.add_request(make_request("b", 3))
+    scheduler.schedule()
+    assert scheduler.kv.num_free_blocks < 8
+    outputs = scheduler.abort(["a", "b", "missing"])
+    assert [o.finish_reason for o in outputs] == [FinishReason.ABORT] * 2
+    assert scheduler.kv.num_free_blocks == 8 and not scheduler.has_unfinished_requests()
+
+
+def test_too_large_for_pool_is_refused():
+    scheduler = make_scheduler(num_blocks=4)
+    with pytest.raises(ContextLengthExceeded):
+        scheduler.add_request(make_request("a", 10, max_tokens=10))
+
+
+def image(offset, num_tokens, content_hash="img"):
+    return MediaItem("image", content_hash, offset, num_tokens, (1, 2, 2 * num_tokens))
+
+
+def test_split_media_chunk_encodes_once():
+    scheduler = make_scheduler(max_num_batched_tokens=6)
+    request = make_request("a", 16, media=[image(3, 8)])
+    scheduler.add_request(request)
+    out = scheduler.schedule()
+    assert out.chunks[0].num_tokens == 6  # ends inside the span [3, 11)
+    assert [m.content_hash for m in out.media_to_encode] == ["img"]
+    sample_all(scheduler, out)
+    out = scheduler.schedule()
+    assert out.chunks[0].num_tokens == 6 and out.media_to_encode == []
+
+
+def test_no_split_media_stops_before_span_or_makes_progress():
+    scheduler = make_scheduler(max_num_batched_tokens=6, split_media=False)
+    request = make_request("a", 20, media=[image(3, 8)])
+    scheduler.add_request(request)
+    out = scheduler.schedule()
+    assert out.chunks[0].num_tokens == 3 and out.media_to_encode == []  # stops before span
+    sample_all(scheduler, out)
+    out = scheduler.schedule()
+    # the span starts the chunk and exceeds the budget: progress anyway
+    assert (out.chunks[0].start, out.chunks[0].num_tokens) == (3, 6)
+    assert len(out.media_to_encode) == 1
+
+
+def test_encoder_budget_per_step_defers_second_image():
+    scheduler = make_scheduler(max_encoder_tokens_per_step=8)
+    scheduler.add_request(make_request("a", 30, media=[image(2, 8, "x"), image(12, 8, "y")]))
+    out = scheduler.schedule()
+    assert out.chunks[0].num_tokens == 12  # stops before the second image
+    assert [m.content_hash for m in out.media_to_encode] == ["x"]
+    sample_all(scheduler, out)
+    out = scheduler.schedule()
+    assert [m.content_hash for m in out.media_to_encode] == ["y"]
+    assert out.chunks[0].num_tokens == 18
+
+
+def test_same_image_in_two_requests_encoded_once():
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("a", 12, media=[image(2, 4, "same")]))
+    scheduler.add_request(make_request("b", 12, media=[image(2, 4, "same")]))
+    out = scheduler.schedule()
+    assert len(out.media_to_encode) == 1 and len(out.chunks) == 2
+    counters = scheduler.pop_counters()
+    assert (counters.encoder_cache_queries, counters.encoder_cache_hits) == (2, 1)
+
+
+def test_prefix_cache_hit_skips_tokens():
+    scheduler = make_scheduler(enable_prefix_caching=True)
+    scheduler.add_request(make_request("a", 10, max_tokens=1))
+    sample_all(scheduler, scheduler.schedule())
+    second = make_request("b", 10, max_tokens=1)
+    scheduler.add_request(second)
+    out = scheduler.schedule()
+    assert (out.chunks[0].start, out.chunks[0].num_tokens) == (8, 2)
+    outputs = sample_all(scheduler, out)
+    assert outputs[0].num_cached_tokens == 8
