@@ -1,0 +1,326 @@
+"""The OpenAI-compatible HTTP app: `build_app(settings, engine) -> FastAPI`.
+
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, POST /tokenize,
+POST /detokenize (API key when configured), GET /health, GET /version, GET /metrics (open).
+The app does text work only (templates, tokens, media preprocessing, detokenisation); the
+engine, reached through `engine` (server.engine_client.EngineClient), runs the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from engine.errors import EngineDeadError, InvalidRequest, ModelNotFound
+from engine.multimodal.image_processor import ImageProcessorConfig
+from engine.multimodal.prompt import PromptProcessor
+from server.auth import check_api_key
+from server.chat import messages_as_dicts, prepare_chat_prompt
+from server.completions import chat_response, completion_response, prepare_completion_prompt
+from server.errors import error_body, install_error_handlers
+from server.generation import GenerationTotals, build_sampling_params, check_token_ids
+from server.media_fetch import MediaFetchConfig, MediaFetcher
+from server.metrics import ServerMetrics
+from server.openai_models import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    dump,
+)
+from server.streaming import GenerationJob, collect, stream_chat, stream_completion
+
+logger = logging.getLogger(__name__)
+
+VERSION = "0.1.0"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass
+class AppState:
+    """What the route handlers share; built in the app's lifespan once the engine is READY."""
+
+    settings: Any
+    engine: Any
+    processor: PromptProcessor
+    fetcher: MediaFetcher | None
+    metrics: ServerMetrics
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ModelNotFound(f"the model {model!r} does not exist", param="model")
+
+
+def _setting(settings: Any, name: str, default: Any) -> Any:
+    value = getattr(settings, name, None)
+    return default if value is None else value
+
+
+def _model_name(settings: Any) -> str:
+    return _setting(settings, "served_model_name", None) or settings.engine.model_name
+
+
+def _make_fetcher(settings: Any) -> MediaFetcher | None:
+    model_dir = Path(settings.engine.model)
+    if not (model_dir / "preprocessor_config.json").is_file():
+        return None
+    config = MediaFetchConfig(
+        max_image_bytes=_setting(settings, "max_image_bytes", 20 * 1024 * 1024),
+        timeout_s=_setting(settings, "media_fetch_timeout_s", 10.0),
+        allow_private_urls=_setting(settings, "allow_private_media_urls", False),
+        max_image_pixels=_setting(settings, "max_image_pixels", 64_000_000),
+        max_redirects=_setting(settings, "media_fetch_max_redirects", 3),
+    )
+    return MediaFetcher(config, ImageProcessorConfig.from_model_dir(model_dir))
+
+
+async def _ensure_started(engine: Any) -> Any:
+    ready = getattr(engine, "ready", None)
+    if ready is None:
+        await engine.start()
+        ready = engine.ready
+    return ready
+
+
+def build_app(settings: Any, engine: Any) -> FastAPI:
+    """The FastAPI app serving `engine`; starts the engine in its lifespan if needed."""
+    model_name = _model_name(settings)
+    metrics = ServerMetrics(model_name)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        ready = await _ensure_started(engine)
+        processor = await asyncio.to_thread(PromptProcessor.from_model_dir, settings.engine.model)
+        fetcher = _make_fetcher(settings)
+        with contextlib.suppress(AttributeError):
+            engine.add_stats_listener(metrics.on_engine_stats)
+        app.state.tessera = AppState(
+            settings=settings, engine=engine, processor=processor, fetcher=fetcher,
+            metrics=metrics, model_name=model_name, max_model_len=ready.max_model_len,
+            vocab_size=ready.vocab_size,
+        )
+        try:
+            yield
+        finally:
+            if fetcher is not None:
+                await fetcher.aclose()
+
+    app = FastAPI(title="Tessera", version=VERSION, lifespan=lifespan, docs_url=None,
+                  redoc_url=None, openapi_url=None)
+    install_error_handlers(app)
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(_: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nobody reads it; keeps the log and metrics honest
+    _install_middleware(app, settings, metrics)
+
+    async def require_api_key(request: Request) -> None:
+        check_api_key(request, _setting(settings, "api_key", None))
+
+    api = APIRouter(dependencies=[Depends(require_api_key)])
+    _add_api_routes(api)
+    app.include_router(api)
+    _add_open_routes(app)
+    return app
+
+
+def _install_middleware(app: FastAPI, settings: Any, metrics: ServerMetrics) -> None:
+    max_body = _setting(settings, "max_request_body_bytes", 64 * 1024 * 1024)
+
+    @app.middleware("http")
+    async def count_and_limit(request: Request, call_next: Callable[[Request], Awaitable]):
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > max_body:
+            response: Response = JSONResponse(
+                status_code=413,
+                content=error_body(
+                    f"the request body is over {max_body} bytes",
+                    type="invalid_request_error", code="request_too_large",
+                ),
+            )
+        else:
+            response = await call_next(request)
+        route = request.scope.get("route")
+        template = getattr(route, "path", None) or "unmatched"
+        metrics.on_http_request(template, response.status_code)
+        return response
+
+
+def _state(request: Request) -> AppState:
+    return request.app.state.tessera
+
+
+def _add_open_routes(app: FastAPI) -> None:
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        state = getattr(request.app.state, "tessera", None)
+        if state is None or not getattr(state.engine, "is_alive", False):
+            body = error_body("the engine is not running", type="server_error",
+                              code="engine_dead")
+            return JSONResponse(status_code=503, content=body)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": VERSION}
+
+    @app.get("/metrics")
+    async def metrics_route(request: Request) -> Response:
+        state = _state(request)
+        content, content_type = state.metrics.render()
+        return Response(content=content, media_type=content_type)
+
+
+def _add_api_routes(api: APIRouter) -> None:
+    @api.get("/v1/models")
+    async def list_models(request: Request) -> dict:
+        state = _state(request)
+        card = ModelCard(id=state.model_name, max_model_len=state.max_model_len)
+        return dump(ModelList(data=[card]))
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        state = _state(request)
+        state.check_model(body.model)
+        _check_alive(state)
+        prompt = await prepare_chat_prompt(
+            body, state.processor, state.fetcher,
+            max_images=_setting(state.settings, "max_images_per_request", 16),
+        )
+        job = _job(state, body, prompt, prefix="chatcmpl")
+        with_logprobs = body.logprobs
+        if body.stream:
+            stream = stream_chat(job, state.engine, state.processor.tokenizer,
+                                 with_logprobs=with_logprobs,
+                                 on_finished=_finisher(state, time.monotonic()))
+            return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+        totals, results = await _collect_until_disconnect(request, state, job)
+        response = chat_response(job, results, totals, state.processor,
+                                 with_logprobs=with_logprobs)
+        return JSONResponse(dump(response, exclude={"system_fingerprint"}))
+
+    @api.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        state = _state(request)
+        state.check_model(body.model)
+        _check_alive(state)
+        prompt = prepare_completion_prompt(body, state.processor, state.vocab_size)
+        job = _job(state, body, prompt, prefix="cmpl")
+        with_logprobs = body.logprobs is not None
+        if body.stream:
+            stream = stream_completion(job, state.engine, state.processor.tokenizer,
+                                       with_logprobs=with_logprobs,
+                                       on_finished=_finisher(state, time.monotonic()))
+            return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+        totals, results = await _collect_until_disconnect(request, state, job)
+        response = completion_response(job, results, totals, state.processor,
+                                       with_logprobs=with_logprobs)
+        return JSONResponse(dump(response))
+
+    @api.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, request: Request) -> dict:
+        state = _state(request)
+        state.check_model(body.model)
+        if body.messages is not None:
+            text = state.processor.render_chat(
+                messages_as_dicts(body.messages), add_generation_prompt=body.add_generation_prompt
+            )
+        elif body.prompt is not None:
+            text = body.prompt
+        else:
+            raise InvalidRequest("give either 'prompt' or 'messages'", param="prompt")
+        tokens = state.processor.encode(text)
+        return {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
+
+    @api.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
+        state = _state(request)
+        state.check_model(body.model)
+        check_token_ids(body.tokens, state.processor.vocab_size, "tokens")
+        return {"prompt": state.processor.decode(body.tokens, skip_special_tokens=False)}
+
+
+def _check_alive(state: AppState) -> None:
+    if not getattr(state.engine, "is_alive", True):
+        raise EngineDeadError("the engine is not running")
+
+
+def _job(state: AppState, body: Any, prompt: Any, *, prefix: str) -> GenerationJob:
+    check_token_ids(body.stop_token_ids or [], state.vocab_size, "stop_token_ids")
+    sampling = build_sampling_params(
+        body, num_prompt_tokens=len(prompt.token_ids), max_model_len=state.max_model_len
+    )
+    return GenerationJob(
+        request_id=f"{prefix}-{uuid.uuid4().hex}",
+        model_name=state.model_name,
+        prompt=prompt,
+        sampling=sampling,
+        n=body.n,
+        stop=body.stop_list,
+        skip_special_tokens=body.skip_special_tokens,
+        include_usage=body.include_usage,
+    )
+
+
+def _finisher(state: AppState, start: float) -> Callable[[GenerationTotals], None]:
+    def on_finished(totals: GenerationTotals) -> None:
+        ttft = None if totals.first_token_time is None else totals.first_token_time - start
+        state.metrics.on_request_finished(
+            num_prompt_tokens=totals.num_prompt_tokens,
+            num_generated_tokens=totals.num_generated_tokens,
+            finish_reasons=totals.finish_reasons,
+            ttft_s=ttft,
+            latency_s=time.monotonic() - start,
+        )
+
+    return on_finished
+
+
+class ClientDisconnected(Exception):
+    """The client went away before a non-streaming response was ready."""
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _collect_until_disconnect(request: Request, state: AppState, job: GenerationJob):
+    """Run a non-streaming generation; cancel it (aborting in the engine) if the client
+    disconnects first."""
+    start = time.monotonic()
+    totals = GenerationTotals()
+    work = asyncio.create_task(collect(job, state.engine, state.processor.tokenizer, totals))
+    watcher = asyncio.create_task(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await work
+    if work.cancelled():
+        logger.info("client disconnected; request %s aborted", job.request_id)
+        raise ClientDisconnected(job.request_id)
+    results = work.result()
+    _finisher(state, start)(totals)
+    return totals, results

@@ -1,0 +1,37 @@
+"""Bearer-token check for the API routes (`settings.api_key`, env TESSERA_API_KEY).
+
+Checked on the routed path (`request.scope["path"]`), never on a URL rebuilt from the Host
+header. `/health`, `/metrics` and `/version` stay open so probes and scrapers need no key.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from fastapi import Request
+
+from engine.errors import TesseraError
+
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+
+
+class Unauthorized(TesseraError):
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+def is_protected(path: str) -> bool:
+    return path == "/v1" or any(path.startswith(prefix) for prefix in PROTECTED_PREFIXES)
+
+
+def check_api_key(request: Request, api_key: str | None) -> None:
+    """Raise Unauthorized unless the request carries `Authorization: Bearer <api_key>`."""
+    if not api_key or not is_protected(request.scope.get("path", "")):
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+        token.strip().encode(), api_key.encode()
+    ):
+        raise Unauthorized("invalid or missing API key")

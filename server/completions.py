@@ -1,0 +1,86 @@
+"""`/v1/completions`: prompt (string or token ids) -> PreparedPrompt, and response building.
+
+Only one prompt per request: a list of several prompts is rejected with a 400 (`prompt`).
+"""
+
+from __future__ import annotations
+
+from engine.errors import InvalidRequest
+from engine.multimodal.prompt import PromptProcessor
+from server.generation import GenerationTotals, PreparedPrompt, check_token_ids
+from server.logprobs import chat_logprobs, completion_logprobs
+from server.openai_models import (
+    ChatChoice,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ResponseMessage,
+)
+from server.streaming import ChoiceResult, GenerationJob, usage_of
+
+
+def prepare_completion_prompt(
+    request: CompletionRequest, processor: PromptProcessor, vocab_size: int
+) -> PreparedPrompt:
+    prompt = request.prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        token_ids = processor.encode(prompt)
+    elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        token_ids = list(prompt)
+        check_token_ids(token_ids, vocab_size, "prompt")
+    else:
+        raise InvalidRequest("only one prompt per request is supported", param="prompt")
+    if not token_ids:
+        raise InvalidRequest("the prompt is empty", param="prompt")
+    return PreparedPrompt(token_ids=token_ids)
+
+
+def completion_response(
+    job: GenerationJob,
+    results: list[ChoiceResult],
+    totals: GenerationTotals,
+    processor: PromptProcessor,
+    *,
+    with_logprobs: bool,
+) -> CompletionResponse:
+    choices = [
+        CompletionChoice(
+            index=i,
+            text=result.text,
+            logprobs=(
+                completion_logprobs(processor.tokenizer, result.logprobs) if with_logprobs else None
+            ),
+            finish_reason=result.finish_reason,
+        )
+        for i, result in enumerate(results)
+    ]
+    return CompletionResponse(
+        id=job.request_id, created=job.created, model=job.model_name, choices=choices,
+        usage=usage_of(totals),
+    )
+
+
+def chat_response(
+    job: GenerationJob,
+    results: list[ChoiceResult],
+    totals: GenerationTotals,
+    processor: PromptProcessor,
+    *,
+    with_logprobs: bool,
+) -> ChatCompletionResponse:
+    choices = [
+        ChatChoice(
+            index=i,
+            message=ResponseMessage(content=result.text),
+            logprobs=chat_logprobs(processor.tokenizer, result.logprobs) if with_logprobs else None,
+            finish_reason=result.finish_reason,
+        )
+        for i, result in enumerate(results)
+    ]
+    return ChatCompletionResponse(
+        id=job.request_id, created=job.created, model=job.model_name, choices=choices,
+        usage=usage_of(totals),
+    )

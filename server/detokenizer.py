@@ -1,0 +1,196 @@
+"""Incremental detokenisation and stop strings, one sequence at a time.
+
+The engine sends token ids; the server turns them into text deltas here. Two rules:
+
+* Never emit U+FFFD for a character whose UTF-8 bytes are split across tokens that have
+  not all arrived yet. We decode a small window of recent tokens twice (with and without
+  the newest ones, the "prefix/read offsets" technique) and hold the delta back while the
+  window's text ends in an incomplete sequence. `finish()` flushes whatever is held.
+* Never emit text that could be the start of a stop string. The last
+  `len(longest stop) - 1` characters that might begin a stop string stay held back until
+  the next delta shows they do not; a stop string found is cut with everything after it.
+
+```
+ token ids  ─▶ IncrementalDetokenizer.step() ─▶ text delta ─▶ StopChecker.feed() ─▶ safe text
+```
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tokenizers import Tokenizer
+
+REPLACEMENT_CHAR = "\ufffd"
+# How many tokens before the newest ones are decoded again for context: a byte-level BPE
+# character spans at most 4 tokens, and surrounding tokens fix leading-space handling.
+INITIAL_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas, safe for multi-byte UTF-8.
+
+    `prompt_token_ids` (optional) gives decoding context for the first generated tokens.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: Sequence[int] = (),
+        *,
+        skip_special_tokens: bool = True,
+    ):
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        context = list(prompt_token_ids[-INITIAL_CONTEXT_TOKENS:])
+        self._token_ids: list[int] = context
+        self._num_context = len(context)
+        self._prefix_offset = 0  # window start: tokens decoded again for context
+        self._read_offset = len(context)  # tokens before this are already emitted
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self._token_ids[self._num_context :]
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(list(ids), skip_special_tokens=self._skip_special_tokens)
+
+    def step(self, new_token_ids: Sequence[int]) -> str:
+        """Append tokens and return the text that became certain (possibly "")."""
+        self._token_ids.extend(new_token_ids)
+        prefix_text = self._decode(self._token_ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self._token_ids[self._prefix_offset :])
+        if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHAR):
+            return ""  # an incomplete UTF-8 sequence (or a skipped special token): wait
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._token_ids)
+        return full_text[len(prefix_text) :]
+
+    def finish(self) -> str:
+        """Flush held-back text at the end of the sequence (may contain U+FFFD if the
+        model really produced invalid UTF-8)."""
+        prefix_text = self._decode(self._token_ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self._token_ids[self._prefix_offset :])
+        self._prefix_offset = self._read_offset = len(self._token_ids)
+        return full_text[len(prefix_text) :] if len(full_text) > len(prefix_text) else ""
+
+
+@dataclass
+class StopResult:
+    """What `StopChecker.feed` decided: `text` is safe to emit; `is_stopped` means a stop
+    string was hit (and cut) and the sequence must finish with reason "stop"."""
+
+    text: str
+    is_stopped: bool = False
+
+
+class StopChecker:
+    """Finds stop strings in streamed text and holds back possible partial matches."""
+
+    def __init__(self, stop: Sequence[str] = ()):
+        self._stops = [s for s in stop if s]
+        self._pending = ""  # text received but not yet released
+        self.is_stopped = False
+
+    def feed(self, delta: str) -> StopResult:
+        if self.is_stopped:
+            return StopResult("", True)
+        if not self._stops:
+            return StopResult(delta)
+        text = self._pending + delta
+        cut = _first_stop_index(text, self._stops)
+        if cut is not None:
+            self.is_stopped = True
+            self._pending = ""
+            return StopResult(text[:cut], True)
+        hold = _longest_partial_suffix(text, self._stops)
+        self._pending = text[len(text) - hold :] if hold else ""
+        return StopResult(text[: len(text) - hold])
+
+    def flush(self) -> str:
+        """Release held text at the end of the sequence (no stop string followed)."""
+        text, self._pending = self._pending, ""
+        return "" if self.is_stopped else text
+
+
+def _first_stop_index(text: str, stops: Sequence[str]) -> int | None:
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(found) if found else None
+
+
+def _longest_partial_suffix(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+    best = 0
+    for stop in stops:
+        for length in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:length]):
+                best = length
+                break
+    return best
+
+
+class SequenceDetokenizer:
+    """Detokenizer + stop checker for one output sequence; also keeps the full text."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: Sequence[int] = (),
+        stop: Sequence[str] = (),
+        *,
+        skip_special_tokens: bool = True,
+    ):
+        self._detokenizer = IncrementalDetokenizer(
+            tokenizer, prompt_token_ids, skip_special_tokens=skip_special_tokens
+        )
+        self._stop = StopChecker(stop)
+        self.text = ""
+
+    @property
+    def is_stopped(self) -> bool:
+        return self._stop.is_stopped
+
+    def step(self, new_token_ids: Sequence[int]) -> str:
+        result = self._stop.feed(self._detokenizer.step(new_token_ids))
+        self.text += result.text
+        return result.text
+
+    def finish(self) -> str:
+        """Flush all held text; call once when the engine reports the sequence finished."""
+        if self._stop.is_stopped:
+            return ""
+        result = self._stop.feed(self._detokenizer.finish())
+        tail = result.text + self._stop.flush()
+        self.text += tail
+        return tail
+
+
+# GPT-2 byte-level alphabet: printable stand-ins for the 256 byte values.
+def _byte_decoder() -> dict[str, int]:
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    codes = printable[:]
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            codes.append(256 + extra)
+            extra += 1
+    return {chr(code): byte for byte, code in zip(printable, codes, strict=True)}
+
+
+_BYTE_DECODER = _byte_decoder()
+
+
+def token_bytes(tokenizer: Tokenizer, token_id: int) -> bytes:
+    """The raw bytes one token stands for (byte-level BPE), for OpenAI `logprobs.bytes`."""
+    piece = tokenizer.id_to_token(token_id)
+    if piece is None:
+        return b""
+    if all(ch in _BYTE_DECODER for ch in piece):
+        return bytes(_BYTE_DECODER[ch] for ch in piece)
+    return piece.encode("utf-8")  # added/special tokens are stored as plain text

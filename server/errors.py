@@ -1,0 +1,120 @@
+"""The ONE place where errors become OpenAI error bodies.
+
+Every error response is `{"error": {"message", "type", "param", "code"}}`. Typed errors
+(`engine.errors.TesseraError`) carry their own status/type/code; pydantic validation
+errors become 400 `invalid_value` naming the field path (`messages[0].content`), never 422;
+unknown routes are 404 in the same shape; anything unexpected is a 500 whose message leaks
+no internals.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.errors import InvalidRequest, TesseraError
+from engine.protocol import ErrorInfo
+
+logger = logging.getLogger(__name__)
+
+# Loc components pydantic adds for union members; they are not part of the field path.
+_TYPE_LOC_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "function-after"}
+
+
+def error_body(
+    message: str, *, type: str, code: str | None = None, param: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def tessera_error_body(exc: TesseraError) -> dict[str, Any]:
+    return error_body(exc.message, type=exc.type, code=exc.code, param=exc.param)
+
+
+def error_info_to_exception(info: ErrorInfo) -> TesseraError:
+    """An engine-side per-request failure, as the typed error the server raises."""
+    exc = TesseraError(info.message, param=info.param, code=info.code)
+    exc.status = info.status
+    exc.type = info.type
+    return exc
+
+
+def loc_to_param(loc: Sequence[Any]) -> str | None:
+    """('body', 'messages', 0, 'content') -> 'messages[0].content'."""
+    parts = list(loc)
+    if parts and parts[0] in ("body", "query", "path"):
+        parts = parts[1:]
+    param = ""
+    for part in parts:
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif isinstance(part, str):
+            if part in _TYPE_LOC_NAMES or "[" in part or part.startswith(("function-", "json-")):
+                continue
+            if param.endswith(part) and param.rsplit(".", 1)[-1] == part:
+                continue  # a tagged union repeats the discriminator value as a loc component
+            param += f".{part}" if param else part
+    return param or None
+
+
+def validation_error_to_invalid(errors: Sequence[dict[str, Any]]) -> InvalidRequest:
+    """The first pydantic error, as an InvalidRequest naming the field path."""
+    if not errors:
+        return InvalidRequest("invalid request body")
+    # In a union (content: str | list[part]) the deepest error names the real culprit.
+    first = max(errors, key=lambda e: len(loc_to_param(e.get("loc", ())) or ""))
+    param = loc_to_param(first.get("loc", ()))
+    if first.get("type") == "json_invalid":
+        return InvalidRequest("request body is not valid JSON", code="invalid_json")
+    if first.get("type") == "missing":
+        return InvalidRequest(f"missing required field {param!r}", param=param)
+    message = first.get("msg", "invalid value")
+    return InvalidRequest(f"invalid value for {param!r}: {message}", param=param)
+
+
+def json_error(status: int, body: dict[str, Any]) -> JSONResponse:
+    return JSONResponse(status_code=status, content=body)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Register the exception handlers that produce OpenAI-shaped errors."""
+
+    @app.exception_handler(TesseraError)
+    async def _tessera(_: Request, exc: TesseraError) -> JSONResponse:
+        return json_error(exc.status, tessera_error_body(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def _request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        invalid = validation_error_to_invalid(exc.errors())
+        return json_error(400, tessera_error_body(invalid))
+
+    @app.exception_handler(ValidationError)
+    async def _validation(_: Request, exc: ValidationError) -> JSONResponse:
+        invalid = validation_error_to_invalid(exc.errors())
+        return json_error(400, tessera_error_body(invalid))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            body = error_body("not found", type="invalid_request_error", code="not_found")
+        elif exc.status_code == 405:
+            body = error_body(
+                "method not allowed", type="invalid_request_error", code="method_not_allowed"
+            )
+        else:
+            kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+            body = error_body(str(exc.detail), type=kind, code=None)
+        return json_error(exc.status_code, body)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error", exc_info=exc)
+        body = error_body("internal server error", type="server_error", code="internal_error")
+        return json_error(500, body)

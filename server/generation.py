@@ -1,0 +1,262 @@
+"""Run one OpenAI request (n choices) against the engine and turn token ids into text.
+
+Shared by chat and completions, streaming and not. A request with `n` choices becomes
+`n` engine requests `{id}-{i}`; their outputs are merged into one stream of `ChoiceDelta`s.
+Leaving the iteration early (client gone, stop string hit, error) cancels the per-choice
+tasks, which stops their `engine.generate` iterations and so aborts them in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from tokenizers import Tokenizer
+
+from engine.errors import ContextLengthExceeded, EngineDeadError, InvalidRequest, TesseraError
+from engine.protocol import (
+    EngineRequest,
+    FinishReason,
+    MediaInput,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprob,
+)
+from server.detokenizer import SequenceDetokenizer
+from server.errors import error_info_to_exception
+from server.openai_models import SamplingFields
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PreparedPrompt:
+    """A tokenised prompt with its media, ready to become engine requests."""
+
+    token_ids: list[int]
+    media: list[MediaInput] = field(default_factory=list)
+    tensors: list[Any] = field(default_factory=list)  # torch tensors for the extra frames
+
+
+@dataclass
+class ChoiceDelta:
+    """What one choice produced in one engine step, after detokenisation and stop strings."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None = None
+
+
+@dataclass
+class GenerationTotals:
+    """Running totals for usage and metrics, filled while the generation runs."""
+
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_generated_tokens: int = 0
+    first_token_time: float | None = None
+    finish_reasons: list[str] = field(default_factory=list)
+
+
+def build_sampling_params(
+    request: SamplingFields, *, num_prompt_tokens: int, max_model_len: int
+) -> SamplingParams:
+    """Validate the sampling fields against the model and build the engine's params."""
+    requested = request.requested_max_tokens  # type: ignore[attr-defined]
+    room = max_model_len - num_prompt_tokens
+    if requested is None:
+        if room < 1:
+            raise ContextLengthExceeded(
+                f"the prompt is {num_prompt_tokens} tokens, which leaves no room to generate "
+                f"in this model's context length of {max_model_len} tokens",
+                param="messages" if hasattr(request, "messages") else "prompt",
+            )
+        max_tokens = room
+    else:
+        if num_prompt_tokens + requested > max_model_len:
+            raise ContextLengthExceeded(
+                f"this model's maximum context length is {max_model_len} tokens; the request "
+                f"has {num_prompt_tokens} prompt tokens and asks for {requested} completion "
+                f"tokens ({num_prompt_tokens + requested} in all)",
+                param="max_tokens",
+            )
+        max_tokens = requested
+    num_logprobs = request.num_logprobs  # type: ignore[attr-defined]
+    top_k = request.top_k if request.top_k is not None else 0
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        top_k=0 if top_k < 0 else top_k,
+        min_p=request.min_p or 0.0,
+        seed=request.seed,
+        stop_token_ids=tuple(request.stop_token_ids or ()),
+        ignore_eos=request.ignore_eos,
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
+        repetition_penalty=request.repetition_penalty or 1.0,
+        logprobs=num_logprobs,
+    )
+
+
+def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> None:
+    for token_id in token_ids:
+        if not 0 <= token_id < vocab_size:
+            raise InvalidRequest(f"token id {token_id} is outside the vocabulary", param=param)
+
+
+def build_engine_requests(
+    request_id: str, prompt: PreparedPrompt, sampling: SamplingParams, n: int
+) -> list[EngineRequest]:
+    now = time.time()
+    ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
+    requests = []
+    for i, engine_request_id in enumerate(ids):
+        params = sampling
+        if n > 1 and sampling.seed is not None:
+            # Same seed on every choice would make all n choices identical.
+            params = _with_seed(sampling, sampling.seed + i)
+        requests.append(
+            EngineRequest(
+                request_id=engine_request_id,
+                prompt_token_ids=prompt.token_ids,
+                sampling=params,
+                media=prompt.media,
+                arrival_time=now,
+            )
+        )
+    return requests
+
+
+def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    return msgspec.structs.replace(params, seed=seed)
+
+
+async def _merge(
+    engine: Any, requests: list[EngineRequest], tensors: list[Any]
+) -> AsyncIterator[tuple[int, RequestOutput | BaseException]]:
+    """Run all engine requests concurrently; yield (choice index, output or exception)."""
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, engine_request: EngineRequest) -> None:
+        try:
+            async for output in engine.generate(engine_request, tensors):
+                await queue.put((index, output))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            await queue.put((index, exc))
+        await queue.put((index, None))
+
+    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
+    try:
+        num_open = len(tasks)
+        while num_open:
+            index, item = await queue.get()
+            if item is None:
+                num_open -= 1
+                continue
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+
+async def generate_choices(
+    engine: Any,
+    tokenizer: Tokenizer,
+    request_id: str,
+    prompt: PreparedPrompt,
+    sampling: SamplingParams,
+    *,
+    n: int,
+    stop: Sequence[str],
+    skip_special_tokens: bool,
+    totals: GenerationTotals,
+) -> AsyncIterator[ChoiceDelta]:
+    """Yield text deltas of all choices until every choice has finished.
+
+    Raises the typed error of a failed choice (`EngineDeadError`, `InvalidRequest`, ...).
+    """
+    requests = build_engine_requests(request_id, prompt, sampling, n)
+    detokenizers = [
+        SequenceDetokenizer(
+            tokenizer, prompt.token_ids, stop, skip_special_tokens=skip_special_tokens
+        )
+        for _ in range(n)
+    ]
+    finished = [False] * n
+    totals.num_prompt_tokens = len(prompt.token_ids)
+    merged = _merge(engine, requests, prompt.tensors)
+    try:
+        async for index, item in merged:
+            if finished[index]:
+                continue  # a stop string already ended this choice
+            if isinstance(item, BaseException):
+                if isinstance(item, TesseraError):
+                    raise item
+                raise EngineDeadError("the engine failed while serving the request") from item
+            delta = _apply_output(detokenizers[index], index, item, totals)
+            if delta.finish_reason is not None:
+                finished[index] = True
+                totals.finish_reasons.append(delta.finish_reason)
+                if delta.finish_reason == "stop" and item.finish_reason is None:
+                    await _abort_quietly(engine, [requests[index].request_id])
+            yield delta
+            if all(finished):
+                break
+    finally:
+        await merged.aclose()
+
+
+def _apply_output(
+    detokenizer: SequenceDetokenizer,
+    index: int,
+    output: RequestOutput,
+    totals: GenerationTotals,
+) -> ChoiceDelta:
+    if output.error is not None:
+        raise error_info_to_exception(output.error)
+    if output.num_cached_tokens:
+        totals.num_cached_tokens = max(totals.num_cached_tokens, output.num_cached_tokens)
+    if output.new_token_ids and totals.first_token_time is None:
+        totals.first_token_time = time.monotonic()
+    totals.num_generated_tokens += len(output.new_token_ids)
+    text = detokenizer.step(output.new_token_ids)
+    finish_reason = None
+    if detokenizer.is_stopped:
+        finish_reason = "stop"
+    elif output.finish_reason is not None:
+        if output.finish_reason == FinishReason.ERROR:
+            raise EngineDeadError("the engine failed while serving the request")
+        if output.finish_reason == FinishReason.ABORT:
+            raise EngineDeadError("the request was aborted by the engine")
+        text += detokenizer.finish()
+        finish_reason = "length" if output.finish_reason == FinishReason.LENGTH else "stop"
+        if detokenizer.is_stopped:
+            finish_reason = "stop"
+    return ChoiceDelta(
+        index=index,
+        text=text,
+        token_ids=list(output.new_token_ids),
+        logprobs=list(output.logprobs or []),
+        finish_reason=finish_reason,
+    )
+
+
+async def _abort_quietly(engine: Any, request_ids: list[str]) -> None:
+    try:
+        await engine.abort(request_ids)
+    except Exception:  # noqa: BLE001 - the request is ending anyway
+        logger.debug("abort of %s failed", request_ids, exc_info=True)

@@ -1,0 +1,100 @@
+"""Prometheus metrics of the server process, on a registry owned by one app.
+
+The registry is built from `server.metric_names.METRICS` (the one list of names, types,
+labels and buckets). Engine gauges and counters come from the EngineStats the engine sends
+with every step (`EngineClient.add_stats_listener`); per-request counters and latencies are
+recorded here when a request finishes. `tessera:http_requests_total` is labelled by the
+route TEMPLATE (`/v1/chat/completions`), never the raw path, so a scan of random URLs
+cannot blow up the label set.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from engine.protocol import EngineStats
+from server.metric_names import METRICS
+
+_KINDS = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
+
+# EngineStats delta fields -> counters, and gauge fields -> gauges.
+_STATS_COUNTERS = {
+    "num_preemptions_total": "tessera:num_preemptions_total",
+    "encoder_cache_queries_total": "tessera:encoder_cache_queries_total",
+    "encoder_cache_hits_total": "tessera:encoder_cache_hits_total",
+    "vision_encoder_items_total": "tessera:vision_encoder_items_total",
+    "vision_encoder_batches_total": "tessera:vision_encoder_batches_total",
+    "prefix_cache_queries_total": "tessera:prefix_cache_queries_total",
+    "prefix_cache_hits_total": "tessera:prefix_cache_hits_total",
+}
+_STATS_GAUGES = {
+    "num_running": "tessera:num_requests_running",
+    "num_waiting": "tessera:num_requests_waiting",
+    "num_fetching": "tessera:num_requests_fetching",
+    "kv_cache_usage": "tessera:kv_cache_usage_perc",
+}
+
+
+class ServerMetrics:
+    """All metrics of one server app, keyed by their exported name."""
+
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self._metrics = {}
+        for spec in METRICS:
+            extra = {"buckets": spec.buckets} if spec.type == "histogram" else {}
+            self._metrics[spec.name] = _KINDS[spec.type](
+                spec.client_name, spec.help, list(spec.labels), registry=self.registry, **extra
+            )
+        for name in _STATS_GAUGES.values():
+            self._metrics[name].labels(model_name).set(0)
+
+    def _labelled(self, name: str, *labels: str):
+        return self._metrics[name].labels(self.model_name, *labels)
+
+    def on_engine_stats(self, stats: EngineStats) -> None:
+        for field, name in _STATS_GAUGES.items():
+            self._labelled(name).set(getattr(stats, field))
+        for field, name in _STATS_COUNTERS.items():
+            value = getattr(stats, field)
+            if value:
+                self._labelled(name).inc(value)
+        if stats.num_scheduled_tokens:
+            self._labelled("tessera:iteration_tokens").observe(stats.num_scheduled_tokens)
+        if stats.step_seconds:
+            self._labelled("tessera:engine_step_seconds").observe(stats.step_seconds)
+        if stats.vision_encoder_seconds:
+            self._labelled("tessera:vision_encoder_seconds").observe(stats.vision_encoder_seconds)
+
+    def on_http_request(self, route: str, status: int) -> None:
+        self._labelled("tessera:http_requests_total", route, str(status)).inc()
+
+    def on_request_finished(
+        self,
+        *,
+        num_prompt_tokens: int,
+        num_generated_tokens: int,
+        finish_reasons: list[str],
+        ttft_s: float | None,
+        latency_s: float,
+    ) -> None:
+        for reason in finish_reasons:
+            self._labelled("tessera:request_success_total", reason).inc()
+        self._labelled("tessera:prompt_tokens_total").inc(num_prompt_tokens)
+        self._labelled("tessera:generation_tokens_total").inc(num_generated_tokens)
+        self._labelled("tessera:request_prompt_tokens").observe(num_prompt_tokens)
+        self._labelled("tessera:request_generation_tokens").observe(num_generated_tokens)
+        if ttft_s is not None:
+            self._labelled("tessera:time_to_first_token_seconds").observe(ttft_s)
+        self._labelled("tessera:e2e_request_latency_seconds").observe(latency_s)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,152 @@
+"""Real-server fixtures: a tiny checkpoint, `python -m server.cli serve` on a free port on
+127.0.0.1, and a local HTTP server for image URLs. Servers are session-scoped (one shared
+server for most tests) and always torn down: terminate, then kill; no orphans."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from engine.tiny_model import make_tiny_model
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+MODEL_NAME = "tiny"
+API_KEY = "test-key-123"
+STARTUP_TIMEOUT_S = 180.0
+
+
+@dataclass(frozen=True)
+class ServerHandle:
+    base_url: str
+    process: subprocess.Popen
+    model_dir: Path
+    log_path: Path
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-num_chars:]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def picture(width: int, height: int, salt: int) -> Image.Image:
+    pixels = (np.arange(height * width * 3).reshape(height, width, 3) * (salt + 3)) % 251
+    return Image.fromarray(pixels.astype(np.uint8))
+
+
+def png_bytes(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+@contextlib.contextmanager
+def run_server(model_dir: Path, log_path: Path, *extra: str) -> Iterator[ServerHandle]:
+    port = free_port()
+    command = [
+        sys.executable, "-m", "server.cli", "serve", "--model", str(model_dir),
+        "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL_NAME,
+        "--allow-private-media-urls", "--num-kv-blocks", "512", "--max-model-len", "2048",
+        *extra,
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop("TESSERA_API_KEY", None)
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+    handle = ServerHandle(f"http://127.0.0.1:{port}", process, model_dir, log_path)
+    try:
+        _wait_healthy(handle)
+        yield handle
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+
+
+def _wait_healthy(handle: ServerHandle) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if handle.process.poll() is not None:
+            pytest.fail(f"server exited with {handle.process.returncode}:\n{handle.log_tail()}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(handle.base_url + "/health", timeout=2).status_code == 200:
+                return
+        time.sleep(0.25)
+    pytest.fail(f"server not healthy after {STARTUP_TIMEOUT_S} s:\n{handle.log_tail()}")
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("e2e_model"))
+
+
+@pytest.fixture(scope="session")
+def server(model_dir, tmp_path_factory) -> Iterator[ServerHandle]:
+    log_path = tmp_path_factory.mktemp("logs") / "server.log"
+    with run_server(model_dir, log_path) as handle:
+        yield handle
+
+
+@pytest.fixture(scope="session")
+def keyed_server(model_dir, tmp_path_factory) -> Iterator[ServerHandle]:
+    log_path = tmp_path_factory.mktemp("logs") / "keyed_server.log"
+    with run_server(model_dir, log_path, "--api-key", API_KEY) as handle:
+        yield handle
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def http(server) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.base_url, timeout=120) as session:
+        yield session
+
+
+class _QuietHandler(SimpleHTTPRequestHandler):
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture(scope="session")
+def image_server(tmp_path_factory) -> Iterator[str]:
+    """A local HTTP server on 127.0.0.1 serving test images; yields its base URL."""
+    root = tmp_path_factory.mktemp("images")
+    (root / "picture.png").write_bytes(png_bytes(picture(112, 84, 1)))
+    (root / "not_an_image.png").write_bytes(b"hello, this is text")
+    handler = functools.partial(_QuietHandler, directory=str(root))
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()

@@ -1,0 +1,299 @@
+"""The HTTP app against a scripted fake engine: shapes, streaming, stop strings, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+from types import SimpleNamespace
+
+import pytest
+from fastapi.testclient import TestClient
+from PIL import Image
+
+from engine.config import EngineConfig
+from engine.errors import EngineDeadError
+from engine.protocol import FinishReason, Modality, Ready, RequestOutput, TokenLogprob
+from engine.tiny_model import make_tiny_model
+from server.app import build_app
+
+SCRIPT = "The cat sat on the mat. 🎉 Done and done again and again."
+
+
+class FakeEngine:
+    """Emits the tokens of SCRIPT one per step; records requests and aborts."""
+
+    def __init__(self, tokenizer_path: str):
+        from tokenizers import Tokenizer
+
+        self.tokenizer = Tokenizer.from_file(tokenizer_path)
+        self.script = self.tokenizer.encode(SCRIPT, add_special_tokens=False).ids
+        self.ready = Ready(
+            model_name="tiny", max_model_len=256, vocab_size=1600, hidden_size=128,
+            block_size=16, num_kv_blocks=64, eos_token_ids=[], modalities=[Modality.IMAGE],
+            dtype="float32", device="cpu",
+        )
+        self.is_alive = True
+        self.requests = []
+        self.tensors = []
+        self.aborted = []
+        self.die_after: int | None = None
+
+    def add_stats_listener(self, callback) -> None:
+        pass
+
+    async def abort(self, request_ids) -> None:
+        self.aborted.extend(request_ids)
+
+    async def generate(self, request, tensors=()):
+        self.requests.append(request)
+        self.tensors.append(list(tensors))
+        finished = False
+        try:
+            for step in range(request.sampling.max_tokens):
+                await asyncio.sleep(0)
+                if self.die_after is not None and step >= self.die_after:
+                    raise EngineDeadError("the engine died")
+                token_id = self.script[step % len(self.script)]
+                is_last = step == request.sampling.max_tokens - 1
+                logprobs = None
+                if request.sampling.logprobs is not None:
+                    top = [(token_id, -0.5)] * request.sampling.logprobs
+                    logprobs = [TokenLogprob(token_id, -0.5, top)]
+                finished = is_last
+                yield RequestOutput(
+                    request_id=request.request_id, new_token_ids=[token_id], logprobs=logprobs,
+                    finish_reason=FinishReason.LENGTH if is_last else None,
+                    num_prompt_tokens=len(request.prompt_token_ids),
+                )
+        finally:
+            if not finished:
+                self.aborted.append(request.request_id)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+def _client(model_dir, **settings):
+    engine = FakeEngine(str(model_dir / "tokenizer.json"))
+    config = SimpleNamespace(
+        engine=EngineConfig(model=str(model_dir), served_model_name="tiny"),
+        api_key=None, served_model_name="tiny", allow_private_media_urls=True, **settings,
+    )
+    return TestClient(build_app(config, engine)), engine
+
+
+@pytest.fixture(scope="module")
+def app(model_dir):
+    client, engine = _client(model_dir)
+    with client:
+        yield client, engine
+
+
+def chat(client, **body):
+    payload = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **body}
+    return client.post("/v1/chat/completions", json=payload)
+
+
+def sse_events(response):
+    events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_chat_shape_and_usage(app):
+    client, engine = app
+    response = chat(client, max_tokens=5, temperature=0)
+    assert response.status_code == 200
+    body = response.json()
+    assert body["object"] == "chat.completion" and body["model"] == "tiny"
+    choice = body["choices"][0]
+    expected = engine.tokenizer.decode(engine.script[:5])
+    assert choice["message"] == {"role": "assistant", "content": expected}
+    assert choice["finish_reason"] == "length" and choice["logprobs"] is None
+    prompt_len = len(engine.requests[-1].prompt_token_ids)
+    assert body["usage"] == {
+        "prompt_tokens": prompt_len, "completion_tokens": 5, "total_tokens": prompt_len + 5,
+    }
+    assert engine.requests[-1].sampling.temperature == 0.0
+
+
+def test_default_max_tokens_is_rest_of_context(app):
+    client, engine = app
+    chat(client, stop=["mat"])
+    request = engine.requests[-1]
+    assert request.sampling.max_tokens == 256 - len(request.prompt_token_ids)
+
+
+def test_stop_string_cut_and_aborted(app):
+    client, engine = app
+    body = chat(client, max_tokens=30, stop=["on the m"]).json()
+    assert body["choices"][0]["message"]["content"] == "The cat sat "
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert engine.requests[-1].request_id in engine.aborted
+
+
+def test_stream_role_first_no_partial_stop_and_usage(app):
+    client, _ = app
+    response = chat(client, max_tokens=30, stream=True, stop=["mat."],
+                    stream_options={"include_usage": True})
+    events = sse_events(response)
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
+    text = "".join(c["delta"].get("content", "") for e in events for c in e["choices"])
+    assert text == "The cat sat on the "
+    finishes = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
+    assert finishes == ["stop"]
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] >= 6
+
+
+def test_stream_multibyte_never_replacement_char(app):
+    client, engine = app
+    events = sse_events(chat(client, max_tokens=len(engine.script), stream=True))
+    contents = [c["delta"].get("content", "") for e in events for c in e["choices"]]
+    assert all("\ufffd" not in c for c in contents)
+    assert "🎉" in "".join(contents)
+
+
+def test_n2_ids_and_usage(app):
+    client, engine = app
+    body = chat(client, max_tokens=3, n=2, seed=5).json()
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    ids = [r.request_id for r in engine.requests[-2:]]
+    assert ids[0].endswith("-0") and ids[1].endswith("-1")
+    prompt_len = len(engine.requests[-1].prompt_token_ids)
+    assert body["usage"]["prompt_tokens"] == prompt_len
+    assert body["usage"]["completion_tokens"] == 6
+
+
+def test_logprobs_shape(app):
+    client, engine = app
+    body = chat(client, max_tokens=2, logprobs=True, top_logprobs=2).json()
+    content = body["choices"][0]["logprobs"]["content"]
+    assert len(content) == 2
+    first = engine.tokenizer.decode(engine.script[:1])
+    assert content[0]["token"] == first and content[0]["bytes"] == list(first.encode())
+    assert len(content[0]["top_logprobs"]) == 2
+
+
+def test_completions_prompt_ids_and_string(app):
+    client, engine = app
+    body = client.post("/v1/completions",
+                       json={"model": "tiny", "prompt": "hello", "max_tokens": 3}).json()
+    expected = engine.tokenizer.decode(engine.script[:3])
+    assert body["object"] == "text_completion" and body["choices"][0]["text"] == expected
+    body = client.post("/v1/completions",
+                       json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2}).json()
+    assert engine.requests[-1].prompt_token_ids == [5, 6, 7]
+
+
+def test_image_data_url_becomes_media(app):
+    client, engine = app
+    buffer = io.BytesIO()
+    Image.new("RGB", (64, 48), (200, 10, 10)).save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    content = [{"type": "text", "text": "what?"}, {"type": "image_url", "image_url": {"url": url}}]
+    response = chat(client, messages=[{"role": "user", "content": content}], max_tokens=2)
+    assert response.status_code == 200, response.text
+    request, tensors = engine.requests[-1], engine.tensors[-1]
+    (media,) = request.media
+    assert media.pixel_values.frame == 0 and tuple(tensors[0].shape) == media.pixel_values.shape
+    span = request.prompt_token_ids[media.offset : media.offset + media.num_tokens]
+    assert len(set(span)) == 1 and len(span) == media.num_tokens
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code", "param"),
+    [
+        ({"model": "nope"}, 404, "model_not_found", "model"),
+        ({"temperature": 9}, 400, "invalid_value", "temperature"),
+        ({"messages": "x"}, 400, "invalid_value", "messages"),
+        ({"max_tokens": 1000}, 400, "context_length_exceeded", "max_tokens"),
+        ({"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "a"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
+         400, "invalid_media", "messages[0].content[1]"),
+        ({"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "ftp://x/y.png"}}]}]},
+         400, "invalid_media", "messages[0].content[0]"),
+    ],
+)
+def test_errors(app, body, status, code, param):
+    client, _ = app
+    response = chat(client, **body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["code"], error["param"]) == (code, param)
+
+
+def test_context_message_has_both_numbers(app):
+    client, _ = app
+    message = chat(client, max_tokens=1000).json()["error"]["message"]
+    assert "256" in message and "1000" in message
+
+
+def test_unknown_route_and_bad_json(app):
+    client, _ = app
+    response = client.get("/nope")
+    assert response.status_code == 404 and response.json()["error"]["code"] == "not_found"
+    response = client.post("/v1/chat/completions", content=b"{not json",
+                           headers={"content-type": "application/json"})
+    assert response.status_code == 400 and "error" in response.json()
+
+
+def test_engine_death_mid_stream(app):
+    client, engine = app
+    engine.die_after = 2
+    try:
+        events = sse_events(chat(client, max_tokens=10, stream=True))
+        assert events[-1]["error"]["code"] == "engine_dead"
+        response = chat(client, max_tokens=10)
+        assert response.status_code == 503 and response.json()["error"]["code"] == "engine_dead"
+    finally:
+        engine.die_after = None
+
+
+def test_health_metrics_tokenize(app):
+    client, engine = app
+    assert client.get("/health").status_code == 200
+    metrics = client.get("/metrics").text
+    assert 'route="/v1/chat/completions"' in metrics and "tessera:kv_cache_usage_perc" in metrics
+    tokens = client.post("/tokenize", json={"prompt": "hello world"}).json()
+    assert tokens["count"] == len(tokens["tokens"])
+    text = client.post("/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"]
+    assert text == "hello world"
+    engine.is_alive = False
+    try:
+        assert client.get("/health").status_code == 503
+    finally:
+        engine.is_alive = True
+
+
+def test_api_key(model_dir):
+    client, _ = _client(model_dir)
+    client.app  # noqa: B018
+    config_key = "sekrit"
+    client, _ = _client_with_key(model_dir, config_key)
+    with client:
+        assert chat(client).status_code == 401
+        assert chat(client).json()["error"]["code"] == "invalid_api_key"
+        headers = {"Authorization": f"Bearer {config_key}"}
+        ok = client.post("/v1/chat/completions", headers=headers, json={
+            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+        assert ok.status_code == 200
+        assert client.get("/health").status_code == 200
+        assert client.get("/metrics").status_code == 200
+        assert client.post("/tokenize", json={"prompt": "x"}).status_code == 401
+
+
+def _client_with_key(model_dir, key):
+    engine = FakeEngine(str(model_dir / "tokenizer.json"))
+    config = SimpleNamespace(
+        engine=EngineConfig(model=str(model_dir), served_model_name="tiny"),
+        api_key=key, served_model_name="tiny",
+    )
+    return TestClient(build_app(config, engine)), engine

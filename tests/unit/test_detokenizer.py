@@ -1,0 +1,116 @@
+"""Incremental detokenisation (multi-byte UTF-8) and stop strings, on the tiny tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.tiny_model import SIZES, train_tokenizer
+from server.detokenizer import (
+    IncrementalDetokenizer,
+    SequenceDetokenizer,
+    StopChecker,
+    token_bytes,
+)
+
+TEXTS = [
+    "Hello world, the cat sat.",
+    "héllo wörld ñ",
+    "中文字符 and emoji 🎉🚀 mixed",
+    "tab\tnew\nline  double  space",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer(SIZES["tiny"].bpe_vocab_size)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_one_token_at_a_time_rebuilds_text_without_replacement_chars(tokenizer, text):
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    detok = IncrementalDetokenizer(tokenizer)
+    deltas = [detok.step([token_id]) for token_id in ids]
+    deltas.append(detok.finish())
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == text
+
+
+def test_emoji_spans_several_tokens_and_is_held_back(tokenizer):
+    ids = tokenizer.encode("🎉", add_special_tokens=False).ids
+    assert len(ids) > 1  # byte-level pieces: the test would be vacuous otherwise
+    detok = IncrementalDetokenizer(tokenizer)
+    assert [detok.step([i]) for i in ids[:-1]] == [""] * (len(ids) - 1)
+    assert detok.step([ids[-1]]) == "🎉"
+
+
+def test_prompt_context_does_not_leak_into_output(tokenizer):
+    prompt = tokenizer.encode("The cat", add_special_tokens=False).ids
+    out = tokenizer.encode(" sat on the mat", add_special_tokens=False).ids
+    detok = IncrementalDetokenizer(tokenizer, prompt)
+    text = "".join(detok.step([i]) for i in out) + detok.finish()
+    assert text == " sat on the mat"
+
+
+def test_special_tokens_skipped(tokenizer):
+    im_end = tokenizer.token_to_id("<|im_end|>")
+    ids = tokenizer.encode("Hi there", add_special_tokens=False).ids + [im_end]
+    detok = IncrementalDetokenizer(tokenizer)
+    assert "".join(detok.step([i]) for i in ids) + detok.finish() == "Hi there"
+
+
+def test_incomplete_sequence_flushed_at_finish(tokenizer):
+    ids = tokenizer.encode("🎉", add_special_tokens=False).ids
+    detok = IncrementalDetokenizer(tokenizer)
+    assert detok.step(ids[:1]) == ""
+    assert detok.finish() == tokenizer.decode(ids[:1])
+
+
+def test_stop_checker_holds_back_partial_match():
+    checker = StopChecker(["STOP"])
+    assert checker.feed("abc S").text == "abc "
+    assert checker.feed("T").text == ""
+    result = checker.feed("OP and more")
+    assert result.is_stopped and result.text == ""
+
+
+def test_stop_checker_releases_false_alarm():
+    checker = StopChecker(["STOP"])
+    assert checker.feed("ST").text == ""
+    assert checker.feed("ART").text == "START"
+    assert checker.flush() == ""
+
+
+def test_stop_checker_earliest_of_several():
+    checker = StopChecker(["world", "lo"])
+    result = checker.feed("hello world")
+    assert result.is_stopped and result.text == "hel"
+
+
+def test_stop_checker_flush_releases_held_text():
+    checker = StopChecker(["xyz"])
+    assert checker.feed("abx").text == "ab"
+    assert checker.flush() == "x"
+
+
+@pytest.mark.parametrize("stop", ["sat on", "t o", "mat"])
+def test_sequence_stop_split_across_tokens(tokenizer, stop):
+    text = "The cat sat on the mat today"
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    seq = SequenceDetokenizer(tokenizer, stop=[stop])
+    emitted = []
+    for token_id in ids:
+        emitted.append(seq.step([token_id]))
+        # no prefix of the stop string longer than one char is ever visible at the end
+        assert stop not in "".join(emitted)
+        if seq.is_stopped:
+            break
+    emitted.append(seq.finish())
+    assert seq.is_stopped
+    assert "".join(emitted) == text[: text.index(stop)] == seq.text
+
+
+def test_token_bytes(tokenizer):
+    ids = tokenizer.encode("é🎉 x", add_special_tokens=False).ids
+    assert b"".join(token_bytes(tokenizer, i) for i in ids) == "é🎉 x".encode()
+    im_end = tokenizer.token_to_id("<|im_end|>")
+    assert token_bytes(tokenizer, im_end) == b"<|im_end|>"

@@ -1,0 +1,74 @@
+"""Request models and the pydantic-error -> OpenAI error mapping."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from engine.errors import ContextLengthExceeded
+from server.errors import loc_to_param, validation_error_to_invalid
+from server.generation import build_sampling_params
+from server.openai_models import ChatCompletionRequest, CompletionRequest
+
+BASE = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def invalid(body):
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest.model_validate(body)
+    return validation_error_to_invalid(info.value.errors())
+
+
+def test_parts_and_defaults():
+    request = ChatCompletionRequest.model_validate({
+        **BASE, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "a"},
+            {"type": "image_url", "image_url": {"url": "data:x"}}]}],
+        "stop": "END", "unknown_field": 1,
+    })
+    assert request.stop_list == ["END"] and request.n == 1 and not request.include_usage
+    assert request.num_logprobs is None
+
+
+def test_max_completion_tokens_wins_and_logprobs():
+    request = ChatCompletionRequest.model_validate(
+        {**BASE, "max_tokens": 5, "max_completion_tokens": 7, "logprobs": True, "top_logprobs": 2})
+    assert request.requested_max_tokens == 7 and request.num_logprobs == 2
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({**BASE, "temperature": 3}, "temperature"),
+        ({"model": "m"}, "messages"),
+        ({**BASE, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+         "messages[0].content[0].image_url"),
+        ({**BASE, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {}}]}]}, "messages[0].content[0].image_url.url"),
+        ({**BASE, "top_logprobs": 50}, "top_logprobs"),
+    ],
+)
+def test_validation_error_param_paths(body, param):
+    error = invalid(body)
+    assert error.status == 400 and error.param == param
+
+
+def test_loc_to_param_skips_union_members():
+    loc = ("body", "messages", 0, "content", "list[tagged-union[A,B]]", 1, "text")
+    assert loc_to_param(loc) == "messages[0].content[1].text"
+
+
+def test_sampling_params_defaults_and_context():
+    request = ChatCompletionRequest.model_validate({**BASE, "top_k": -1, "seed": 4})
+    params = build_sampling_params(request, num_prompt_tokens=10, max_model_len=100)
+    assert params.max_tokens == 90 and params.top_k == 0 and params.seed == 4
+    assert params.temperature == 1.0 and params.logprobs is None
+    request = ChatCompletionRequest.model_validate({**BASE, "max_tokens": 95})
+    with pytest.raises(ContextLengthExceeded) as info:
+        build_sampling_params(request, num_prompt_tokens=10, max_model_len=100)
+    assert "100" in info.value.message and "95" in info.value.message
+
+
+def test_completion_logprobs_int():
+    request = CompletionRequest.model_validate({"model": "m", "prompt": [1, 2], "logprobs": 3})
+    assert request.num_logprobs == 3
