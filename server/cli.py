@@ -1,0 +1,190 @@
+"""The `tessera` command line.
+
+    tessera serve [--model DIR] [--config FILE.yaml] [--port N] ...   run the HTTP server
+    tessera make-tiny-model OUT_DIR [--seed N] [--size tiny|...]      write a random checkpoint
+
+`serve` exits 0 after a clean shutdown (SIGTERM / SIGINT: stop accepting, drain in-flight
+requests for up to `shutdown_timeout_s`, stop the engine), 1 when the engine fails to
+start or dies (so a supervisor restarts the server), 2 on bad settings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import uvicorn
+
+from engine.errors import EngineDeadError
+from engine.logging_utils import configure_logging
+from server.engine_client import EngineClient
+from server.settings import ServerSettings, SettingsError, load_settings
+
+logger = logging.getLogger("tessera.cli")
+
+EXIT_OK = 0
+EXIT_ENGINE_FAILED = 1
+EXIT_USAGE = 2
+HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def serve_main(argv: Sequence[str]) -> int:
+    """`tessera serve`: load settings, start the engine, run uvicorn until stopped."""
+    try:
+        settings = load_settings(argv, os.environ)
+    except SettingsError as exc:
+        print(f"tessera serve: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    configure_logging(settings.log_level, settings.log_format)
+    settings = _resolve_default_model(settings)
+    if settings.api_key is None and not _is_loopback(settings.host):
+        logger.warning(
+            "listening on %s without an API key: anyone who reaches port %d can use the "
+            "model (set --api-key or TESSERA_API_KEY)",
+            settings.host,
+            settings.port,
+        )
+    return asyncio.run(run_server(settings))
+
+
+def _resolve_default_model(settings: ServerSettings) -> ServerSettings:
+    from server.default_model import ensure_default_model, is_default_model
+
+    if not is_default_model(settings.engine.model):
+        return settings
+    path = ensure_default_model(Path(settings.engine.model))
+    logger.warning(
+        "no --model given: serving the built-in tiny model from %s. Its weights are RANDOM "
+        "and its output is gibberish; pass --model DIR to serve a real checkpoint.",
+        path,
+    )
+    served_name = settings.engine.served_model_name or "tessera-tiny-random"
+    return settings.replace(engine=settings.engine.replace(served_model_name=served_name))
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+async def run_server(settings: ServerSettings) -> int:
+    """Engine first (wait for Ready), then the HTTP server; returns the exit code."""
+    server: uvicorn.Server | None = None
+    death_reasons: list[str] = []
+
+    def on_engine_death(reason: str) -> None:
+        death_reasons.append(reason)
+        logger.error("the engine died (%s); stopping the server", reason)
+        if server is not None:
+            server.should_exit = True
+
+    engine = EngineClient(
+        settings.engine,
+        startup_timeout=settings.engine_startup_timeout_s,
+        inbox_address=settings.engine_inbox_address,
+        outbox_address=settings.engine_outbox_address,
+        on_engine_death=on_engine_death,
+        log_level=settings.log_level,
+        log_format=settings.log_format,
+    )
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    try:
+        # Until uvicorn takes over the signals, SIGTERM aborts the (possibly long) start-up.
+        loop.add_signal_handler(signal.SIGTERM, task.cancel)
+        try:
+            await engine.start()
+        except EngineDeadError as exc:
+            logger.error("the engine failed to start: %s", exc.message)
+            return EXIT_ENGINE_FAILED
+        except asyncio.CancelledError:
+            logger.info("stopped during start-up")
+            return EXIT_OK
+        finally:
+            loop.remove_signal_handler(signal.SIGTERM)
+        from server.app import build_app
+
+        config = uvicorn.Config(
+            build_app(settings, engine),
+            host=settings.host,
+            port=settings.port,
+            http="h11",  # so that the h11 header-size limit below applies
+            h11_max_incomplete_event_size=settings.max_header_bytes,
+            timeout_keep_alive=settings.timeout_keep_alive_s,
+            timeout_graceful_shutdown=max(1, round(settings.shutdown_timeout_s)),
+            log_config=None,  # keep configure_logging's handlers and format
+            log_level=settings.log_level,
+            server_header=False,
+            lifespan="on",
+        )
+        server = GracefulServer(config)
+        await server.serve()
+        if death_reasons or not server.started:
+            return EXIT_ENGINE_FAILED
+        return EXIT_OK
+    finally:
+        await engine.shutdown(timeout=10.0)
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn.Server whose SIGINT/SIGTERM handling is a graceful shutdown, after which
+    `serve()` returns (uvicorn would re-raise the signal, skipping the engine's shutdown)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        originals = {sig: signal.signal(sig, self.handle_exit) for sig in HANDLED_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in originals.items():
+                signal.signal(sig, handler)
+
+
+def make_tiny_model_main(argv: Sequence[str]) -> int:
+    from engine.tiny_model import main
+
+    return main(list(argv)) or 0
+
+
+COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
+    "serve": (serve_main, "serve a model over an OpenAI-compatible HTTP API"),
+    "make-tiny-model": (make_tiny_model_main, "write a small random-weight Qwen2-VL checkpoint"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: tessera COMMAND [ARGS]  (tessera COMMAND --help for its flags)", ""]
+    lines += [f"  {name:<18}{summary}" for name, (_, summary) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console script `tessera`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return EXIT_OK if argv else EXIT_USAGE
+    command = COMMANDS.get(argv[0])
+    if command is None:
+        print(f"tessera: unknown command {argv[0]!r}\n\n{_usage()}", file=sys.stderr)
+        return EXIT_USAGE
+    return command[0](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""The built-in default model: a tiny random-weight Qwen2-VL checkpoint, generated once.
+
+`tessera serve` without `--model` serves it, so a first run needs no download. It lives in
+`$TESSERA_CACHE_DIR/default-model` (default `~/.cache/tessera/default-model`). Generation
+is atomic: written into a temp dir next to it, then renamed, so a crash or a concurrent
+start never leaves a half-written folder behind. Its weights are random: the text it
+produces is gibberish, by design.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+CACHE_ENV = "TESSERA_CACHE_DIR"
+DEFAULT_MODEL_FOLDER = "default-model"
+DEFAULT_MODEL_SEED = 0
+DEFAULT_MODEL_SIZE = "tiny"
+
+logger = logging.getLogger("tessera.default_model")
+
+
+def default_model_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """Where the default model lives (whether or not it exists yet)."""
+    environ = os.environ if environ is None else environ
+    cache_dir = environ.get(CACHE_ENV) or str(Path("~/.cache/tessera").expanduser())
+    return Path(cache_dir) / DEFAULT_MODEL_FOLDER
+
+
+def is_default_model(model: str, environ: Mapping[str, str] | None = None) -> bool:
+    return Path(model).expanduser().absolute() == default_model_dir(environ).absolute()
+
+
+def ensure_default_model(path: Path | None = None) -> Path:
+    """Return the default model's folder, generating it first if it is not there."""
+    path = Path(path) if path is not None else default_model_dir()
+    if (path / "config.json").is_file():
+        return path
+    from engine.tiny_model import make_tiny_model
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("generating the built-in tiny model (random weights) in %s", path)
+    staging = Path(tempfile.mkdtemp(prefix=".default-model-", dir=path.parent))
+    try:
+        make_tiny_model(staging, seed=DEFAULT_MODEL_SEED, size=DEFAULT_MODEL_SIZE)
+        staging.chmod(0o755)  # mkdtemp made it 0700; the model is not a secret
+        try:
+            os.rename(staging, path)
+        except OSError:
+            if not (path / "config.json").is_file():  # not a concurrent winner: a real error
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return path

@@ -1,0 +1,336 @@
+"""The server's handle on the engine process: start it, talk to it, watch it, stop it.
+
+    EngineClient ──PUSH (inbox)──▶ engine process ──PUSH (outbox)──▶ EngineClient
+      generate()  one asyncio.Queue per request id  ◀── _output_loop routes RequestOutputs
+
+Both sockets are bound here (ipc:// paths in a private 0700 temp dir by default). One
+background task reads the outbox, routes each `RequestOutput` to its request's queue,
+folds `EngineStats` into `stats`, and notices the engine's death within ~1 s: every
+in-flight `generate()` then raises `EngineDeadError` and `on_engine_death` is called.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from engine.config import EngineConfig
+from engine.errors import EngineDeadError, InvalidRequest
+from engine.process import run_engine
+from engine.protocol import (
+    AbortRequests,
+    EngineFailed,
+    EngineOutputs,
+    EngineRequest,
+    EngineStats,
+    Ready,
+    RequestOutput,
+    Shutdown,
+)
+from engine.serialization import MessageDecodeError, decode_server_inbox, encode_message
+
+logger = logging.getLogger("tessera.engine_client")
+
+WATCH_INTERVAL_MS = 200  # how often the output loop checks that the engine is alive
+
+
+@dataclasses.dataclass
+class EngineStatsAccumulator:
+    """Engine stats for /metrics: `latest` holds the newest gauges, `totals` the running
+    sum of every `*_total` counter (the engine sends deltas)."""
+
+    latest: EngineStats = dataclasses.field(default_factory=EngineStats)
+    totals: dict[str, float] = dataclasses.field(
+        default_factory=lambda: {
+            f: 0 for f in EngineStats.__struct_fields__ if f.endswith("_total")
+        }
+    )
+    num_messages: int = 0
+
+    def update(self, stats: EngineStats) -> None:
+        self.latest = stats
+        self.num_messages += 1
+        for name in self.totals:
+            self.totals[name] += getattr(stats, name)
+
+
+class EngineClient:
+    """Starts and watches the engine process; multiplexes requests over the ZMQ sockets
+    (zmq.asyncio). Use from one event loop: `await start()`, `generate()`, `shutdown()`."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        startup_timeout: float = 600.0,
+        inbox_address: str | None = None,
+        outbox_address: str | None = None,
+        on_engine_death: Callable[[str], Any] | None = None,
+        log_level: str = "info",
+        log_format: str = "text",
+        core_factory: Callable[[EngineConfig], Any] | None = None,
+    ) -> None:
+        self.config = config
+        self.startup_timeout = startup_timeout
+        self.on_engine_death = on_engine_death
+        self.stats = EngineStatsAccumulator()
+        self.ready: Ready | None = None
+        self.death_reason: str | None = None
+        self._addresses = (inbox_address, outbox_address)
+        self._engine_kwargs = {
+            "log_level": log_level,
+            "log_format": log_format,
+            "core_factory": core_factory,
+        }
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._stats_listeners: list[Callable[[EngineStats], Any]] = []
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._context: zmq.asyncio.Context | None = None
+        self._inbox: zmq.asyncio.Socket | None = None  # we PUSH requests into the engine's inbox
+        self._outbox: zmq.asyncio.Socket | None = None  # we PULL the engine's outputs
+        self._ipc_dir: str | None = None
+        self._output_task: asyncio.Task | None = None
+        self._is_failed = False
+        self._is_shutting_down = False
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> Ready:
+        """Spawn the engine and wait for its Ready. Raises EngineDeadError (with the
+        engine's reason) if it fails, dies, or is not ready within `startup_timeout`."""
+        if self._process is not None:
+            raise RuntimeError("EngineClient.start() called twice")
+        inbox_address, outbox_address = self._bind()
+        spawn = multiprocessing.get_context("spawn")
+        self._process = spawn.Process(
+            target=run_engine,
+            args=(self.config, inbox_address, outbox_address, os.getpid()),
+            kwargs=self._engine_kwargs,
+            name="tessera-engine",
+            daemon=True,  # never outlive the server, even if shutdown() is skipped
+        )
+        self._process.start()
+        logger.info("engine process %d starting (model %s)", self._process.pid, self.config.model)
+        try:
+            self.ready = await self._wait_ready()
+        except BaseException:
+            await self._stop_process(timeout=2.0)
+            self._close_sockets()
+            raise
+        self._output_task = asyncio.create_task(self._output_loop(), name="engine-outputs")
+        return self.ready
+
+    def _bind(self) -> tuple[str, str]:
+        inbox_address, outbox_address = self._addresses
+        if inbox_address is None or outbox_address is None:
+            self._ipc_dir = tempfile.mkdtemp(prefix="tessera-")  # mode 0700: only us
+            inbox_address = inbox_address or f"ipc://{self._ipc_dir}/inbox"
+            outbox_address = outbox_address or f"ipc://{self._ipc_dir}/outbox"
+        self._context = zmq.asyncio.Context()
+        self._inbox = self._context.socket(zmq.PUSH)
+        self._outbox = self._context.socket(zmq.PULL)
+        self._inbox.bind(inbox_address)
+        self._outbox.bind(outbox_address)
+        return inbox_address, outbox_address
+
+    async def _wait_ready(self) -> Ready:
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if await self._outbox.poll(WATCH_INTERVAL_MS):
+                message = self._decode(await self._outbox.recv_multipart(copy=False))
+                if isinstance(message, Ready):
+                    logger.info("engine ready: %s", message)
+                    return message
+                if isinstance(message, EngineFailed):
+                    raise EngineDeadError(message.message)
+                continue
+            if not self._process.is_alive():
+                raise EngineDeadError(
+                    f"engine process exited with code {self._process.exitcode} during start-up"
+                )
+        raise EngineDeadError(f"engine not ready after {self.startup_timeout:.0f} s")
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Ask the engine to exit, wait up to `timeout` s, then kill it. Idempotent."""
+        if self._is_shutting_down:
+            return
+        self._is_shutting_down = True
+        if self._process is not None and self._process.is_alive() and self._inbox is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                await self._inbox.send_multipart(encode_message(Shutdown()))
+        await self._stop_process(timeout)
+        if self._output_task is not None:
+            self._output_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._output_task
+        self._fail_all()
+        self._close_sockets()
+
+    async def _stop_process(self, timeout: float) -> None:
+        process = self._process
+        if process is None:
+            return
+        deadline = time.monotonic() + timeout
+        while process.is_alive() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for stop in (process.terminate, process.kill):
+            if not process.is_alive():
+                break
+            logger.warning("engine process %d did not exit; sending %s", process.pid, stop.__name__)
+            stop()
+            await asyncio.to_thread(process.join, 2.0)
+        process.join(0)
+
+    def _close_sockets(self) -> None:
+        for socket in (self._inbox, self._outbox):
+            if socket is not None:
+                socket.close(linger=0)
+        if self._context is not None:
+            self._context.term()
+        self._inbox = self._outbox = self._context = None
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+            self._ipc_dir = None
+
+    @property
+    def is_alive(self) -> bool:
+        """The engine process runs, has not failed, and is not being shut down."""
+        return (
+            self.ready is not None
+            and not self._is_failed
+            and not self._is_shutting_down
+            and self._process is not None
+            and self._process.is_alive()
+        )
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    # ---- requests --------------------------------------------------------------------------
+
+    async def generate(
+        self, request: EngineRequest, tensors: Sequence = ()
+    ) -> AsyncIterator[RequestOutput]:
+        """Send `request` (tensor i of `tensors` = its TensorRef frame i) and yield each of
+        its RequestOutputs until one has a finish_reason. Stopping early (client gone)
+        aborts it in the engine; engine death raises EngineDeadError."""
+        request_id = request.request_id
+        if not self.is_alive:
+            raise EngineDeadError("the engine is not running")
+        if request_id in self._queues:
+            raise InvalidRequest(f"duplicate request id {request_id!r}", param="request_id")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        is_finished = False
+        try:
+            await self._inbox.send_multipart(encode_message(request, tensors), copy=False)
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    is_finished = True
+                    raise item
+                is_finished = item.finish_reason is not None
+                yield item
+                if is_finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not is_finished:
+                # No await here: this runs on GeneratorExit / CancelledError too.
+                self._send_nowait(AbortRequests([request_id]))
+
+    async def abort(self, request_ids: list[str]) -> None:
+        """Abort requests in the engine; their generate() sees finish_reason "abort"."""
+        if request_ids and self.is_alive:
+            await self._inbox.send_multipart(encode_message(AbortRequests(list(request_ids))))
+
+    def add_stats_listener(self, callback: Callable[[EngineStats], Any]) -> None:
+        """`callback(stats)` for every EngineStats the engine sends (exceptions are logged)."""
+        self._stats_listeners.append(callback)
+
+    def _send_nowait(self, message: Any) -> None:
+        if not self.is_alive or self._inbox is None:
+            return
+        try:
+            future = self._inbox.send_multipart(encode_message(message))
+        except zmq.ZMQError:
+            logger.warning("could not send %s to the engine", type(message).__name__)
+            return
+        future.add_done_callback(_consume_exception)
+
+    # ---- the output loop --------------------------------------------------------------------
+
+    async def _output_loop(self) -> None:
+        try:
+            while True:
+                if await self._outbox.poll(WATCH_INTERVAL_MS):
+                    self._route(await self._outbox.recv_multipart(copy=False))
+                    continue
+                if not self._process.is_alive():
+                    self._on_death(f"engine process exited with code {self._process.exitcode}")
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a broken client is a dead engine
+            logger.exception("engine output loop failed")
+            self._on_death(f"engine output loop failed: {type(exc).__name__}")
+
+    def _route(self, frames: list) -> None:
+        message = self._decode(frames)
+        if isinstance(message, EngineOutputs):
+            for output in message.outputs:
+                queue = self._queues.get(output.request_id)
+                if queue is not None:
+                    queue.put_nowait(output)
+            self.stats.update(message.stats)
+            for callback in self._stats_listeners:
+                try:
+                    callback(message.stats)
+                except Exception:  # noqa: BLE001 - metrics must not break serving
+                    logger.exception("stats listener failed")
+        elif isinstance(message, EngineFailed):
+            logger.error("engine failed: %s", message.message)
+            self._on_death(message.message)
+
+    def _decode(self, frames: list) -> Any:
+        try:
+            return decode_server_inbox([frame.buffer for frame in frames])
+        except MessageDecodeError as exc:
+            logger.error("dropped an undecodable engine message: %s", exc.message)
+            return None
+
+    def _on_death(self, reason: str) -> None:
+        if self._is_failed or self._is_shutting_down:
+            return
+        self._is_failed = True
+        self.death_reason = reason
+        logger.error("engine died: %s", reason)
+        self._fail_all()
+        if self.on_engine_death is not None:
+            try:
+                self.on_engine_death(reason)
+            except Exception:  # noqa: BLE001
+                logger.exception("on_engine_death callback failed")
+
+    def _fail_all(self) -> None:
+        # The client sees a generic message; the reason (exit code, traceback) is logged.
+        for queue in self._queues.values():
+            queue.put_nowait(EngineDeadError("the engine is not running"))
+
+
+def _consume_exception(future: asyncio.Future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        logger.warning("send to engine failed: %s", future.exception())

@@ -1,0 +1,245 @@
+"""Server settings: one frozen dataclass, loaded from CLI flags, env vars, YAML and defaults.
+
+Precedence, highest first:
+
+    --max-num-seqs 8                   CLI flag (every field has one, generated below)
+    TESSERA_MAX_NUM_SEQS=8             environment variable (TESSERA_ + field name upper-cased)
+    max_num_seqs: 8                    YAML file given by --config FILE (or TESSERA_CONFIG)
+    EngineConfig / ServerSettings      dataclass defaults
+
+Engine fields (engine/config.py) and server fields share one flat namespace: YAML keys are
+field names, engine fields at the top level (an `engine:` mapping is accepted too). Flags
+are generated from the dataclass fields so they never drift; booleans get `--x/--no-x`.
+Without a model anywhere, `model` is the built-in tiny checkpoint's folder
+(server/default_model.py), which `tessera serve` generates on first use.
+
+`host` defaults to 0.0.0.0 (all interfaces) like most serving daemons and what a container
+needs; pass `--host 127.0.0.1` on a shared machine, and set `api_key` whenever the port is
+reachable by others (the server warns at start-up when it is not set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from engine.config import EngineConfig
+from engine.logging_utils import LOG_FORMATS, LOG_LEVELS
+
+ENV_PREFIX = "TESSERA_"
+CONFIG_ENV = "TESSERA_CONFIG"
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+_NONE = ("none", "null")
+
+
+class SettingsError(ValueError):
+    """A setting is unknown, mistyped or out of range. The message names the setting and
+    where it came from (flag, env var or YAML file)."""
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Everything `tessera serve` needs: the engine's config plus the HTTP server's."""
+
+    engine: EngineConfig
+    host: str = "0.0.0.0"  # all interfaces (containers); 127.0.0.1 for local only
+    port: int = 8000
+    api_key: str | None = None  # Bearer key required on /v1/*; None = no auth
+    log_level: str = "info"
+    log_format: str = "text"  # "text" | "json" (one JSON object per line)
+    max_request_body_bytes: int = 64 * 1024 * 1024
+    max_image_bytes: int = 20 * 1024 * 1024  # per fetched / data: image
+    max_images_per_request: int = 16
+    max_image_pixels: int = 64_000_000  # checked before decoding (decompression bombs)
+    media_fetch_timeout_s: float = 10.0  # total deadline per media URL
+    media_fetch_max_redirects: int = 3
+    allow_private_media_urls: bool = False  # allow image URLs on loopback / private networks
+    engine_startup_timeout_s: float = 600.0
+    shutdown_timeout_s: float = 30.0  # drain in-flight requests on SIGTERM, then stop
+    engine_inbox_address: str | None = None  # tcp://HOST:PORT; None = private ipc:// socket
+    engine_outbox_address: str | None = None
+    timeout_keep_alive_s: int = 5
+    max_header_bytes: int = 64 * 1024  # h11's limit on request line + headers
+
+    def __post_init__(self) -> None:
+        if self.log_format not in LOG_FORMATS:
+            raise SettingsError(f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}")
+        if self.log_level.lower() not in LOG_LEVELS:
+            raise SettingsError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+        if not 0 <= self.port <= 65535:
+            raise SettingsError(f"port must be in 0..65535, got {self.port}")
+        for name in ("max_request_body_bytes", "max_image_bytes", "max_header_bytes"):
+            if getattr(self, name) <= 0:
+                raise SettingsError(f"{name} must be positive")
+        if self.media_fetch_timeout_s <= 0:
+            raise SettingsError("media_fetch_timeout_s must be positive")
+        if (self.engine_inbox_address is None) != (self.engine_outbox_address is None):
+            raise SettingsError("set both engine_inbox_address and engine_outbox_address, or none")
+
+    @property
+    def model_name(self) -> str:
+        """The model name clients use (`served_model_name` or the model folder's name)."""
+        return self.engine.model_name
+
+    def replace(self, **changes: Any) -> ServerSettings:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class _Field:
+    name: str
+    type: type  # str, int, float or bool
+    is_optional: bool
+    is_engine: bool
+    default: Any
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+
+def _fields_of(cls: type, *, is_engine: bool) -> list[_Field]:
+    hints = typing.get_type_hints(cls)
+    result = []
+    for field in dataclasses.fields(cls):
+        if field.name == "engine":
+            continue
+        hint = hints[field.name]
+        args = typing.get_args(hint)
+        is_optional = type(None) in args
+        if typing.get_origin(hint) in (typing.Union, types.UnionType):
+            (hint,) = [arg for arg in args if arg is not type(None)]
+        default = None if field.default is dataclasses.MISSING else field.default
+        result.append(_Field(field.name, hint, is_optional, is_engine, default))
+    return result
+
+
+FIELDS: dict[str, _Field] = {
+    f.name: f
+    for f in _fields_of(EngineConfig, is_engine=True) + _fields_of(ServerSettings, is_engine=False)
+}
+
+
+def _parse_text(field: _Field, text: str, source: str) -> Any:
+    """A flag or env value (a string) -> the field's type."""
+    if field.is_optional and text.strip().lower() in _NONE:
+        return None
+    try:
+        if field.type is bool:
+            lowered = text.strip().lower()
+            if lowered in _TRUE:
+                return True
+            if lowered in _FALSE:
+                return False
+            raise ValueError
+        return field.type(text)
+    except ValueError:
+        raise SettingsError(
+            f"{source}: expected {field.type.__name__} for {field.name}, got {text!r}"
+        ) from None
+
+
+def _check_yaml_value(field: _Field, value: Any, source: str) -> Any:
+    if value is None and field.is_optional:
+        return None
+    expected = field.type
+    is_ok = isinstance(value, expected) and not (expected is not bool and isinstance(value, bool))
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not is_ok:
+        raise SettingsError(
+            f"{source}: expected {expected.__name__} for {field.name}, got {value!r}"
+        )
+    return value
+
+
+def build_parser(prog: str = "tessera serve") -> argparse.ArgumentParser:
+    """The `serve` flags: --config plus one flag per settings field."""
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Serve a vision-language model over an OpenAI-compatible HTTP API.",
+        argument_default=argparse.SUPPRESS,  # absent flags stay absent: env/YAML may set them
+    )
+    parser.add_argument("--config", help=f"YAML settings file (env {CONFIG_ENV})")
+    for field in FIELDS.values():
+        default = "the built-in tiny model" if field.name == "model" else field.default
+        help_text = f"default {default}; env {field.env}"
+        if field.type is bool:
+            parser.add_argument(field.flag, action=argparse.BooleanOptionalAction, help=help_text)
+        else:
+            metavar = field.type.__name__.upper() + ("|none" if field.is_optional else "")
+            parser.add_argument(field.flag, type=str, metavar=metavar, help=help_text)
+    return parser
+
+
+def _from_yaml(path: str) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise SettingsError(f"cannot read config file {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise SettingsError(f"config file {path} is not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise SettingsError(f"config file {path} must be a mapping of setting names to values")
+    data = dict(data)
+    nested = data.pop("engine", None) or {}
+    if not isinstance(nested, dict):
+        raise SettingsError(f"{path}: 'engine' must be a mapping")
+    result: dict[str, Any] = {}
+    for key, value in [*data.items(), *nested.items()]:
+        field = FIELDS.get(key) if isinstance(key, str) else None
+        if field is None or (key in nested and not field.is_engine):
+            known = ", ".join(sorted(FIELDS))
+            raise SettingsError(f"{path}: unknown setting {key!r} (known settings: {known})")
+        if key in result:
+            raise SettingsError(f"{path}: {key!r} is set twice")
+        result[key] = _check_yaml_value(field, value, path)
+    return result
+
+
+def load_settings(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> ServerSettings:
+    """Settings from CLI flags > TESSERA_* env vars > YAML (--config) > defaults.
+    Raises SettingsError (argparse exits on a malformed command line)."""
+    argv = list(argv if argv is not None else [])
+    environ = os.environ if environ is None else environ
+    flags = vars(build_parser().parse_args(argv))
+    values: dict[str, Any] = {}
+    config_path = flags.pop("config", None) or environ.get(CONFIG_ENV)
+    if config_path:
+        values.update(_from_yaml(config_path))
+    for field in FIELDS.values():
+        if field.env in environ:
+            values[field.name] = _parse_text(field, environ[field.env], field.env)
+    for name, value in flags.items():
+        field = FIELDS[name]
+        values[name] = value if field.type is bool else _parse_text(field, value, field.flag)
+    if "model" not in values:
+        from server.default_model import default_model_dir
+
+        values["model"] = str(default_model_dir(environ))
+    engine_values = {k: v for k, v in values.items() if FIELDS[k].is_engine}
+    server_values = {k: v for k, v in values.items() if not FIELDS[k].is_engine}
+    try:
+        return ServerSettings(engine=EngineConfig(**engine_values), **server_values)
+    except SettingsError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise SettingsError(f"invalid settings: {exc}") from None

@@ -1,0 +1,322 @@
+"""The real engine process behind EngineClient: concurrency, abort, garbage on the socket,
+engine death, and the engine exiting by itself when its server dies."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.errors import EngineDeadError
+from engine.protocol import EngineRequest, FinishReason, Ready, SamplingParams, Shutdown
+from engine.tiny_model import make_tiny_model
+from server.engine_client import EngineClient
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def engine_config(tmp_path_factory) -> EngineConfig:
+    model_dir = make_tiny_model(tmp_path_factory.mktemp("engine-process") / "tiny", seed=3)
+    return EngineConfig(
+        model=str(model_dir), num_threads=1, num_kv_blocks=64, max_model_len=512, seed=0
+    )
+
+
+def _request(request_id: str, first_token: int, max_tokens: int) -> EngineRequest:
+    return EngineRequest(
+        request_id=request_id,
+        prompt_token_ids=[first_token, 20, 30, 40, 50],
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+    )
+
+
+async def _collect(client: EngineClient, request: EngineRequest) -> tuple[list[int], str]:
+    token_ids, finish_reason = [], None
+    async for output in client.generate(request):
+        assert finish_reason is None, "output after the final one"
+        token_ids += output.new_token_ids
+        finish_reason = output.finish_reason
+    return token_ids, finish_reason
+
+
+async def _wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+def test_concurrent_requests_abort_and_garbage(engine_config: EngineConfig, capfd) -> None:
+    async def scenario() -> None:
+        client = EngineClient(engine_config, startup_timeout=120)
+        ready = await client.start()
+        assert ready.num_kv_blocks == 64 and ready.max_model_len == 512
+        assert client.is_alive
+        try:
+            # 4 concurrent requests + one consumer that walks away after 3 outputs.
+            async def walk_away() -> int:
+                seen = 0
+                async for _ in client.generate(_request("walker", 7, max_tokens=500)):
+                    seen += 1
+                    if seen == 3:
+                        break  # leaves the generator: the client aborts it in the engine
+                return seen
+
+            results = await asyncio.gather(
+                *[_collect(client, _request(f"r{i}", 10 + i, max_tokens=12)) for i in range(4)],
+                walk_away(),
+            )
+            for token_ids, finish_reason in results[:4]:
+                assert len(token_ids) == 12 and finish_reason == FinishReason.LENGTH
+            assert results[4] == 3
+            # The walker's blocks are freed once the others are done: usage back to 0 long
+            # before its 500 tokens could have been generated.
+            await _wait_for(
+                lambda: (
+                    client.stats.latest.num_running == 0
+                    and client.stats.latest.kv_cache_usage == 0.0
+                ),
+                timeout=1.0,
+                what="kv usage back to 0",
+            )
+            assert client.stats.totals["prefix_cache_queries_total"] > 0
+
+            # Explicit abort: the consumer sees finish_reason "abort".
+            async def abort_soon() -> None:
+                await asyncio.sleep(0.2)
+                await client.abort(["explicit"])
+
+            (token_ids, finish_reason), _ = await asyncio.gather(
+                _collect(client, _request("explicit", 9, max_tokens=400)), abort_soon()
+            )
+            assert finish_reason == FinishReason.ABORT and len(token_ids) < 400
+
+            # Garbage and a pickle straight into the engine's inbox: dropped, engine lives on.
+            await client._inbox.send_multipart([b"\xc1\x00garbage"])
+            await client._inbox.send_multipart([pickle.dumps(Shutdown())])
+            await client._inbox.send_multipart([b"\x81\xa4type\xa8Shutdown", b"extra frame"])
+            token_ids, finish_reason = await _collect(client, _request("after", 11, 5))
+            assert len(token_ids) == 5 and finish_reason == FinishReason.LENGTH
+            assert client.is_alive
+        finally:
+            await client.shutdown()
+        assert client._process.exitcode == 0
+        # The engine logged (to the inherited stderr) and dropped each bad message.
+        assert capfd.readouterr().err.count("dropped an undecodable inbox message") == 3
+        assert not client.is_alive
+        with pytest.raises(EngineDeadError):
+            await _collect(client, _request("late", 1, 2))
+
+    asyncio.run(scenario())
+
+
+def test_engine_death_fails_in_flight_requests(engine_config: EngineConfig) -> None:
+    async def scenario() -> None:
+        deaths: list[str] = []
+        client = EngineClient(
+            engine_config,
+            startup_timeout=120,
+            on_engine_death=deaths.append,
+            # TCP instead of the private ipc:// sockets (e.g. an engine in another container).
+            inbox_address=f"tcp://127.0.0.1:{_free_port()}",
+            outbox_address=f"tcp://127.0.0.1:{_free_port()}",
+        )
+        await client.start()
+        try:
+            request = _request("doomed", 5, max_tokens=500)
+            stream = client.generate(request)
+            await stream.__anext__()  # the request is running in the engine
+            os.kill(client.pid, signal.SIGKILL)
+            killed_at = time.monotonic()
+            with pytest.raises(EngineDeadError):
+                async for _ in stream:
+                    pass
+            assert time.monotonic() - killed_at < 2.0
+            assert deaths and not client.is_alive
+            with pytest.raises(EngineDeadError):
+                await _collect(client, _request("after-death", 5, 2))
+        finally:
+            await client.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_start_fails_clearly_without_a_model(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        client = EngineClient(EngineConfig(model=str(tmp_path / "nothing")), startup_timeout=60)
+        with pytest.raises(EngineDeadError, match="start-up failed"):
+            await client.start()
+        assert not client.is_alive
+
+    asyncio.run(scenario())
+
+
+PARENT_SCRIPT = textwrap.dedent(
+    """
+    import asyncio, sys
+    from engine.config import EngineConfig
+    from server.engine_client import EngineClient
+
+    async def main():
+        config = EngineConfig(model=sys.argv[1], num_threads=1, num_kv_blocks=16)
+        client = EngineClient(config, startup_timeout=120)
+        await client.start()
+        print(client.pid, flush=True)
+        await asyncio.sleep(600)
+
+    if __name__ == "__main__":
+        asyncio.run(main())
+    """
+)
+
+
+def _is_gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"  # exited, not yet reaped
+    except FileNotFoundError:
+        return True
+
+
+def test_engine_exits_when_the_server_dies(engine_config: EngineConfig, tmp_path: Path) -> None:
+    script = tmp_path / "parent.py"
+    script.write_text(PARENT_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    parent = subprocess.Popen(
+        [sys.executable, str(script), engine_config.model], stdout=subprocess.PIPE, env=env
+    )
+    engine_pid = None
+    try:
+        engine_pid = int(parent.stdout.readline())
+        assert not _is_gone(engine_pid)
+        parent.kill()  # SIGKILL: no atexit, no shutdown message
+        parent.wait(10)
+        deadline = time.monotonic() + 5
+        while not _is_gone(engine_pid):
+            assert time.monotonic() < deadline, "the engine outlived its server"
+            time.sleep(0.1)
+    finally:
+        parent.kill()
+        parent.wait(10)
+        if engine_pid is not None and not _is_gone(engine_pid):
+            os.kill(engine_pid, signal.SIGKILL)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _engine_child(server_pid: int) -> int | None:
+    """The engine process among the server's children (not multiprocessing's helpers)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == server_pid and b"spawn_main" in cmdline:
+            return int(entry.name)
+    return None
+
+
+def _start_serve(engine_config: EngineConfig, tmp_path: Path) -> tuple[subprocess.Popen, int]:
+    import httpx
+
+    port = _free_port()
+    command = [sys.executable, "-m", "server.cli", "serve", "--model", engine_config.model]
+    command += ["--host", "127.0.0.1", "--port", str(port), "--num-threads", "1"]
+    command += ["--num-kv-blocks", "16", "--shutdown-timeout-s", "2"]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    log = open(tmp_path / f"serve-{port}.log", "wb")
+    server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 90
+    while True:
+        assert server.poll() is None, (tmp_path / f"serve-{port}.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "server not healthy in time"
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    engine_pid = _engine_child(server.pid)
+    assert engine_pid is not None
+    return server, engine_pid
+
+
+@pytest.mark.parametrize("how", ["engine-killed", "sigterm"])
+def test_serve_exit_codes(engine_config: EngineConfig, tmp_path: Path, how: str) -> None:
+    server, engine_pid = _start_serve(engine_config, tmp_path)
+    try:
+        if how == "engine-killed":
+            os.kill(engine_pid, signal.SIGKILL)
+            assert server.wait(15) == 1  # non-zero: a supervisor restarts the server
+        else:
+            server.send_signal(signal.SIGTERM)
+            assert server.wait(30) == 0
+            assert _is_gone(engine_pid)  # shut down with the server, not orphaned
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(10)
+
+
+class _CoreThatFailsInStep:
+    """A stand-in EngineCore whose step() raises: the engine must report it and exit."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.ready = Ready(
+            model_name="broken", max_model_len=64, vocab_size=10, hidden_size=8, block_size=16,
+            num_kv_blocks=4, eos_token_ids=[0], modalities=[], dtype="float32", device="cpu",
+        )  # fmt: skip
+        self.has_work = False
+
+    def add_request(self, request: EngineRequest, tensors=()) -> None:
+        self.has_work = True
+
+    def abort_requests(self, request_ids) -> None:
+        pass
+
+    def has_unfinished_requests(self) -> bool:
+        return self.has_work
+
+    def step(self):
+        raise RuntimeError("boom in step")
+
+
+def test_step_failure_sends_engine_failed_and_exits_nonzero(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        deaths: list[str] = []
+        client = EngineClient(
+            EngineConfig(model=str(tmp_path)),
+            on_engine_death=deaths.append,
+            core_factory=_CoreThatFailsInStep,
+        )
+        await client.start()
+        try:
+            with pytest.raises(EngineDeadError):
+                await _collect(client, _request("r", 1, 4))
+            assert deaths and "boom in step" in deaths[0]
+            await _wait_for(lambda: client._process.exitcode is not None, 5, "engine exit")
+            assert client._process.exitcode == 1
+        finally:
+            await client.shutdown()
+
+    asyncio.run(scenario())

@@ -1,0 +1,151 @@
+"""ServerSettings loading: CLI > env > YAML > defaults, flags generated from the fields."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from engine.config import EngineConfig
+from server.default_model import default_model_dir
+from server.settings import FIELDS, ServerSettings, SettingsError, build_parser, load_settings
+
+
+def _yaml(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "tessera.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_defaults() -> None:
+    settings = load_settings(["--model", "/models/m"], {})
+    assert settings.engine == EngineConfig(model="/models/m")
+    assert settings.port == 8000 and settings.host == "0.0.0.0" and settings.api_key is None
+    assert settings.log_format == "text" and settings.allow_private_media_urls is False
+    assert settings.model_name == "m"
+
+
+def test_precedence_cli_over_env_over_yaml_over_default(tmp_path: Path) -> None:
+    config = _yaml(
+        tmp_path,
+        "model: /from/yaml\nmax_num_seqs: 3\nport: 7000\nblock_size: 32\napi_key: yaml-key\n",
+    )
+    environ = {"TESSERA_MAX_NUM_SEQS": "5", "TESSERA_PORT": "7100", "TESSERA_API_KEY": "env-key"}
+    settings = load_settings(["--config", config, "--max-num-seqs", "9"], environ)
+    assert settings.engine.max_num_seqs == 9  # CLI
+    assert settings.port == 7100 and settings.api_key == "env-key"  # env over YAML
+    assert settings.engine.block_size == 32 and settings.engine.model == "/from/yaml"  # YAML
+    assert settings.engine.max_num_batched_tokens == 2048  # default
+    # TESSERA_CONFIG names the YAML file when --config is absent.
+    settings = load_settings([], {"TESSERA_CONFIG": config})
+    assert settings.engine.max_num_seqs == 3 and settings.port == 7000
+
+
+def test_bool_flags_env_and_yaml(tmp_path: Path) -> None:
+    base = ["--model", "m"]
+    assert load_settings(base, {}).engine.enable_prefix_caching is True
+    assert (
+        load_settings([*base, "--no-enable-prefix-caching"], {}).engine.enable_prefix_caching
+        is False
+    )
+    assert load_settings([*base, "--no-split-media"], {}).engine.split_media is False
+    settings = load_settings([*base, "--allow-private-media-urls"], {})
+    assert settings.allow_private_media_urls is True
+    env = {"TESSERA_ENABLE_PREFIX_CACHING": "false", "TESSERA_ALLOW_PRIVATE_MEDIA_URLS": "1"}
+    settings = load_settings(base, env)
+    assert settings.engine.enable_prefix_caching is False and settings.allow_private_media_urls
+    # CLI beats env for booleans too.
+    settings = load_settings([*base, "--enable-prefix-caching"], env)
+    assert settings.engine.enable_prefix_caching is True
+    settings = load_settings(["--config", _yaml(tmp_path, "split_media: false\n")], {})
+    assert settings.engine.split_media is False
+    with pytest.raises(SettingsError, match="TESSERA_SPLIT_MEDIA"):
+        load_settings(base, {"TESSERA_SPLIT_MEDIA": "maybe"})
+
+
+def test_types_and_optional_values(tmp_path: Path) -> None:
+    settings = load_settings(
+        ["--model", "m", "--max-model-len", "4096", "--kv-cache-memory-gib", "1.5"],
+        {"TESSERA_NUM_KV_BLOCKS": "128", "TESSERA_API_KEY": "none"},
+    )
+    assert settings.engine.max_model_len == 4096 and settings.engine.kv_cache_memory_gib == 1.5
+    assert settings.engine.num_kv_blocks == 128 and settings.api_key is None
+    with pytest.raises(SettingsError, match="--max-num-seqs"):
+        load_settings(["--max-num-seqs", "many"], {})
+    with pytest.raises(SettingsError, match="max_num_seqs"):
+        load_settings(["--config", _yaml(tmp_path, "max_num_seqs: '8'\n")], {})
+    with pytest.raises(SettingsError, match="port"):
+        load_settings(["--config", _yaml(tmp_path, "port: true\n")], {})
+    yaml_settings = load_settings(["--config", _yaml(tmp_path, "kv_cache_memory_gib: 4\n")], {})
+    assert yaml_settings.engine.kv_cache_memory_gib == 4.0
+    with pytest.raises(SettingsError, match="log_format"):
+        load_settings(["--log-format", "xml"], {})
+
+
+def test_yaml_errors_and_nested_engine_section(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match="unknown setting 'max_num_seq'"):
+        load_settings(["--config", _yaml(tmp_path, "max_num_seq: 4\n")], {})
+    with pytest.raises(SettingsError, match="unknown setting 'port'"):
+        load_settings(["--config", _yaml(tmp_path, "engine:\n  port: 1\n")], {})
+    with pytest.raises(SettingsError, match="set twice"):
+        load_settings(["--config", _yaml(tmp_path, "seed: 1\nengine:\n  seed: 2\n")], {})
+    with pytest.raises(SettingsError, match="mapping"):
+        load_settings(["--config", _yaml(tmp_path, "- a\n- b\n")], {})
+    with pytest.raises(SettingsError, match="cannot read"):
+        load_settings(["--config", str(tmp_path / "missing.yaml")], {})
+    text = "port: 9000\nengine:\n  model: /m\n  max_num_seqs: 2\n"
+    settings = load_settings(["--config", _yaml(tmp_path, text)], {})
+    assert settings.port == 9000 and settings.engine.max_num_seqs == 2
+    assert settings.engine.model == "/m"
+
+
+def test_every_field_has_a_flag_and_env_var() -> None:
+    parser_flags = {opt for action in build_parser()._actions for opt in action.option_strings}
+    names = [f.name for f in dataclasses.fields(EngineConfig)]
+    names += [f.name for f in dataclasses.fields(ServerSettings) if f.name != "engine"]
+    assert sorted(FIELDS) == sorted(names)  # server and engine names never collide
+    for name in names:
+        assert "--" + name.replace("_", "-") in parser_flags
+        assert FIELDS[name].env == "TESSERA_" + name.upper()
+    assert "--no-enable-prefix-caching" in parser_flags
+
+
+def test_default_model_dir(tmp_path: Path) -> None:
+    settings = load_settings([], {"TESSERA_CACHE_DIR": str(tmp_path)})
+    assert Path(settings.engine.model) == tmp_path / "default-model"
+    assert default_model_dir({}) == Path("~/.cache/tessera/default-model").expanduser()
+
+
+def test_default_model_is_generated_once_atomically(tmp_path: Path) -> None:
+    from server.default_model import ensure_default_model, is_default_model
+
+    path = tmp_path / "default-model"
+    assert ensure_default_model(path) == path
+    assert (path / "config.json").is_file() and (path / "model.safetensors").is_file()
+    assert [p.name for p in tmp_path.iterdir()] == ["default-model"]  # no staging left over
+    mtime = (path / "model.safetensors").stat().st_mtime_ns
+    ensure_default_model(path)  # reused, not regenerated
+    assert (path / "model.safetensors").stat().st_mtime_ns == mtime
+    assert is_default_model(str(path), {"TESSERA_CACHE_DIR": str(tmp_path)})
+    assert not is_default_model("/models/other", {"TESSERA_CACHE_DIR": str(tmp_path)})
+
+
+def test_cli_usage_errors(capsys: pytest.CaptureFixture) -> None:
+    from server.cli import main
+
+    assert main([]) == 2
+    assert main(["frobnicate"]) == 2
+    assert "unknown command" in capsys.readouterr().err
+    assert main(["serve", "--config", "/nonexistent/tessera.yaml"]) == 2
+    assert "cannot read config file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    assert "--max-num-seqs" in capsys.readouterr().out
+
+
+def test_cli_make_tiny_model(tmp_path: Path) -> None:
+    from server.cli import main
+
+    assert main(["make-tiny-model", str(tmp_path / "m")]) == 0
+    assert (tmp_path / "m" / "config.json").is_file()
