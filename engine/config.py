@@ -31,6 +31,11 @@ class EngineConfig:
     attention_backend: str = "torch"
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch default
     seed: int = 0
+    feature_fetch_parallel: int = 8  # concurrent feature downloads per request; 1 = serial
+    feature_fetch_timeout_s: float = 30.0  # total deadline per feature URL, retries included
+    max_feature_bytes: int = 256 * 1024 * 1024  # per feature file
+    feature_fetch_retries: int = 3  # transient failures (timeouts, 5xx, throttling)
+    s3_endpoint_url: str | None = None  # None = the standard AWS environment / config
 
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)

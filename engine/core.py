@@ -16,6 +16,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.errors import ContextLengthExceeded, InvalidRequest, MediaError, TesseraError
+from engine.feature_admission import FeatureAdmission
 from engine.model_runner import ModelRunner, error_info
 from engine.models.mrope import mrope_positions
 from engine.protocol import (
@@ -50,6 +51,7 @@ class EngineCore:
             max_model_len=self.runner.max_model_len,
         )
         self._pending: list[RequestOutput] = []  # refusals and aborts for the next step
+        self.features = FeatureAdmission(self.config, self.runner, self.scheduler)
 
     @property
     def ready(self) -> Ready:
@@ -70,9 +72,12 @@ class EngineCore:
     def add_request(self, request: EngineRequest, tensors: Sequence[torch.Tensor] = ()) -> None:
         """Queues a request; invalid input finishes it with an error in the next step."""
         try:
-            if request.request_id in self.scheduler.requests:
+            request_id = request.request_id
+            if request_id in self.scheduler.requests or self.features.has(request_id):
                 raise InvalidRequest(f"duplicate request id {request.request_id!r}")
-            self.scheduler.add_request(self._build(request, tensors))
+            built = self._build(request, tensors)
+            if not self.features.submit(built, request.media):
+                self.scheduler.add_request(built)
         except TesseraError as exc:
             self._refuse(request, error_info(exc))
         except Exception:  # noqa: BLE001 - never let one request take the engine down
@@ -80,13 +85,19 @@ class EngineCore:
             self._refuse(request, error_info(RuntimeError()))
 
     def abort_requests(self, request_ids: Sequence[str]) -> None:
+        self._pending += self.features.abort(request_ids)
         self._pending += self.scheduler.abort(list(request_ids))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._pending)
+        return (
+            self.scheduler.has_unfinished_requests()
+            or bool(self._pending)
+            or self.features.num_fetching > 0
+        )
 
     def step(self) -> EngineOutputs:
         started = time.perf_counter()
+        self._pending += self.features.admit_finished()  # never waits on the network
         outputs, self._pending = self._pending, []
         scheduler_output = self.scheduler.schedule()
         encoder_seconds, num_items, num_batches = 0.0, 0, 0
@@ -110,6 +121,7 @@ class EngineCore:
         stats = EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
+            num_fetching=self.features.num_fetching,
             kv_cache_usage=self.scheduler.kv.usage,
             num_preemptions_total=counters.num_preemptions,
             num_scheduled_tokens=scheduler_output.num_scheduled_tokens,
@@ -121,6 +133,7 @@ class EngineCore:
             encoder_cache_hits_total=counters.encoder_cache_hits,
             prefix_cache_queries_total=counters.prefix_cache_queries,
             prefix_cache_hits_total=counters.prefix_cache_hits,
+            **self.features.stats_fields(),
         )
         return EngineOutputs(outputs, stats)
 
@@ -204,6 +217,16 @@ class EngineCore:
                     f"pixel values of shape {tuple(pixel_values.shape)} do not match grid_thw "
                     f"{tuple(media.grid_thw)} (expected {(t * h * w, patch_dim)})",
                     param=param,
+                )
+        elif media.feature is not None:
+            pass  # fetched by the FeatureFetcher before the request is scheduled
+        elif media.content_hash.startswith("uuid:"):
+            if media.content_hash not in self.runner.encoder_cache:
+                raise MediaError(
+                    f"unknown media uuid {media.content_hash.removeprefix('uuid:')!r}: send the "
+                    "media with its uuid first (it may also have been evicted)",
+                    param=param,
+                    code="unknown_media_uuid",
                 )
         elif media.content_hash not in self.runner.encoder_cache:
             raise MediaError("media item has no pixel values and is not cached", param=param)

@@ -207,8 +207,8 @@ def _stats_changed(previous: EngineStats | None, current: EngineStats) -> bool:
         if field in _TIMING_FIELDS:
             continue
         value = getattr(current, field)
-        if field.endswith("_total") and value:
-            return True  # counters are deltas: a non-zero one must reach the server
+        if (field.endswith("_total") or isinstance(value, list | dict)) and value:
+            return True  # counters and observations are deltas: they must reach the server
         if value != getattr(previous, field):
             return True
     return False

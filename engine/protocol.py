@@ -149,6 +149,10 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     encoder_cache_hits_total: int = 0
     prefix_cache_queries_total: int = 0  # tokens
     prefix_cache_hits_total: int = 0  # tokens
+    feature_fetch_seconds: list[float] = []  # one per finished feature download
+    feature_fetch_bytes_total: int = 0
+    feature_fetch_failures: dict[str, int] = {}  # reason -> count since the last message
+    feature_fetch_in_flight: int = 0
 
 
 class EngineOutputs(msgspec.Struct, frozen=True, tag=True):

@@ -202,6 +202,7 @@ def _add_api_routes(api: APIRouter) -> None:
         prompt = await prepare_chat_prompt(
             body, state.processor, state.fetcher,
             max_images=_setting(state.settings, "max_images_per_request", 16),
+            settings=state.settings,
         )
         job = _job(state, body, prompt, prefix="chatcmpl")
         with_logprobs = body.logprobs

@@ -1,22 +1,48 @@
 """Chat request -> prompt token ids + media (MediaInput + pixel tensors) for the engine.
 
-Images are fetched and preprocessed concurrently (media_fetch), then the chat template is
-rendered with one placeholder per image and each placeholder widened to the image's token
-count; the spans give every MediaInput its `offset` / `num_tokens`.
+Media parts, in prompt order, are one of:
+
+* `image_url` — fetched and preprocessed concurrently (media_fetch). With a client `uuid`
+  the engine caches the encoding under `uuid:<uuid>`; a later part with the same uuid and
+  no URL reuses it (the server remembers the uuid's grid, the engine its rows).
+* `image_features` / `video_features` — pre-encoded features the engine's FeatureFetcher
+  downloads (only with `--enable-feature-inputs`, URL checked against the allowlists here).
+  The token count comes from `grid_thw`; `content_hash` is a hash of the URL for now (the
+  engine re-keys the rows by the blake3 of the file's bytes).
+
+Then the chat template is rendered with one placeholder per item and each placeholder
+widened to the item's token count; the spans give every MediaInput its `offset`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import functools
+import hashlib
+import threading
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from engine.errors import InvalidRequest
-from engine.multimodal.image_processor import ProcessedImage
+import msgspec
+
+from engine.errors import InvalidRequest, MediaError
+from engine.multimodal.image_processor import ImageProcessorConfig, ProcessedImage
 from engine.multimodal.prompt import PromptProcessor
-from engine.protocol import MediaInput, Modality, TensorRef
+from engine.protocol import FeatureSource, MediaInput, Modality, TensorRef
 from server.generation import PreparedPrompt
 from server.media_fetch import MediaFetcher
-from server.openai_models import ChatCompletionRequest, ChatMessage, ImagePart
+from server.openai_models import (
+    ChatCompletionRequest,
+    ChatMessage,
+    ImageFeaturesPart,
+    ImagePart,
+    VideoFeaturesPart,
+)
+
+MAX_REMEMBERED_UUIDS = 16384
+FEATURE_SCHEMES = ("s3://", "http://", "https://", "data:")
 
 
 def tensor_ref(frame: int, tensor: Any) -> TensorRef:
@@ -29,19 +55,156 @@ def tensor_ref(frame: int, tensor: Any) -> TensorRef:
     return engine_tensor_ref(frame, tensor)
 
 
-def image_parts(messages: list[ChatMessage]) -> list[tuple[str, str]]:
-    """(param path, url) of every image part, in prompt order."""
+@dataclass(frozen=True)
+class MediaPart:
+    """One media content part, in prompt order."""
+
+    param: str  # "messages[i].content[j]"
+    modality: Modality
+    url: str | None  # image URL or feature URL; None = a uuid-only image
+    uuid: str | None = None
+    grid_thw: tuple[int, int, int] | None = None  # feature parts only
+    is_feature: bool = False
+
+
+def media_parts(messages: list[ChatMessage]) -> list[MediaPart]:
     found = []
     for i, message in enumerate(messages):
-        if isinstance(message.content, list):
-            for j, part in enumerate(message.content):
-                if isinstance(part, ImagePart):
-                    found.append((f"messages[{i}].content[{j}]", part.image_url.url))
+        if not isinstance(message.content, list):
+            continue
+        for j, part in enumerate(message.content):
+            param = f"messages[{i}].content[{j}]"
+            if isinstance(part, ImagePart):
+                url = part.image_url.url
+                if not url and not part.uuid:
+                    raise InvalidRequest("an image_url part needs a url or a uuid", param=param)
+                found.append(MediaPart(param, Modality.IMAGE, url or None, part.uuid))
+            elif isinstance(part, ImageFeaturesPart | VideoFeaturesPart):
+                is_image = isinstance(part, ImageFeaturesPart)
+                ref = part.image_features if is_image else part.video_features
+                grid = ref.grid_thw
+                if len(grid) != 3 or min(grid) < 1:
+                    raise InvalidRequest(
+                        "grid_thw must be 3 positive integers [t, h, w]", param=param + ".grid_thw"
+                    )
+                modality = Modality.IMAGE if is_image else Modality.VIDEO
+                found.append(MediaPart(param, modality, ref.url, None, tuple(grid), True))
     return found
+
+
+def image_parts(messages: list[ChatMessage]) -> list[tuple[str, str]]:
+    """(param path, url) of every image part with a URL, in prompt order."""
+    return [
+        (p.param, p.url) for p in media_parts(messages) if not p.is_feature and p.url is not None
+    ]
 
 
 def messages_as_dicts(messages: list[ChatMessage]) -> list[dict]:
     return [m.model_dump(exclude_none=True) for m in messages]
+
+
+@dataclass(frozen=True)
+class FeaturePolicy:
+    """Whether feature parts are accepted, from where, and the model's merge size."""
+
+    is_enabled: bool
+    buckets: frozenset[str] | None
+    url_prefixes: tuple[str, ...] | None
+    merge_size: int
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> FeaturePolicy:
+        return _policy(
+            bool(getattr(settings, "enable_feature_inputs", False)),
+            getattr(settings, "allowed_feature_buckets", None),
+            getattr(settings, "allowed_feature_url_prefixes", None),
+            settings.engine.model,
+        )
+
+    def check(self, part: MediaPart) -> None:
+        kind = f"{part.modality.value}_features"
+        if not self.is_enabled:
+            raise InvalidRequest(
+                f"{kind} parts are disabled on this server (--enable-feature-inputs)",
+                param=part.param,
+            )
+        url = part.url or ""
+        if not url.startswith(FEATURE_SCHEMES):
+            raise InvalidRequest(
+                "a feature URL must be s3://, http(s):// or data:", param=part.param + ".url"
+            )
+        if url.startswith("s3://") and self.buckets is not None:
+            bucket = url.removeprefix("s3://").split("/", 1)[0]
+            if bucket not in self.buckets:
+                raise InvalidRequest(
+                    f"bucket {bucket!r} is not in the allowed feature buckets",
+                    param=part.param + ".url",
+                )
+        if self.url_prefixes is not None and not url.startswith(self.url_prefixes):
+            shown = "a data: URL" if url.startswith("data:") else f"URL {url[:200]!r}"
+            raise InvalidRequest(
+                f"{shown} is not under an allowed feature URL prefix", param=part.param + ".url"
+            )
+        t, h, w = part.grid_thw or (0, 0, 0)
+        if h % self.merge_size or w % self.merge_size:
+            raise InvalidRequest(
+                f"grid_thw {[t, h, w]}: h and w must be multiples of the merge size "
+                f"{self.merge_size}",
+                param=part.param + ".grid_thw",
+            )
+
+    def num_tokens(self, grid_thw: tuple[int, int, int]) -> int:
+        t, h, w = grid_thw
+        return t * h * w // self.merge_size**2
+
+
+def _split(value: str | None) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    return tuple(item.strip() for item in value.split(",") if item.strip())
+
+
+@functools.lru_cache(maxsize=8)
+def _policy(enabled: bool, buckets: str | None, prefixes: str | None, model: str):
+    merge = 2
+    if (Path(model) / "preprocessor_config.json").is_file():
+        merge = ImageProcessorConfig.from_model_dir(model).merge_size
+    bucket_list = _split(buckets)
+    return FeaturePolicy(
+        enabled, None if bucket_list is None else frozenset(bucket_list), _split(prefixes), merge
+    )
+
+
+class UuidRegistry:
+    """uuid -> (grid_thw, num_tokens) of images sent with a client uuid (bounded LRU)."""
+
+    def __init__(self, capacity: int = MAX_REMEMBERED_UUIDS) -> None:
+        self.capacity = capacity
+        self._grids: collections.OrderedDict[str, tuple[tuple[int, int, int], int]] = (
+            collections.OrderedDict()
+        )
+        self._lock = threading.Lock()
+
+    def remember(self, uuid: str, grid_thw: tuple[int, int, int], num_tokens: int) -> None:
+        with self._lock:
+            self._grids[uuid] = (grid_thw, num_tokens)
+            self._grids.move_to_end(uuid)
+            while len(self._grids) > self.capacity:
+                self._grids.popitem(last=False)
+
+    def lookup(self, uuid: str, *, param: str) -> tuple[tuple[int, int, int], int]:
+        with self._lock:
+            grid = self._grids.get(uuid)
+        if grid is None:
+            raise MediaError(
+                f"unknown media uuid {uuid!r}: send the image with its uuid first",
+                param=param,
+                code="unknown_media_uuid",
+            )
+        return grid
+
+
+UUIDS = UuidRegistry()
 
 
 async def prepare_chat_prompt(
@@ -50,42 +213,92 @@ async def prepare_chat_prompt(
     fetcher: MediaFetcher | None,
     *,
     max_images: int,
+    settings: Any = None,
 ) -> PreparedPrompt:
-    """Fetch + process images and tokenise the rendered chat."""
-    parts = image_parts(request.messages)
+    """Fetch + process images, check feature parts, and tokenise the rendered chat."""
+    parts = media_parts(request.messages)
+    images = [p for p in parts if not p.is_feature]
     if len(parts) > max_images:
         raise InvalidRequest(
-            f"the request has {len(parts)} images; at most {max_images} are allowed",
+            f"the request has {len(parts)} media items; at most {max_images} are allowed",
             param="messages",
         )
-    if parts and fetcher is None:
-        raise InvalidRequest("this model does not accept images", param=parts[0][0])
-    images: list[ProcessedImage] = []
-    if parts:
-        tasks = [
-            asyncio.create_task(fetcher.load_image(url, param=param))  # type: ignore[union-attr]
-            for param, url in parts
-        ]
-        try:
-            images = list(await asyncio.gather(*tasks))
-        finally:
-            for task in tasks:
-                task.cancel()
-    counts = [("image", image.num_tokens) for image in images]
+    if images and fetcher is None:
+        raise InvalidRequest("this model does not accept images", param=images[0].param)
+    features = [p for p in parts if p.is_feature]
+    policy = FeaturePolicy.from_settings(settings) if features else None
+    for part in features:
+        policy.check(part)  # type: ignore[union-attr]
+    processed = await _load_images(images, fetcher)
+    media, tensors, counts = [], [], []
+    for part in parts:
+        if part.is_feature:
+            grid = part.grid_thw
+            url_hash = hashlib.blake2b(part.url.encode(), digest_size=16).hexdigest()  # type: ignore[union-attr]
+            item = MediaInput(
+                modality=part.modality,
+                content_hash="feature-url:" + url_hash,
+                offset=0,
+                num_tokens=policy.num_tokens(grid),  # type: ignore[union-attr, arg-type]
+                grid_thw=grid,  # type: ignore[arg-type]
+                feature=FeatureSource(part.url),  # type: ignore[arg-type]
+            )
+        else:
+            item = _image_input(part, processed.get(part.param), tensors)
+        media.append(item)
+        counts.append((item.modality.value, item.num_tokens))
     prompt = await asyncio.to_thread(
         processor.process_chat, messages_as_dicts(request.messages), counts
     )
-    media, tensors = [], []
-    for frame, (image, span) in enumerate(zip(images, prompt.spans, strict=True)):
-        media.append(
-            MediaInput(
-                modality=Modality.IMAGE,
-                content_hash=image.content_hash,
-                offset=span.offset,
-                num_tokens=span.num_tokens,
-                grid_thw=tuple(image.grid_thw),
-                pixel_values=tensor_ref(frame, image.pixel_values),
-            )
-        )
-        tensors.append(image.pixel_values)  # [num_patches, C * T * P * P] float32
+    media = [
+        _with_offset(item, span.offset) for item, span in zip(media, prompt.spans, strict=True)
+    ]
     return PreparedPrompt(token_ids=prompt.token_ids, media=media, tensors=tensors)
+
+
+async def _load_images(
+    images: list[MediaPart], fetcher: MediaFetcher | None
+) -> dict[str, ProcessedImage]:
+    with_url = [p for p in images if p.url is not None]
+    if not with_url:
+        return {}
+    tasks = [
+        asyncio.create_task(fetcher.load_image(p.url, param=p.param))  # type: ignore[union-attr, arg-type]
+        for p in with_url
+    ]
+    try:
+        results = await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+    return {p.param: image for p, image in zip(with_url, results, strict=True)}
+
+
+def _image_input(part: MediaPart, image: ProcessedImage | None, tensors: list[Any]) -> MediaInput:
+    if image is None:  # uuid only: the engine must hold the encoding already
+        grid, num_tokens = UUIDS.lookup(part.uuid, param=part.param)  # type: ignore[arg-type]
+        return MediaInput(
+            modality=Modality.IMAGE,
+            content_hash="uuid:" + part.uuid,  # type: ignore[operator]
+            offset=0,
+            num_tokens=num_tokens,
+            grid_thw=grid,
+        )
+    content_hash = image.content_hash
+    if part.uuid is not None:
+        content_hash = "uuid:" + part.uuid
+        UUIDS.remember(part.uuid, tuple(image.grid_thw), image.num_tokens)
+    item = MediaInput(
+        modality=Modality.IMAGE,
+        content_hash=content_hash,
+        offset=0,
+        num_tokens=image.num_tokens,
+        grid_thw=tuple(image.grid_thw),
+        pixel_values=tensor_ref(len(tensors), image.pixel_values),
+    )
+    tensors.append(image.pixel_values)  # [num_patches, C * T * P * P] float32
+    return item
+
+
+def _with_offset(item: MediaInput, offset: int) -> MediaInput:
+    return msgspec.structs.replace(item, offset=offset)

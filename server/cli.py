@@ -164,6 +164,10 @@ def make_tiny_model_main(argv: Sequence[str]) -> int:
 COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "serve": (serve_main, "serve a model over an OpenAI-compatible HTTP API"),
     "make-tiny-model": (make_tiny_model_main, "write a small random-weight Qwen2-VL checkpoint"),
+    "encode-features": (
+        lambda argv: __import__("engine.encode_features").encode_features.main(argv),
+        "encode images with the model's vision tower into feature files",
+    ),
 }
 
 

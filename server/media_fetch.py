@@ -1,27 +1,26 @@
-"""Fetch `image_url`s (http, https, data) and turn them into processed images.
+"""Fetch `image_url`s (http, https, data, file) and turn them into processed images.
 
-One pooled `httpx.AsyncClient` per app. Every fetch runs under a TOTAL deadline
-(`asyncio.timeout` around the whole fetch, redirects included, not only httpx's idle
-timeout), the byte cap is enforced while the body streams in, redirects are bounded, and
-only http/https/data schemes are accepted. Decoding and preprocessing (CPU work) run in a
-small thread pool, off the event loop. `fetch_url_bytes` is the ONE network fetch
-function: guards against private addresses belong there.
+One pooled, SSRF-guarded `httpx.AsyncClient` per app (server/url_safety.py: every
+connection resolves, checks and dials the checked address; env proxies are ignored).
+Every fetch runs under a TOTAL deadline (`asyncio.timeout` around the whole fetch,
+redirects included), the byte cap is enforced while the body streams in, every redirect
+hop is re-checked and their number bounded. `file://` reads only under
+`--allowed-local-media-path`. Decoding and preprocessing (CPU work) run in a small thread
+pool, off the event loop. `fetch_url_bytes` is the ONE network fetch function.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ipaddress
-import socket
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 import httpx
 
 from engine.errors import MediaError
 from engine.multimodal.image_processor import ImageProcessorConfig, ProcessedImage, process_image
 from engine.multimodal.media import decode_data_url, decode_image
+from server.url_safety import UnsafeUrlError, UrlPolicy, guarded_client
 
 
 @dataclass(frozen=True)
@@ -34,6 +33,16 @@ class MediaFetchConfig:
     max_image_pixels: int = 64_000_000
     max_redirects: int = 3
     num_decode_threads: int = 2
+    allowed_domains: str | None = None  # comma-separated host allowlist; None = any
+    allowed_local_path: str | None = None  # file:// only under this folder; None = off
+
+    @property
+    def url_policy(self) -> UrlPolicy:
+        return UrlPolicy.from_strings(
+            allow_private=self.allow_private_urls,
+            allowed_domains=self.allowed_domains,
+            allowed_local_path=self.allowed_local_path,
+        )
 
 
 class MediaFetcher:
@@ -42,11 +51,8 @@ class MediaFetcher:
     def __init__(self, config: MediaFetchConfig, image_config: ImageProcessorConfig):
         self.config = config
         self.image_config = image_config
-        self._client = httpx.AsyncClient(
-            follow_redirects=False,
-            timeout=httpx.Timeout(config.timeout_s),
-            limits=httpx.Limits(max_connections=32, max_keepalive_connections=8),
-        )
+        self.policy = config.url_policy
+        self._client = guarded_client(self.policy, timeout_s=config.timeout_s)
         self._pool = ThreadPoolExecutor(
             max_workers=config.num_decode_threads, thread_name_prefix="media-decode"
         )
@@ -59,6 +65,8 @@ class MediaFetcher:
         """Fetch (or decode a data: URL), decode and preprocess one image."""
         if url.startswith("data:"):
             data = decode_data_url(url, max_bytes=self.config.max_image_bytes, param=param)
+        elif url[:7].lower() == "file://":
+            data = await asyncio.to_thread(self._read_local, url, param)
         else:
             data = await self.fetch_url_bytes(url, param=param)
         loop = asyncio.get_running_loop()
@@ -68,6 +76,18 @@ class MediaFetcher:
         image = decode_image(data, max_pixels=self.config.max_image_pixels, param=param)
         return process_image(image, self.image_config)
 
+    def _read_local(self, url: str, param: str) -> bytes:
+        try:
+            path = self.policy.resolve_local_path(url)
+        except UnsafeUrlError as exc:
+            raise MediaError(str(exc), param=param, code="media_url_not_allowed") from None
+        cap = self.config.max_image_bytes
+        with path.open("rb") as file:
+            data = file.read(cap + 1)
+        if len(data) > cap:
+            raise MediaError(f"the image is over {cap} bytes", param=param)
+        return data
+
     async def fetch_url_bytes(self, url: str, *, param: str) -> bytes:
         """GET an http(s) URL under a total deadline and a byte cap, following at most
         `max_redirects` redirects (each hop re-checked)."""
@@ -75,8 +95,7 @@ class MediaFetcher:
         try:
             async with asyncio.timeout(self.config.timeout_s):
                 for _ in range(max_redirects + 1):
-                    await self._check_url(url, param=param)
-                    request = self._client.build_request("GET", url)
+                    request = self._client.build_request("GET", self.policy.check_url(url))
                     response = await self._client.send(request, stream=True)
                     try:
                         if response.is_redirect:
@@ -98,6 +117,8 @@ class MediaFetcher:
             raise MediaError(
                 f"fetching the image took longer than {self.config.timeout_s:g} s", param=param
             ) from exc
+        except UnsafeUrlError as exc:
+            raise MediaError(str(exc), param=param, code="media_url_not_allowed") from None
         except httpx.HTTPError as exc:
             raise MediaError("the image URL could not be fetched", param=param) from exc
 
@@ -113,27 +134,3 @@ class MediaFetcher:
                 raise MediaError(f"the image is over {cap} bytes", param=param)
             chunks.append(chunk)
         return b"".join(chunks)
-
-    async def _check_url(self, url: str, *, param: str) -> None:
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https"):
-            raise MediaError("image URLs must use http, https or data", param=param)
-        if not parts.hostname:
-            raise MediaError("the image URL has no host", param=param)
-        if self.config.allow_private_urls:
-            return
-        if await _resolves_to_private(parts.hostname, parts.port or 443):
-            raise MediaError("the image URL points to a private address", param=param)
-
-
-async def _resolves_to_private(host: str, port: int) -> bool:
-    """A basic guard (the full SSRF guard, pinned to the connection, comes later)."""
-    try:
-        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except OSError:
-        return False  # let the fetch fail with its own error
-    for info in infos:
-        address = ipaddress.ip_address(info[4][0])
-        if not address.is_global:
-            return True
-    return False

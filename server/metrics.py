@@ -33,12 +33,14 @@ _STATS_COUNTERS = {
     "vision_encoder_batches_total": "tessera:vision_encoder_batches_total",
     "prefix_cache_queries_total": "tessera:prefix_cache_queries_total",
     "prefix_cache_hits_total": "tessera:prefix_cache_hits_total",
+    "feature_fetch_bytes_total": "tessera:feature_fetch_bytes_total",
 }
 _STATS_GAUGES = {
     "num_running": "tessera:num_requests_running",
     "num_waiting": "tessera:num_requests_waiting",
     "num_fetching": "tessera:num_requests_fetching",
     "kv_cache_usage": "tessera:kv_cache_usage_perc",
+    "feature_fetch_in_flight": "tessera:feature_fetch_in_flight",
 }
 
 
@@ -73,6 +75,10 @@ class ServerMetrics:
             self._labelled("tessera:engine_step_seconds").observe(stats.step_seconds)
         if stats.vision_encoder_seconds:
             self._labelled("tessera:vision_encoder_seconds").observe(stats.vision_encoder_seconds)
+        for seconds in stats.feature_fetch_seconds:
+            self._labelled("tessera:feature_fetch_seconds").observe(seconds)
+        for reason, count in stats.feature_fetch_failures.items():
+            self._labelled("tessera:feature_fetch_failures_total", reason).inc(count)
 
     def on_http_request(self, route: str, status: int) -> None:
         self._labelled("tessera:http_requests_total", route, str(status)).inc()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # ---------------------------------------------------------------------------- requests
 
@@ -31,10 +31,39 @@ class TextPart(_Request):
 
 class ImagePart(_Request):
     type: Literal["image_url"]
-    image_url: ImageUrl
+    image_url: ImageUrl  # url "" (or image_url omitted) when `uuid` names a cached image
+    uuid: str | None = Field(default=None, min_length=1, max_length=256)  # client's own id
+
+    @model_validator(mode="before")
+    @classmethod
+    def _uuid_only(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("uuid") and data.get("image_url") is None:
+            return {**data, "image_url": {"url": ""}}
+        return data
 
 
-ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+class FeatureRef(_Request):
+    url: str
+    grid_thw: list[int]
+
+
+class ImageFeaturesPart(_Request):
+    """Pre-encoded image features (server flag --enable-feature-inputs)."""
+
+    type: Literal["image_features"]
+    image_features: FeatureRef
+
+
+class VideoFeaturesPart(_Request):
+    """Pre-encoded video features (server flag --enable-feature-inputs)."""
+
+    type: Literal["video_features"]
+    video_features: FeatureRef
+
+
+ContentPart = Annotated[
+    TextPart | ImagePart | ImageFeaturesPart | VideoFeaturesPart, Field(discriminator="type")
+]
 
 
 class ChatMessage(_Request):

@@ -70,6 +70,9 @@ class ServerSettings:
     engine_outbox_address: str | None = None
     timeout_keep_alive_s: int = 5
     max_header_bytes: int = 64 * 1024  # h11's limit on request line + headers
+    enable_feature_inputs: bool = False  # accept image_features / video_features parts
+    allowed_feature_buckets: str | None = None  # comma-separated S3 buckets; None = any
+    allowed_feature_url_prefixes: str | None = None  # comma-separated URL prefixes; None = any
 
     def __post_init__(self) -> None:
         if self.log_format not in LOG_FORMATS:

@@ -1,0 +1,130 @@
+"""Benchmark (not a test): parallel feature fetching and its effect on decoding.
+
+    PYTHONPATH=. python bench/feature_fetch.py
+
+1. TTFT of one request with 8 feature objects, each served with 200 ms added latency,
+   with --feature-fetch-parallel 8 vs 1 (target ratio <= 0.25).
+2. Inter-token latency of 8 decoding requests while such fetches are in flight vs
+   without them (target: within 10%).
+Uses the tiny built-in checkpoint and the e2e helpers (local HTTP object server).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from engine.tiny_model import make_tiny_model
+from tests.e2e.conftest import MODEL_NAME, run_server
+from tests.e2e.test_features import ObjectServer, feature_part, features
+
+NUM_OBJECTS = 8
+LATENCY_S = 0.2
+
+
+def stream_times(http: httpx.Client, content: list[dict], max_tokens: int) -> list[float]:
+    """Arrival times (perf_counter) of each streamed chunk with content, from the send."""
+    body = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    started = time.perf_counter()
+    times = [started]
+    with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                delta = json.loads(line[6:])["choices"]
+                if delta and delta[0].get("delta", {}).get("content"):
+                    times.append(time.perf_counter())
+    return times
+
+
+def feature_request(store: ObjectServer, tag: str) -> list[dict]:
+    parts = [
+        feature_part(store.put(f"{tag}/{i}", features(i), delay=LATENCY_S))
+        for i in range(NUM_OBJECTS)
+    ]
+    return [*parts, {"type": "text", "text": "hi"}]
+
+
+def ttft(model_dir: Path, store: ObjectServer, parallel: int, log: Path) -> float:
+    flags = ("--enable-feature-inputs", "--feature-fetch-parallel", str(parallel))
+    with (
+        run_server(model_dir, log, *flags) as server,
+        httpx.Client(base_url=server.base_url, timeout=60) as http,
+    ):
+        stream_times(http, feature_request(store, f"warm{parallel}"), 1)
+        samples = []
+        for rep in range(3):
+            times = stream_times(http, feature_request(store, f"p{parallel}r{rep}"), 1)
+            samples.append(times[1] - times[0])
+        return statistics.median(samples)
+
+
+def itl(model_dir: Path, store: ObjectServer, log: Path) -> tuple[float, float]:
+    text = [{"type": "text", "text": "tell me a long story"}]
+    with (
+        run_server(model_dir, log, "--enable-feature-inputs") as server,
+        httpx.Client(base_url=server.base_url, timeout=120) as http,
+    ):
+
+        def decode_gaps() -> list[float]:
+            with ThreadPoolExecutor(8) as pool:
+                runs = list(pool.map(lambda _: stream_times(http, text, 96), range(8)))
+            return [b - a for times in runs for a, b in zip(times[1:], times[2:], strict=False)]
+
+        decode_gaps()  # warm-up
+        quiet = statistics.mean(decode_gaps())
+        stop = threading.Event()
+
+        def fetch_loop() -> None:
+            count = 0
+            while not stop.is_set():
+                stream_times(http, feature_request(store, f"bg{count}"), 1)
+                count += 1
+
+        background = threading.Thread(target=fetch_loop)
+        background.start()
+        try:
+            busy = statistics.mean(decode_gaps())
+        finally:
+            stop.set()
+            background.join()
+        return quiet, busy
+
+
+def main() -> None:
+    work = Path(tempfile.mkdtemp(prefix="tessera-bench-"))
+    model_dir = make_tiny_model(work / "model")
+    store = ObjectServer()
+    threading.Thread(target=store.httpd.serve_forever, daemon=True).start()
+    parallel = ttft(model_dir, store, 8, work / "p8.log")
+    serial = ttft(model_dir, store, 1, work / "p1.log")
+    print(f"TTFT, {NUM_OBJECTS} objects x {LATENCY_S * 1000:.0f} ms latency:")
+    print(
+        f"  parallel 8: {parallel * 1000:.0f} ms   parallel 1: {serial * 1000:.0f} ms   "
+        f"ratio {parallel / serial:.2f} (target <= 0.25)"
+    )
+    quiet, busy = itl(model_dir, store, work / "itl.log")
+    print("ITL of 8 decoding requests:")
+    print(
+        f"  without fetches: {quiet * 1000:.1f} ms   with fetches in flight: "
+        f"{busy * 1000:.1f} ms   change {100 * (busy / quiet - 1):+.1f}% (target within 10%)"
+    )
+    store.httpd.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""`tessera encode-features`: run a model's own vision tower over images, write features.
+
+    tessera encode-features --model DIR --output OUT IMAGE [IMAGE ...]
+
+Each image is decoded and preprocessed exactly as the server does, encoded by the
+model's vision tower (patch merger included), and written as `<OUT>/<image stem>.safetensors`
+with tensors `embeds` [num_tokens, hidden_size] and `grid_thw` [3] (int64). OUT is a local
+folder or `s3://bucket/prefix` (aioboto3; `--s3-endpoint-url` or the standard AWS env).
+One JSON line per image goes to stdout: {"image", "url", "grid_thw", "num_tokens"}, what
+a chat request's `image_features` part needs. Video is not supported yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from safetensors.torch import save
+
+from engine.attention import get_attention_backend
+from engine.models.loader import load_model
+from engine.multimodal.image_processor import ImageProcessorConfig, process_image
+from engine.multimodal.media import decode_image
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tessera encode-features",
+        description="Encode images with a model's vision tower into safetensors feature files.",
+    )
+    parser.add_argument("images", nargs="+", help="image files")
+    parser.add_argument("--model", required=True, help="local Hugging Face checkpoint folder")
+    parser.add_argument("--output", required=True, help="folder or s3://bucket/prefix")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--s3-endpoint-url", default=None)
+    return parser
+
+
+@torch.inference_mode()
+def encode_image_file(model, config: ImageProcessorConfig, path: Path, device) -> tuple:
+    """(embeds [num_tokens, hidden] float32 on host, grid_thw) of one image file."""
+    image = process_image(decode_image(path.read_bytes()), config)
+    model_dtype = next(model.parameters()).dtype
+    pixel_values = image.pixel_values.to(device=device, dtype=model_dtype)  # [P, C*T*P*P]
+    grid = torch.tensor([image.grid_thw], dtype=torch.long, device=device)  # [1, 3]
+    embeds = model.encode_images(pixel_values, grid)  # [num_tokens, hidden]
+    return embeds.float().cpu(), tuple(image.grid_thw)
+
+
+def feature_file_bytes(embeds: torch.Tensor, grid_thw: tuple[int, int, int], dtype: str) -> bytes:
+    return save(
+        {
+            "embeds": embeds.to(getattr(torch, dtype)).contiguous(),
+            "grid_thw": torch.tensor(grid_thw, dtype=torch.int64),
+        }
+    )
+
+
+async def _upload(files: dict[str, bytes], endpoint_url: str | None) -> None:
+    import aioboto3
+
+    async with aioboto3.Session().client("s3", endpoint_url=endpoint_url) as s3:
+        for url, data in files.items():
+            bucket, _, key = url.removeprefix("s3://").partition("/")
+            await s3.put_object(Bucket=bucket, Key=key, Body=data)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = load_model(
+        args.model, dtype=dtype, device=device, attention=get_attention_backend("torch")
+    )
+    config = ImageProcessorConfig.from_model_dir(args.model)
+    output = args.output.rstrip("/")
+    files: dict[str, bytes] = {}
+    for name in args.images:
+        path = Path(name)
+        embeds, grid_thw = encode_image_file(model, config, path, device)
+        url = f"{output}/{path.stem}.safetensors"
+        files[url] = feature_file_bytes(embeds, grid_thw, args.dtype)
+        line = {"image": name, "url": url, "grid_thw": list(grid_thw)}
+        print(json.dumps({**line, "num_tokens": embeds.shape[0]}))
+    if output.startswith("s3://"):
+        asyncio.run(_upload(files, args.s3_endpoint_url))
+    else:
+        Path(output).mkdir(parents=True, exist_ok=True)
+        for url, data in files.items():
+            Path(url).write_bytes(data)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""The FETCHING state: requests whose media are pre-encoded features wait here.
+
+`EngineCore.add_request` builds and validates a request as usual, then hands it here if
+any media item carries a `FeatureSource`. The request is not in the scheduler (it is
+counted as `num_fetching`) until the FeatureFetcher has downloaded and validated all its
+features. `admit_finished()` (called at the top of every step, non-blocking) then puts the
+rows into the encoder cache under the blake3 hash of the file's bytes, re-keys the media
+items to that hash, holds an encoder-cache reference for the request (so nothing evicts
+the rows before its prefill), and adds the request to the scheduler.
+
+    add_request ──▶ FETCHING ──(fetch ok)──▶ scheduler.waiting ──▶ running ...
+                       │ └──(fetch failed)──▶ finished with a 4xx ErrorInfo
+                       └──(abort)──▶ fetches cancelled, finished ABORT
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.feature_fetcher import FeatureFetcher, FeatureJob, FetchConfig, FetchResult
+from engine.feature_validation import FeatureSpec
+from engine.model_runner import error_info
+from engine.protocol import FinishReason, MediaInput, RequestOutput
+from engine.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+class FeatureAdmission:
+    """Requests in FETCHING, keyed by request id; owns the (lazily started) fetcher."""
+
+    def __init__(self, config: EngineConfig, runner: Any, scheduler: Any) -> None:
+        self.config = config
+        self.runner = runner
+        self.scheduler = scheduler
+        self._fetcher: FeatureFetcher | None = None
+        self._fetching: dict[str, tuple[Request, list[int], list[FeatureJob]]] = {}
+
+    @property
+    def num_fetching(self) -> int:
+        return len(self._fetching)
+
+    def has(self, request_id: str) -> bool:
+        return request_id in self._fetching
+
+    @property
+    def fetcher(self) -> FeatureFetcher:
+        if self._fetcher is None:
+            c = self.config
+            self._fetcher = FeatureFetcher(
+                FetchConfig(
+                    parallel=c.feature_fetch_parallel,
+                    timeout_s=c.feature_fetch_timeout_s,
+                    max_bytes=c.max_feature_bytes,
+                    max_retries=c.feature_fetch_retries,
+                    s3_endpoint_url=c.s3_endpoint_url,
+                )
+            )
+        return self._fetcher
+
+    def submit(self, request: Request, media: Sequence[MediaInput]) -> bool:
+        """Starts fetching `request`'s features; False if it has none (schedule it now)."""
+        indices = [i for i, item in enumerate(media) if item.feature is not None]
+        if not indices:
+            return False
+        hidden_size = self.runner.model_config.hidden_size
+        jobs = [
+            FeatureJob(
+                media[i].feature.url,  # type: ignore[union-attr]
+                FeatureSpec(hidden_size, media[i].num_tokens, tuple(media[i].grid_thw)),
+            )
+            for i in indices
+        ]
+        self._fetching[request.request_id] = (request, indices, jobs)
+        self.fetcher.submit(request.request_id, jobs)
+        return True
+
+    def abort(self, request_ids: Sequence[str]) -> list[RequestOutput]:
+        outputs = []
+        for request_id in request_ids:
+            entry = self._fetching.pop(request_id, None)
+            if entry is not None:
+                self.fetcher.cancel(request_id)
+                outputs.append(_finished(entry[0], FinishReason.ABORT))
+        return outputs
+
+    def admit_finished(self) -> list[RequestOutput]:
+        """Moves requests whose fetch finished into the scheduler; returns failures."""
+        if self._fetcher is None:
+            return []
+        outputs = []
+        for result in self._fetcher.poll():
+            entry = self._fetching.pop(result.request_id, None)
+            if entry is None:
+                continue  # aborted meanwhile
+            request, indices, jobs = entry
+            if result.error is not None:
+                outputs.append(_finished(request, FinishReason.ERROR, error_info(result.error)))
+                continue
+            if not self._is_complete(result):
+                # A reused entry was evicted while we checked its version: download again.
+                self._fetching[request.request_id] = entry
+                self._fetcher.submit(request.request_id, jobs, force=True)
+                continue
+            try:
+                self._admit(request, indices, result)
+            except Exception as exc:  # noqa: BLE001 - one request never stops the engine
+                logger.exception("could not admit fetched request %s", request.request_id)
+                outputs.append(_finished(request, FinishReason.ERROR, error_info(exc)))
+        return outputs
+
+    def _is_complete(self, result: FetchResult) -> bool:
+        cache, manager = self.runner.encoder_cache, self.scheduler.encoder_cache
+        return all(
+            f.embeds is not None or (f.content_hash in cache and manager.has(f.content_hash))
+            for f in result.features
+        )
+
+    def _admit(self, request: Request, indices: list[int], result: FetchResult) -> None:
+        manager, cache = self.scheduler.encoder_cache, self.runner.encoder_cache
+        for index, feature in zip(indices, result.features, strict=True):
+            item = request.media[index]
+            item.content_hash = feature.content_hash
+            # Holds a reference for this request (or accounts a new entry) so that the
+            # rows survive until its prefill has consumed them.
+            manager.allocate(feature.content_hash, item.num_tokens, request.request_id)
+        # Entries evicted just now leave the tensor store before new rows go in.
+        cache.drop(manager.pop_evicted())
+        for feature in result.features:
+            if feature.embeds is not None:
+                rows = feature.embeds.to(device=self.runner.device, dtype=self.runner.dtype)
+                cache.put(feature.content_hash, rows)  # [num_tokens, hidden]
+        self.scheduler.add_request(request)
+
+    def stats_fields(self) -> dict[str, Any]:
+        """EngineStats fields for the fetch figures since the last step."""
+        if self._fetcher is None:
+            return {}
+        stats = self._fetcher.pop_stats()
+        return {
+            "feature_fetch_seconds": stats.seconds,
+            "feature_fetch_bytes_total": stats.num_bytes,
+            "feature_fetch_failures": stats.failures,
+            "feature_fetch_in_flight": stats.num_in_flight,
+        }
+
+    def close(self) -> None:
+        if self._fetcher is not None:
+            self._fetcher.close()
+
+
+def _finished(request: Request, reason: FinishReason, error=None) -> RequestOutput:
+    return RequestOutput(
+        request_id=request.request_id,
+        finish_reason=reason,
+        error=error,
+        num_prompt_tokens=request.num_prompt_tokens,
+    )

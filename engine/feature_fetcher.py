@@ -1,0 +1,436 @@
+"""FeatureFetcher: downloads pre-encoded features in a background asyncio loop.
+
+The engine's busy loop never waits on the network. It hands a request's feature URLs to
+`submit()`, keeps stepping other requests, and picks finished requests up with the
+non-blocking `poll()`:
+
+    busy loop ──submit(request_id, jobs)──▶ [fetcher thread: asyncio loop]
+                                              fetch all jobs of a request concurrently
+                                              (at most `parallel` at once), validate,
+                                              keep results in request order
+    busy loop ◀──poll() -> [FetchResult]──── first failure cancels the rest
+
+URLs: `s3://bucket/key` (aioboto3; endpoint from config or the standard AWS env,
+credentials from the standard chain), `http(s)://` (httpx), `data:` (base64, size-capped).
+Transient failures (timeouts, 5xx, throttling, connection errors) are retried with a
+bounded exponential backoff; the whole fetch of one URL has a total deadline and a byte cap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import blake3
+import httpx
+import torch
+
+from engine.feature_validation import FeatureError, FeatureSpec, validate_features
+
+logger = logging.getLogger(__name__)
+
+_TRANSIENT_S3_CODES = {
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "RequestTimeout",
+    "InternalError",
+    "ServiceUnavailable",
+    "503",
+    "500",
+    "502",
+    "504",
+}
+_NOT_FOUND_CODES = {"NoSuchKey", "NoSuchBucket", "404", "NotFound"}
+_DENIED_CODES = {"AccessDenied", "403", "401", "InvalidAccessKeyId", "SignatureDoesNotMatch"}
+
+
+@dataclass(frozen=True)
+class FetchConfig:
+    """Limits of the fetcher; mirrors the `feature_*` fields of EngineConfig."""
+
+    parallel: int = 8  # concurrent downloads per request; 1 = one at a time
+    timeout_s: float = 30.0  # total deadline per URL, retries included
+    max_bytes: int = 256 * 1024 * 1024  # per file
+    max_retries: int = 3
+    backoff_s: float = 0.05  # first retry delay, doubled each time
+    s3_endpoint_url: str | None = None
+
+
+@dataclass(frozen=True)
+class FeatureJob:
+    """One URL to fetch and the span it must fill."""
+
+    url: str
+    spec: FeatureSpec
+
+
+@dataclass(frozen=True)
+class FetchedFeature:
+    """One validated feature. `embeds` is None when the engine already holds
+    `content_hash` (same URL, same ETag / Last-Modified); the engine checks and refetches
+    with `force=True` if it was evicted meanwhile."""
+
+    url: str
+    content_hash: str  # blake3 hex of the file's bytes
+    embeds: torch.Tensor | None  # [num_tokens, hidden], host, the file's dtype
+
+
+@dataclass(frozen=True)
+class FetchResult:
+    request_id: str
+    features: list[FetchedFeature] = field(default_factory=list)  # in job order
+    error: FeatureError | None = None
+
+
+@dataclass
+class FetchStats:
+    """Figures since the last `pop_stats()`, plus the current in-flight gauge."""
+
+    seconds: list[float] = field(default_factory=list)  # one per finished download
+    num_bytes: int = 0
+    failures: dict[str, int] = field(default_factory=dict)  # reason -> count
+    num_in_flight: int = 0
+
+
+class _Transient(Exception):
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
+class FeatureFetcher:
+    """Background downloads of feature files; thread-safe `submit` / `poll` / `cancel`."""
+
+    def __init__(self, config: FetchConfig) -> None:
+        self.config = config
+        self._done: queue.SimpleQueue[FetchResult] = queue.SimpleQueue()
+        self._tasks: dict[str, asyncio.Task] = {}  # touched on the loop thread only
+        self._versions: dict[str, tuple[str, str]] = {}  # url -> (etag/last-modified, hash)
+        self._stats = FetchStats()
+        self._lock = threading.Lock()
+        self._loop = asyncio.new_event_loop()
+        self._http: httpx.AsyncClient | None = None
+        self._s3 = None
+        self._s3_context = None
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="feature-fetcher", daemon=True
+        )
+        self._thread.start()
+
+    # ---- busy-loop side -----------------------------------------------------------------
+
+    def submit(self, request_id: str, jobs: list[FeatureJob], *, force: bool = False) -> None:
+        self._loop.call_soon_threadsafe(self._start, request_id, list(jobs), force)
+
+    def poll(self) -> list[FetchResult]:
+        results = []
+        while True:
+            try:
+                results.append(self._done.get_nowait())
+            except queue.Empty:
+                return results
+
+    def cancel(self, request_id: str) -> None:
+        self._loop.call_soon_threadsafe(self._cancel, request_id)
+
+    def pop_stats(self) -> FetchStats:
+        with self._lock:
+            stats, self._stats = self._stats, FetchStats(num_in_flight=self._stats.num_in_flight)
+        return stats
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        future = asyncio.run_coroutine_threadsafe(self._aclose(), self._loop)
+        try:
+            future.result(timeout=5)
+        except Exception:  # noqa: BLE001 - best effort at shutdown
+            pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+
+    # ---- loop side ----------------------------------------------------------------------
+
+    def _start(self, request_id: str, jobs: list[FeatureJob], force: bool) -> None:
+        task = self._loop.create_task(self._fetch_request(request_id, jobs, force))
+        self._tasks[request_id] = task
+        task.add_done_callback(lambda _: self._tasks.pop(request_id, None))
+
+    def _cancel(self, request_id: str) -> None:
+        task = self._tasks.pop(request_id, None)
+        if task is not None:
+            task.cancel()
+
+    async def _aclose(self) -> None:
+        for task in list(self._tasks.values()):
+            task.cancel()
+        if self._http is not None:
+            await self._http.aclose()
+        if self._s3_context is not None:
+            await self._s3_context.__aexit__(None, None, None)
+
+    async def _fetch_request(self, request_id: str, jobs: list[FeatureJob], force: bool):
+        limit = asyncio.Semaphore(max(1, self.config.parallel))
+        tasks = [asyncio.create_task(self._fetch_one(job, limit, force)) for job in jobs]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        except asyncio.CancelledError:
+            self._cancel_all(tasks)
+            raise
+        failed = next((t for t in tasks if t.done() and t.exception() is not None), None)
+        if failed is None:
+            self._done.put(FetchResult(request_id, [t.result() for t in tasks]))
+            return
+        self._cancel_all(tasks)
+        error = failed.exception()
+        if not isinstance(error, FeatureError):
+            logger.exception("feature fetch failed", exc_info=error)
+            error = FeatureError("feature fetch failed: internal error", reason="internal")
+        self._done.put(FetchResult(request_id, error=error))
+
+    def _cancel_all(self, tasks: list[asyncio.Task]) -> None:
+        num_cancelled = 0
+        for task in tasks:
+            if not task.done():
+                task.cancel()
+                num_cancelled += 1
+        if num_cancelled:
+            self._count_failure("cancelled", num_cancelled)
+
+    async def _fetch_one(self, job: FeatureJob, limit: asyncio.Semaphore, force: bool):
+        async with limit:
+            started = time.perf_counter()
+            self._add_in_flight(1)
+            try:
+                async with asyncio.timeout(self.config.timeout_s):
+                    feature = await self._download_and_check(job, force)
+            except TimeoutError:
+                self._count_failure("timeout")
+                raise _failure(job.url, "timed out", "timeout") from None
+            except FeatureError as exc:
+                self._count_failure(exc.reason)
+                raise _failure(job.url, exc.message, exc.reason) from None
+            finally:
+                self._add_in_flight(-1)
+            with self._lock:
+                self._stats.seconds.append(time.perf_counter() - started)
+            return feature
+
+    async def _download_and_check(self, job: FeatureJob, force: bool) -> FetchedFeature:
+        known = self._versions.get(job.url)
+        if known is not None and not force:
+            version = await self._with_retries(self._version_of, job.url)
+            if version is not None and version == known[0]:
+                return FetchedFeature(job.url, known[1], None)
+        data, version = await self._with_retries(self._download, job.url)
+        with self._lock:
+            self._stats.num_bytes += len(data)
+        embeds = await asyncio.to_thread(validate_features, data, job.spec)
+        content_hash = blake3.blake3(data).hexdigest()
+        if version is not None:
+            self._versions[job.url] = (version, content_hash)
+        return FetchedFeature(job.url, content_hash, embeds)
+
+    async def _with_retries(self, operation, url: str):
+        delay = self.config.backoff_s
+        for attempt in range(self.config.max_retries + 1):
+            try:
+                return await operation(url)
+            except _Transient as exc:
+                if attempt == self.config.max_retries:
+                    raise FeatureError(exc.detail, reason=exc.reason) from None
+                logger.info("retrying feature fetch (%s), attempt %d", exc.detail, attempt + 1)
+                await asyncio.sleep(delay)
+                delay *= 2
+        raise AssertionError("unreachable")
+
+    # ---- transports ---------------------------------------------------------------------
+
+    async def _download(self, url: str) -> tuple[bytes, str | None]:
+        if url.startswith("data:"):
+            return _decode_data_url(url, self.config.max_bytes), None
+        if url.startswith(("http://", "https://")):
+            return await self._http_get(url)
+        if url.startswith("s3://"):
+            return await self._s3_get(url)
+        raise FeatureError("unsupported URL scheme", reason="bad_format")
+
+    async def _version_of(self, url: str) -> str | None:
+        if url.startswith(("http://", "https://")):
+            try:
+                response = await self._client().head(url)
+            except httpx.HTTPError as exc:
+                raise _Transient("network", f"connection failed ({type(exc).__name__})") from None
+            _check_http_status(response.status_code)
+            return _version_header(response.headers)
+        if url.startswith("s3://"):
+            bucket, key = _split_s3(url)
+            s3 = await self._s3_client()
+            try:
+                head = await s3.head_object(Bucket=bucket, Key=key)
+            except Exception as exc:  # noqa: BLE001 - botocore raises many types
+                _raise_s3(exc)
+            return head.get("ETag") or str(head.get("LastModified") or "") or None
+        return None
+
+    def _client(self) -> httpx.AsyncClient:
+        if self._http is None:
+            self._http = httpx.AsyncClient(
+                timeout=httpx.Timeout(self.config.timeout_s),
+                follow_redirects=True,
+                limits=httpx.Limits(max_connections=64),
+            )
+        return self._http
+
+    async def _http_get(self, url: str) -> tuple[bytes, str | None]:
+        try:
+            async with self._client().stream("GET", url) as response:
+                _check_http_status(response.status_code)
+                _check_length(response.headers.get("content-length"), self.config.max_bytes)
+                chunks, total = [], 0
+                async for chunk in response.aiter_bytes():
+                    total += len(chunk)
+                    if total > self.config.max_bytes:
+                        raise _too_large(self.config.max_bytes)
+                    chunks.append(chunk)
+                return b"".join(chunks), _version_header(response.headers)
+        except (httpx.TimeoutException, httpx.TransportError) as exc:
+            raise _Transient("network", f"connection failed ({type(exc).__name__})") from None
+
+    async def _s3_client(self):
+        if self._s3 is None:
+            import aioboto3
+            from botocore.config import Config
+
+            session = aioboto3.Session()
+            self._s3_context = session.client(
+                "s3",
+                endpoint_url=self.config.s3_endpoint_url,
+                config=Config(
+                    retries={"max_attempts": 1},
+                    connect_timeout=self.config.timeout_s,
+                    read_timeout=self.config.timeout_s,
+                ),
+            )
+            self._s3 = await self._s3_context.__aenter__()
+        return self._s3
+
+    async def _s3_get(self, url: str) -> tuple[bytes, str | None]:
+        bucket, key = _split_s3(url)
+        s3 = await self._s3_client()
+        try:
+            response = await s3.get_object(Bucket=bucket, Key=key)
+        except Exception as exc:  # noqa: BLE001 - botocore raises many types
+            _raise_s3(exc)
+        _check_length(response.get("ContentLength"), self.config.max_bytes)
+        stream = response["Body"]
+        try:
+            chunks, total = [], 0
+            while chunk := await stream.read(1 << 20):
+                total += len(chunk)
+                if total > self.config.max_bytes:
+                    raise _too_large(self.config.max_bytes)
+                chunks.append(chunk)
+        except FeatureError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise _Transient("network", f"download interrupted ({type(exc).__name__})") from None
+        finally:
+            stream.close()
+        version = response.get("ETag") or str(response.get("LastModified") or "") or None
+        return b"".join(chunks), version
+
+    # ---- bookkeeping --------------------------------------------------------------------
+
+    def _add_in_flight(self, delta: int) -> None:
+        with self._lock:
+            self._stats.num_in_flight += delta
+
+    def _count_failure(self, reason: str, count: int = 1) -> None:
+        with self._lock:
+            self._stats.failures[reason] = self._stats.failures.get(reason, 0) + count
+
+
+def display_url(url: str) -> str:
+    """The URL as error messages show it: data: URLs and long URLs shortened."""
+    if url.startswith("data:"):
+        return "data: URL"
+    return url if len(url) <= 200 else url[:200] + "..."
+
+
+def _failure(url: str, cause: str, reason: str) -> FeatureError:
+    return FeatureError(f"feature {display_url(url)}: {cause}", reason=reason)
+
+
+def _too_large(max_bytes: int) -> FeatureError:
+    return FeatureError(f"too large (over {max_bytes} bytes)", reason="too_large")
+
+
+def _check_length(value, max_bytes: int) -> None:
+    try:
+        length = int(value) if value is not None else None
+    except ValueError:
+        length = None
+    if length is not None and length > max_bytes:
+        raise _too_large(max_bytes)
+
+
+def _check_http_status(status: int) -> None:
+    if status < 400:
+        return
+    if status == 404 or status == 410:
+        raise FeatureError("not found (HTTP 404)", reason="not_found")
+    if status in (401, 403):
+        raise FeatureError(f"access denied (HTTP {status})", reason="access_denied")
+    if status == 429 or status >= 500:
+        raise _Transient("server_error", f"the server answered HTTP {status}")
+    raise FeatureError(f"the server answered HTTP {status}", reason="http_error")
+
+
+def _version_header(headers) -> str | None:
+    return headers.get("etag") or headers.get("last-modified")
+
+
+def _split_s3(url: str) -> tuple[str, str]:
+    bucket, _, key = url.removeprefix("s3://").partition("/")
+    if not bucket or not key:
+        raise FeatureError("an s3:// URL needs a bucket and a key", reason="bad_format")
+    return bucket, key
+
+
+def _raise_s3(exc: Exception):
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        code = str(response.get("Error", {}).get("Code", ""))
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if code in _NOT_FOUND_CODES or status == 404:
+            raise FeatureError("not found", reason="not_found") from None
+        if code in _DENIED_CODES or status in (401, 403):
+            raise FeatureError("access denied", reason="access_denied") from None
+        if code in _TRANSIENT_S3_CODES or (status or 0) >= 500:
+            raise _Transient("server_error", f"the store answered {code or status}") from None
+        raise FeatureError(f"the store refused the request ({code})", reason="s3_error") from None
+    raise _Transient("network", f"connection failed ({type(exc).__name__})") from None
+
+
+def _decode_data_url(url: str, max_bytes: int) -> bytes:
+    header, sep, payload = url.partition(",")
+    if not sep or not header.endswith(";base64"):
+        raise FeatureError("a data: URL must be base64-encoded", reason="bad_format")
+    if len(payload) * 3 // 4 > max_bytes + 3:
+        raise _too_large(max_bytes)
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise FeatureError("the data: URL is not valid base64", reason="bad_format") from None
+    if len(data) > max_bytes:
+        raise _too_large(max_bytes)
+    return data

@@ -1,0 +1,305 @@
+"""Pre-encoded features end to end: a real server, a real S3-compatible store (moto in
+server mode on 127.0.0.1) and a local HTTP server with per-object latency and failures."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import os
+import pickle
+import random
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import save
+
+from tests.e2e.conftest import MODEL_NAME, free_port, picture, png_bytes, run_server
+
+moto_server = pytest.importorskip("moto.server")
+boto3 = pytest.importorskip("boto3")
+
+AWS_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+BUCKET = "features"
+HIDDEN = 128  # the tiny model's hidden size
+GRID = (1, 4, 4)  # 4 tokens with merge size 2
+MAX_FEATURE_BYTES = 64 * 1024
+
+
+class ObjectServer:
+    """HTTP objects by path, each with an added latency and an optional error status."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, tuple[bytes, float, int]] = {}
+        self.num_gets: dict[str, int] = {}
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def _serve(self, with_body: bool) -> None:
+                data, delay, status = server.objects.get(self.path, (b"", 0.0, 404))
+                if with_body:
+                    server.num_gets[self.path] = server.num_gets.get(self.path, 0) + 1
+                time.sleep(delay)
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(data) if status == 200 else 0))
+                self.end_headers()
+                if with_body and status == 200:
+                    with contextlib.suppress(OSError):
+                        self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                self._serve(True)
+
+            def do_HEAD(self) -> None:
+                self._serve(False)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def put(self, name: str, data: bytes, *, delay: float = 0.0, status: int = 200) -> str:
+        self.objects["/" + name] = (data, delay, status)
+        return f"{self.base_url}/{name}"
+
+
+def features(seed: int, rows: int = 4, hidden: int = HIDDEN, dtype=torch.float32) -> bytes:
+    generator = torch.Generator().manual_seed(seed)
+    embeds = torch.randn(rows, hidden, generator=generator).to(dtype)
+    return save({"embeds": embeds, "grid_thw": torch.tensor(GRID)})
+
+
+def data_url(data: bytes) -> str:
+    return "data:application/octet-stream;base64," + base64.b64encode(data).decode()
+
+
+def feature_part(url: str, grid=GRID, kind: str = "image_features") -> dict:
+    return {"type": kind, kind: {"url": url, "grid_thw": list(grid)}}
+
+
+def chat(http: httpx.Client, parts: list[dict], max_tokens: int = 6) -> httpx.Response:
+    body = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "describe"}]}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+    return http.post("/v1/chat/completions", json=body)
+
+
+def text_of(response: httpx.Response) -> str:
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["message"]["content"]
+
+
+def metric(http: httpx.Client, name: str, **labels: str) -> float:
+    text = http.get("/metrics").text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@pytest.fixture(scope="module")
+def aws_env():
+    saved = {key: os.environ.get(key) for key in AWS_ENV}
+    os.environ.update(AWS_ENV)
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint(aws_env):
+    port = free_port()
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    client = boto3.client("s3", endpoint_url=endpoint)
+    client.create_bucket(Bucket=BUCKET)
+    client.create_bucket(Bucket="elsewhere")
+    try:
+        yield endpoint
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def s3(s3_endpoint):
+    return boto3.client("s3", endpoint_url=s3_endpoint)
+
+
+@pytest.fixture(scope="module")
+def objects():
+    store = ObjectServer()
+    thread = threading.Thread(target=store.httpd.serve_forever, daemon=True)
+    thread.start()
+    yield store
+    store.httpd.shutdown()
+    store.httpd.server_close()
+
+
+@pytest.fixture(scope="module")
+def feature_server(model_dir, tmp_path_factory, s3_endpoint):
+    log_path = tmp_path_factory.mktemp("logs") / "feature_server.log"
+    with run_server(
+        model_dir, log_path,
+        "--enable-feature-inputs", "--s3-endpoint-url", s3_endpoint,
+        "--allowed-feature-buckets", BUCKET,
+        "--feature-fetch-timeout-s", "1.5", "--max-feature-bytes", str(MAX_FEATURE_BYTES),
+    ) as handle:  # fmt: skip
+        yield handle
+
+
+@pytest.fixture(scope="module")
+def fhttp(feature_server):
+    with httpx.Client(base_url=feature_server.base_url, timeout=60) as session:
+        yield session
+
+
+def test_encode_features_gives_the_same_completion_as_the_image(
+    fhttp, model_dir, tmp_path, s3_endpoint
+):
+    from engine.encode_features import main as encode_main
+
+    image_path = tmp_path / "scene.png"
+    image_path.write_bytes(png_bytes(picture(112, 84, 5)))
+    output = f"s3://{BUCKET}/encoded"
+    argv = ["--model", str(model_dir), "--output", output, "--s3-endpoint-url", s3_endpoint]
+    assert encode_main([*argv, str(image_path)]) == 0
+    image_part = {"type": "image_url", "image_url": {"url": data_url(image_path.read_bytes())}}
+    with_image = text_of(chat(fhttp, [image_part], max_tokens=8))
+    part = feature_part(f"s3://{BUCKET}/encoded/scene.safetensors", grid=(1, 6, 8))
+    assert text_of(chat(fhttp, [part], max_tokens=8)) == with_image
+    mixed = text_of(chat(fhttp, [image_part, part], max_tokens=8))
+    assert mixed  # features and an image in one request
+
+
+def test_order_holds_under_random_latency(fhttp, objects):
+    rng = random.Random(7)
+    blobs = [features(seed) for seed in range(6)]
+    urls = [
+        objects.put(f"order/{i}.safetensors", blob, delay=rng.uniform(0.0, 0.4))
+        for i, blob in enumerate(blobs)
+    ]
+    urls[0] = objects.put("order/first-slowest.safetensors", blobs[0], delay=0.6)
+    expected = text_of(chat(fhttp, [feature_part(data_url(b)) for b in blobs]))
+    assert text_of(chat(fhttp, [feature_part(u) for u in urls])) == expected
+
+
+def test_one_failure_fails_its_request_and_cancels_the_rest(fhttp, objects):
+    slow = [objects.put(f"fail/slow{i}", features(10 + i), delay=1.0) for i in range(4)]
+    broken = objects.put("fail/missing", b"", status=404)
+    cancelled_before = metric(fhttp, "tessera:feature_fetch_failures_total", reason="cancelled")
+    other = [objects.put("fail/other", features(20), delay=0.2)]
+    with ThreadPoolExecutor(2) as pool:
+        started = time.monotonic()
+        failing = pool.submit(chat, fhttp, [feature_part(u) for u in [*slow, broken]])
+        healthy = pool.submit(chat, fhttp, [feature_part(u) for u in other])
+        response = failing.result()
+        elapsed = time.monotonic() - started
+        assert text_of(healthy.result())
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]["message"]
+    assert broken in message and "not found" in message
+    assert elapsed < 0.9  # did not wait for the slow objects
+    cancelled = metric(fhttp, "tessera:feature_fetch_failures_total", reason="cancelled")
+    assert cancelled - cancelled_before >= 4
+
+
+@pytest.mark.parametrize(
+    ("case", "words"),
+    [
+        ("timeout", "timed out"),
+        ("too_large", "too large"),
+        ("wrong_hidden", "hidden size"),
+        ("wrong_tokens", "implies 4 tokens"),
+        ("bad_dtype", "dtype"),
+        ("pickle", "safetensors"),
+        ("nan", "NaN"),
+        ("bucket", "allowed feature buckets"),
+        ("s3_missing", "not found"),
+        ("bad_grid", "grid_thw"),
+    ],
+)
+def test_bad_features_are_clear_4xx(fhttp, objects, s3, case, words):
+    nan = torch.randn(4, HIDDEN)
+    nan[1, 2] = float("nan")
+    blobs = {
+        "timeout": features(1),
+        "too_large": save({"embeds": torch.zeros(200, HIDDEN)}),
+        "wrong_hidden": features(1, hidden=HIDDEN // 2),
+        "wrong_tokens": features(1, rows=5),
+        "bad_dtype": features(1, dtype=torch.float64),
+        "pickle": pickle.dumps({"embeds": [[0.0] * HIDDEN] * 4}),
+        "nan": save({"embeds": nan}),
+    }
+    grid = GRID
+    if case in blobs:
+        url = objects.put(f"bad/{case}", blobs[case], delay=3.0 if case == "timeout" else 0.0)
+    elif case == "bucket":
+        s3.put_object(Bucket="elsewhere", Key="x.safetensors", Body=features(1))
+        url = "s3://elsewhere/x.safetensors"
+    elif case == "s3_missing":
+        url = f"s3://{BUCKET}/does/not/exist.safetensors"
+    else:
+        url, grid = objects.put("bad/grid", features(1)), (1, 3, 4)
+    response = chat(fhttp, [feature_part(url, grid=grid)])
+    assert 400 <= response.status_code < 500, response.text
+    assert words in response.json()["error"]["message"]
+    assert text_of(chat(fhttp, [feature_part(data_url(features(3)))]))  # engine unharmed
+
+
+def test_changed_s3_object_is_fetched_again_unchanged_is_not(fhttp, s3):
+    key, url = "cache/obj.safetensors", f"s3://{BUCKET}/cache/obj.safetensors"
+    first, second = features(100), features(101)
+    s3.put_object(Bucket=BUCKET, Key=key, Body=first)
+    before = metric(fhttp, "tessera:feature_fetch_bytes_total")
+    text_first = text_of(chat(fhttp, [feature_part(url)]))
+    after_first = metric(fhttp, "tessera:feature_fetch_bytes_total")
+    assert after_first - before == len(first)
+    assert text_of(chat(fhttp, [feature_part(url)])) == text_first
+    assert metric(fhttp, "tessera:feature_fetch_bytes_total") == after_first  # not downloaded
+    s3.put_object(Bucket=BUCKET, Key=key, Body=second)
+    text_of(chat(fhttp, [feature_part(url)]))
+    assert metric(fhttp, "tessera:feature_fetch_bytes_total") - after_first == len(second)
+
+
+def test_video_features_and_metrics(fhttp):
+    blob = save({"embeds": torch.randn(8, HIDDEN), "grid_thw": torch.tensor([2, 4, 4])})
+    part = feature_part(data_url(blob), grid=(2, 4, 4), kind="video_features")
+    assert text_of(chat(fhttp, [part]))
+    text = fhttp.get("/metrics").text
+    assert re.search(r"tessera:feature_fetch_seconds_count\{[^}]*\} [1-9]", text)
+    assert "tessera:feature_fetch_in_flight" in text
+
+
+def test_client_uuid_reuses_the_cached_image(fhttp):
+    image = data_url(png_bytes(picture(56, 56, 9)))
+    with_bytes = {"type": "image_url", "image_url": {"url": image}, "uuid": "client-img-1"}
+    first = text_of(chat(fhttp, [with_bytes]))
+    by_uuid = {"type": "image_url", "uuid": "client-img-1"}
+    assert text_of(chat(fhttp, [by_uuid])) == first
+    response = chat(fhttp, [{"type": "image_url", "image_url": {"url": ""}, "uuid": "nope"}])
+    assert response.status_code == 400
+    assert "unknown media uuid" in response.json()["error"]["message"]
+
+
+def test_feature_parts_are_refused_when_disabled(http):
+    response = chat(http, [feature_part(data_url(features(1)))])
+    assert response.status_code == 400
+    assert "--enable-feature-inputs" in response.json()["error"]["message"]
