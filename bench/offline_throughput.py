@@ -4,11 +4,14 @@
 
 For each checkpoint size (generated with engine.tiny_model unless --model-dir is
 given) and each concurrency N, N text prompts of --prompt-len tokens produce
---new-tokens tokens each (EOS ignored), with:
+--new-tokens tokens each (EOS ignored; both default per size, see WORKLOADS, so that
+`--sizes tiny small` stays within minutes on a 2-core CPU), with:
     tessera        all N submitted together to LLM.generate (continuous batching)
     hf-sequential  transformers generate(), one prompt at a time (batch 1)
     hf-padded      transformers generate() on the N prompts as one left-padded batch
-and a table of generated tokens per second is printed.
+and a table of generated tokens per second is printed, with our ratio to each. All
+three run in the same process on the same prompts; with --repeat R each number is the
+best of R runs (a shared machine is noisy; compare ratios, not absolute numbers).
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.tiny_model import make_tiny_model
+
+# size -> (prompt_len, new_tokens, max_sequential) unless given on the command line.
+WORKLOADS = {"tiny": (64, 64, 8), "tiny2": (64, 64, 8), "small": (32, 32, 2)}
 
 
 def make_prompts(count: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
@@ -81,19 +87,27 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", default=["tiny"])
     parser.add_argument("--model-dir", help="use this checkpoint instead of generating one")
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32])
-    parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--max-sequential", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, help="default: per size (WORKLOADS)")
+    parser.add_argument("--new-tokens", type=int, help="default: per size (WORKLOADS)")
+    parser.add_argument("--max-sequential", type=int, help="default: per size (WORKLOADS)")
+    parser.add_argument("--repeat", type=int, default=1, help="best of R runs per number")
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--skip-hf", action="store_true")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     import transformers  # the oracle, imported only here
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.sizes:
+            default_prompt, default_new, default_sequential = WORKLOADS.get(size, (64, 64, 8))
+            prompt_len = args.prompt_len or default_prompt
+            new_tokens = args.new_tokens or default_new
+            max_sequential = args.max_sequential or default_sequential
             model_dir = (
                 Path(args.model_dir)
                 if args.model_dir
@@ -119,44 +133,38 @@ def main() -> None:
                 )
                 hf.generation_config.eos_token_id = None
             for concurrency in args.concurrency:
-                prompts = make_prompts(concurrency, args.prompt_len, vocab, seed=concurrency)
-                ours = bench_tessera(llm, prompts, args.new_tokens)
+                prompts = make_prompts(concurrency, prompt_len, vocab, seed=concurrency)
+                ours = max(bench_tessera(llm, prompts, new_tokens) for _ in range(args.repeat))
                 sequential = padded = float("nan")
                 if hf is not None:
-                    sequential = bench_hf(
-                        hf,
-                        prompts,
-                        args.new_tokens,
-                        0,
-                        padded=False,
-                        max_sequential=args.max_sequential,
+                    sequential = max(
+                        bench_hf(
+                            hf, prompts, new_tokens, 0, padded=False, max_sequential=max_sequential
+                        )
+                        for _ in range(args.repeat)
                     )
-                    padded = bench_hf(
-                        hf,
-                        prompts,
-                        args.new_tokens,
-                        0,
-                        padded=True,
-                        max_sequential=args.max_sequential,
+                    padded = max(
+                        bench_hf(
+                            hf, prompts, new_tokens, 0, padded=True, max_sequential=max_sequential
+                        )
+                        for _ in range(args.repeat)
                     )
-                rows.append((size, concurrency, ours, sequential, padded))
+                rows.append((size, concurrency, prompt_len, new_tokens, ours, sequential, padded))
                 print(
                     f"{size:>6} N={concurrency:<3} tessera {ours:9.1f} tok/s  "
                     f"hf-seq {sequential:9.1f}  hf-padded {padded:9.1f}",
                     flush=True,
                 )
             del llm, hf
+    print(f"\ndevice={device} dtype={dtype} threads={torch.get_num_threads()}")
     print(
-        f"\ndevice={device} dtype={dtype} prompt_len~{args.prompt_len} new_tokens={args.new_tokens}"
+        f"{'size':>6} {'N':>4} {'prompt':>6} {'new':>4} {'tessera':>10} {'hf-seq':>10} "
+        f"{'hf-padded':>10} {'x seq':>7} {'x padded':>9}"
     )
-    print(
-        f"{'size':>6} {'N':>4} {'tessera':>10} {'hf-seq':>10} {'hf-padded':>10} "
-        f"{'x seq':>7} {'x padded':>9}"
-    )
-    for size, n, ours, seq, padded in rows:
+    for size, n, prompt_len, new_tokens, ours, seq, padded in rows:
         print(
-            f"{size:>6} {n:>4} {ours:>10.1f} {seq:>10.1f} {padded:>10.1f} "
-            f"{ours / seq:>7.2f} {ours / padded:>9.2f}"
+            f"{size:>6} {n:>4} {prompt_len:>6} {new_tokens:>4} {ours:>10.1f} {seq:>10.1f} "
+            f"{padded:>10.1f} {ours / seq:>7.2f} {ours / padded:>9.2f}"
         )
 
 

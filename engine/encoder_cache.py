@@ -17,6 +17,7 @@ handed to the model runner, which drops them from the `EncoderCache` tensor stor
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Collection
 
 import torch
 
@@ -35,9 +36,9 @@ class EncoderCacheManager:
     def has(self, content_hash: str) -> bool:
         return content_hash in self._num_tokens
 
-    def can_allocate(self, num_tokens: int) -> bool:
-        """Whether `num_tokens` new rows fit, evicting unreferenced entries if needed."""
-        evictable = sum(self._num_tokens[h] for h in self._unreferenced)
+    def can_allocate(self, num_tokens: int, keep: Collection[str] = ()) -> bool:
+        """Whether `num_tokens` new rows fit, evicting unreferenced entries not in `keep`."""
+        evictable = sum(self._num_tokens[h] for h in self._unreferenced if h not in keep)
         return self.budget_tokens - self.num_used_tokens + evictable >= num_tokens
 
     def allocate(self, content_hash: str, num_tokens: int, request_id: str) -> None:

@@ -24,6 +24,9 @@ class JsonFormatter(logging.Formatter):
             "process": record.processName,
             "message": record.getMessage(),
         }
+        fields = getattr(record, "fields", None)  # logger.info(..., extra={"fields": {...}})
+        if isinstance(fields, dict):
+            entry.update({k: v for k, v in fields.items() if k not in entry})
         if record.exc_info:
             entry["exc_info"] = self.formatException(record.exc_info)
         return json.dumps(entry, ensure_ascii=False)
@@ -42,3 +45,5 @@ def configure_logging(level: str = "info", log_format: str = "text") -> None:
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
         logging.getLogger(name).handlers[:] = []
         logging.getLogger(name).propagate = True
+    # server/request_log.py writes the one line per request; uvicorn's would be a second.
+    logging.getLogger("uvicorn.access").disabled = True

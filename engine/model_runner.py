@@ -11,9 +11,12 @@ A media item that fails to encode fails only the requests that need it.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -22,6 +25,7 @@ from engine.attention.base import AttentionMetadata
 from engine.config import EngineConfig
 from engine.encoder_cache import EncoderCache
 from engine.errors import MediaError, TesseraError
+from engine.model_config import ModelConfig
 from engine.models.loader import load_model
 from engine.protocol import ErrorInfo, TokenLogprob
 from engine.request import MediaItem
@@ -49,12 +53,30 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(
+    name: str, device: torch.device, checkpoint_dtype: str | None = None
+) -> torch.dtype:
+    """`auto`: bfloat16 on CUDA; on CPU bfloat16 only for a bfloat16 checkpoint on a CPU
+    with native bf16 matmuls (AVX512-BF16 / AMX: about 2x float32 there), else float32."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda":
+            return torch.bfloat16
+        if checkpoint_dtype == "bfloat16" and cpu_has_native_bf16():
+            return torch.bfloat16
+        return torch.float32
     if name not in _DTYPES:
         raise ValueError(f"unknown dtype {name!r}; choose one of auto, {', '.join(_DTYPES)}")
     return _DTYPES[name]
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """True when /proc/cpuinfo lists avx512_bf16 or amx_bf16 (False where it cannot be read)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def error_info(exc: Exception) -> ErrorInfo:
@@ -71,7 +93,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        checkpoint_dtype = ModelConfig.from_model_dir(config.model).torch_dtype
+        self.dtype = resolve_dtype(config.dtype, self.device, checkpoint_dtype)
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
         attention = get_attention_backend(config.attention_backend)
@@ -245,13 +268,12 @@ class ModelRunner:
         device = self.device
         num_tokens = len(input_ids)
         width = max(len(chunk.request.block_ids) for chunk in chunks)
-        block_tables = torch.zeros(len(chunks), width, dtype=torch.int32)  # [S, max_blocks]
-        for row, chunk in enumerate(chunks):
-            block_tables[row, : len(chunk.request.block_ids)] = torch.tensor(
-                chunk.request.block_ids, dtype=torch.int32
-            )
-        query_start_loc = torch.zeros(len(chunks) + 1, dtype=torch.int32)
-        query_start_loc[1:] = torch.tensor(query_lens, dtype=torch.int32).cumsum(0)
+        block_tables = torch.tensor(
+            [ids + [0] * (width - len(ids)) for ids in (c.request.block_ids for c in chunks)],
+            dtype=torch.int32,
+        )  # [S, max_blocks]
+        query_ends = list(itertools.accumulate(query_lens))  # host copy of query_start_loc[1:]
+        query_start_loc = torch.tensor([0, *query_ends], dtype=torch.int32)  # [S + 1]
         metadata = AttentionMetadata(
             num_seqs=len(chunks),
             query_lens=query_lens,
@@ -279,10 +301,12 @@ class ModelRunner:
         sampling = [(row, chunk) for row, chunk in enumerate(chunks) if chunk.samples]
         if not sampling:
             return {}, {}
-        last_rows = torch.tensor(
-            [int(query_start_loc[row + 1]) - 1 for row, _ in sampling], device=device
-        )
-        logits = self.model.compute_logits(hidden[last_rows])  # [S, vocab] float32
+        if len(sampling) == num_tokens:  # every row is the last of a sampling sequence
+            last_hidden = hidden  # [S, hidden]
+        else:
+            last_rows = torch.tensor([query_ends[row] - 1 for row, _ in sampling], device=device)
+            last_hidden = hidden.index_select(0, last_rows)  # [S, hidden]
+        logits = self.model.compute_logits(last_hidden)  # [S, vocab] float32
         rows = [
             SamplingRow(
                 chunk.request.sampling,

@@ -130,6 +130,10 @@ class RequestOutput(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     error: ErrorInfo | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # Engine-side phases of the request, in seconds; set on the finishing output only.
+    queued_seconds: float | None = None  # entered the scheduler's queue -> first scheduled
+    prefill_seconds: float | None = None  # first scheduled -> first token
+    decode_seconds: float | None = None  # first token -> last token
 
 
 class EngineStats(msgspec.Struct, frozen=True, kw_only=True):

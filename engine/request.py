@@ -91,6 +91,10 @@ class Request:
         self.logprobs: list[TokenLogprob] | None = [] if sampling.logprobs is not None else None
         self.error: ErrorInfo | None = None
         self.num_preemptions = 0
+        # time.monotonic() marks of the engine-side phases (for the latency histograms).
+        self.queued_time: float | None = None  # entered the scheduler's waiting queue
+        self.scheduled_time: float | None = None  # first scheduled (preemption keeps it)
+        self.first_token_time: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -113,11 +117,28 @@ class Request:
         num_prompt = self.num_prompt_tokens
         if end <= num_prompt:
             return self.prompt_token_ids[start:end]
-        return self.all_token_ids[start:end]
+        if start >= num_prompt:  # decode: never copy the whole history
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
 
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    def phase_seconds(self, now: float) -> dict[str, float]:
+        """Queue, prefill and decode durations for the finishing output, in seconds.
+
+        Each phase the request entered lasts until the next one began, or until `now`;
+        a phase it never reached (aborted while queued) is left out.
+        """
+        marks = (self.queued_time, self.scheduled_time, self.first_token_time)
+        names = ("queued_seconds", "prefill_seconds", "decode_seconds")
+        phases = {}
+        for i, (name, start) in enumerate(zip(names, marks, strict=True)):
+            if start is not None:
+                end = next((m for m in marks[i + 1 :] if m is not None), now)
+                phases[name] = end - start
+        return phases
 
     def media_overlapping(self, start: int, end: int) -> list[MediaItem]:
         """Media items whose span intersects sequence indices [start, end)."""

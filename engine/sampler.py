@@ -58,9 +58,9 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None  # [S, V]
 
         logits = apply_penalties(logits, rows)
-        greedy = torch.tensor([p.is_greedy for p in params], device=device)  # [S]
         sampled = logits.argmax(dim=-1)  # [S]
         if not all(p.is_greedy for p in params):
+            greedy = torch.tensor([p.is_greedy for p in params], device=device)  # [S]
             random_ids = self._sample_random(logits, rows)  # [S]
             sampled = torch.where(greedy, sampled, random_ids)
 

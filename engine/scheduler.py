@@ -17,19 +17,28 @@ A chunk may end inside a media span (`split_media=True`); the item is encoded by
 the first chunk touching it and kept in the encoder cache for the next chunks.
 With `split_media=False` a chunk stops before a span it would split, unless the
 span starts the chunk (then it must still make progress).
+
+Encoder references: a request holds one only while a span of that item is part-way
+computed, so a request waiting for encoder room never holds room itself. An item
+larger than `encoder_cache_tokens` or `max_encoder_tokens_per_step` still runs: the
+budget grows to it at `add_request`, with a warning.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.encoder_cache import EncoderCacheManager
-from engine.errors import ContextLengthExceeded, MediaError
+from engine.errors import ContextLengthExceeded
 from engine.kv_cache_manager import KVCacheManager
 from engine.protocol import ErrorInfo, RequestOutput, TokenLogprob
 from engine.request import MediaItem, Request, RequestStatus
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -85,6 +94,8 @@ class Scheduler:
             num_kv_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
         )
         self.encoder_cache = EncoderCacheManager(config.encoder_cache_tokens)
+        # Grows (with a warning) to the largest media item seen, so no item is refused.
+        self.max_encoder_tokens_per_step = config.max_encoder_tokens_per_step
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order
         self.requests: dict[str, Request] = {}
@@ -105,13 +116,31 @@ class Scheduler:
                 param="max_tokens",
             )
         for media in request.media:
-            limit = min(self.config.encoder_cache_tokens, self.config.max_encoder_tokens_per_step)
-            if media.num_tokens > limit:
-                raise MediaError(
-                    f"{media.modality} needs {media.num_tokens} tokens; the encoder budget is {limit}"
-                )
+            self._fit_encoder_budgets(media.num_tokens)
         self.requests[request.request_id] = request
+        request.queued_time = time.monotonic()
         self.waiting.append(request)
+
+    def _fit_encoder_budgets(self, num_tokens: int) -> None:
+        """An item larger than an encoder budget still runs: the budget grows to fit it."""
+        if num_tokens > self.encoder_cache.budget_tokens:
+            logger.warning(
+                "a media item needs %d encoder tokens, more than encoder_cache_tokens=%d; "
+                "growing the encoder cache budget to %d",
+                num_tokens,
+                self.encoder_cache.budget_tokens,
+                num_tokens,
+            )
+            self.encoder_cache.budget_tokens = num_tokens
+        if num_tokens > self.max_encoder_tokens_per_step:
+            logger.warning(
+                "a media item needs %d encoder tokens, more than max_encoder_tokens_per_step=%d; "
+                "growing the per-step encoder budget to %d",
+                num_tokens,
+                self.max_encoder_tokens_per_step,
+                num_tokens,
+            )
+            self.max_encoder_tokens_per_step = num_tokens
 
     def abort(self, request_ids: list[str]) -> list[RequestOutput]:
         outputs = []
@@ -141,7 +170,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        encoder_budget = [self.config.max_encoder_tokens_per_step]
+        encoder_budget = [self.max_encoder_tokens_per_step]
         chunks: list[ScheduledChunk] = []
         scheduled: set[str] = set()
         to_encode: dict[str, MediaItem] = {}
@@ -181,6 +210,7 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(request)
             request.status = RequestStatus.RUNNING
+            request.scheduled_time = request.scheduled_time or time.monotonic()
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_cached
                 self.counters.prefix_cache_queries += request.num_prompt_tokens
@@ -210,12 +240,19 @@ class Scheduler:
                     end = media.offset  # stop before the span rather than split it
                     break
         num_new_encoder_tokens = 0
-        for media in request.media_overlapping(start, end):
-            if self.encoder_cache.has(media.content_hash) or media.content_hash in to_encode:
+        overlapping = request.media_overlapping(start, end)
+        # Cached entries this chunk reads are acquired before any eviction: not room.
+        hits = {m.content_hash for m in overlapping if self.encoder_cache.has(m.content_hash)}
+        new_hashes: set[str] = set()
+        for media in overlapping:
+            if media.content_hash in hits or media.content_hash in to_encode:
                 continue
+            if media.content_hash in new_hashes:  # the same image twice in one chunk
+                continue
+            new_hashes.add(media.content_hash)
             num_new_encoder_tokens += media.num_tokens
             fits = num_new_encoder_tokens <= encoder_budget and self.encoder_cache.can_allocate(
-                num_new_encoder_tokens
+                num_new_encoder_tokens, keep=hits
             )
             if not fits:
                 end = max(media.offset, start)
@@ -293,6 +330,7 @@ class Scheduler:
                 continue  # mid-prefill: no token this step
             token_id = sampled_token_ids[request.request_id]
             request.output_token_ids.append(token_id)
+            request.first_token_time = request.first_token_time or time.monotonic()
             token_logprob = (logprobs or {}).get(request.request_id)
             if request.logprobs is not None and token_logprob is not None:
                 request.logprobs.append(token_logprob)
@@ -327,8 +365,15 @@ class Scheduler:
 
     def _release_media(self, request: Request, *, everything: bool) -> None:
         """Drops encoder references a request no longer needs (spans already in its KV)."""
+        # The same image twice: its hash stays referenced while a later span of it is
+        # part-way done (only part-way spans hold references, so no request can wait
+        # on room that it holds itself).
+        computed = request.num_computed_tokens
+        still_needed = set()
+        if not everything:
+            still_needed = {m.content_hash for m in request.media if m.offset < computed < m.end}
         for media in request.media:
-            if everything or media.end <= request.num_computed_tokens:
+            if media.content_hash not in still_needed and (everything or media.end <= computed):
                 self.encoder_cache.release(media.content_hash, request.request_id)
 
     @staticmethod
@@ -343,4 +388,5 @@ class Scheduler:
             error=request.error,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
+            **(request.phase_seconds(time.monotonic()) if request.is_finished else {}),
         )

@@ -22,10 +22,12 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from engine.errors import EngineDeadError, InvalidRequest, ModelNotFound
+from engine.errors import EngineDeadError, InvalidRequest, ModelNotFound, ServerOverloaded
 from engine.multimodal.image_processor import ImageProcessorConfig
 from engine.multimodal.prompt import PromptProcessor
+from server.admission import AdmissionController, ServerDraining, Ticket
 from server.auth import check_api_key
+from server.body_limit import BodyLimitMiddleware
 from server.chat import messages_as_dicts, prepare_chat_prompt
 from server.completions import chat_response, completion_response, prepare_completion_prompt
 from server.errors import error_body, install_error_handlers
@@ -41,6 +43,7 @@ from server.openai_models import (
     TokenizeRequest,
     dump,
 )
+from server.request_log import RequestLogMiddleware, record_of
 from server.streaming import GenerationJob, collect, stream_chat, stream_completion
 
 logger = logging.getLogger(__name__)
@@ -86,6 +89,8 @@ def _make_fetcher(settings: Any) -> MediaFetcher | None:
         allow_private_urls=_setting(settings, "allow_private_media_urls", False),
         max_image_pixels=_setting(settings, "max_image_pixels", 64_000_000),
         max_redirects=_setting(settings, "media_fetch_max_redirects", 3),
+        allowed_domains=_setting(settings, "allowed_media_domains", None),
+        allowed_local_path=_setting(settings, "allowed_local_media_path", None),
     )
     return MediaFetcher(config, ImageProcessorConfig.from_model_dir(model_dir))
 
@@ -102,6 +107,11 @@ def build_app(settings: Any, engine: Any) -> FastAPI:
     """The FastAPI app serving `engine`; starts the engine in its lifespan if needed."""
     model_name = _model_name(settings)
     metrics = ServerMetrics(model_name)
+    admission = AdmissionController(
+        max_running=settings.engine.max_num_seqs,
+        max_waiting_requests=_setting(settings, "max_waiting_requests", 256),
+        max_waiting_tokens=_setting(settings, "max_waiting_tokens", 1_000_000),
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -123,12 +133,18 @@ def build_app(settings: Any, engine: Any) -> FastAPI:
 
     app = FastAPI(title="Tessera", version=VERSION, lifespan=lifespan, docs_url=None,
                   redoc_url=None, openapi_url=None)
+    app.state.admission = admission  # cli.py starts draining it on SIGTERM
     install_error_handlers(app)
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(_: Request, exc: ClientDisconnected) -> Response:
         return Response(status_code=499)  # nobody reads it; keeps the log and metrics honest
     _install_middleware(app, settings, metrics)
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_bytes=_setting(settings, "max_request_body_bytes", 64 * 1024 * 1024),
+    )
+    app.add_middleware(RequestLogMiddleware)  # outermost: logs and ids even refusals
 
     async def require_api_key(request: Request) -> None:
         check_api_key(request, _setting(settings, "api_key", None))
@@ -174,6 +190,10 @@ def _add_open_routes(app: FastAPI) -> None:
             body = error_body("the engine is not running", type="server_error",
                               code="engine_dead")
             return JSONResponse(status_code=503, content=body)
+        if request.app.state.admission.is_draining:
+            body = error_body("the server is shutting down", type="server_error",
+                              code=ServerDraining.code)
+            return JSONResponse(status_code=503, content=body)
         return JSONResponse({"status": "ok"})
 
     @app.get("/version")
@@ -198,20 +218,32 @@ def _add_api_routes(api: APIRouter) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         state = _state(request)
         state.check_model(body.model)
-        _check_alive(state)
+        _check_alive(state, request)
+        if body.chat_template is not None and not _setting(
+            state.settings, "trust_request_chat_template", False
+        ):
+            raise InvalidRequest(
+                "request chat templates are disabled on this server "
+                "(--trust-request-chat-template)", param="chat_template",
+            )
         prompt = await prepare_chat_prompt(
             body, state.processor, state.fetcher,
             max_images=_setting(state.settings, "max_images_per_request", 16),
             settings=state.settings,
         )
         job = _job(state, body, prompt, prefix="chatcmpl")
+        ticket = _admit(request, state, job)
         with_logprobs = body.logprobs
         if body.stream:
             stream = stream_chat(job, state.engine, state.processor.tokenizer,
                                  with_logprobs=with_logprobs,
-                                 on_finished=_finisher(state, time.monotonic()))
-            return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
-        totals, results = await _collect_until_disconnect(request, state, job)
+                                 on_finished=_finisher(state, time.monotonic(), request))
+            return StreamingResponse(_releasing(stream, ticket), media_type="text/event-stream",
+                                     headers=SSE_HEADERS)
+        try:
+            totals, results = await _collect_until_disconnect(request, state, job)
+        finally:
+            ticket.release()
         response = chat_response(job, results, totals, state.processor,
                                  with_logprobs=with_logprobs)
         return JSONResponse(dump(response, exclude={"system_fingerprint"}))
@@ -220,16 +252,21 @@ def _add_api_routes(api: APIRouter) -> None:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         state = _state(request)
         state.check_model(body.model)
-        _check_alive(state)
+        _check_alive(state, request)
         prompt = prepare_completion_prompt(body, state.processor, state.vocab_size)
         job = _job(state, body, prompt, prefix="cmpl")
+        ticket = _admit(request, state, job)
         with_logprobs = body.logprobs is not None
         if body.stream:
             stream = stream_completion(job, state.engine, state.processor.tokenizer,
                                        with_logprobs=with_logprobs,
-                                       on_finished=_finisher(state, time.monotonic()))
-            return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
-        totals, results = await _collect_until_disconnect(request, state, job)
+                                       on_finished=_finisher(state, time.monotonic(), request))
+            return StreamingResponse(_releasing(stream, ticket), media_type="text/event-stream",
+                                     headers=SSE_HEADERS)
+        try:
+            totals, results = await _collect_until_disconnect(request, state, job)
+        finally:
+            ticket.release()
         response = completion_response(job, results, totals, state.processor,
                                        with_logprobs=with_logprobs)
         return JSONResponse(dump(response))
@@ -257,9 +294,38 @@ def _add_api_routes(api: APIRouter) -> None:
         return {"prompt": state.processor.decode(body.tokens, skip_special_tokens=False)}
 
 
-def _check_alive(state: AppState) -> None:
+def _check_alive(state: AppState, request: Request) -> None:
     if not getattr(state.engine, "is_alive", True):
         raise EngineDeadError("the engine is not running")
+    if request.app.state.admission.is_draining:
+        _count_rejected(state, ServerDraining.code)
+        raise ServerDraining("the server is shutting down; retry on another replica")
+
+
+def _count_rejected(state: AppState, reason: str) -> None:
+    state.metrics.on_request_rejected(reason)
+
+
+def _admit(request: Request, state: AppState, job: GenerationJob) -> Ticket:
+    """Reserve room for all `n` sequences of the job, or 503 (counted)."""
+    try:
+        return request.app.state.admission.admit(
+            num_sequences=job.n, num_prompt_tokens=len(job.prompt.token_ids)
+        )
+    except ServerOverloaded as exc:
+        _count_rejected(state, exc.code or "server_overloaded")
+        raise
+
+
+async def _releasing(stream: Any, ticket: Ticket) -> Any:
+    """Yield from a response stream; release the admission ticket however it ends."""
+    try:
+        async for chunk in stream:
+            yield chunk
+    finally:
+        ticket.release()
+        with contextlib.suppress(Exception):
+            await stream.aclose()
 
 
 def _job(state: AppState, body: Any, prompt: Any, *, prefix: str) -> GenerationJob:
@@ -279,7 +345,9 @@ def _job(state: AppState, body: Any, prompt: Any, *, prefix: str) -> GenerationJ
     )
 
 
-def _finisher(state: AppState, start: float) -> Callable[[GenerationTotals], None]:
+def _finisher(
+    state: AppState, start: float, request: Request
+) -> Callable[[GenerationTotals], None]:
     def on_finished(totals: GenerationTotals) -> None:
         ttft = None if totals.first_token_time is None else totals.first_token_time - start
         state.metrics.on_request_finished(
@@ -288,7 +356,15 @@ def _finisher(state: AppState, start: float) -> Callable[[GenerationTotals], Non
             finish_reasons=totals.finish_reasons,
             ttft_s=ttft,
             latency_s=time.monotonic() - start,
+            inter_token_s=totals.inter_token_seconds,
+            queued_s=totals.queued_seconds,
+            prefill_s=totals.prefill_seconds,
+            decode_s=totals.decode_seconds,
         )
+        record = record_of(request)
+        if record is not None:
+            record.prompt_tokens = totals.num_prompt_tokens
+            record.completion_tokens = totals.num_generated_tokens
 
     return on_finished
 
@@ -323,5 +399,5 @@ async def _collect_until_disconnect(request: Request, state: AppState, job: Gene
         logger.info("client disconnected; request %s aborted", job.request_id)
         raise ClientDisconnected(job.request_id)
     results = work.result()
-    _finisher(state, start)(totals)
+    _finisher(state, start, request)(totals)
     return totals, results

@@ -248,7 +248,10 @@ async def prepare_chat_prompt(
         media.append(item)
         counts.append((item.modality.value, item.num_tokens))
     prompt = await asyncio.to_thread(
-        processor.process_chat, messages_as_dicts(request.messages), counts
+        processor.process_chat,
+        messages_as_dicts(request.messages),
+        counts,
+        chat_template=request.chat_template,  # app.py refuses it unless trusted
     )
     media = [
         _with_offset(item, span.offset) for item, span in zip(media, prompt.spans, strict=True)

@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -140,7 +141,38 @@ async def run_server(settings: ServerSettings) -> int:
 
 class GracefulServer(uvicorn.Server):
     """uvicorn.Server whose SIGINT/SIGTERM handling is a graceful shutdown, after which
-    `serve()` returns (uvicorn would re-raise the signal, skipping the engine's shutdown)."""
+    `serve()` returns (uvicorn would re-raise the signal, skipping the engine's shutdown).
+
+    The first signal starts a DRAIN while still listening: `/health` and every new request
+    answer 503 at once (the app's AdmissionController), in-flight requests run on for up to
+    `timeout_graceful_shutdown` seconds, then uvicorn stops. A second signal stops now."""
+
+    _loop: asyncio.AbstractEventLoop | None = None
+    _is_draining = False
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        admission = getattr(getattr(self.config.app, "state", None), "admission", None)
+        if self._is_draining or admission is None or self._loop is None or not self.started:
+            super().handle_exit(sig, frame)
+            return
+        self._is_draining = True
+        admission.start_draining()
+        logger.info("draining: refusing new requests, waiting for in-flight ones")
+        self._loop.call_soon_threadsafe(self._start_drain, admission)
+
+    def _start_drain(self, admission) -> None:
+        self._drain_task = asyncio.ensure_future(self._drain(admission))  # keep a reference
+
+    async def _drain(self, admission) -> None:
+        deadline = time.monotonic() + self.config.timeout_graceful_shutdown
+        while admission.num_sequences > 0 and time.monotonic() < deadline and not self.should_exit:
+            await asyncio.sleep(0.05)
+        self.config.timeout_graceful_shutdown = max(1, round(deadline - time.monotonic()))
+        self.should_exit = True
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -161,13 +193,30 @@ def make_tiny_model_main(argv: Sequence[str]) -> int:
     return main(list(argv)) or 0
 
 
+def encode_features_main(argv: Sequence[str]) -> int:
+    from engine.encode_features import main
+
+    return main(list(argv)) or 0
+
+
+def bench_main(argv: Sequence[str]) -> int:
+    """`tessera bench serve ...`: the load client (bench/serve.py)."""
+    if not argv or argv[0] != "serve":
+        print("usage: tessera bench serve [--help]", file=sys.stderr)
+        return EXIT_USAGE
+    from bench.serve import main
+
+    return main(list(argv[1:]))
+
+
 COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "serve": (serve_main, "serve a model over an OpenAI-compatible HTTP API"),
     "make-tiny-model": (make_tiny_model_main, "write a small random-weight Qwen2-VL checkpoint"),
     "encode-features": (
-        lambda argv: __import__("engine.encode_features").encode_features.main(argv),
+        encode_features_main,
         "encode images with the model's vision tower into feature files",
     ),
+    "bench": (bench_main, "bench serve: load-test an OpenAI-compatible server"),
 }
 
 

@@ -19,10 +19,12 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.errors import InvalidRequest, TesseraError
+from engine.errors import InvalidRequest, ServerOverloaded, TesseraError
 from engine.protocol import ErrorInfo
 
 logger = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 1  # seconds, on every 503 that says "try again"
 
 # Loc components pydantic adds for union members; they are not part of the field path.
 _TYPE_LOC_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "function-after"}
@@ -88,7 +90,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(TesseraError)
     async def _tessera(_: Request, exc: TesseraError) -> JSONResponse:
-        return json_error(exc.status, tessera_error_body(exc))
+        response = json_error(exc.status, tessera_error_body(exc))
+        if isinstance(exc, ServerOverloaded):
+            response.headers["Retry-After"] = str(RETRY_AFTER_S)
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def _request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -64,6 +64,29 @@ class GenerationTotals:
     num_generated_tokens: int = 0
     first_token_time: float | None = None
     finish_reasons: list[str] = field(default_factory=list)
+    # For the latency histograms: gaps between consecutive tokens of one choice, and the
+    # engine-side phases of every finished choice (RequestOutput.*_seconds).
+    inter_token_seconds: list[float] = field(default_factory=list)
+    queued_seconds: list[float] = field(default_factory=list)
+    prefill_seconds: list[float] = field(default_factory=list)
+    decode_seconds: list[float] = field(default_factory=list)
+    last_token_times: dict[int, float] = field(default_factory=dict)  # choice -> monotonic
+
+    def note_output(self, index: int, output: RequestOutput) -> None:
+        """Record token timing and, on the finishing output, the engine-side phases."""
+        num_tokens = len(output.new_token_ids)
+        if num_tokens:
+            now = time.monotonic()
+            if self.first_token_time is None:
+                self.first_token_time = now
+            last = self.last_token_times.get(index)
+            if last is not None:  # several tokens in one output share the gap
+                self.inter_token_seconds += [(now - last) / num_tokens] * num_tokens
+            self.last_token_times[index] = now
+        for name in ("queued_seconds", "prefill_seconds", "decode_seconds"):
+            value = getattr(output, name)
+            if value is not None:
+                getattr(self, name).append(value)
 
 
 def build_sampling_params(
@@ -230,8 +253,7 @@ def _apply_output(
         raise error_info_to_exception(output.error)
     if output.num_cached_tokens:
         totals.num_cached_tokens = max(totals.num_cached_tokens, output.num_cached_tokens)
-    if output.new_token_ids and totals.first_token_time is None:
-        totals.first_token_time = time.monotonic()
+    totals.note_output(index, output)
     totals.num_generated_tokens += len(output.new_token_ids)
     text = detokenizer.step(output.new_token_ids)
     finish_reason = None

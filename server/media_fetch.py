@@ -80,7 +80,7 @@ class MediaFetcher:
         try:
             path = self.policy.resolve_local_path(url)
         except UnsafeUrlError as exc:
-            raise MediaError(str(exc), param=param, code="media_url_not_allowed") from None
+            raise MediaError(str(exc), param=param) from None
         cap = self.config.max_image_bytes
         with path.open("rb") as file:
             data = file.read(cap + 1)
@@ -118,7 +118,7 @@ class MediaFetcher:
                 f"fetching the image took longer than {self.config.timeout_s:g} s", param=param
             ) from exc
         except UnsafeUrlError as exc:
-            raise MediaError(str(exc), param=param, code="media_url_not_allowed") from None
+            raise MediaError(str(exc), param=param) from None
         except httpx.HTTPError as exc:
             raise MediaError("the image URL could not be fetched", param=param) from exc
 

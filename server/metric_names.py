@@ -168,6 +168,11 @@ METRICS: tuple[MetricSpec, ...] = (
         "route",
         "status",
     ),
+    _counter(
+        "tessera:requests_rejected_total",
+        "Requests refused with 503 before reaching the engine (overloaded, draining).",
+        "reason",
+    ),
 )
 
 METRICS_BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in METRICS}

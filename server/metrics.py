@@ -5,13 +5,20 @@ labels and buckets). Engine gauges and counters come from the EngineStats the en
 with every step (`EngineClient.add_stats_listener`); per-request counters and latencies are
 recorded here when a request finishes. `tessera:http_requests_total` is labelled by the
 route TEMPLATE (`/v1/chat/completions`), never the raw path, so a scan of random URLs
-cannot blow up the label set.
+cannot blow up the label set. The standard process and platform collectors
+(`process_cpu_seconds_total`, `process_resident_memory_bytes`, `python_info`, ...) live on
+the same registry.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
     CollectorRegistry,
     Counter,
     Gauge,
@@ -49,6 +56,8 @@ class ServerMetrics:
 
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
+        for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+            self.registry.register(collector)  # stateless readers of this process
         self.model_name = model_name
         self._metrics = {}
         for spec in METRICS:
@@ -83,6 +92,10 @@ class ServerMetrics:
     def on_http_request(self, route: str, status: int) -> None:
         self._labelled("tessera:http_requests_total", route, str(status)).inc()
 
+    def on_request_rejected(self, reason: str) -> None:
+        """A 503 before the engine; `reason` is an error code of ours, never request data."""
+        self._labelled("tessera:requests_rejected_total", reason).inc()
+
     def on_request_finished(
         self,
         *,
@@ -91,7 +104,12 @@ class ServerMetrics:
         finish_reasons: list[str],
         ttft_s: float | None,
         latency_s: float,
+        inter_token_s: Iterable[float] = (),
+        queued_s: Iterable[float] = (),
+        prefill_s: Iterable[float] = (),
+        decode_s: Iterable[float] = (),
     ) -> None:
+        """Per-request figures; the `*_s` iterables hold one value per token gap / choice."""
         for reason in finish_reasons:
             self._labelled("tessera:request_success_total", reason).inc()
         self._labelled("tessera:prompt_tokens_total").inc(num_prompt_tokens)
@@ -101,6 +119,15 @@ class ServerMetrics:
         if ttft_s is not None:
             self._labelled("tessera:time_to_first_token_seconds").observe(ttft_s)
         self._labelled("tessera:e2e_request_latency_seconds").observe(latency_s)
+        for name, values in (
+            ("tessera:inter_token_latency_seconds", inter_token_s),
+            ("tessera:request_queue_time_seconds", queued_s),
+            ("tessera:request_prefill_time_seconds", prefill_s),
+            ("tessera:request_decode_time_seconds", decode_s),
+        ):
+            histogram = self._labelled(name)
+            for value in values:
+                histogram.observe(value)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -10,7 +10,18 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# Request limits (each violation is a 400 naming the field). Wide enough for real clients,
+# small enough that no single request can tie up the server.
+MAX_N = 16
+MAX_MESSAGES = 2048
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 512
+MAX_STOP_TOKEN_IDS = 256
+MAX_TOP_LOGPROBS = 20
+MAX_INT64 = 2**63 - 1
+MAX_CHAT_TEMPLATE_CHARS = 64 * 1024
 
 # ---------------------------------------------------------------------------- requests
 
@@ -85,18 +96,28 @@ class SamplingFields(_Request):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=2**31 - 1)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-MAX_INT64 - 1, le=MAX_INT64)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    n: int = Field(default=1, ge=1, le=16)
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    n: int = Field(default=1, ge=1, le=MAX_N)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0)
     ignore_eos: bool = False
     user: str | None = None
     skip_special_tokens: bool = True
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        items = [stop] if isinstance(stop, str) else stop or []
+        if len(items) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
+        if any(len(item) > MAX_STOP_STRING_CHARS for item in items):
+            raise ValueError(f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters")
+        return stop
 
     @property
     def stop_list(self) -> list[str]:
@@ -110,10 +131,12 @@ class SamplingFields(_Request):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # Refused unless the server runs with --trust-request-chat-template (server/app.py).
+    chat_template: str | None = Field(default=None, max_length=MAX_CHAT_TEMPLATE_CHARS)
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -126,7 +149,7 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
 
     @property

@@ -64,6 +64,11 @@ class ServerSettings:
     media_fetch_timeout_s: float = 10.0  # total deadline per media URL
     media_fetch_max_redirects: int = 3
     allow_private_media_urls: bool = False  # allow image URLs on loopback / private networks
+    allowed_media_domains: str | None = None  # comma-separated host allowlist; None = any
+    allowed_local_media_path: str | None = None  # file:// image URLs only under this folder
+    max_waiting_requests: int = 256  # beyond max_num_seqs running; more -> 503 + Retry-After
+    max_waiting_tokens: int = 1_000_000  # prompt tokens of all admitted unfinished requests
+    trust_request_chat_template: bool = False  # accept a request's own `chat_template`
     engine_startup_timeout_s: float = 600.0
     shutdown_timeout_s: float = 30.0  # drain in-flight requests on SIGTERM, then stop
     engine_inbox_address: str | None = None  # tcp://HOST:PORT; None = private ipc:// socket

@@ -69,7 +69,8 @@ def _embedded_ipv4(address: ipaddress.IPv6Address) -> ipaddress.IPv4Address | No
 
 def is_blocked_address(address: IPAddress) -> bool:
     """True for loopback, private, link-local (cloud metadata), CGNAT, multicast,
-    unspecified, reserved addresses, and IPv6 forms that embed one of those."""
+    unspecified, reserved addresses, IPv6 forms that embed one of those, and every
+    IPv4-mapped IPv6 address (public hosts never need one)."""
     if isinstance(address, ipaddress.IPv6Address):
         embedded = _embedded_ipv4(address)
         if embedded is not None and is_blocked_address(embedded):
@@ -159,9 +160,7 @@ async def resolve_checked(host: str, port: int, *, allow_private: bool) -> list[
     """Resolve `host`; raise UnsafeUrlError if ANY answer is blocked (a mixed answer is a
     rebinding trick). Returns the addresses to dial, in resolver order."""
     try:
-        infos = await asyncio.get_running_loop().getaddrinfo(
-            host, port, type=socket.SOCK_STREAM
-        )
+        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError):
         raise UnsafeUrlError("the URL's host could not be resolved") from None
     addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))

@@ -79,12 +79,15 @@ class Qwen2Attention(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)  # [T, H, D]
-        k = apply_rotary(
-            k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin
+        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        # q and k heads are adjacent in qkv: rotate them together, in one pass.
+        qk = qkv[:, : self.q_size + self.kv_size].view(
+            num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
+        )  # [T, H + KVH, D]
+        q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(
+            num_tokens, self.num_kv_heads, self.head_dim
         )  # [T, KVH, D]
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         out = self.attention.forward(q, k, v, kv_cache, attn_metadata, self.scale)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 

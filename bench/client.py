@@ -1,0 +1,120 @@
+"""One streamed chat completion against an OpenAI-compatible server, timed chunk by chunk.
+
+The request is `POST {base_url}/v1/chat/completions` with `stream: true` and
+`stream_options.include_usage`; the answer is server-sent events, `data: {json}` lines
+ending with `data: [DONE]`. A *content chunk* is an event whose choices carry non-empty
+`delta.content` (the role-only first chunk of the OpenAI format is not one). Token counts
+come from the `usage` object (OpenAI sends it in a last chunk with no choices; some servers
+put it on the finishing chunk, some never send it: then the content chunks are counted).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import httpx
+
+from bench.stats import RequestRecord
+
+CHAT_PATH = "/v1/chat/completions"
+MAX_ERROR_CHARS = 300
+
+
+def chat_body(
+    model: str,
+    content: tuple[dict[str, Any], ...],
+    *,
+    max_tokens: int,
+    ignore_eos: bool,
+    temperature: float,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": [{"role": "user", "content": list(content)}],
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if ignore_eos:
+        body["ignore_eos"] = True  # a vLLM / Tessera extension; others ignore or reject it
+    return body
+
+
+class _StreamState:
+    """Accumulates what one SSE stream has told us so far."""
+
+    def __init__(self, start: float):
+        self.start = start
+        self.chunk_times: list[float] = []
+        self.finish_time: float | None = None
+        self.usage: dict[str, Any] | None = None
+        self.is_done = False
+        self.error: str | None = None
+
+    def on_event(self, data: str, now: float) -> None:
+        if data == "[DONE]":
+            self.is_done = True
+            return
+        event = json.loads(data)
+        if not isinstance(event, dict):
+            return
+        if event.get("error"):
+            self.error = _short(json.dumps(event["error"]))
+            return
+        if event.get("usage"):
+            self.usage = event["usage"]
+        for choice in event.get("choices") or ():
+            if (choice.get("delta") or {}).get("content"):
+                self.chunk_times.append(now)
+            if choice.get("finish_reason") is not None and self.finish_time is None:
+                self.finish_time = now
+
+    def record(self, end: float) -> RequestRecord:
+        if self.error is not None:
+            return RequestRecord(False, error=self.error)
+        if not (self.is_done or self.finish_time is not None):
+            return RequestRecord(False, error="stream ended before the answer finished")
+        first = self.chunk_times[0] if self.chunk_times else (self.finish_time or end)
+        itl = tuple(b - a for a, b in zip(self.chunk_times[:-1], self.chunk_times[1:], strict=True))
+        usage = self.usage or {}
+        num_output = usage.get("completion_tokens")
+        return RequestRecord(
+            is_success=True,
+            ttft_s=first - self.start,
+            e2e_s=end - self.start,
+            itl_s=itl,
+            num_prompt_tokens=int(usage.get("prompt_tokens") or 0),
+            num_output_tokens=int(num_output if num_output is not None else len(self.chunk_times)),
+            has_usage=self.usage is not None,
+        )
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS] + "..."
+
+
+async def stream_chat(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str]
+) -> RequestRecord:
+    """Send one request and time its stream. Never raises for a failed request (only for
+    cancellation): the failure is in the record."""
+    start = time.perf_counter()
+    state = _StreamState(start)
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")
+                return RequestRecord(False, error=_short(f"HTTP {response.status_code}: {text}"))
+            async for line in response.aiter_lines():
+                if line.startswith("data:"):
+                    state.on_event(line[5:].strip(), time.perf_counter())
+                    if state.error is not None or state.is_done:
+                        break
+    except httpx.HTTPError as exc:
+        return RequestRecord(False, error=_short(f"{type(exc).__name__}: {exc}"))
+    except (json.JSONDecodeError, TypeError, ValueError) as exc:
+        return RequestRecord(False, error=_short(f"malformed stream: {exc}"))
+    return state.record(time.perf_counter())

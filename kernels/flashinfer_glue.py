@@ -1,0 +1,188 @@
+"""Glue between Tessera's step metadata and FlashInfer's paged-attention wrappers.
+
+FlashInfer describes a batch with CSR arrays over the pages ("blocks") of a paged cache
+whose layout ("NHD") is exactly ours:
+
+    kv_cache [num_blocks, 2, block_size, num_kv_heads, head_dim]   (index 0 = K, 1 = V)
+
+For sequences with query_lens [3, 1], seq_lens [6, 9], block_size 4 and block tables
+[[7, 2, _], [5, 0, 8]]:
+
+    qo_indptr        [0, 3, 4]           query rows of sequence i: qo_indptr[i] : qo_indptr[i+1]
+    kv_indptr        [0, 2, 5]           pages of sequence i: kv_indices[kv_indptr[i] : ...]
+    kv_indices       [7, 2, 5, 0, 8]     physical block ids, in history order
+    kv_last_page_len [2, 1]              tokens used in the last page (1 .. block_size)
+
+Causal masking is aligned to the end of the history (query row r of a sequence with
+history L and Q queries sees keys 0 .. L - Q + r), the same as the torch backend.
+
+`build_paged_kv_plan` turns the host-side lists into these arrays without touching the
+device; `gather_page_indices` picks the block ids out of the device block table with one
+index (no host sync). `FlashInferWrappers` owns the workspace and the prefill/decode
+wrappers: `plan()` once per step, `run()` once per layer. FlashInfer is optional
+(`pip install tessera[gpu]`) and imported only when `FlashInferWrappers` is built.
+This module never imports `engine/`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+DEFAULT_WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace
+
+
+@dataclass(frozen=True)
+class PagedKVPlan:
+    """FlashInfer's CSR page table for one step, built on the host (all CPU tensors)."""
+
+    qo_indptr: torch.Tensor  # [S + 1] int32
+    kv_indptr: torch.Tensor  # [S + 1] int32
+    kv_last_page_len: torch.Tensor  # [S] int32
+    block_table_index: torch.Tensor  # [num_pages] int64, flat index into block_tables.view(-1)
+    is_decode_only: bool  # every query_len == 1 (the decode wrapper applies)
+
+    @property
+    def num_seqs(self) -> int:
+        return self.kv_last_page_len.shape[0]
+
+
+def build_paged_kv_plan(
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_size: int,
+    block_table_width: int,
+) -> PagedKVPlan:
+    """CSR arrays for sequences with these query lengths and histories (host lists)."""
+    if len(query_lens) != len(seq_lens):
+        raise ValueError(f"{len(query_lens)} query lengths but {len(seq_lens)} sequence lengths")
+    if block_size < 1:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    num_pages = [-(-seq_len // block_size) for seq_len in seq_lens]
+    for query_len, seq_len, pages in zip(query_lens, seq_lens, num_pages, strict=True):
+        if not 1 <= query_len <= seq_len:
+            raise ValueError(f"query_len {query_len} must be in 1..seq_len ({seq_len})")
+        if pages > block_table_width:
+            raise ValueError(f"seq_len {seq_len} needs {pages} blocks; the table holds fewer")
+    qo_indptr = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+    qo_indptr[1:] = torch.tensor(query_lens, dtype=torch.int32).cumsum(0)
+    kv_indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
+    kv_indptr[1:] = torch.tensor(num_pages, dtype=torch.int32).cumsum(0)
+    last_page_len = [
+        seq_len - (pages - 1) * block_size
+        for seq_len, pages in zip(seq_lens, num_pages, strict=True)
+    ]
+    # Row i's pages are block_tables[i, 0:num_pages[i]] = flat entries i * width + j.
+    block_table_index = torch.cat(
+        [
+            torch.arange(pages, dtype=torch.int64) + row * block_table_width
+            for row, pages in enumerate(num_pages)
+        ]
+        or [torch.zeros(0, dtype=torch.int64)]
+    )
+    return PagedKVPlan(
+        qo_indptr=qo_indptr,
+        kv_indptr=kv_indptr,
+        kv_last_page_len=torch.tensor(last_page_len, dtype=torch.int32),
+        block_table_index=block_table_index,
+        is_decode_only=all(query_len == 1 for query_len in query_lens),
+    )
+
+
+def gather_page_indices(
+    block_tables: torch.Tensor,  # [S, max_blocks] int32, any device
+    plan: PagedKVPlan,
+) -> torch.Tensor:  # [num_pages] int32 on block_tables' device
+    """kv_indices: the physical block ids of every sequence's pages, concatenated."""
+    index = plan.block_table_index.to(block_tables.device, non_blocking=True)
+    return block_tables.reshape(-1)[index].to(torch.int32)
+
+
+def import_flashinfer() -> Any:
+    """The flashinfer module, or ImportError naming the extra that installs it."""
+    try:
+        return importlib.import_module("flashinfer")
+    except ImportError as exc:
+        raise ImportError(
+            "flashinfer is not installed; install the GPU extra: pip install 'tessera[gpu]'"
+        ) from exc
+
+
+class FlashInferWrappers:
+    """FlashInfer's batch prefill (ragged queries, paged KV) and batch decode wrappers over
+    one shared workspace, planned once per step and run once per layer.
+
+    A decode-only step uses the decode wrapper; any step with a prefill chunk runs all its
+    rows (decode rows included) through the prefill wrapper, which handles query_len 1 too.
+    """
+
+    def __init__(self, device: torch.device, workspace_bytes: int = DEFAULT_WORKSPACE_BYTES):
+        self._flashinfer = import_flashinfer()
+        self._workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
+        self._prefill = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self._workspace, kv_layout="NHD"
+        )
+        self._decode: Any = None  # built on first plan, once the GQA group size is known
+        self._is_decode_only = False
+
+    def plan(
+        self,
+        plan: PagedKVPlan,
+        kv_indices: torch.Tensor,  # [num_pages] int32, device
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        scale: float,
+        q_dtype: torch.dtype,
+        kv_dtype: torch.dtype,
+    ) -> None:
+        self._is_decode_only = plan.is_decode_only
+        if plan.is_decode_only:
+            if self._decode is None:
+                # Tensor cores pay off once several query heads share a KV head (GQA).
+                self._decode = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    self._workspace, kv_layout="NHD", use_tensor_cores=num_qo_heads > num_kv_heads
+                )
+            self._decode.plan(
+                plan.kv_indptr,
+                kv_indices,
+                plan.kv_last_page_len,
+                num_qo_heads,
+                num_kv_heads,
+                head_dim,
+                block_size,
+                pos_encoding_mode="NONE",  # RoPE / M-RoPE is applied before the cache write
+                q_data_type=q_dtype,
+                kv_data_type=kv_dtype,
+                sm_scale=scale,
+            )
+            return
+        self._prefill.plan(
+            plan.qo_indptr,
+            plan.kv_indptr,
+            kv_indices,
+            plan.kv_last_page_len,
+            num_qo_heads,
+            num_kv_heads,
+            head_dim,
+            block_size,
+            causal=True,
+            pos_encoding_mode="NONE",
+            sm_scale=scale,
+            q_data_type=q_dtype,
+            kv_data_type=kv_dtype,
+        )
+
+    def run(
+        self,
+        query: torch.Tensor,  # [T, H, D]
+        kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, KVH, D]
+        k_scale: float | None = None,  # FP8 caches: dequantisation scale of K
+        v_scale: float | None = None,
+    ) -> torch.Tensor:  # [T, H, D]
+        wrapper = self._decode if self._is_decode_only else self._prefill
+        return wrapper.run(query, kv_cache, k_scale=k_scale, v_scale=v_scale)

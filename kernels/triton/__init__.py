@@ -1,0 +1,27 @@
+"""Triton kernels for the memory-bound glue around attention, each beside its launcher
+(which checks shapes, dtypes, devices and strides) and tested against its torch reference
+in `kernels.reference`:
+
+    kv_cache_write     write_kv_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale)
+    embedding_scatter  scatter_rows(dst, row_indices, src)
+    token_gather       gather_rows(src, row_indices, out=None)
+
+Triton is optional (`pip install tessera[gpu]`): importing this package never imports it;
+import the submodules only after `is_available()`. On CPU the kernels run under
+`TRITON_INTERPRET=1` (tests only; slow).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+
+def is_available() -> bool:
+    """True when triton is installed (the kernels then run on CUDA tensors, or on CPU
+    tensors when TRITON_INTERPRET=1 was set before triton was imported)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def is_interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -1,0 +1,105 @@
+"""One log line per HTTP request, and the request id that ties it to the client.
+
+`RequestLogMiddleware` (pure ASGI, outermost) takes the request id from the `x-request-id`
+header when it is a sane one (visible ASCII, at most 128 characters) or makes one up,
+returns it in the `x-request-id` response header, and once the response has been sent
+(the whole stream, for SSE) logs on the `tessera.request` logger::
+
+    request_id=4f1c.. method=POST route=/v1/chat/completions status=200 prompt_tokens=12
+    completion_tokens=8 latency_s=0.412
+
+With `--log-format json` the same fields are top-level keys of the JSON line
+(engine.logging_utils.JsonFormatter merges `extra={"fields": ...}`). Only the route
+TEMPLATE is logged, never the raw path or query, and no header but the request id is
+read, so API keys and URLs with secrets in them never reach the log. Handlers add token
+counts through `record_of(request)`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from starlette.datastructures import MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+REQUEST_ID_HEADER = "x-request-id"
+MAX_REQUEST_ID_CHARS = 128
+_SCOPE_KEY = "tessera.request_log"
+
+logger = logging.getLogger("tessera.request")
+
+
+@dataclass
+class RequestLogRecord:
+    """What the log line of one HTTP request says; filled in while it is served."""
+
+    request_id: str
+    method: str
+    route: str = "unmatched"
+    status: int = 500  # until a response starts
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    latency_s: float = 0.0
+
+    def as_text(self) -> str:
+        return " ".join(
+            f"{key}={value}" for key, value in asdict(self).items() if value is not None
+        )
+
+
+def valid_request_id(value: str | None) -> str | None:
+    """`value` if it is 1..128 visible ASCII characters (no spaces or controls), else None."""
+    if not value or len(value) > MAX_REQUEST_ID_CHARS:
+        return None
+    if all("!" <= char <= "~" for char in value):
+        return value
+    return None
+
+
+def record_of(request: Any) -> RequestLogRecord | None:
+    """The log record of a Starlette request (None outside the middleware, e.g. in tests)."""
+    return request.scope.get(_SCOPE_KEY)
+
+
+class RequestLogMiddleware:
+    """Assigns the request id, echoes it in the response, logs one line per request."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.monotonic()
+        record = RequestLogRecord(request_id=_request_id(scope), method=scope["method"])
+        scope[_SCOPE_KEY] = record
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                record.status = message["status"]
+                MutableHeaders(scope=message).append(REQUEST_ID_HEADER, record.request_id)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            route = scope.get("route")
+            record.route = getattr(route, "path", None) or "unmatched"
+            record.latency_s = round(time.monotonic() - start, 6)
+            fields = {k: v for k, v in asdict(record).items() if v is not None}
+            logger.info("%s", record.as_text(), extra={"fields": fields})
+
+
+def _request_id(scope: Scope) -> str:
+    for name, value in scope.get("headers", ()):
+        if name == REQUEST_ID_HEADER.encode():
+            given = valid_request_id(value.decode("latin-1"))
+            if given is not None:
+                return given
+            break
+    return uuid.uuid4().hex

@@ -1,0 +1,207 @@
+"""Every metric of server/metric_names.py moves on a real server when it should.
+
+Moved here: the per-request counters and histograms (tokens, finish reasons, TTFT, ITL,
+e2e, queue / prefill / decode time), the per-step histograms, the vision-encoder time, the
+scheduler gauges and preemptions (on a server with a tiny KV cache), and the standard
+process metrics. Elsewhere: the encoder/prefix cache counters (test_multimodal_metrics),
+the feature_fetch_* family (test_features), http_requests_total (test_chat_api),
+requests_rejected_total (test_security).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.e2e.conftest import MODEL_NAME, picture, png_bytes, run_server
+
+Samples = dict[str, float]  # sample name -> value summed over label sets
+
+
+def scrape(http: httpx.Client) -> tuple[Samples, dict[str, dict[str, float]]]:
+    """/metrics as {sample name: total} and {sample name: {finished_reason: value}}."""
+    totals: Samples = defaultdict(float)
+    by_reason: dict[str, dict[str, float]] = defaultdict(dict)
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        for sample in family.samples:
+            if sample.name.endswith("_created"):
+                continue
+            totals[sample.name] += sample.value
+            if "finished_reason" in sample.labels:
+                by_reason[sample.name][sample.labels["finished_reason"]] = sample.value
+    return totals, by_reason
+
+
+def wait_for(http, predicate, timeout_s: float = 10.0):
+    """Scrape until `predicate(samples, by_reason)` holds (engine stats arrive per step)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        samples, by_reason = scrape(http)
+        if predicate(samples, by_reason) or time.monotonic() > deadline:
+            return samples, by_reason
+        time.sleep(0.05)
+
+
+def completion(http, max_tokens: int, prompt: str = "count the tiles of the floor") -> dict:
+    body = {
+        "model": MODEL_NAME,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()["usage"]
+
+
+def streamed_chat(http, max_tokens: int) -> dict:
+    body = {
+        "model": MODEL_NAME,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "messages": [{"role": "user", "content": "name three colours"}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    usage = None
+    with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                usage = json.loads(line[6:]).get("usage") or usage
+    assert usage is not None
+    return usage
+
+
+def test_request_counters_and_latency_histograms_move(http):
+    before, reasons_before = scrape(http)
+    usages = [completion(http, max_tokens=5), streamed_chat(http, max_tokens=4)]
+    num_prompt = sum(u["prompt_tokens"] for u in usages)
+    num_generated = sum(u["completion_tokens"] for u in usages)
+    assert num_generated == 9
+
+    def done(samples, _):
+        return samples["tessera:request_decode_time_seconds_count"] >= (
+            before["tessera:request_decode_time_seconds_count"] + 2
+        )
+
+    after, reasons_after = wait_for(http, done)
+
+    def moved(name: str) -> float:
+        return after[name] - before[name]
+
+    assert moved("tessera:prompt_tokens_total") == num_prompt
+    assert moved("tessera:generation_tokens_total") == num_generated
+    length = "tessera:request_success_total"
+    assert reasons_after[length]["length"] - reasons_before[length].get("length", 0) == 2
+    for histogram in (
+        "tessera:time_to_first_token_seconds",
+        "tessera:e2e_request_latency_seconds",
+        "tessera:request_queue_time_seconds",
+        "tessera:request_prefill_time_seconds",
+        "tessera:request_decode_time_seconds",
+        "tessera:request_prompt_tokens",
+        "tessera:request_generation_tokens",
+    ):
+        assert moved(f"{histogram}_count") == 2, histogram
+    assert moved("tessera:request_prompt_tokens_sum") == num_prompt
+    assert moved("tessera:request_generation_tokens_sum") == num_generated
+    # one gap per token after the first of each request
+    assert moved("tessera:inter_token_latency_seconds_count") == (5 - 1) + (4 - 1)
+    assert moved("tessera:inter_token_latency_seconds_sum") > 0
+    assert moved("tessera:request_prefill_time_seconds_sum") > 0
+    assert moved("tessera:request_decode_time_seconds_sum") > 0
+    # the decode phase fits inside the end-to-end latency the server measured
+    assert moved("tessera:request_decode_time_seconds_sum") < moved(
+        "tessera:e2e_request_latency_seconds_sum"
+    )
+    # every decode token went through a step (prefills may be partly prefix-cache hits)
+    assert moved("tessera:iteration_tokens_sum") >= num_generated - 2 + 2
+    assert moved("tessera:engine_step_seconds_count") >= 1 + 4
+
+
+def test_vision_encoder_time_moves(http):
+    before, _ = scrape(http)
+    url = "data:image/png;base64," + base64.b64encode(png_bytes(picture(90, 60, 211))).decode()
+    content = [
+        {"type": "image_url", "image_url": {"url": url}},
+        {"type": "text", "text": "what is it"},
+    ]
+    body = {
+        "model": MODEL_NAME,
+        "max_tokens": 1,
+        "messages": [{"role": "user", "content": content}],
+    }
+    assert http.post("/v1/chat/completions", json=body).status_code == 200
+    name = "tessera:vision_encoder_seconds_count"
+    after, _ = wait_for(http, lambda samples, _: samples[name] > before[name])
+    assert after[name] - before[name] == 1
+    assert (
+        after["tessera:vision_encoder_seconds_sum"] > before["tessera:vision_encoder_seconds_sum"]
+    )
+
+
+def test_process_metrics_are_exported(http):
+    samples, _ = scrape(http)
+    assert samples["process_cpu_seconds_total"] > 0
+    assert samples["process_resident_memory_bytes"] > 1e6
+    assert samples["python_info"] == 1
+
+
+@pytest.fixture(scope="module")
+def small_kv_server(model_dir, tmp_path_factory):
+    """6 KV blocks of 16 tokens and 2 running sequences: requests queue and get preempted."""
+    log_path = tmp_path_factory.mktemp("logs") / "small_kv_server.log"
+    extra = ("--num-kv-blocks", "6", "--max-model-len", "96", "--max-num-seqs", "2")
+    with run_server(model_dir, log_path, *extra) as handle:
+        with httpx.Client(base_url=handle.base_url, timeout=120) as session:
+            yield session
+
+
+def test_scheduler_gauges_and_preemptions_move(small_kv_server):
+    http = small_kv_server
+    before, _ = scrape(http)
+    peaks: dict[str, float] = defaultdict(float)
+    gauges = (
+        "tessera:num_requests_running",
+        "tessera:num_requests_waiting",
+        "tessera:kv_cache_usage_perc",
+    )
+    stop = threading.Event()
+
+    def watch() -> None:
+        with httpx.Client(base_url=str(http.base_url), timeout=10) as watcher:
+            while not stop.is_set():
+                samples, _ = scrape(watcher)
+                for name in gauges:
+                    peaks[name] = max(peaks[name], samples[name])
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with ThreadPoolExecutor(6) as pool:
+            prompts = [f"request number {i} says hello" for i in range(6)]
+            usages = list(pool.map(lambda p: completion(http, 70, prompt=p), prompts))
+    finally:
+        stop.set()
+        watcher.join(timeout=20)
+    assert all(u["completion_tokens"] == 70 for u in usages)
+    assert peaks["tessera:num_requests_running"] == 2
+    assert peaks["tessera:num_requests_waiting"] >= 1
+    assert 0 < peaks["tessera:kv_cache_usage_perc"] <= 1
+    after, _ = scrape(http)
+    assert after["tessera:num_preemptions_total"] > before["tessera:num_preemptions_total"]
+    assert after["tessera:request_queue_time_seconds_sum"] > 0
+    # idle again: the gauges come back down
+    idle, _ = wait_for(http, lambda samples, _: samples["tessera:num_requests_running"] == 0)
+    assert idle["tessera:num_requests_waiting"] == 0

@@ -1,0 +1,156 @@
+"""bench.datasets, the SSE accounting of bench.client, the loopback guard and flag checks."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+import pytest
+from PIL import Image
+
+from bench.client import _StreamState
+from bench.datasets import DatasetConfig, make_requests
+from bench.safety import BenchConfigError, check_loopback
+from bench.serve import build_parser, config_from_args, main
+
+
+def image_urls(requests):
+    return [p["image_url"]["url"] for r in requests for p in r.content if p["type"] == "image_url"]
+
+
+def test_text_requests_are_seeded_and_sized():
+    config = DatasetConfig(dataset="text", num_requests=5, input_len=40, seed=3)
+    first, again = make_requests(config), make_requests(config)
+    assert first == again
+    texts = [r.content[0]["text"] for r in first]
+    assert all(len(t.split()) == 40 for t in texts)
+    assert len(set(texts)) == 5
+    assert make_requests(DatasetConfig(num_requests=5, input_len=40, seed=4)) != first
+
+
+def test_image_repeat_ratio_and_size():
+    config = DatasetConfig(
+        dataset="image", num_requests=8, input_len=4, image_size=(40, 24), image_repeat_ratio=0.5
+    )
+    urls = image_urls(make_requests(config))
+    assert len(urls) == 8
+    assert len(set(urls)) == 5  # 4 requests share one image, 4 have their own
+    png = base64.b64decode(urls[0].split(",", 1)[1])
+    assert Image.open(io.BytesIO(png)).size == (40, 24)
+    distinct = image_urls(
+        make_requests(
+            DatasetConfig(dataset="image", num_requests=4, input_len=4, image_size=(8, 8))
+        )
+    )
+    assert len(set(distinct)) == 4
+
+
+def test_mixed_and_features():
+    config = DatasetConfig(
+        dataset="mixed",
+        num_requests=6,
+        input_len=4,
+        image_size=(8, 8),
+        feature_urls=("s3://b/a.safetensors", "s3://b/b.safetensors"),
+        feature_grid_thw=(1, 4, 6),
+    )
+    requests = make_requests(config)
+    assert [r.kind for r in requests] == ["text", "image", "features"] * 2
+    feature = requests[2].content[0]
+    assert feature == {
+        "type": "image_features",
+        "image_features": {"url": "s3://b/a.safetensors", "grid_thw": [1, 4, 6]},
+    }
+    assert requests[5].content[0]["image_features"]["url"] == "s3://b/b.safetensors"
+    with pytest.raises(ValueError):
+        make_requests(DatasetConfig(dataset="features", num_requests=1))
+
+
+def event(**fields):
+    return json.dumps({"id": "x", "object": "chat.completion.chunk", **fields})
+
+
+def delta(text, finish=None):
+    return event(choices=[{"index": 0, "delta": {"content": text}, "finish_reason": finish}])
+
+
+def test_stream_timing_and_usage():
+    state = _StreamState(start=10.0)
+    state.on_event(
+        event(choices=[{"index": 0, "delta": {"role": "assistant", "content": ""}}]), 10.1
+    )
+    state.on_event(delta("Hello"), 10.5)
+    state.on_event(delta(" world"), 10.7)
+    state.on_event(delta("!", finish="length"), 11.0)
+    state.on_event(event(choices=[], usage={"prompt_tokens": 7, "completion_tokens": 4}), 11.1)
+    state.on_event("[DONE]", 11.1)
+    record = state.record(end=11.2)
+    assert record.is_success and record.has_usage
+    assert record.ttft_s == pytest.approx(0.5)  # the role-only chunk is not a token
+    assert record.itl_s == pytest.approx((0.2, 0.3))
+    assert record.e2e_s == pytest.approx(1.2)
+    assert (record.num_prompt_tokens, record.num_output_tokens) == (7, 4)
+    assert record.tpot_s == pytest.approx((1.2 - 0.5) / 3)
+
+
+def test_stream_without_usage_counts_chunks_and_errors_fail():
+    state = _StreamState(start=0.0)
+    for i, text in enumerate(["a", "b", "c"]):
+        state.on_event(delta(text, finish="stop" if i == 2 else None), 1.0 + i)
+    record = state.record(end=3.5)  # no [DONE], but the answer finished
+    assert record.is_success and not record.has_usage
+    assert record.num_output_tokens == 3 and record.num_prompt_tokens == 0
+
+    broken = _StreamState(start=0.0)
+    broken.on_event(delta("a"), 1.0)
+    assert not broken.record(end=2.0).is_success  # cut off mid-answer
+    failed = _StreamState(start=0.0)
+    failed.on_event(json.dumps({"error": {"message": "engine died"}}), 1.0)
+    record = failed.record(end=1.0)
+    assert not record.is_success and "engine died" in record.error
+
+
+def test_loopback_guard():
+    check_loopback("http://127.0.0.1:8000", allow_remote=False)
+    check_loopback("http://[::1]:8000", allow_remote=False)
+    check_loopback("http://localhost:8000", allow_remote=False)
+    for url in ("http://8.8.8.8:8000", "http://192.168.1.10", "http://[2001:db8::1]:80"):
+        with pytest.raises(BenchConfigError, match="--allow-remote"):
+            check_loopback(url, allow_remote=False)
+        check_loopback(url, allow_remote=True)
+    with pytest.raises(BenchConfigError):
+        check_loopback("ftp://127.0.0.1/", allow_remote=True)
+
+
+def test_flags_are_validated(capsys):
+    parse = build_parser().parse_args
+    config = config_from_args(
+        parse(
+            [
+                "--base-url",
+                "http://127.0.0.1:9/v1/",
+                "--slo-ttft",
+                "250",
+                "--image-size",
+                "64x32",
+                "--feature-grid-thw",
+                "1,2,2",
+            ]
+        )
+    )
+    assert config.base_url == "http://127.0.0.1:9"
+    assert config.slo_ttft_s == pytest.approx(0.25) and config.slo_tpot_s is None
+    assert config.dataset.image_size == (64, 32) and config.dataset.feature_grid_thw == (1, 2, 2)
+    for bad in (
+        ["--num-requests", "0"],
+        ["--concurrency", "0"],
+        ["--request-rate", "0"],
+        ["--max-duration", "inf"],
+        ["--image-repeat-ratio", "1.5"],
+        ["--dataset", "features"],
+    ):
+        with pytest.raises(BenchConfigError):
+            config_from_args(parse(bad))
+    assert main(["--base-url", "http://8.8.8.8:1", "--no-progress"]) == 2
+    assert "non-loopback" in capsys.readouterr().err

@@ -1,0 +1,122 @@
+"""Encoder cache accounting: LRU among unreferenced entries, budget growth, and the
+scheduler's reference rules for chunks that end inside media spans."""
+
+import logging
+
+from engine.config import EngineConfig
+from engine.encoder_cache import EncoderCache, EncoderCacheManager
+from engine.protocol import SamplingParams
+from engine.request import MediaItem, Request
+from engine.scheduler import Scheduler
+
+
+def make_scheduler(**options) -> Scheduler:
+    config = EngineConfig(model="unused", block_size=4, enable_prefix_caching=False, **options)
+    return Scheduler(config, num_kv_blocks=64, max_model_len=1000)
+
+
+def image(offset: int, num_tokens: int, content_hash: str) -> MediaItem:
+    return MediaItem("image", content_hash, offset, num_tokens, (1, 2, 2 * num_tokens))
+
+
+def make_request(request_id: str, num_prompt: int, media, max_tokens: int = 1) -> Request:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    return Request(request_id, list(range(1, num_prompt + 1)), params, media=media)
+
+
+def step(scheduler: Scheduler):
+    out = scheduler.schedule()
+    scheduler.update(out, {c.request.request_id: 5 for c in out.chunks if c.samples})
+    return out
+
+
+def run_to_end(scheduler: Scheduler) -> list:
+    outs = []
+    while scheduler.has_unfinished_requests():
+        outs.append(step(scheduler))
+        assert scheduler.encoder_cache.num_used_tokens <= scheduler.encoder_cache.budget_tokens
+    return outs
+
+
+def test_lru_evicts_only_unreferenced_entries_oldest_first():
+    manager = EncoderCacheManager(10)
+    manager.allocate("a", 4, "r1")
+    manager.allocate("b", 4, "r2")
+    manager.release("a", "r1")
+    manager.release("b", "r2")
+    manager.acquire("a", "r3")  # a is needed again: no longer evictable
+    assert manager.can_allocate(6) and not manager.can_allocate(7)
+    manager.allocate("c", 6, "r3")
+    assert manager.pop_evicted() == ["b"]
+    assert manager.has("a") and manager.has("c") and not manager.has("b")
+    assert manager.num_used_tokens == 10
+    manager.allocate("d", 4, "r4")  # nothing evictable: over budget rather than evict a or c
+    assert manager.pop_evicted() == []
+
+
+def test_can_allocate_does_not_count_entries_the_chunk_keeps():
+    manager = EncoderCacheManager(10)
+    manager.allocate("x", 6, "r1")
+    manager.release("x", "r1")
+    assert manager.can_allocate(6)
+    assert not manager.can_allocate(6, keep={"x"})
+
+
+def test_tensor_store_drops_evicted_hashes():
+    store = EncoderCache()
+    store.put("a", 1)
+    store.put("b", 2)
+    store.drop(["a", "missing"])
+    assert "a" not in store and store.get("b") == 2
+
+
+def test_item_larger_than_every_budget_runs_and_budget_grows(caplog):
+    scheduler = make_scheduler(encoder_cache_tokens=8, max_encoder_tokens_per_step=4)
+    with caplog.at_level(logging.WARNING, logger="engine.scheduler"):
+        scheduler.add_request(make_request("big", 40, [image(2, 30, "big")]))
+    assert scheduler.encoder_cache.budget_tokens == 30
+    assert scheduler.max_encoder_tokens_per_step == 30
+    assert "encoder_cache_tokens=8" in caplog.text
+    assert "max_encoder_tokens_per_step=4" in caplog.text
+    outs = run_to_end(scheduler)
+    assert [m.content_hash for out in outs for m in out.media_to_encode] == ["big"]
+
+
+def test_chunk_hit_is_not_counted_as_room_for_a_new_item():
+    # Regression: a cached entry the chunk reads was counted as evictable room, so a
+    # second item was allocated alongside it and the budget overflowed.
+    scheduler = make_scheduler(encoder_cache_tokens=10)
+    scheduler.add_request(make_request("a", 10, [image(2, 6, "x")]))
+    run_to_end(scheduler)
+    scheduler.add_request(make_request("b", 20, [image(2, 6, "x"), image(8, 6, "y")]))
+    first = step(scheduler)
+    assert (first.chunks[0].start, first.chunks[0].num_tokens) == (0, 8)  # stops before y
+    assert first.media_to_encode == []
+    second = step(scheduler)
+    assert [m.content_hash for m in second.media_to_encode] == ["y"]
+    assert second.evicted_encoder_hashes == ["x"]
+    run_to_end(scheduler)
+
+
+def test_same_image_twice_stays_referenced_while_its_second_span_is_part_done():
+    # Regression: finishing the first span released the hash while the second span of
+    # the same image was still part-way, so another request could evict it.
+    scheduler = make_scheduler(encoder_cache_tokens=12, max_num_batched_tokens=12)
+    request = make_request("r", 30, [image(2, 6, "h"), image(10, 6, "h")])
+    scheduler.add_request(request)
+    first = step(scheduler)  # tokens 0..12: first span done, second span at 2 of 6
+    assert [m.content_hash for m in first.media_to_encode] == ["h"]
+    assert scheduler.encoder_cache.is_referenced_by("h", "r")
+    step(scheduler)  # 12..24: second span done
+    assert not scheduler.encoder_cache.is_referenced_by("h", "r")
+    run_to_end(scheduler)
+
+
+def test_counts_queries_and_hits_per_item_across_requests():
+    scheduler = make_scheduler()
+    for index, content_hash in enumerate(["p", "q", "p", "p", "q"]):
+        scheduler.add_request(make_request(f"r{index}", 12, [image(2, 4, content_hash)]))
+    out = scheduler.schedule()
+    assert sorted(m.content_hash for m in out.media_to_encode) == ["p", "q"]
+    counters = scheduler.pop_counters()
+    assert (counters.encoder_cache_queries, counters.encoder_cache_hits) == (5, 3)

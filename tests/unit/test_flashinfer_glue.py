@@ -1,0 +1,150 @@
+"""FlashInfer glue on CPU: the CSR page table it builds from step metadata, read back by a
+torch implementation of FlashInfer's semantics, must give the torch backend's attention.
+(The real FlashInfer kernels are compared in tests/gpu/test_flashinfer_backend.py.)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import pytest
+import torch
+
+from engine.attention import get_attention_backend
+from engine.attention.base import AttentionMetadata
+from engine.attention.torch_backend import TorchAttentionBackend
+from kernels import reference
+from kernels.flashinfer_glue import build_paged_kv_plan, gather_page_indices
+
+
+def random_paged_batch(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size,
+                       seed=0):  # fmt: skip
+    """Sequences with `context_lens` tokens already cached (random K/V anywhere in a shuffled
+    block pool) and `query_lens` new tokens each. Returns q, k, v, kv_cache, metadata."""
+    generator = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
+    pages = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(pages) + 3
+    pool = torch.randperm(num_blocks, generator=generator).tolist()
+    width = max(pages)
+    block_tables = torch.zeros(len(seq_lens), width, dtype=torch.int32)  # [S, width]
+    slots = []
+    for row, (context, seq_len) in enumerate(zip(context_lens, seq_lens, strict=True)):
+        blocks = [pool.pop() for _ in range(pages[row])]
+        block_tables[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        slots += [
+            blocks[p // block_size] * block_size + p % block_size for p in range(context, seq_len)
+        ]
+    num_tokens = sum(query_lens)
+    query = torch.randn(num_tokens, num_heads, head_dim, generator=generator)  # [T, H, D]
+    key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=generator)  # [T, KVH, D]
+    value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=generator)  # [T, KVH, D]
+    kv_cache = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_dim, generator=generator)
+    query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+    query_start_loc[1:] = torch.tensor(query_lens).cumsum(0)
+    metadata = AttentionMetadata(
+        num_seqs=len(query_lens),
+        query_lens=list(query_lens),
+        seq_lens=seq_lens,
+        query_start_loc=query_start_loc,
+        seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=block_tables,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        is_decode_only=all(n == 1 for n in query_lens),
+    )
+    return query, key, value, kv_cache, metadata
+
+
+def test_plan_matches_the_documented_example():
+    plan = build_paged_kv_plan([3, 1], [6, 9], block_size=4, block_table_width=3)
+    block_tables = torch.tensor([[7, 2, 0], [5, 0, 8]], dtype=torch.int32)
+    assert plan.qo_indptr.tolist() == [0, 3, 4]
+    assert plan.kv_indptr.tolist() == [0, 2, 5]
+    assert plan.kv_last_page_len.tolist() == [2, 1]
+    assert gather_page_indices(block_tables, plan).tolist() == [7, 2, 5, 0, 8]
+    assert not plan.is_decode_only
+    assert plan.num_seqs == 2
+    assert build_paged_kv_plan([1, 1], [4, 5], 4, 2).kv_last_page_len.tolist() == [4, 1]
+    assert build_paged_kv_plan([1, 1], [4, 5], 4, 2).is_decode_only
+
+
+@pytest.mark.parametrize(
+    "query_lens,seq_lens,width,message",
+    [
+        ([1], [1, 2], 2, "sequence lengths"),
+        ([3], [2], 2, "query_len"),
+        ([0], [2], 2, "query_len"),
+        ([1], [9], 2, "blocks"),
+    ],
+)
+def test_plan_rejects_inconsistent_lengths(query_lens, seq_lens, width, message):
+    with pytest.raises(ValueError, match=message):
+        build_paged_kv_plan(query_lens, seq_lens, block_size=4, block_table_width=width)
+
+
+@pytest.mark.parametrize(
+    "query_lens,context_lens",
+    [
+        ([1, 1, 1], [0, 5, 16]),  # decode only
+        ([7, 1, 3, 1], [0, 9, 4, 31]),  # mixed prefill chunks and decodes
+        ([16], [16]),  # a chunk that starts and ends on block boundaries
+    ],
+)
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2)])
+def test_csr_page_table_reproduces_torch_backend(query_lens, context_lens, num_heads, num_kv_heads):
+    head_dim, block_size = 16, 8
+    query, key, value, kv_cache, metadata = random_paged_batch(
+        query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size, seed=num_heads
+    )
+    scale = 1 / math.sqrt(head_dim)
+    torch_cache = kv_cache.clone()
+    expected = TorchAttentionBackend().forward(query, key, value, torch_cache, metadata, scale)
+
+    reference.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+    assert torch.equal(kv_cache, torch_cache)
+    plan = build_paged_kv_plan(
+        metadata.query_lens, metadata.seq_lens, block_size, metadata.block_tables.shape[1]
+    )
+    assert plan.is_decode_only == metadata.is_decode_only
+    out = reference.paged_attention(
+        query,
+        kv_cache,
+        plan.qo_indptr,
+        plan.kv_indptr,
+        gather_page_indices(metadata.block_tables, plan),
+        plan.kv_last_page_len,
+        scale,
+    )
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_fp8_scales_dequantize_in_the_reference():
+    query, key, value, kv_cache, metadata = random_paged_batch([3, 1], [2, 6], 4, 2, 16, 4)
+    scale, k_scale, v_scale = 0.25, 0.01, 0.02
+    fp8_cache = reference.quantize_fp8(kv_cache, torch.tensor([k_scale]))
+    fp8_cache[:, 1] = reference.quantize_fp8(kv_cache[:, 1], torch.tensor([v_scale]))
+    reference.write_kv_cache(
+        key,
+        value,
+        fp8_cache,
+        metadata.slot_mapping,
+        torch.tensor([k_scale]),
+        torch.tensor([v_scale]),
+    )
+    dequantized = fp8_cache.float()
+    dequantized[:, 0] *= k_scale
+    dequantized[:, 1] *= v_scale
+    plan = build_paged_kv_plan(
+        metadata.query_lens, metadata.seq_lens, 4, metadata.block_tables.shape[1]
+    )
+    args = (plan.qo_indptr, plan.kv_indptr, gather_page_indices(metadata.block_tables, plan),
+            plan.kv_last_page_len, scale)  # fmt: skip
+    out = reference.paged_attention(query, fp8_cache, *args, k_scale=k_scale, v_scale=v_scale)
+    torch.testing.assert_close(out, reference.paged_attention(query, dequantized, *args))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flashinfer") is not None, reason="flashinfer present")
+def test_flashinfer_backend_unavailable_without_flashinfer():
+    with pytest.raises(ValueError, match="flashinfer"):
+        get_attention_backend("flashinfer")

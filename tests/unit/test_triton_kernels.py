@@ -1,0 +1,216 @@
+"""Triton kernels vs their torch references, on CPU under TRITON_INTERPRET=1 (small shapes).
+
+Skipped cleanly when triton is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from engine.attention.torch_backend import write_kv  # noqa: E402
+from kernels import reference  # noqa: E402
+from kernels.triton.checks import KernelArgumentError  # noqa: E402
+from kernels.triton.embedding_scatter import scatter_rows  # noqa: E402
+from kernels.triton.kv_cache_write import write_kv_cache  # noqa: E402
+from kernels.triton.token_gather import gather_rows  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+
+# (num_tokens, num_kv_heads, head_dim, block_size, num_blocks)
+KV_SHAPES = [(1, 1, 8, 4, 2), (7, 2, 24, 4, 5), (19, 4, 32, 16, 3), (33, 3, 40, 8, 6)]
+
+
+def _qkv_views(num_tokens: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int):
+    """K and V as strided slices of one fused projection, like the model hands them over."""
+    generator = torch.Generator().manual_seed(seed)
+    width = num_kv_heads * head_dim
+    fused = torch.randn(num_tokens, 3 * width, generator=generator).to(dtype)  # [T, 3 * KVH * D]
+    key = fused[:, width : 2 * width].view(num_tokens, num_kv_heads, head_dim)  # [T, KVH, D]
+    value = fused[:, 2 * width :].view(num_tokens, num_kv_heads, head_dim)  # [T, KVH, D]
+    return key, value
+
+
+def _slots(num_tokens: int, block_size: int, num_blocks: int, seed: int) -> torch.Tensor:
+    """Distinct slots, shuffled, spread over the whole cache."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randperm(block_size * num_blocks, generator=generator)[:num_tokens]  # [T] int64
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(torch.equal(a.view(torch.uint8), b.view(torch.uint8)))
+
+
+@pytest.mark.parametrize("shape", KV_SHAPES)
+@pytest.mark.parametrize(
+    "dtype,cache_dtype",
+    [
+        (torch.float16, torch.float16),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.float32),
+    ],
+)
+def test_kv_cache_write_matches_reference(shape, dtype, cache_dtype):
+    num_tokens, num_kv_heads, head_dim, block_size, num_blocks = shape
+    key, value = _qkv_views(num_tokens, num_kv_heads, head_dim, dtype, seed=num_tokens)
+    slots = _slots(num_tokens, block_size, num_blocks, seed=head_dim)
+    cache = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_dim).to(cache_dtype)
+    expected = cache.clone()
+    backend_cache = cache.clone()
+    write_kv_cache(key, value, cache, slots.to(torch.int32))
+    reference.write_kv_cache(key, value, expected, slots)
+    write_kv(key, value, backend_cache, slots)  # the torch attention backend's own write
+    assert torch.equal(cache, expected)
+    assert torch.equal(expected, backend_cache)
+    block_ids, offsets = slots // block_size, slots % block_size
+    assert torch.equal(cache[block_ids, 0, offsets], key.to(cache_dtype))  # a test that can fail
+    assert torch.equal(cache[block_ids, 1, offsets], value.to(cache_dtype))
+
+
+@pytest.mark.parametrize("shape", KV_SHAPES)
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kv_cache_write_fp8(shape, per_head, dtype):
+    num_tokens, num_kv_heads, head_dim, block_size, num_blocks = shape
+    key, value = _qkv_views(num_tokens, num_kv_heads, head_dim, dtype, seed=7 * num_tokens)
+    slots = _slots(num_tokens, block_size, num_blocks, seed=head_dim)
+
+    def amax_scale(x: torch.Tensor) -> torch.Tensor:  # largest |x| maps to 448: no clamping
+        amax = x.float().abs().amax(dim=(0, 2)) if per_head else x.float().abs().amax().view(1)
+        return (amax / reference.FP8_MAX).clamp_min(1e-6)  # [KVH] or [1]
+
+    k_scale, v_scale = amax_scale(key), amax_scale(value)
+    cache = torch.zeros(num_blocks, 2, block_size, num_kv_heads, head_dim, dtype=FP8)
+    expected = cache.clone()
+    write_kv_cache(key, value, cache, slots, k_scale, v_scale)
+    reference.write_kv_cache(key, value, expected, slots, k_scale, v_scale)
+    assert _same_bytes(cache, expected)
+
+    block_ids, offsets = slots // block_size, slots % block_size
+    for index, (x, scale) in enumerate(((key, k_scale), (value, v_scale))):
+        restored = reference.dequantize_fp8(cache[block_ids, index, offsets], scale)
+        # E4M3 keeps 3 mantissa bits: relative error <= 1/16 in the normal range, plus an
+        # absolute 2**-10 * scale for values rounded in the subnormal range.
+        tolerance = x.float().abs() / 16 + scale.unsqueeze(-1) * 2.0**-10
+        assert ((restored - x.float()).abs() <= tolerance).all()
+
+
+def test_fp8_rounding_ties_and_saturation_match_torch():
+    """Every E4M3 value, every midpoint between neighbours (ties to even), and values past
+    448 (saturate) give the same byte as torch's own cast."""
+    grid = torch.arange(256, dtype=torch.uint8).view(FP8).float()  # [256]
+    grid = grid[torch.isfinite(grid)].unique()  # sorted
+    positive = grid[grid >= 0]
+    midpoints = (positive[1:] + positive[:-1]) / 2
+    nudged = torch.cat([midpoints * (1 + 2.0**-20), midpoints * (1 - 2.0**-20)])
+    beyond = torch.tensor([448.5, 464.0, 480.0, 1e4, 3e38])
+    values = torch.cat([positive, midpoints, nudged, beyond])
+    values = torch.cat([values, -values])
+    width = 16
+    values = torch.cat([values, torch.zeros(-len(values) % width)])
+    key = values.view(-1, 1, width)  # [T, 1, 16]
+    slots = torch.arange(key.shape[0])
+    cache = torch.zeros(key.shape[0], 2, 1, 1, width, dtype=FP8)
+    expected = cache.clone()
+    scale = torch.ones(1)
+    write_kv_cache(key, key, cache, slots, scale, scale)
+    reference.write_kv_cache(key, key, expected, slots, scale, scale)
+    assert _same_bytes(cache, expected)
+    assert cache[:, 0].float().abs().max() == reference.FP8_MAX
+
+
+def test_kv_cache_write_leaves_other_slots_alone():
+    key, value = _qkv_views(3, 2, 8, torch.float16, seed=1)
+    cache = torch.full((4, 2, 4, 2, 8), 5.0, dtype=torch.float16)
+    write_kv_cache(key, value, cache, torch.tensor([0, 9, 15]))
+    untouched = torch.ones(16, dtype=torch.bool)
+    untouched[[0, 9, 15]] = False
+    flat = cache.transpose(1, 2).reshape(16, 2, 2, 8)  # [slot, K/V, KVH, D]
+    assert (flat[untouched] == 5.0).all()
+
+
+def test_kv_cache_write_rejects_bad_arguments():
+    key, value = _qkv_views(4, 2, 8, torch.float16, seed=2)
+    slots = torch.arange(4)
+    cache = torch.zeros(2, 2, 4, 2, 8, dtype=torch.float16)
+    with pytest.raises(KernelArgumentError, match="kv_cache heads/dim"):
+        write_kv_cache(key, value, torch.zeros(2, 2, 4, 3, 8, dtype=torch.float16), slots)
+    with pytest.raises(KernelArgumentError, match="slot_mapping"):
+        write_kv_cache(key, value, cache, slots[:3])
+    with pytest.raises(KernelArgumentError, match="slot_mapping"):
+        write_kv_cache(key, value, cache, slots.float())
+    with pytest.raises(KernelArgumentError, match="kv_cache dtype"):
+        write_kv_cache(key, value, cache.bfloat16(), slots)
+    with pytest.raises(KernelArgumentError, match="value dtype"):
+        write_kv_cache(key, value.float(), cache, slots)
+    with pytest.raises(KernelArgumentError, match="last dim"):
+        write_kv_cache(key.transpose(1, 2).contiguous().transpose(1, 2), value, cache, slots)
+    fp8_cache = torch.zeros(2, 2, 4, 2, 8, dtype=FP8)
+    with pytest.raises(KernelArgumentError, match="k_scale and v_scale"):
+        write_kv_cache(key, value, fp8_cache, slots)
+    with pytest.raises(KernelArgumentError, match="k_scale must be"):
+        write_kv_cache(key, value, fp8_cache, slots, torch.ones(3), torch.ones(3))
+    with pytest.raises(KernelArgumentError, match="dtype"):
+        write_kv_cache(key, value, fp8_cache, slots, torch.ones(1).half(), torch.ones(1).half())
+
+
+@pytest.mark.parametrize("hidden", [8, 100, 1100])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_scatter_rows_matches_reference_and_masked_scatter(hidden, dtype):
+    generator = torch.Generator().manual_seed(hidden)
+    num_tokens = 13
+    mask = torch.rand(num_tokens, generator=generator) < 0.5  # [T] placeholder rows
+    mask[3] = True
+    row_indices = mask.nonzero()[:, 0]  # [M]
+    dst = torch.randn(num_tokens, hidden, generator=generator).to(dtype)
+    src = torch.randn(len(row_indices), hidden, generator=generator).to(dtype)
+    expected = dst.clone()
+    masked = dst.masked_scatter(mask.unsqueeze(-1), src)
+    scatter_rows(dst, row_indices.to(torch.int32), src)
+    reference.scatter_rows(expected, row_indices, src)
+    assert torch.equal(dst, expected)
+    assert torch.equal(dst, masked)
+    assert torch.equal(dst[3], src[int((row_indices == 3).nonzero())])
+
+
+def test_scatter_rows_rejects_bad_arguments():
+    dst = torch.zeros(4, 8)
+    with pytest.raises(KernelArgumentError, match="src must be"):
+        scatter_rows(dst, torch.tensor([0, 1]), torch.zeros(2, 7))
+    with pytest.raises(KernelArgumentError, match="row_indices must be"):
+        scatter_rows(dst, torch.tensor([0]), torch.zeros(2, 8))
+    with pytest.raises(KernelArgumentError, match="src dtype"):
+        scatter_rows(dst, torch.tensor([0, 1]), torch.zeros(2, 8).half())
+    with pytest.raises(KernelArgumentError, match="last dim"):
+        scatter_rows(torch.zeros(8, 4).t(), torch.tensor([0, 1]), torch.zeros(2, 8))
+
+
+@pytest.mark.parametrize("hidden", [16, 72, 1030])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_rows_matches_reference(hidden, dtype):
+    generator = torch.Generator().manual_seed(hidden)
+    query_lens = torch.tensor([5, 1, 1, 9, 2])
+    query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+    query_start_loc[1:] = query_lens.cumsum(0)
+    src = torch.randn(int(query_lens.sum()), hidden, generator=generator).to(dtype)  # [T, hidden]
+    last_rows = reference.last_token_indices(query_start_loc)  # [S]
+    assert last_rows.tolist() == [4, 5, 6, 15, 17]
+    out = gather_rows(src, last_rows)
+    assert torch.equal(out, reference.gather_rows(src, last_rows))
+    assert torch.equal(out, src[[4, 5, 6, 15, 17]])
+    into = torch.empty(2, hidden, dtype=dtype)
+    gather_rows(src, torch.tensor([3, 0], dtype=torch.int32), out=into)
+    assert torch.equal(into, src[[3, 0]])
+
+
+def test_gather_rows_rejects_bad_out():
+    with pytest.raises(KernelArgumentError, match="out must be"):
+        gather_rows(torch.zeros(4, 8), torch.tensor([1]), out=torch.zeros(2, 8))
+    with pytest.raises(KernelArgumentError, match="out dtype"):
+        gather_rows(torch.zeros(4, 8), torch.tensor([1]), out=torch.zeros(1, 8).half())

@@ -1,0 +1,223 @@
+"""SSRF guard: address classes, static URL checks, file:// containment, and the guarded
+transport against local listeners that count connections (loopback only)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import socket
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from engine.errors import MediaError
+from engine.multimodal.image_processor import ImageProcessorConfig
+from server import url_safety
+from server.media_fetch import MediaFetchConfig, MediaFetcher
+from server.url_safety import UnsafeUrlError, UrlPolicy, is_blocked_address, resolve_checked
+
+BLOCKED = [
+    "127.0.0.1",
+    "127.1.2.3",
+    "0.0.0.0",
+    "10.1.2.3",
+    "172.16.0.1",
+    "192.168.1.1",
+    "169.254.169.254",
+    "100.64.0.1",
+    "224.0.0.1",
+    "239.255.255.250",
+    "255.255.255.255",
+    "240.0.0.1",
+    "::1",
+    "::",
+    "::ffff:127.0.0.1",
+    "::ffff:169.254.169.254",
+    "fe80::1",
+    "fd00:ec2::254",
+    "ff02::1",
+    "64:ff9b::7f00:1",
+    "2002:7f00:1::",
+    "::127.0.0.1",
+]
+PUBLIC = ["8.8.8.8", "1.1.1.1", "2606:4700:4700::1111"]  # IPv4-mapped: always blocked
+
+
+@pytest.mark.parametrize("text", BLOCKED)
+def test_blocked_addresses(text):
+    assert is_blocked_address(ipaddress.ip_address(text))
+
+
+@pytest.mark.parametrize("text", PUBLIC)
+def test_public_addresses(text):
+    assert not is_blocked_address(ipaddress.ip_address(text))
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "ftp://example.com/a.png",
+        "gopher://x/",
+        "file:///etc/passwd",
+        "http://u:p@example.com/",
+        "http://example.com\\@127.0.0.1/",
+        "http://exa mple.com/",
+        "http://127.0.0.1/a.png",
+        "http://[::ffff:127.0.0.1]/",
+        "http://169.254.169.254/latest/meta-data/",
+        "http:///x",
+        "http://[::1]:8000/",
+    ],
+)
+def test_check_url_rejects(url):
+    with pytest.raises(UnsafeUrlError):
+        UrlPolicy().check_url(url)
+
+
+def test_domain_allowlist():
+    policy = UrlPolicy.from_strings(
+        allow_private=False,
+        allowed_domains="images.example.com, cdn.example.org",
+        allowed_local_path=None,
+    )
+    assert (
+        policy.check_url("https://IMAGES.example.com./a.png").host.rstrip(".")
+        == "images.example.com"
+    )
+    with pytest.raises(UnsafeUrlError, match="allowed media domains"):
+        policy.check_url("https://evil.example.com/a.png")
+
+
+@pytest.mark.parametrize("host", ["0x7f000001", "2130706433", "127.1", "localhost", "0"])
+def test_resolution_tricks_are_blocked(host):
+    with pytest.raises(UnsafeUrlError, match="private"):
+        asyncio.run(resolve_checked(host, 80, allow_private=False))
+
+
+def test_mixed_dns_answer_is_blocked(monkeypatch):
+    async def fake_getaddrinfo(host, port, **kwargs):
+        return [
+            (socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port))
+            for ip in ("8.8.8.8", "127.0.0.1")
+        ]
+
+    loop = asyncio.new_event_loop()
+    monkeypatch.setattr(loop, "getaddrinfo", fake_getaddrinfo)
+    with pytest.raises(UnsafeUrlError):
+        loop.run_until_complete(resolve_checked("rebind.test", 80, allow_private=False))
+    loop.close()
+
+
+def test_file_urls_stay_inside_the_root(tmp_path):
+    root = tmp_path / "media"
+    root.mkdir()
+    (root / "ok.png").write_bytes(b"x")
+    (tmp_path / "secret.txt").write_text("s")
+    (root / "link.png").symlink_to(tmp_path / "secret.txt")
+    policy = UrlPolicy(allowed_local_path=str(root))
+    assert policy.resolve_local_path(f"file://{root}/ok.png") == (root / "ok.png").resolve()
+    for url in (
+        f"file://{root}/../secret.txt",
+        f"file://{root}/link.png",
+        f"file://{root}/%2e%2e/secret.txt",
+        f"file://{root}/missing.png",
+        f"file://otherhost{root}/ok.png",
+        "file:///etc/passwd",
+    ):
+        with pytest.raises(UnsafeUrlError):
+            policy.resolve_local_path(url)
+    with pytest.raises(UnsafeUrlError, match="disabled"):
+        UrlPolicy().resolve_local_path(f"file://{root}/ok.png")
+
+
+class _Counter:
+    def __init__(self) -> None:
+        self.count = 0
+
+
+@contextlib.contextmanager
+def listener(address: str, redirect_to: str | None = None) -> Iterator[tuple[int, _Counter]]:
+    """An HTTP server on `address` counting requests; answers 302 -> redirect_to, or 200."""
+    counter = _Counter()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            counter.count += 1
+            if redirect_to:
+                self.send_response(302)
+                self.send_header("Location", redirect_to)
+                self.end_headers()
+            else:
+                self.send_response(200)
+                self.send_header("Content-Length", "2")
+                self.end_headers()
+                self.wfile.write(b"ok")
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer((address, 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield httpd.server_address[1], counter
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def _fetcher(**changes) -> MediaFetcher:
+    return MediaFetcher(MediaFetchConfig(timeout_s=5.0, **changes), ImageProcessorConfig())
+
+
+async def _fetch(fetcher: MediaFetcher, url: str) -> bytes:
+    try:
+        return await fetcher.fetch_url_bytes(url, param="messages[0].content[0]")
+    finally:
+        await fetcher.aclose()
+
+
+def test_loopback_listener_sees_zero_connections():
+    with listener("127.0.0.1") as (port, counter):
+        for host in ("127.0.0.1", "0x7f000001", "localhost", "[::ffff:127.0.0.1]"):
+            with pytest.raises(MediaError) as info:
+                asyncio.run(_fetch(_fetcher(), f"http://{host}:{port}/a.png"))
+            assert info.value.param == "messages[0].content[0]"
+            assert "127.0.0.1" not in info.value.message
+        assert counter.count == 0
+        # The test-only switch lets loopback through.
+        assert (
+            asyncio.run(_fetch(_fetcher(allow_private_urls=True), f"http://127.0.0.1:{port}/a.png"))
+            == b"ok"
+        )
+        assert counter.count == 1
+
+
+def test_redirect_to_loopback_is_blocked(monkeypatch):
+    """An "allowed public host" (127.0.0.2, whitelisted for this test only) redirects to
+    127.0.0.1: the redirect is followed through the guard and refused."""
+    real = url_safety.is_blocked_address
+    allowed = ipaddress.ip_address("127.0.0.2")
+    monkeypatch.setattr(url_safety, "is_blocked_address", lambda a: a != allowed and real(a))
+    with listener("127.0.0.1") as (target_port, target):
+        target_url = f"http://localhost:{target_port}/a.png"
+        with listener("127.0.0.2", redirect_to=target_url) as (port, redirector):
+            with pytest.raises(MediaError, match="private"):
+                asyncio.run(_fetch(_fetcher(), f"http://127.0.0.2:{port}/a.png"))
+            assert redirector.count == 1
+        assert target.count == 0
+
+
+def test_redirect_hops_are_bounded():
+    with listener("127.0.0.1", redirect_to="/again") as (port, counter):
+        with pytest.raises(MediaError, match="redirects"):
+            asyncio.run(
+                _fetch(
+                    _fetcher(allow_private_urls=True, max_redirects=2),
+                    f"http://127.0.0.1:{port}/start",
+                )
+            )
+        assert counter.count == 3
