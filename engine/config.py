@@ -19,18 +19,18 @@ class EngineConfig:
     dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
     device: str = "auto"  # auto = cuda if available else cpu
     max_model_len: int | None = None  # None = the model's max_position_embeddings
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
-    kv_cache_memory_gib: float = 2.0
+    max_num_seqs: int = 64  # most sequences running at once (continuous batching)
+    max_num_batched_tokens: int = 2048  # token budget of one engine step (prefill chunks + decodes)
+    block_size: int = 16  # tokens per KV-cache block
+    kv_cache_memory_gib: float = 2.0  # memory for the paged KV cache
     num_kv_blocks: int | None = None  # overrides kv_cache_memory_gib (tests force preemption)
-    enable_prefix_caching: bool = True
-    encoder_cache_tokens: int = 16384
-    max_encoder_tokens_per_step: int = 16384
+    enable_prefix_caching: bool = True  # reuse KV blocks of equal text + media prefixes
+    encoder_cache_tokens: int = 16384  # vision-encoder output rows kept for reuse
+    max_encoder_tokens_per_step: int = 16384  # bounds vision-encoder work per step
     split_media: bool = True  # False = a prefill chunk never ends inside a media span
-    attention_backend: str = "torch"
+    attention_backend: str = "torch"  # "torch" (reference, CPU/GPU) or "flashinfer" (GPU)
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch default
-    seed: int = 0
+    seed: int = 0  # engine-wide sampling seed for requests without their own
     feature_fetch_parallel: int = 8  # concurrent feature downloads per request; 1 = serial
     feature_fetch_timeout_s: float = 30.0  # total deadline per feature URL, retries included
     max_feature_bytes: int = 256 * 1024 * 1024  # per feature file
