@@ -60,7 +60,12 @@ def feature_request(store: ObjectServer, tag: str) -> list[dict]:
 
 
 def ttft(model_dir: Path, store: ObjectServer, parallel: int, log: Path) -> float:
-    flags = ("--enable-feature-inputs", "--feature-fetch-parallel", str(parallel))
+    flags = (
+        "--enable-feature-inputs",
+        "--allow-private-feature-urls",  # the object server listens on 127.0.0.1
+        "--feature-fetch-parallel",
+        str(parallel),
+    )
     with (
         run_server(model_dir, log, *flags) as server,
         httpx.Client(base_url=server.base_url, timeout=60) as http,

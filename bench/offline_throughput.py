@@ -12,6 +12,8 @@ given) and each concurrency N, N text prompts of --prompt-len tokens produce
 and a table of generated tokens per second is printed, with our ratio to each. All
 three run in the same process on the same prompts; with --repeat R each number is the
 best of R runs (a shared machine is noisy; compare ratios, not absolute numbers).
+When other jobs share the cores, pass --threads 1: torch's default of one thread per
+core stalls at every op barrier on an oversubscribed machine and the numbers become noise.
 """
 
 from __future__ import annotations
@@ -149,21 +151,33 @@ def main() -> None:
                         )
                         for _ in range(args.repeat)
                     )
-                rows.append((size, concurrency, prompt_len, new_tokens, ours, sequential, padded))
+                dtype_name = str(dtype).removeprefix("torch.")
+                rows.append(
+                    (
+                        size,
+                        dtype_name,
+                        concurrency,
+                        prompt_len,
+                        new_tokens,
+                        ours,
+                        sequential,
+                        padded,
+                    )
+                )
                 print(
                     f"{size:>6} N={concurrency:<3} tessera {ours:9.1f} tok/s  "
                     f"hf-seq {sequential:9.1f}  hf-padded {padded:9.1f}",
                     flush=True,
                 )
             del llm, hf
-    print(f"\ndevice={device} dtype={dtype} threads={torch.get_num_threads()}")
+    print(f"\ndevice={device} threads={torch.get_num_threads()}")
     print(
-        f"{'size':>6} {'N':>4} {'prompt':>6} {'new':>4} {'tessera':>10} {'hf-seq':>10} "
+        f"{'size':>6} {'dtype':>8} {'N':>4} {'prompt':>6} {'new':>4} {'tessera':>10} {'hf-seq':>10} "
         f"{'hf-padded':>10} {'x seq':>7} {'x padded':>9}"
     )
-    for size, n, prompt_len, new_tokens, ours, seq, padded in rows:
+    for size, dtype_name, n, prompt_len, new_tokens, ours, seq, padded in rows:
         print(
-            f"{size:>6} {n:>4} {prompt_len:>6} {new_tokens:>4} {ours:>10.1f} {seq:>10.1f} "
+            f"{size:>6} {dtype_name:>8} {n:>4} {prompt_len:>6} {new_tokens:>4} {ours:>10.1f} {seq:>10.1f} "
             f"{padded:>10.1f} {ours / seq:>7.2f} {ours / padded:>9.2f}"
         )
 

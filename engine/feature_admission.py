@@ -57,6 +57,7 @@ class FeatureAdmission:
                     max_bytes=c.max_feature_bytes,
                     max_retries=c.feature_fetch_retries,
                     s3_endpoint_url=c.s3_endpoint_url,
+                    allow_private_urls=c.allow_private_feature_urls,
                 )
             )
         return self._fetcher
@@ -124,15 +125,21 @@ class FeatureAdmission:
         for index, feature in zip(indices, result.features, strict=True):
             item = request.media[index]
             item.content_hash = feature.content_hash
+            # The request keeps its own copy of the rows (like an image keeps its pixels):
+            # if preemption lets them be evicted, the runner puts them back from here.
+            item.embeds = feature.embeds
+            if item.embeds is None:  # reused entry: copy the cached rows to the host
+                item.embeds = cache.get(feature.content_hash).to("cpu")
             # Holds a reference for this request (or accounts a new entry) so that the
             # rows survive until its prefill has consumed them.
             manager.allocate(feature.content_hash, item.num_tokens, request.request_id)
         # Entries evicted just now leave the tensor store before new rows go in.
         cache.drop(manager.pop_evicted())
-        for feature in result.features:
-            if feature.embeds is not None:
-                rows = feature.embeds.to(device=self.runner.device, dtype=self.runner.dtype)
-                cache.put(feature.content_hash, rows)  # [num_tokens, hidden]
+        for index in indices:
+            item = request.media[index]
+            if item.content_hash not in cache:
+                rows = item.embeds.to(device=self.runner.device, dtype=self.runner.dtype)
+                cache.put(item.content_hash, rows)  # [num_tokens, hidden]
         self.scheduler.add_request(request)
 
     def stats_fields(self) -> dict[str, Any]:

@@ -11,7 +11,10 @@ non-blocking `poll()`:
     busy loop ◀──poll() -> [FetchResult]──── first failure cancels the rest
 
 URLs: `s3://bucket/key` (aioboto3; endpoint from config or the standard AWS env,
-credentials from the standard chain), `http(s)://` (httpx), `data:` (base64, size-capped).
+credentials from the standard chain; the operator picks the endpoint, so no SSRF guard),
+`http(s)://` (httpx through the SSRF guard of engine/url_safety.py, every redirect hop
+re-checked; `allow_private_urls` lets tests and private deployments reach loopback or
+private hosts), `data:` (base64, size-capped).
 Transient failures (timeouts, 5xx, throttling, connection errors) are retried with a
 bounded exponential backoff; the whole fetch of one URL has a total deadline and a byte cap.
 """
@@ -32,6 +35,7 @@ import httpx
 import torch
 
 from engine.feature_validation import FeatureError, FeatureSpec, validate_features
+from engine.url_safety import UnsafeUrlError, UrlPolicy, guarded_client
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +65,8 @@ class FetchConfig:
     max_retries: int = 3
     backoff_s: float = 0.05  # first retry delay, doubled each time
     s3_endpoint_url: str | None = None
+    allow_private_urls: bool = False  # http(s) URLs may point at loopback / private hosts
+    max_redirects: int = 3  # each hop is re-checked by the SSRF guard
 
 
 @dataclass(frozen=True)
@@ -118,6 +124,7 @@ class FeatureFetcher:
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._http: httpx.AsyncClient | None = None
+        self._policy = UrlPolicy(allow_private=config.allow_private_urls)
         self._s3 = None
         self._s3_context = None
         self._thread = threading.Thread(
@@ -265,10 +272,8 @@ class FeatureFetcher:
 
     async def _version_of(self, url: str) -> str | None:
         if url.startswith(("http://", "https://")):
-            try:
-                response = await self._client().head(url)
-            except httpx.HTTPError as exc:
-                raise _Transient("network", f"connection failed ({type(exc).__name__})") from None
+            response = await self._send("HEAD", url)
+            await response.aclose()
             _check_http_status(response.status_code)
             return _version_header(response.headers)
         if url.startswith("s3://"):
@@ -283,27 +288,50 @@ class FeatureFetcher:
 
     def _client(self) -> httpx.AsyncClient:
         if self._http is None:
-            self._http = httpx.AsyncClient(
-                timeout=httpx.Timeout(self.config.timeout_s),
-                follow_redirects=True,
+            self._http = guarded_client(
+                self._policy,
+                timeout_s=self.config.timeout_s,
                 limits=httpx.Limits(max_connections=64),
             )
         return self._http
 
-    async def _http_get(self, url: str) -> tuple[bytes, str | None]:
+    async def _send(self, method: str, url: str) -> httpx.Response:
+        """A streamed response (the caller closes it) after following redirects by hand,
+        each hop checked by the SSRF guard. Unsafe URLs fail at once, never retried."""
+        client = self._client()
         try:
-            async with self._client().stream("GET", url) as response:
-                _check_http_status(response.status_code)
-                _check_length(response.headers.get("content-length"), self.config.max_bytes)
-                chunks, total = [], 0
-                async for chunk in response.aiter_bytes():
-                    total += len(chunk)
-                    if total > self.config.max_bytes:
-                        raise _too_large(self.config.max_bytes)
-                    chunks.append(chunk)
-                return b"".join(chunks), _version_header(response.headers)
+            for _ in range(self.config.max_redirects + 1):
+                checked = self._policy.check_url(url)
+                response = await client.send(client.build_request(method, checked), stream=True)
+                if not response.is_redirect:
+                    return response
+                await response.aclose()
+                location = response.headers.get("location")
+                if not location:
+                    raise FeatureError("redirect without a location", reason="http_error")
+                url = str(checked.join(location))
+        except UnsafeUrlError as exc:
+            raise FeatureError(str(exc), reason="unsafe_url") from None
         except (httpx.TimeoutException, httpx.TransportError) as exc:
             raise _Transient("network", f"connection failed ({type(exc).__name__})") from None
+        raise FeatureError(f"more than {self.config.max_redirects} redirects", reason="http_error")
+
+    async def _http_get(self, url: str) -> tuple[bytes, str | None]:
+        response = await self._send("GET", url)
+        try:
+            _check_http_status(response.status_code)
+            _check_length(response.headers.get("content-length"), self.config.max_bytes)
+            chunks, total = [], 0
+            async for chunk in response.aiter_bytes():
+                total += len(chunk)
+                if total > self.config.max_bytes:
+                    raise _too_large(self.config.max_bytes)
+                chunks.append(chunk)
+            return b"".join(chunks), _version_header(response.headers)
+        except (httpx.TimeoutException, httpx.TransportError) as exc:
+            raise _Transient("network", f"connection failed ({type(exc).__name__})") from None
+        finally:
+            await response.aclose()
 
     async def _s3_client(self):
         if self._s3 is None:

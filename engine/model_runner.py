@@ -183,7 +183,11 @@ class ModelRunner:
         failed: dict[str, ErrorInfo] = {}
         ready = []
         for item in items:
-            if item.pixel_values is None:
+            if item.embeds is not None:  # fetched features: the "encoder" is the request's copy
+                self.encoder_cache.put(
+                    item.content_hash, item.embeds.to(device=self.device, dtype=self.dtype)
+                )  # [num_tokens, hidden]
+            elif item.pixel_values is None:
                 failed[item.content_hash] = error_info(
                     MediaError(
                         f"{item.modality} at {item.offset} has no pixels and no cached encoding"

@@ -52,6 +52,9 @@ class MediaItem:
     num_tokens: int
     grid_thw: tuple[int, int, int]
     pixel_values: torch.Tensor | None = None  # [num_patches, C * T_patch * P * P], host
+    # Fetched pre-encoded features: the request's own copy of its encoder rows, put back
+    # into the encoder cache if they were evicted (e.g. while the request was preempted).
+    embeds: torch.Tensor | None = None  # [num_tokens, hidden], host
 
     @property
     def end(self) -> int:

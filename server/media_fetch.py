@@ -1,6 +1,6 @@
 """Fetch `image_url`s (http, https, data, file) and turn them into processed images.
 
-One pooled, SSRF-guarded `httpx.AsyncClient` per app (server/url_safety.py: every
+One pooled, SSRF-guarded `httpx.AsyncClient` per app (engine/url_safety.py: every
 connection resolves, checks and dials the checked address; env proxies are ignored).
 Every fetch runs under a TOTAL deadline (`asyncio.timeout` around the whole fetch,
 redirects included), the byte cap is enforced while the body streams in, every redirect
@@ -20,7 +20,7 @@ import httpx
 from engine.errors import MediaError
 from engine.multimodal.image_processor import ImageProcessorConfig, ProcessedImage, process_image
 from engine.multimodal.media import decode_data_url, decode_image
-from server.url_safety import UnsafeUrlError, UrlPolicy, guarded_client
+from engine.url_safety import UnsafeUrlError, UrlPolicy, guarded_client
 
 
 @dataclass(frozen=True)

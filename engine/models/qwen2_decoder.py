@@ -15,7 +15,13 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.model_config import ModelConfig
-from engine.models.layers import RMSNorm, SiluAndMul, apply_rotary, rope_inv_freq
+from engine.models.layers import (
+    RMSNorm,
+    SiluAndMul,
+    apply_rotary_folded,
+    rope_inv_freq,
+    rotary_tables,
+)
 
 
 class MRotaryEmbedding(nn.Module):
@@ -73,8 +79,8 @@ class Qwen2Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        cos: torch.Tensor,  # [T, D]
-        sin: torch.Tensor,  # [T, D]
+        cos: torch.Tensor,  # [T, 1, D] (see rotary_tables)
+        sin: torch.Tensor,  # [T, 1, D] sign-folded sin
         kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, KVH, D]
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
@@ -84,7 +90,8 @@ class Qwen2Attention(nn.Module):
         qk = qkv[:, : self.q_size + self.kv_size].view(
             num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
         )  # [T, H + KVH, D]
-        q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        qk = apply_rotary_folded(qk, cos, sin)  # [T, H + KVH, D]
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(
             num_tokens, self.num_kv_heads, self.head_dim
         )  # [T, KVH, D]
@@ -142,7 +149,7 @@ class Qwen2Decoder(nn.Module):
         kv_caches: list[torch.Tensor],  # per layer [num_blocks, 2, block_size, KVH, D]
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
-        cos, sin = self.rotary(positions, embeds.dtype)  # [T, D] each
+        cos, sin = rotary_tables(*self.rotary(positions, embeds.dtype))  # [T, 1, D] each
         x = embeds
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, attn_metadata)

@@ -159,6 +159,7 @@ def feature_server(model_dir, tmp_path_factory, s3_endpoint):
     with run_server(
         model_dir, log_path,
         "--enable-feature-inputs", "--s3-endpoint-url", s3_endpoint,
+        "--allow-private-feature-urls",
         "--allowed-feature-buckets", BUCKET,
         "--feature-fetch-timeout-s", "1.5", "--max-feature-bytes", str(MAX_FEATURE_BYTES),
     ) as handle:  # fmt: skip
@@ -277,6 +278,26 @@ def test_changed_s3_object_is_fetched_again_unchanged_is_not(fhttp, s3):
     s3.put_object(Bucket=BUCKET, Key=key, Body=second)
     text_of(chat(fhttp, [feature_part(url)]))
     assert metric(fhttp, "tessera:feature_fetch_bytes_total") - after_first == len(second)
+
+
+def test_num_requests_fetching_rises_while_features_are_delayed(fhttp, objects):
+    def fetching() -> float:
+        return metric(fhttp, "tessera:num_requests_fetching")
+
+    assert fetching() == 0
+    url = objects.put("gauge/slow.safetensors", features(40), delay=1.0)
+    with ThreadPoolExecutor(1) as pool:
+        response = pool.submit(chat, fhttp, [feature_part(url)])
+        deadline, peak = time.monotonic() + 0.9, 0.0
+        while peak < 1 and time.monotonic() < deadline:
+            peak = max(peak, fetching())
+            time.sleep(0.05)
+        assert peak >= 1
+        assert text_of(response.result())
+    deadline = time.monotonic() + 5
+    while fetching() != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert fetching() == 0
 
 
 def test_video_features_and_metrics(fhttp):

@@ -50,6 +50,7 @@ def strict(model_dir, media_root, tmp_path_factory) -> Iterator[tuple[str, Path,
         "--engine-inbox-address", f"tcp://127.0.0.1:{free_port()}",
         "--engine-outbox-address", outbox,
         "--max-num-seqs", "2", "--max-waiting-requests", "0",
+        "--enable-feature-inputs",  # without --allow-private-feature-urls
     ]  # fmt: skip
     with run_server(model_dir, log_path, *extra) as handle:
         yield handle.base_url, log_path, outbox
@@ -109,6 +110,16 @@ def test_ssrf_targets_are_refused_and_never_dialed(api):
             "gopher://127.0.0.1/",
         ):
             expect_error(chat(api, image_message(url)), 400, "messages[0].content[1]")
+        assert counter.count == 0
+    assert_healthy(api)
+
+
+def test_private_feature_urls_are_refused_and_never_dialed(api):
+    with listener("127.0.0.1") as (port, counter):
+        for url in (f"http://127.0.0.1:{port}/f.safetensors", f"http://localhost:{port}/f"):
+            part = {"type": "image_features", "image_features": {"url": url, "grid_thw": [1, 4, 4]}}
+            error = expect_error(chat(api, [part, {"type": "text", "text": "hi"}]), 400)
+            assert "private or reserved address" in error["message"], error
         assert counter.count == 0
     assert_healthy(api)
 

@@ -13,11 +13,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from engine import url_safety
 from engine.errors import MediaError
 from engine.multimodal.image_processor import ImageProcessorConfig
-from server import url_safety
+from engine.url_safety import UnsafeUrlError, UrlPolicy, is_blocked_address, resolve_checked
 from server.media_fetch import MediaFetchConfig, MediaFetcher
-from server.url_safety import UnsafeUrlError, UrlPolicy, is_blocked_address, resolve_checked
 
 BLOCKED = [
     "127.0.0.1",

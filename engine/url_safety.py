@@ -1,4 +1,5 @@
-"""SSRF guard for every URL the server fetches on a client's behalf.
+"""SSRF guard for every URL fetched on a client's behalf: media (server/media_fetch.py)
+and pre-encoded features (engine/feature_fetcher.py).
 
 Two layers, both needed:
 
@@ -13,7 +14,7 @@ Two layers, both needed:
   The Host header and TLS SNI keep the hostname (httpcore passes them separately).
 
 `file://` URLs are resolved by `resolve_local_path` only under `--allowed-local-media-path`.
-Nothing in this module imports the rest of the server, so any fetcher can reuse it.
+Nothing in this module imports the server or the engine, so any fetcher can reuse it.
 """
 
 from __future__ import annotations
