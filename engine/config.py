@@ -16,7 +16,7 @@ from dataclasses import dataclass
 class EngineConfig:
     model: str  # local Hugging Face checkpoint folder
     served_model_name: str | None = None  # defaults to the folder name
-    dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"  # auto = bfloat16 on CUDA, and on a CPU with native bf16 for a bf16 checkpoint; else float32
     device: str = "auto"  # auto = cuda if available else cpu
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     max_num_seqs: int = 64  # most sequences running at once (continuous batching)
