@@ -28,11 +28,10 @@ def logged(model_dir, tmp_path_factory):
 
 
 def json_lines(log_path) -> list[dict]:
-    entries = []
-    for line in log_path.read_text(errors="replace").splitlines():
-        if line.startswith("{"):
-            entries.append(json.loads(line))
-    return entries
+    """The complete JSON lines of the log so far (the server may be mid-way through one)."""
+    text = log_path.read_text(errors="replace")
+    complete = text[: text.rfind("\n") + 1]
+    return [json.loads(line) for line in complete.splitlines() if line.startswith("{")]
 
 
 def request_entries(log_path, request_id: str, timeout_s: float = 10.0) -> list[dict]:
