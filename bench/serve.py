@@ -122,7 +122,7 @@ async def run_requests(
         start = time.perf_counter()
         try:
             await asyncio.wait_for(dispatch(client), timeout=config.max_duration_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
