@@ -44,6 +44,7 @@ from server.openai_models import (
     dump,
 )
 from server.request_log import RequestLogMiddleware, record_of
+from server.settings import ServerSettings
 from server.streaming import GenerationJob, collect, stream_chat, stream_completion
 
 logger = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 class AppState:
     """What the route handlers share; built in the app's lifespan once the engine is READY."""
 
-    settings: Any
+    settings: ServerSettings
     engine: Any
     processor: PromptProcessor
     fetcher: MediaFetcher | None
@@ -70,27 +71,18 @@ class AppState:
             raise ModelNotFound(f"the model {model!r} does not exist", param="model")
 
 
-def _setting(settings: Any, name: str, default: Any) -> Any:
-    value = getattr(settings, name, None)
-    return default if value is None else value
-
-
-def _model_name(settings: Any) -> str:
-    return _setting(settings, "served_model_name", None) or settings.engine.model_name
-
-
-def _make_fetcher(settings: Any) -> MediaFetcher | None:
+def _make_fetcher(settings: ServerSettings) -> MediaFetcher | None:
     model_dir = Path(settings.engine.model)
     if not (model_dir / "preprocessor_config.json").is_file():
         return None
     config = MediaFetchConfig(
-        max_image_bytes=_setting(settings, "max_image_bytes", 20 * 1024 * 1024),
-        timeout_s=_setting(settings, "media_fetch_timeout_s", 10.0),
-        allow_private_urls=_setting(settings, "allow_private_media_urls", False),
-        max_image_pixels=_setting(settings, "max_image_pixels", 64_000_000),
-        max_redirects=_setting(settings, "media_fetch_max_redirects", 3),
-        allowed_domains=_setting(settings, "allowed_media_domains", None),
-        allowed_local_path=_setting(settings, "allowed_local_media_path", None),
+        max_image_bytes=settings.max_image_bytes,
+        timeout_s=settings.media_fetch_timeout_s,
+        allow_private_urls=settings.allow_private_media_urls,
+        max_image_pixels=settings.max_image_pixels,
+        max_redirects=settings.media_fetch_max_redirects,
+        allowed_domains=settings.allowed_media_domains,
+        allowed_local_path=settings.allowed_local_media_path,
     )
     return MediaFetcher(config, ImageProcessorConfig.from_model_dir(model_dir))
 
@@ -103,14 +95,14 @@ async def _ensure_started(engine: Any) -> Any:
     return ready
 
 
-def build_app(settings: Any, engine: Any) -> FastAPI:
+def build_app(settings: ServerSettings, engine: Any) -> FastAPI:
     """The FastAPI app serving `engine`; starts the engine in its lifespan if needed."""
-    model_name = _model_name(settings)
+    model_name = settings.model_name
     metrics = ServerMetrics(model_name)
     admission = AdmissionController(
         max_running=settings.engine.max_num_seqs,
-        max_waiting_requests=_setting(settings, "max_waiting_requests", 256),
-        max_waiting_tokens=_setting(settings, "max_waiting_tokens", 1_000_000),
+        max_waiting_requests=settings.max_waiting_requests,
+        max_waiting_tokens=settings.max_waiting_tokens,
     )
 
     @asynccontextmanager
@@ -121,8 +113,13 @@ def build_app(settings: Any, engine: Any) -> FastAPI:
         with contextlib.suppress(AttributeError):
             engine.add_stats_listener(metrics.on_engine_stats)
         app.state.tessera = AppState(
-            settings=settings, engine=engine, processor=processor, fetcher=fetcher,
-            metrics=metrics, model_name=model_name, max_model_len=ready.max_model_len,
+            settings=settings,
+            engine=engine,
+            processor=processor,
+            fetcher=fetcher,
+            metrics=metrics,
+            model_name=model_name,
+            max_model_len=ready.max_model_len,
             vocab_size=ready.vocab_size,
         )
         try:
@@ -131,23 +128,30 @@ def build_app(settings: Any, engine: Any) -> FastAPI:
             if fetcher is not None:
                 await fetcher.aclose()
 
-    app = FastAPI(title="Tessera", version=VERSION, lifespan=lifespan, docs_url=None,
-                  redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="Tessera",
+        version=VERSION,
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
     app.state.admission = admission  # cli.py starts draining it on SIGTERM
     install_error_handlers(app)
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(_: Request, exc: ClientDisconnected) -> Response:
         return Response(status_code=499)  # nobody reads it; keeps the log and metrics honest
+
     _install_middleware(app, settings, metrics)
     app.add_middleware(
         BodyLimitMiddleware,
-        max_bytes=_setting(settings, "max_request_body_bytes", 64 * 1024 * 1024),
+        max_bytes=settings.max_request_body_bytes,
     )
     app.add_middleware(RequestLogMiddleware)  # outermost: logs and ids even refusals
 
     async def require_api_key(request: Request) -> None:
-        check_api_key(request, _setting(settings, "api_key", None))
+        check_api_key(request, settings.api_key)
 
     api = APIRouter(dependencies=[Depends(require_api_key)])
     _add_api_routes(api)
@@ -156,8 +160,8 @@ def build_app(settings: Any, engine: Any) -> FastAPI:
     return app
 
 
-def _install_middleware(app: FastAPI, settings: Any, metrics: ServerMetrics) -> None:
-    max_body = _setting(settings, "max_request_body_bytes", 64 * 1024 * 1024)
+def _install_middleware(app: FastAPI, settings: ServerSettings, metrics: ServerMetrics) -> None:
+    max_body = settings.max_request_body_bytes
 
     @app.middleware("http")
     async def count_and_limit(request: Request, call_next: Callable[[Request], Awaitable]):
@@ -167,7 +171,8 @@ def _install_middleware(app: FastAPI, settings: Any, metrics: ServerMetrics) -> 
                 status_code=413,
                 content=error_body(
                     f"the request body is over {max_body} bytes",
-                    type="invalid_request_error", code="request_too_large",
+                    type="invalid_request_error",
+                    code="request_too_large",
                 ),
             )
         else:
@@ -187,12 +192,12 @@ def _add_open_routes(app: FastAPI) -> None:
     async def health(request: Request) -> Response:
         state = getattr(request.app.state, "tessera", None)
         if state is None or not getattr(state.engine, "is_alive", False):
-            body = error_body("the engine is not running", type="server_error",
-                              code="engine_dead")
+            body = error_body("the engine is not running", type="server_error", code="engine_dead")
             return JSONResponse(status_code=503, content=body)
         if request.app.state.admission.is_draining:
-            body = error_body("the server is shutting down", type="server_error",
-                              code=ServerDraining.code)
+            body = error_body(
+                "the server is shutting down", type="server_error", code=ServerDraining.code
+            )
             return JSONResponse(status_code=503, content=body)
         return JSONResponse({"status": "ok"})
 
@@ -219,33 +224,38 @@ def _add_api_routes(api: APIRouter) -> None:
         state = _state(request)
         state.check_model(body.model)
         _check_alive(state, request)
-        if body.chat_template is not None and not _setting(
-            state.settings, "trust_request_chat_template", False
-        ):
+        if body.chat_template is not None and not state.settings.trust_request_chat_template:
             raise InvalidRequest(
                 "request chat templates are disabled on this server "
-                "(--trust-request-chat-template)", param="chat_template",
+                "(--trust-request-chat-template)",
+                param="chat_template",
             )
         prompt = await prepare_chat_prompt(
-            body, state.processor, state.fetcher,
-            max_images=_setting(state.settings, "max_images_per_request", 16),
+            body,
+            state.processor,
+            state.fetcher,
+            max_images=state.settings.max_images_per_request,
             settings=state.settings,
         )
         job = _job(state, body, prompt, prefix="chatcmpl")
         ticket = _admit(request, state, job)
         with_logprobs = body.logprobs
         if body.stream:
-            stream = stream_chat(job, state.engine, state.processor.tokenizer,
-                                 with_logprobs=with_logprobs,
-                                 on_finished=_finisher(state, time.monotonic(), request))
-            return StreamingResponse(_releasing(stream, ticket), media_type="text/event-stream",
-                                     headers=SSE_HEADERS)
+            stream = stream_chat(
+                job,
+                state.engine,
+                state.processor.tokenizer,
+                with_logprobs=with_logprobs,
+                on_finished=_finisher(state, time.monotonic(), request),
+            )
+            return StreamingResponse(
+                _releasing(stream, ticket), media_type="text/event-stream", headers=SSE_HEADERS
+            )
         try:
             totals, results = await _collect_until_disconnect(request, state, job)
         finally:
             ticket.release()
-        response = chat_response(job, results, totals, state.processor,
-                                 with_logprobs=with_logprobs)
+        response = chat_response(job, results, totals, state.processor, with_logprobs=with_logprobs)
         return JSONResponse(dump(response, exclude={"system_fingerprint"}))
 
     @api.post("/v1/completions")
@@ -258,17 +268,23 @@ def _add_api_routes(api: APIRouter) -> None:
         ticket = _admit(request, state, job)
         with_logprobs = body.logprobs is not None
         if body.stream:
-            stream = stream_completion(job, state.engine, state.processor.tokenizer,
-                                       with_logprobs=with_logprobs,
-                                       on_finished=_finisher(state, time.monotonic(), request))
-            return StreamingResponse(_releasing(stream, ticket), media_type="text/event-stream",
-                                     headers=SSE_HEADERS)
+            stream = stream_completion(
+                job,
+                state.engine,
+                state.processor.tokenizer,
+                with_logprobs=with_logprobs,
+                on_finished=_finisher(state, time.monotonic(), request),
+            )
+            return StreamingResponse(
+                _releasing(stream, ticket), media_type="text/event-stream", headers=SSE_HEADERS
+            )
         try:
             totals, results = await _collect_until_disconnect(request, state, job)
         finally:
             ticket.release()
-        response = completion_response(job, results, totals, state.processor,
-                                       with_logprobs=with_logprobs)
+        response = completion_response(
+            job, results, totals, state.processor, with_logprobs=with_logprobs
+        )
         return JSONResponse(dump(response))
 
     @api.post("/tokenize")

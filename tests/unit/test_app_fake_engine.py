@@ -6,7 +6,6 @@ import asyncio
 import base64
 import io
 import json
-from types import SimpleNamespace
 
 import pytest
 from fastapi.testclient import TestClient
@@ -17,6 +16,7 @@ from engine.errors import EngineDeadError
 from engine.protocol import FinishReason, Modality, Ready, RequestOutput, TokenLogprob
 from engine.tiny_model import make_tiny_model
 from server.app import build_app
+from server.settings import ServerSettings
 
 SCRIPT = "The cat sat on the mat. 🎉 Done and done again and again."
 
@@ -30,9 +30,16 @@ class FakeEngine:
         self.tokenizer = Tokenizer.from_file(tokenizer_path)
         self.script = self.tokenizer.encode(SCRIPT, add_special_tokens=False).ids
         self.ready = Ready(
-            model_name="tiny", max_model_len=256, vocab_size=1600, hidden_size=128,
-            block_size=16, num_kv_blocks=64, eos_token_ids=[], modalities=[Modality.IMAGE],
-            dtype="float32", device="cpu",
+            model_name="tiny",
+            max_model_len=256,
+            vocab_size=1600,
+            hidden_size=128,
+            block_size=16,
+            num_kv_blocks=64,
+            eos_token_ids=[],
+            modalities=[Modality.IMAGE],
+            dtype="float32",
+            device="cpu",
         )
         self.is_alive = True
         self.requests = []
@@ -63,7 +70,9 @@ class FakeEngine:
                     logprobs = [TokenLogprob(token_id, -0.5, top)]
                 finished = is_last
                 yield RequestOutput(
-                    request_id=request.request_id, new_token_ids=[token_id], logprobs=logprobs,
+                    request_id=request.request_id,
+                    new_token_ids=[token_id],
+                    logprobs=logprobs,
                     finish_reason=FinishReason.LENGTH if is_last else None,
                     num_prompt_tokens=len(request.prompt_token_ids),
                 )
@@ -79,9 +88,10 @@ def model_dir(tmp_path_factory):
 
 def _client(model_dir, **settings):
     engine = FakeEngine(str(model_dir / "tokenizer.json"))
-    config = SimpleNamespace(
+    config = ServerSettings(
         engine=EngineConfig(model=str(model_dir), served_model_name="tiny"),
-        api_key=None, served_model_name="tiny", allow_private_media_urls=True, **settings,
+        allow_private_media_urls=True,
+        **settings,
     )
     return TestClient(build_app(config, engine)), engine
 
@@ -116,7 +126,9 @@ def test_chat_shape_and_usage(app):
     assert choice["finish_reason"] == "length" and choice["logprobs"] is None
     prompt_len = len(engine.requests[-1].prompt_token_ids)
     assert body["usage"] == {
-        "prompt_tokens": prompt_len, "completion_tokens": 5, "total_tokens": prompt_len + 5,
+        "prompt_tokens": prompt_len,
+        "completion_tokens": 5,
+        "total_tokens": prompt_len + 5,
     }
     assert engine.requests[-1].sampling.temperature == 0.0
 
@@ -138,8 +150,9 @@ def test_stop_string_cut_and_aborted(app):
 
 def test_stream_role_first_no_partial_stop_and_usage(app):
     client, _ = app
-    response = chat(client, max_tokens=30, stream=True, stop=["mat."],
-                    stream_options={"include_usage": True})
+    response = chat(
+        client, max_tokens=30, stream=True, stop=["mat."], stream_options={"include_usage": True}
+    )
     events = sse_events(response)
     assert events[0]["choices"][0]["delta"]["role"] == "assistant"
     assert all(e["object"] == "chat.completion.chunk" for e in events)
@@ -181,12 +194,14 @@ def test_logprobs_shape(app):
 
 def test_completions_prompt_ids_and_string(app):
     client, engine = app
-    body = client.post("/v1/completions",
-                       json={"model": "tiny", "prompt": "hello", "max_tokens": 3}).json()
+    body = client.post(
+        "/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 3}
+    ).json()
     expected = engine.tokenizer.decode(engine.script[:3])
     assert body["object"] == "text_completion" and body["choices"][0]["text"] == expected
-    body = client.post("/v1/completions",
-                       json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2}).json()
+    body = client.post(
+        "/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2}
+    ).json()
     assert engine.requests[-1].prompt_token_ids == [5, 6, 7]
 
 
@@ -212,13 +227,38 @@ def test_image_data_url_becomes_media(app):
         ({"temperature": 9}, 400, "invalid_value", "temperature"),
         ({"messages": "x"}, 400, "invalid_value", "messages"),
         ({"max_tokens": 1000}, 400, "context_length_exceeded", "max_tokens"),
-        ({"messages": [{"role": "user", "content": [
-            {"type": "text", "text": "a"},
-            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
-         400, "invalid_media", "messages[0].content[1]"),
-        ({"messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "ftp://x/y.png"}}]}]},
-         400, "invalid_media", "messages[0].content[0]"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "a"},
+                            {
+                                "type": "image_url",
+                                "image_url": {"url": "data:image/png;base64,AAAA"},
+                            },
+                        ],
+                    }
+                ]
+            },
+            400,
+            "invalid_media",
+            "messages[0].content[1]",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image_url", "image_url": {"url": "ftp://x/y.png"}}],
+                    }
+                ]
+            },
+            400,
+            "invalid_media",
+            "messages[0].content[0]",
+        ),
     ],
 )
 def test_errors(app, body, status, code, param):
@@ -240,8 +280,9 @@ def test_unknown_route_and_bad_json(app):
     client, _ = app
     response = client.get("/nope")
     assert response.status_code == 404 and response.json()["error"]["code"] == "not_found"
-    response = client.post("/v1/chat/completions", content=b"{not json",
-                           headers={"content-type": "application/json"})
+    response = client.post(
+        "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
     assert response.status_code == 400 and "error" in response.json()
 
 
@@ -282,8 +323,15 @@ def test_api_key(model_dir):
         assert chat(client).status_code == 401
         assert chat(client).json()["error"]["code"] == "invalid_api_key"
         headers = {"Authorization": f"Bearer {config_key}"}
-        ok = client.post("/v1/chat/completions", headers=headers, json={
-            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+        ok = client.post(
+            "/v1/chat/completions",
+            headers=headers,
+            json={
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 1,
+            },
+        )
         assert ok.status_code == 200
         assert client.get("/health").status_code == 200
         assert client.get("/metrics").status_code == 200
@@ -292,8 +340,7 @@ def test_api_key(model_dir):
 
 def _client_with_key(model_dir, key):
     engine = FakeEngine(str(model_dir / "tokenizer.json"))
-    config = SimpleNamespace(
-        engine=EngineConfig(model=str(model_dir), served_model_name="tiny"),
-        api_key=key, served_model_name="tiny",
+    config = ServerSettings(
+        engine=EngineConfig(model=str(model_dir), served_model_name="tiny"), api_key=key
     )
     return TestClient(build_app(config, engine)), engine
