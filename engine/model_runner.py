@@ -26,6 +26,7 @@ from engine.config import EngineConfig
 from engine.encoder_cache import EncoderCache
 from engine.errors import MediaError, TesseraError
 from engine.model_config import ModelConfig
+from engine.models.cpu_prepack import can_prepack, prepack_linears
 from engine.models.loader import load_model
 from engine.protocol import ErrorInfo, TokenLogprob
 from engine.request import MediaItem
@@ -101,6 +102,8 @@ class ModelRunner:
         self.model = load_model(
             config.model, dtype=self.dtype, device=self.device, attention=attention
         )
+        if can_prepack(self.device, self.dtype):
+            prepack_linears(self.model)
         self.model_config = self.model.config
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.block_size = config.block_size

@@ -80,6 +80,7 @@ def _make_fetcher(settings: ServerSettings) -> MediaFetcher | None:
         timeout_s=settings.media_fetch_timeout_s,
         allow_private_urls=settings.allow_private_media_urls,
         max_image_pixels=settings.max_image_pixels,
+        processed_image_cache_bytes=settings.image_cache_mb * 1024 * 1024,
         max_redirects=settings.media_fetch_max_redirects,
         allowed_domains=settings.allowed_media_domains,
         allowed_local_path=settings.allowed_local_media_path,

@@ -58,7 +58,10 @@ def completion_response(
         for i, result in enumerate(results)
     ]
     return CompletionResponse(
-        id=job.request_id, created=job.created, model=job.model_name, choices=choices,
+        id=job.request_id,
+        created=job.created,
+        model=job.model_name,
+        choices=choices,
         usage=usage_of(totals),
     )
 
@@ -81,6 +84,9 @@ def chat_response(
         for i, result in enumerate(results)
     ]
     return ChatCompletionResponse(
-        id=job.request_id, created=job.created, model=job.model_name, choices=choices,
+        id=job.request_id,
+        created=job.created,
+        model=job.model_name,
+        choices=choices,
         usage=usage_of(totals),
     )

@@ -46,9 +46,7 @@ def completion_logprobs(
         token, _ = _token_text(tokenizer, entry.token_id)
         result.tokens.append(token)
         result.token_logprobs.append(entry.logprob)
-        result.top_logprobs.append(
-            {_token_text(tokenizer, tid)[0]: lp for tid, lp in entry.top}
-        )
+        result.top_logprobs.append({_token_text(tokenizer, tid)[0]: lp for tid, lp in entry.top})
         result.text_offset.append(offset)
         offset += len(token)
     return result

@@ -6,7 +6,8 @@ Every fetch runs under a TOTAL deadline (`asyncio.timeout` around the whole fetc
 redirects included), the byte cap is enforced while the body streams in, every redirect
 hop is re-checked and their number bounded. `file://` reads only under
 `--allowed-local-media-path`. Decoding and preprocessing (CPU work) run in a small thread
-pool, off the event loop. `fetch_url_bytes` is the ONE network fetch function.
+pool, off the event loop, and repeats of the same bytes come from a `ProcessedImageCache`.
+`fetch_url_bytes` is the ONE network fetch function.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from engine.errors import MediaError
 from engine.multimodal.image_processor import ImageProcessorConfig, ProcessedImage, process_image
 from engine.multimodal.media import decode_data_url, decode_image
 from engine.url_safety import UnsafeUrlError, UrlPolicy, guarded_client
+from server.image_cache import ProcessedImageCache, bytes_key
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,7 @@ class MediaFetchConfig:
     max_image_pixels: int = 64_000_000
     max_redirects: int = 3
     num_decode_threads: int = 2
+    processed_image_cache_bytes: int = 256 * 1024 * 1024  # 0 = no cache
     allowed_domains: str | None = None  # comma-separated host allowlist; None = any
     allowed_local_path: str | None = None  # file:// only under this folder; None = off
 
@@ -56,6 +59,7 @@ class MediaFetcher:
         self._pool = ThreadPoolExecutor(
             max_workers=config.num_decode_threads, thread_name_prefix="media-decode"
         )
+        self.processed = ProcessedImageCache(config.processed_image_cache_bytes)
 
     async def aclose(self) -> None:
         await self._client.aclose()
@@ -73,8 +77,13 @@ class MediaFetcher:
         return await loop.run_in_executor(self._pool, self._decode_and_process, data, param)
 
     def _decode_and_process(self, data: bytes, param: str) -> ProcessedImage:
-        image = decode_image(data, max_pixels=self.config.max_image_pixels, param=param)
-        return process_image(image, self.image_config)
+        key = bytes_key(data)
+        processed = self.processed.get(key)
+        if processed is None:
+            image = decode_image(data, max_pixels=self.config.max_image_pixels, param=param)
+            processed = process_image(image, self.image_config)
+            self.processed.put(key, processed)
+        return processed
 
     def _read_local(self, url: str, param: str) -> bytes:
         try:

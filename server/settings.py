@@ -64,6 +64,7 @@ class ServerSettings:
     max_image_bytes: int = 20 * 1024 * 1024  # per fetched / data: image
     max_images_per_request: int = 16  # image parts in one request
     max_image_pixels: int = 64_000_000  # checked before decoding (decompression bombs)
+    image_cache_mb: int = 256  # processed images kept for repeats of the same bytes; 0 = off
     media_fetch_timeout_s: float = 10.0  # total deadline per media URL
     media_fetch_max_redirects: int = 3  # each hop re-checked by the URL guard
     allow_private_media_urls: bool = False  # allow image URLs on loopback / private networks

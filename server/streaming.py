@@ -78,8 +78,15 @@ def usage_of(totals: GenerationTotals) -> UsageInfo:
 
 def _run(job: GenerationJob, engine: Any, tokenizer: Tokenizer, totals: GenerationTotals):
     return generate_choices(
-        engine, tokenizer, job.request_id, job.prompt, job.sampling,
-        n=job.n, stop=job.stop, skip_special_tokens=job.skip_special_tokens, totals=totals,
+        engine,
+        tokenizer,
+        job.request_id,
+        job.prompt,
+        job.sampling,
+        n=job.n,
+        stop=job.stop,
+        skip_special_tokens=job.skip_special_tokens,
+        totals=totals,
     )
 
 
@@ -110,8 +117,11 @@ async def stream_chat(
 
     def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
         body = ChatCompletionChunk(
-            id=job.request_id, created=job.created, model=job.model_name,
-            choices=choices, usage=usage,
+            id=job.request_id,
+            created=job.created,
+            model=job.model_name,
+            choices=choices,
+            usage=usage,
         )
         data = dump(body, exclude={"usage"} if usage is None else set())
         for choice in data["choices"]:  # OpenAI's deltas carry only the fields they set
@@ -127,7 +137,11 @@ async def stream_chat(
         if isinstance(piece, str):
             yield piece
             return
-        if not piece.text and piece.finish_reason is None and not (with_logprobs and piece.logprobs):
+        if (
+            not piece.text
+            and piece.finish_reason is None
+            and not (with_logprobs and piece.logprobs)
+        ):
             continue
         logprobs = chat_logprobs(tokenizer, piece.logprobs) if with_logprobs else None
         choice = ChatChunkChoice(
@@ -156,8 +170,11 @@ async def stream_completion(
 
     def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
         body = CompletionResponse(
-            id=job.request_id, created=job.created, model=job.model_name,
-            choices=choices, usage=usage,
+            id=job.request_id,
+            created=job.created,
+            model=job.model_name,
+            choices=choices,
+            usage=usage,
         )
         return sse(dump(body, exclude={"usage"} if usage is None else set()))
 
@@ -172,7 +189,9 @@ async def stream_completion(
             logprobs = completion_logprobs(tokenizer, piece.logprobs, offsets[piece.index])
         offsets[piece.index] += len(piece.text)
         choice = CompletionChoice(
-            index=piece.index, text=piece.text, logprobs=logprobs,
+            index=piece.index,
+            text=piece.text,
+            logprobs=logprobs,
             finish_reason=piece.finish_reason,
         )
         yield chunk([choice])

@@ -19,9 +19,11 @@ Seen as rows of [KVH, D] (`cache.view(-1, KVH, D)`), K of slot s is row
 Everything that depends only on the step's metadata (those row indices, the key
 masks) is computed once, on the first layer's call, and reused by every layer
 (`StepPlan`). Per layer there is one index write for the new K/V, one gather of
-the decode rows' histories and one batched attention over them (padded to the
-longest history with an additive key mask); each prefill chunk takes one SDPA of
-its own, over its own new K/V when it starts the sequence (no gather needed).
+the decode rows' histories and one SDPA over them (padded to the longest history
+with a boolean key mask); each prefill chunk takes one SDPA of its own, over its
+own new K/V when it starts the sequence (no gather needed). On CPU every op costs
+microseconds of dispatch whatever its size, so a decode step's op count matters
+as much as its arithmetic.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class DecodePlan:
     query_rows: torch.Tensor | None  # [S] int64 rows of the flat batch; None = all rows, in order
     key_index: torch.Tensor  # [S * KVH * L] int64 rows of `cache.view(-1, D)`, [S, KVH, L] order
     value_index: torch.Tensor  # [S * KVH * L] int64, likewise for V
-    key_bias: torch.Tensor  # [S, 1, 1, L] float32: 0 where visible, -inf past the history
+    visible: torch.Tensor  # [S, 1, 1, L] bool: True for keys of the history, False for padding
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,7 @@ class StepPlan:
     """Per-step index tensors shared by every layer."""
 
     write_rows: torch.Tensor  # [T] int64 K row of each new token in the flat cache view
+    value_write_rows: torch.Tensor  # [T] int64 V rows (`write_rows + block_size`)
     decode: DecodePlan | None
     prefills: list[PrefillPlan]
 
@@ -87,7 +90,7 @@ class TorchAttentionBackend:
         block_size = kv_cache.shape[2]
         rows = kv_cache.view(-1, kv_cache.shape[3], kv_cache.shape[4])  # [N * 2 * B, KVH, D]
         rows.index_copy_(0, plan.write_rows, key.to(rows.dtype))
-        rows.index_copy_(0, plan.write_rows + block_size, value.to(rows.dtype))
+        rows.index_copy_(0, plan.value_write_rows, value.to(rows.dtype))
         if plan.decode is not None and not plan.prefills:
             return paged_decode(query, rows, plan.decode, block_size, scale)
         out = torch.empty_like(query)
@@ -130,9 +133,10 @@ def build_step_plan(metadata: AttentionMetadata, block_size: int, num_kv_heads: 
     """Index tensors and masks of one step (see the module docstring for the row layout)."""
     device = metadata.slot_mapping.device
     write_rows = cache_rows(metadata.slot_mapping, block_size)  # [T]
+    value_write_rows = write_rows + block_size
     if metadata.is_decode_only:
         decode = decode_plan(metadata, None, block_size, num_kv_heads)
-        return StepPlan(write_rows, decode, [])
+        return StepPlan(write_rows, value_write_rows, decode, [])
     prefills: list[PrefillPlan] = []
     decode_rows: list[int] = []  # flat row of each decode sequence
     decode_seqs: list[int] = []
@@ -155,7 +159,7 @@ def build_step_plan(metadata: AttentionMetadata, block_size: int, num_kv_heads: 
     decode = None
     if decode_seqs:
         decode = decode_plan(metadata, (decode_rows, decode_seqs), block_size, num_kv_heads)
-    return StepPlan(write_rows, decode, prefills)
+    return StepPlan(write_rows, value_write_rows, decode, prefills)
 
 
 def decode_plan(
@@ -189,9 +193,7 @@ def decode_plan(
     heads = torch.arange(num_kv_heads, device=device).view(1, -1, 1)  # [1, KVH, 1]
     key_index = (key_rows.unsqueeze(1) * num_kv_heads + heads).view(-1)  # [S * KVH * L]
     value_index = key_index + block_size * num_kv_heads
-    key_bias = torch.zeros(visible.shape, dtype=torch.float32, device=device)
-    key_bias = key_bias.masked_fill_(~visible, float("-inf"))[:, None, None, :]  # [S, 1, 1, L]
-    return DecodePlan(query_rows, key_index, value_index, key_bias)
+    return DecodePlan(query_rows, key_index, value_index, visible[:, None, None, :])
 
 
 def paged_decode(
@@ -203,27 +205,24 @@ def paged_decode(
 ) -> torch.Tensor:  # [S, H, D]
     """Attention of one query row per sequence over its gathered history.
 
-    GQA without repeating K/V: the H query heads are viewed as [KVH, H / KVH] so each
-    KV head serves its group in one batched matmul. Scores and softmax in float32.
+    GQA without repeating K/V: the H query heads are viewed as [KVH, H / KVH], so the
+    G heads sharing a KV head are G query rows of one SDPA "head" over [S, KVH, L, D].
     """
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = rows.shape[1]
-    num_groups = num_heads // num_kv_heads
     head_rows = rows.view(-1, head_dim)  # [N * 2 * B * KVH, D]
     # index_select, not advanced indexing: on CPU it is ~20x faster for this gather.
-    keys = head_rows.index_select(0, plan.key_index)  # [S * KVH * L, D]
-    values = head_rows.index_select(0, plan.value_index)
-    keys = keys.view(num_seqs * num_kv_heads, -1, head_dim)  # [S * KVH, L, D]
-    values = values.view(keys.shape)
-    q = query.reshape(num_seqs * num_kv_heads, num_groups, head_dim)  # [S * KVH, G, D]
-    if query.dtype == torch.float32:
-        scores = torch.bmm(q, keys.transpose(1, 2).to(q.dtype))  # [S * KVH, G, L]
-    else:
-        scores = torch.bmm(q.float(), keys.transpose(1, 2).float())
-    scores = scores.view(num_seqs, num_kv_heads, num_groups, -1).mul_(scale).add_(plan.key_bias)
-    probs = torch.softmax(scores, dim=-1).view(num_seqs * num_kv_heads, num_groups, -1)
-    out = torch.bmm(probs.to(values.dtype), values)  # [S * KVH, G, D]
-    return out.to(query.dtype).view(num_seqs, num_heads, head_dim)
+    keys = head_rows.index_select(0, plan.key_index).view(num_seqs, num_kv_heads, -1, head_dim)
+    values = head_rows.index_select(0, plan.value_index).view(keys.shape)  # [S, KVH, L, D]
+    groups = query.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(
+        groups,  # [S, KVH, G, D]
+        keys.to(query.dtype),
+        values.to(query.dtype),
+        attn_mask=plan.visible,  # [S, 1, 1, L]
+        scale=scale,
+    )  # [S, KVH, G, D]
+    return out.view(num_seqs, num_heads, head_dim)
 
 
 def cache_rows(slot_mapping: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -26,10 +26,10 @@ class RMSNorm(nn.Module):
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             # One fused op, bit-identical to the lines below in float32 (checked in tests).
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        input_dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(input_dtype)
+        # Normalise in float32, round to the input dtype, then scale: the reference's
+        # order of roundings, in three ops instead of eight (bit-identical, checked in tests).
+        normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 class SiluAndMul(nn.Module):

@@ -89,5 +89,6 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         return self.model(embeds, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, V] fp32
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:  # tied: the embedding matrix is the LM head
+            return F.linear(hidden, self.model.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()

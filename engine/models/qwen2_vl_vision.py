@@ -188,8 +188,9 @@ class Qwen2VisionTransformer(nn.Module):
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         # pixel_values [N, C * T_patch * P * P]; grid_thw [num_items, 3] -> [N / merge**2, out]
         grids = [tuple(int(v) for v in row) for row in grid_thw.tolist()]
-        device = self.patch_embed.weight.device
-        x = self.patch_embed(pixel_values.to(device=device, dtype=self.patch_embed.weight.dtype))
+        # The merger's LayerNorm is never prepacked (see engine/models/cpu_prepack.py).
+        device, dtype = self.merger.ln_q.weight.device, self.merger.ln_q.weight.dtype
+        x = self.patch_embed(pixel_values.to(device=device, dtype=dtype))
         positions = vision_rotary_positions(grids, self.config.spatial_merge_size).to(device)
         cos, sin = self.rotary(positions)  # [N, D] each, float32
         groups = plan_frame_groups(grids, device)

@@ -23,9 +23,12 @@ def test_fused_rms_norm_is_bit_identical_in_float32(hidden, tokens):
     assert torch.equal(norm(x), reference)
 
 
-def test_bfloat16_rms_norm_keeps_the_hf_order():
-    norm = RMSNorm(64, 1e-6).to(torch.bfloat16)
-    x = torch.randn(5, 64, dtype=torch.bfloat16)
+@pytest.mark.parametrize("hidden,tokens", [(64, 5), (896, 1), (896, 70)])
+def test_bfloat16_rms_norm_keeps_the_hf_order(hidden, tokens):
+    norm = RMSNorm(hidden, 1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(hidden))
+    x = torch.randn(tokens, hidden, dtype=torch.bfloat16) * 3
     x32 = x.float()
     reference = norm.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(
         torch.bfloat16

@@ -1,0 +1,60 @@
+"""An LRU of processed images keyed by the blake3 of the fetched bytes.
+
+Decoding a PNG and resizing / normalising it into patches costs tens of milliseconds
+of CPU per image, on the same cores the engine computes on. Clients often send the
+same image again (a system image, a retried or multi-turn request); with this cache
+a repeat costs one hash of its bytes. Byte-identical input under one server's fixed
+image-processor config gives an identical `ProcessedImage`, so reuse cannot change
+an answer. Entries are immutable and shared; the budget counts their pixel bytes.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+import blake3
+
+from engine.multimodal.image_processor import ProcessedImage
+
+
+def bytes_key(data: bytes) -> str:
+    return blake3.blake3(data).hexdigest()
+
+
+class ProcessedImageCache:
+    """Thread-safe (the decode pool calls it). `max_bytes == 0` turns it off."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._entries: collections.OrderedDict[str, ProcessedImage] = collections.OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, key: str) -> ProcessedImage | None:
+        with self._lock:
+            image = self._entries.get(key)
+            if image is None:
+                self.misses += 1
+                return None
+            self._entries.move_to_end(key)
+            self.hits += 1
+            return image
+
+    def put(self, key: str, image: ProcessedImage) -> None:
+        size = image.pixel_values.nbytes
+        if size > self.max_bytes:
+            return
+        with self._lock:
+            if key in self._entries:
+                return
+            self._entries[key] = image
+            self._bytes += size
+            while self._bytes > self.max_bytes:
+                _, evicted = self._entries.popitem(last=False)
+                self._bytes -= evicted.pixel_values.nbytes
+
+    def __len__(self) -> int:
+        return len(self._entries)

@@ -1,0 +1,54 @@
+"""Prepacked oneDNN linears are exact stand-ins for `F.linear` where they are used."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.cpu_prepack import PrepackedLinear, can_prepack, prepack_linears
+
+CPU = torch.device("cpu")
+needs_bf16 = pytest.mark.skipif(
+    not can_prepack(CPU, torch.bfloat16), reason="no oneDNN bf16 on this CPU"
+)
+
+
+def test_only_half_precision_cpu_weights_are_prepacked():
+    assert not can_prepack(CPU, torch.float32)  # float32 stays on MKL, as in transformers
+    assert not can_prepack(torch.device("meta"), torch.bfloat16)
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows", [1, 3, 8, 70, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_prepacked_linear_is_bit_identical_to_f_linear(rows, bias):
+    torch.manual_seed(rows)
+    linear = nn.Linear(96, 200, bias=bias, dtype=torch.bfloat16)
+    packed = PrepackedLinear(linear)
+    x = torch.randn(rows, 96, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(packed(x), F.linear(x, linear.weight, linear.bias))
+        # Non-contiguous rows (a slice of a wider tensor) and a leading batch dim work too.
+        wide = torch.randn(rows, 150, dtype=torch.bfloat16)[:, :96]
+        assert torch.equal(packed(wide), F.linear(wide, linear.weight, linear.bias))
+        assert torch.equal(
+            packed(x.view(1, rows, 96)), F.linear(x, linear.weight, linear.bias)[None]
+        )
+
+
+@needs_bf16
+def test_prepack_linears_swaps_every_linear_and_keeps_the_rest():
+    model = nn.Sequential(
+        nn.Linear(8, 16, dtype=torch.bfloat16),
+        nn.LayerNorm(16, dtype=torch.bfloat16),
+        nn.Sequential(nn.Linear(16, 4, bias=False, dtype=torch.bfloat16)),
+    )
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        expected = model(x)
+        assert prepack_linears(model) == 2
+        assert isinstance(model[0], PrepackedLinear) and isinstance(model[2][0], PrepackedLinear)
+        assert isinstance(model[1], nn.LayerNorm)
+        assert torch.equal(model(x), expected)
