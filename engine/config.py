@@ -23,6 +23,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # token budget of one engine step (prefill chunks + decodes)
     block_size: int = 16  # tokens per KV-cache block
     kv_cache_memory_gib: float = 2.0  # memory for the paged KV cache
+    kv_cache_dtype: str = "auto"  # auto = the model dtype; fp8 = float8_e4m3fn, 1 byte/element
+    kv_cache_scale: float = 1.0  # fp8 only: static K and V scale (stores x / scale, max 448)
     num_kv_blocks: int | None = None  # overrides kv_cache_memory_gib (tests force preemption)
     enable_prefix_caching: bool = True  # reuse KV blocks of equal text + media prefixes
     encoder_cache_tokens: int = 16384  # vision-encoder output rows kept for reuse

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,7 @@ from engine.scheduler import ScheduledChunk, SchedulerOutput
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,17 @@ def resolve_dtype(
     return _DTYPES[name]
 
 
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, scale: float) -> torch.dtype:
+    """`auto`: the model dtype; `fp8`: float8_e4m3fn storing `x / scale` (1 byte/element)."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"unknown kv_cache_dtype {name!r}; choose one of {', '.join(KV_CACHE_DTYPES)}"
+        )
+    if not (scale > 0 and math.isfinite(scale)):
+        raise ValueError(f"kv_cache_scale must be a positive finite number, got {scale}")
+    return model_dtype if name == "auto" else torch.float8_e4m3fn
+
+
 @functools.cache
 def cpu_has_native_bf16() -> bool:
     """True when /proc/cpuinfo lists avx512_bf16 or amx_bf16 (False where it cannot be read)."""
@@ -98,7 +111,12 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device, checkpoint_dtype)
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
-        attention = get_attention_backend(config.attention_backend)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(
+            config.kv_cache_dtype, self.dtype, config.kv_cache_scale
+        )
+        attention = get_attention_backend(
+            config.attention_backend, config.kv_cache_scale, config.kv_cache_scale
+        )
         self.model = load_model(
             config.model, dtype=self.dtype, device=self.device, attention=attention
         )
@@ -113,7 +131,7 @@ class ModelRunner:
         # Zeros, not empty: a backend may gather whole blocks and mask the tail, and
         # masked garbage (NaN/inf) would still poison the weighted sum.
         self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device)  # [N, 2, B, Hkv, D]
+            torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)  # [N, 2, B, Hkv, D]
             for _ in range(mc.num_hidden_layers)
         ]
         self.encoder_cache = EncoderCache()
@@ -123,7 +141,7 @@ class ModelRunner:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         mc = self.model_config
-        dtype_bytes = torch.empty((), dtype=self.dtype).element_size()
+        dtype_bytes = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         block_bytes = (
             2
             * self.block_size

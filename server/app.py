@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP app: `build_app(settings, engine) -> FastAPI`.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, POST /tokenize,
-POST /detokenize (API key when configured), GET /health, GET /version, GET /metrics (open).
+POST /detokenize, GET /openapi.json (API key when configured), GET /health, GET /version,
+GET /metrics (open). No /docs or /redoc.
 The app does text work only (templates, tokens, media preprocessing, detokenisation); the
 engine, reached through `engine` (server.engine_client.EngineClient), runs the model.
 """
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from engine.errors import EngineDeadError, InvalidRequest, ModelNotFound, ServerOverloaded
 from engine.multimodal.image_processor import ImageProcessorConfig
@@ -45,7 +46,13 @@ from server.openai_models import (
 )
 from server.request_log import RequestLogMiddleware, record_of
 from server.settings import ServerSettings
-from server.streaming import GenerationJob, collect, stream_chat, stream_completion
+from server.streaming import (
+    EventStreamResponse,
+    GenerationJob,
+    collect,
+    stream_chat,
+    stream_completion,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -214,6 +221,11 @@ def _add_open_routes(app: FastAPI) -> None:
 
 
 def _add_api_routes(api: APIRouter) -> None:
+    # Our route, not FastAPI's (openapi_url=None), so that it sits behind the API key too.
+    @api.get("/openapi.json", include_in_schema=False)
+    async def openapi_document(request: Request) -> JSONResponse:
+        return JSONResponse(request.app.openapi())
+
     @api.get("/v1/models")
     async def list_models(request: Request) -> dict:
         state = _state(request)
@@ -249,9 +261,7 @@ def _add_api_routes(api: APIRouter) -> None:
                 with_logprobs=with_logprobs,
                 on_finished=_finisher(state, time.monotonic(), request),
             )
-            return StreamingResponse(
-                _releasing(stream, ticket), media_type="text/event-stream", headers=SSE_HEADERS
-            )
+            return EventStreamResponse(_releasing(stream, ticket), headers=SSE_HEADERS)
         try:
             totals, results = await _collect_until_disconnect(request, state, job)
         finally:
@@ -276,9 +286,7 @@ def _add_api_routes(api: APIRouter) -> None:
                 with_logprobs=with_logprobs,
                 on_finished=_finisher(state, time.monotonic(), request),
             )
-            return StreamingResponse(
-                _releasing(stream, ticket), media_type="text/event-stream", headers=SSE_HEADERS
-            )
+            return EventStreamResponse(_releasing(stream, ticket), headers=SSE_HEADERS)
         try:
             totals, results = await _collect_until_disconnect(request, state, job)
         finally:

@@ -1,7 +1,8 @@
 """Bearer-token check for the API routes (`settings.api_key`, env TESSERA_API_KEY).
 
 Checked on the routed path (`request.scope["path"]`), never on a URL rebuilt from the Host
-header. `/health`, `/metrics` and `/version` stay open so probes and scrapers need no key.
+header. `/health`, `/metrics` and `/version` stay open so probes and scrapers need no key;
+`/openapi.json` needs it, like the routes it describes.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from fastapi import Request
 
 from engine.errors import TesseraError
 
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/openapi.json")
 
 
 class Unauthorized(TesseraError):

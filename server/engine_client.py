@@ -7,6 +7,8 @@ Both sockets are bound here (ipc:// paths in a private 0700 temp dir by default)
 background task reads the outbox, routes each `RequestOutput` to its request's queue,
 folds `EngineStats` into `stats`, and notices the engine's death within ~1 s: every
 in-flight `generate()` then raises `EngineDeadError` and `on_engine_death` is called.
+Aborts of abandoned requests are batched: one `AbortRequests` per event-loop tick, so a
+crowd of clients hanging up at once costs the engine a few messages, not one each.
 """
 
 from __future__ import annotations
@@ -102,6 +104,7 @@ class EngineClient:
         self._outbox: zmq.asyncio.Socket | None = None  # we PULL the engine's outputs
         self._ipc_dir: str | None = None
         self._output_task: asyncio.Task | None = None
+        self._abort_ids: list[str] = []  # abandoned requests, sent together next tick
         self._is_failed = False
         self._is_shutting_down = False
 
@@ -250,7 +253,7 @@ class EngineClient:
             self._queues.pop(request_id, None)
             if not is_finished:
                 # No await here: this runs on GeneratorExit / CancelledError too.
-                self._send_nowait(AbortRequests([request_id]))
+                self._abort_soon(request_id)
 
     async def abort(self, request_ids: list[str]) -> None:
         """Abort requests in the engine; their generate() sees finish_reason "abort"."""
@@ -260,6 +263,16 @@ class EngineClient:
     def add_stats_listener(self, callback: Callable[[EngineStats], Any]) -> None:
         """`callback(stats)` for every EngineStats the engine sends (exceptions are logged)."""
         self._stats_listeners.append(callback)
+
+    def _abort_soon(self, request_id: str) -> None:
+        """Queue an abort; the first one in a tick schedules the flush of them all."""
+        if not self._abort_ids:
+            asyncio.get_running_loop().call_soon(self._flush_aborts)
+        self._abort_ids.append(request_id)
+
+    def _flush_aborts(self) -> None:
+        request_ids, self._abort_ids = self._abort_ids, []
+        self._send_nowait(AbortRequests(request_ids))
 
     def _send_nowait(self, message: Any) -> None:
         if not self.is_alive or self._inbox is None:
@@ -277,7 +290,7 @@ class EngineClient:
         try:
             while True:
                 if await self._outbox.poll(WATCH_INTERVAL_MS):
-                    self._route(await self._outbox.recv_multipart(copy=False))
+                    await self._route_queued()
                     continue
                 if not self._process.is_alive():
                     self._on_death(f"engine process exited with code {self._process.exitcode}")
@@ -287,6 +300,17 @@ class EngineClient:
         except Exception as exc:  # noqa: BLE001 - a broken client is a dead engine
             logger.exception("engine output loop failed")
             self._on_death(f"engine output loop failed: {type(exc).__name__}")
+
+    async def _route_queued(self) -> None:
+        """Route every message already waiting. A NOBLOCK recv resolves at once, so this
+        does not yield to the event loop: when the loop is busy (a burst of new requests)
+        outputs and stats would otherwise fall behind by one message per loop iteration."""
+        while True:
+            try:
+                frames = await self._outbox.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._route(frames)
 
     def _route(self, frames: list) -> None:
         message = self._decode(frames)

@@ -4,11 +4,13 @@ A stream is `data: {chunk}\\n\\n` events ending with `data: [DONE]\\n\\n`. The f
 chunk of every choice carries `delta.role`; a stop string is never emitted even in part
 (server.detokenizer holds back candidates). An error after the stream started becomes a
 `data: {"error": {...}}` event followed by `data: [DONE]`, never a hang. When the client
-goes away Starlette cancels the generator, which cancels the engine requests.
+goes away Starlette cancels the response; `EventStreamResponse` then closes the generator
+chain at once, which cancels the engine requests.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -16,6 +18,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from fastapi.responses import StreamingResponse
+from starlette.types import Send
 from tokenizers import Tokenizer
 
 from engine.errors import TesseraError
@@ -62,6 +66,24 @@ class ChoiceResult:
 
 
 OnFinished = Callable[[GenerationTotals], None]
+
+
+class EventStreamResponse(StreamingResponse):
+    """An SSE response that closes its body iterator however it ends.
+
+    Starlette cancels `stream_response` when the client disconnects. If that lands while a
+    chunk is being sent (not while waiting for the next one), Starlette leaves the body
+    iterator suspended and unclosed; its engine requests then run on until the garbage
+    collector finds the abandoned generators, seconds later.
+    """
+
+    media_type = "text/event-stream"
+
+    async def stream_response(self, send: Send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
 
 def sse(data: dict[str, Any]) -> str:
@@ -133,24 +155,25 @@ async def stream_chat(
         role = DeltaMessage(role="assistant", content="")
         yield chunk([ChatChunkChoice(index=index, delta=role)])
         started[index] = True
-    async for piece in _guarded(_run(job, engine, tokenizer, totals)):
-        if isinstance(piece, str):
-            yield piece
-            return
-        if (
-            not piece.text
-            and piece.finish_reason is None
-            and not (with_logprobs and piece.logprobs)
-        ):
-            continue
-        logprobs = chat_logprobs(tokenizer, piece.logprobs) if with_logprobs else None
-        choice = ChatChunkChoice(
-            index=piece.index,
-            delta=DeltaMessage(content=piece.text),
-            logprobs=logprobs,
-            finish_reason=piece.finish_reason,
-        )
-        yield chunk([choice])
+    async with contextlib.aclosing(_guarded(_run(job, engine, tokenizer, totals))) as pieces:
+        async for piece in pieces:
+            if isinstance(piece, str):
+                yield piece
+                return
+            if (
+                not piece.text
+                and piece.finish_reason is None
+                and not (with_logprobs and piece.logprobs)
+            ):
+                continue
+            logprobs = chat_logprobs(tokenizer, piece.logprobs) if with_logprobs else None
+            choice = ChatChunkChoice(
+                index=piece.index,
+                delta=DeltaMessage(content=piece.text),
+                logprobs=logprobs,
+                finish_reason=piece.finish_reason,
+            )
+            yield chunk([choice])
     if job.include_usage:
         yield chunk([], usage_of(totals))
     on_finished(totals)
@@ -178,23 +201,24 @@ async def stream_completion(
         )
         return sse(dump(body, exclude={"usage"} if usage is None else set()))
 
-    async for piece in _guarded(_run(job, engine, tokenizer, totals)):
-        if isinstance(piece, str):
-            yield piece
-            return
-        if not piece.text and piece.finish_reason is None:
-            continue
-        logprobs = None
-        if with_logprobs:
-            logprobs = completion_logprobs(tokenizer, piece.logprobs, offsets[piece.index])
-        offsets[piece.index] += len(piece.text)
-        choice = CompletionChoice(
-            index=piece.index,
-            text=piece.text,
-            logprobs=logprobs,
-            finish_reason=piece.finish_reason,
-        )
-        yield chunk([choice])
+    async with contextlib.aclosing(_guarded(_run(job, engine, tokenizer, totals))) as pieces:
+        async for piece in pieces:
+            if isinstance(piece, str):
+                yield piece
+                return
+            if not piece.text and piece.finish_reason is None:
+                continue
+            logprobs = None
+            if with_logprobs:
+                logprobs = completion_logprobs(tokenizer, piece.logprobs, offsets[piece.index])
+            offsets[piece.index] += len(piece.text)
+            choice = CompletionChoice(
+                index=piece.index,
+                text=piece.text,
+                logprobs=logprobs,
+                finish_reason=piece.finish_reason,
+            )
+            yield chunk([choice])
     if job.include_usage:
         yield chunk([], usage_of(totals))
     on_finished(totals)

@@ -24,6 +24,12 @@ with a boolean key mask); each prefill chunk takes one SDPA of its own, over its
 own new K/V when it starts the sequence (no gather needed). On CPU every op costs
 microseconds of dispatch whatever its size, so a decode step's op count matters
 as much as its arithmetic.
+
+An FP8 cache (`torch.float8_e4m3fn`) stores `x / scale` with per-tensor K and V scales
+(kernels/reference.py does the arithmetic). Index ops run on its bytes (a uint8 view: CPU
+has no float8 index_copy_); gathered rows are dequantized to the query dtype. A chunk that
+is the whole history attends over its new K/V round-tripped through FP8 too, so its output
+equals what a cache read would give (as FlashInfer, which always reads the cache).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionMetadata
+from kernels.reference import FP8_DTYPE, dequantize_fp8, quantize_fp8
 
 
 @dataclass(frozen=True)
@@ -66,12 +73,27 @@ class StepPlan:
     prefills: list[PrefillPlan]
 
 
+@dataclass(frozen=True)
+class Fp8Scales:
+    """Per-tensor dequantisation scales of an FP8 cache, as [1] float32 tensors."""
+
+    key: torch.Tensor  # [1] float32
+    value: torch.Tensor  # [1] float32
+
+
 class TorchAttentionBackend:
-    """`engine.attention.base.AttentionBackend` in plain PyTorch (any device, any float dtype)."""
+    """`engine.attention.base.AttentionBackend` in plain PyTorch (any device, any float dtype).
+
+    `k_scale`/`v_scale` are the per-tensor scales of an FP8 (float8_e4m3fn) cache; other
+    caches ignore them.
+    """
 
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+        self.k_scale = k_scale
+        self.v_scale = v_scale
+        self._scale_tensors: dict[torch.device, Fp8Scales] = {}
         # The metadata of the current step and its plan: every layer of a step gets the
         # same metadata object, so the plan is built once per step.
         self._plan_metadata: AttentionMetadata | None = None
@@ -89,19 +111,26 @@ class TorchAttentionBackend:
         plan = self._step_plan(metadata, kv_cache.shape[2], kv_cache.shape[3])
         block_size = kv_cache.shape[2]
         rows = kv_cache.view(-1, kv_cache.shape[3], kv_cache.shape[4])  # [N * 2 * B, KVH, D]
+        fp8 = self._scales_on(kv_cache.device) if kv_cache.dtype == FP8_DTYPE else None
+        if fp8 is not None:
+            key, value = quantize_fp8(key, fp8.key), quantize_fp8(value, fp8.value)
+            rows = rows.view(torch.uint8)  # the FP8 bytes: index ops exist for uint8
+            key, value = key.view(torch.uint8), value.view(torch.uint8)
         rows.index_copy_(0, plan.write_rows, key.to(rows.dtype))
         rows.index_copy_(0, plan.value_write_rows, value.to(rows.dtype))
         if plan.decode is not None and not plan.prefills:
-            return paged_decode(query, rows, plan.decode, block_size, scale)
+            return paged_decode(query, rows, plan.decode, block_size, scale, fp8)
         out = torch.empty_like(query)
         for chunk in plan.prefills:
             end = chunk.start + chunk.query_len
             q = query[chunk.start : end].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
-            if chunk.key_rows is None:  # the chunk is the whole history: attend over it as is
+            if chunk.key_rows is None:  # the chunk is the whole history: no gather needed
                 keys, values = key[chunk.start : end], value[chunk.start : end]  # [L, KVH, D]
             else:
-                keys = rows.index_select(0, chunk.key_rows).to(query.dtype)  # [L, KVH, D]
-                values = rows.index_select(0, chunk.key_rows + block_size).to(query.dtype)
+                keys = rows.index_select(0, chunk.key_rows)  # [L, KVH, D]
+                values = rows.index_select(0, chunk.key_rows + block_size)
+            keys = read_cached(keys, fp8.key if fp8 else None, query.dtype)
+            values = read_cached(values, fp8.value if fp8 else None, query.dtype)
             o = F.scaled_dot_product_attention(
                 q,
                 keys.transpose(0, 1).unsqueeze(0),  # [1, KVH, L, D]
@@ -115,10 +144,19 @@ class TorchAttentionBackend:
         if plan.decode is not None:
             decode = plan.decode
             decoded = paged_decode(
-                query.index_select(0, decode.query_rows), rows, decode, block_size, scale
+                query.index_select(0, decode.query_rows), rows, decode, block_size, scale, fp8
             )  # [S, H, D]
             out.index_copy_(0, decode.query_rows, decoded)
         return out
+
+    def _scales_on(self, device: torch.device) -> Fp8Scales:
+        """The FP8 scales as [1] float32 tensors on `device`, made once per device."""
+        if device not in self._scale_tensors:
+            self._scale_tensors[device] = Fp8Scales(
+                torch.tensor([self.k_scale], dtype=torch.float32, device=device),
+                torch.tensor([self.v_scale], dtype=torch.float32, device=device),
+            )
+        return self._scale_tensors[device]
 
     def _step_plan(
         self, metadata: AttentionMetadata, block_size: int, num_kv_heads: int
@@ -202,6 +240,7 @@ def paged_decode(
     plan: DecodePlan,
     block_size: int,
     scale: float,
+    fp8: Fp8Scales | None = None,  # set when `rows` are the uint8 bytes of an FP8 cache
 ) -> torch.Tensor:  # [S, H, D]
     """Attention of one query row per sequence over its gathered history.
 
@@ -214,6 +253,9 @@ def paged_decode(
     # index_select, not advanced indexing: on CPU it is ~20x faster for this gather.
     keys = head_rows.index_select(0, plan.key_index).view(num_seqs, num_kv_heads, -1, head_dim)
     values = head_rows.index_select(0, plan.value_index).view(keys.shape)  # [S, KVH, L, D]
+    if fp8 is not None:  # dequantize as [S, L, KVH, D], the layout the scales broadcast over
+        keys = read_cached(keys.transpose(1, 2), fp8.key, query.dtype).transpose(1, 2)
+        values = read_cached(values.transpose(1, 2), fp8.value, query.dtype).transpose(1, 2)
     groups = query.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(
         groups,  # [S, KVH, G, D]
@@ -223,6 +265,17 @@ def paged_decode(
         scale=scale,
     )  # [S, KVH, G, D]
     return out.view(num_seqs, num_heads, head_dim)
+
+
+def read_cached(
+    x: torch.Tensor,  # [..., KVH, D] cache dtype, or the uint8 bytes of FP8 values
+    scale: torch.Tensor | None,  # [1] float32 for FP8 bytes; None = a plain float cache
+    dtype: torch.dtype,
+) -> torch.Tensor:  # [..., KVH, D] dtype
+    """Cached K or V rows as `dtype`: a cast, or FP8 bytes dequantized with their scale."""
+    if scale is None:
+        return x.to(dtype)
+    return dequantize_fp8(x.view(FP8_DTYPE), scale).to(dtype)
 
 
 def cache_rows(slot_mapping: torch.Tensor, block_size: int) -> torch.Tensor:

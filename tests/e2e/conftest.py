@@ -67,7 +67,7 @@ def run_server(model_dir: Path, log_path: Path, *extra: str) -> Iterator[ServerH
         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL_NAME,
         "--allow-private-media-urls", "--num-kv-blocks", "512", "--max-model-len", "2048",
         *extra,
-    ]
+    ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("TESSERA_API_KEY", None)
     with open(log_path, "wb") as log:
@@ -85,6 +85,32 @@ def run_server(model_dir: Path, log_path: Path, *extra: str) -> Iterator[ServerH
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(timeout=10)
+
+
+def child_pids(pid: int) -> list[int]:
+    """The direct children of process `pid`, from every one of its threads (Linux /proc)."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children += [int(child) for child in (task / "children").read_text().split()]
+    return children
+
+
+def engine_pid(server_pid: int) -> int:
+    """The engine process among the server's children (not multiprocessing's helpers)."""
+    children = child_pids(server_pid)
+    for child in children:
+        if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+            return child
+    raise AssertionError(f"no engine process among the children {children}")
+
+
+def is_gone(pid: int) -> bool:
+    """`pid` has exited; a zombie waiting for its reaper counts as exited."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
 
 
 def _wait_healthy(handle: ServerHandle) -> None:

@@ -1,5 +1,6 @@
 """The real engine process behind EngineClient: concurrency, abort, garbage on the socket,
-engine death, and the engine exiting by itself when its server dies."""
+engine death and step failure. (SIGKILLing the engine or the server under a real
+`tessera serve`: test_faults.py.)"""
 
 from __future__ import annotations
 
@@ -7,9 +8,6 @@ import asyncio
 import os
 import pickle
 import signal
-import subprocess
-import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -20,8 +18,7 @@ from engine.errors import EngineDeadError
 from engine.protocol import EngineRequest, FinishReason, Ready, SamplingParams, Shutdown
 from engine.tiny_model import make_tiny_model
 from server.engine_client import EngineClient
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.e2e.conftest import free_port
 
 
 @pytest.fixture(scope="module")
@@ -129,8 +126,8 @@ def test_engine_death_fails_in_flight_requests(engine_config: EngineConfig) -> N
             startup_timeout=120,
             on_engine_death=deaths.append,
             # TCP instead of the private ipc:// sockets (e.g. an engine in another container).
-            inbox_address=f"tcp://127.0.0.1:{_free_port()}",
-            outbox_address=f"tcp://127.0.0.1:{_free_port()}",
+            inbox_address=f"tcp://127.0.0.1:{free_port()}",
+            outbox_address=f"tcp://127.0.0.1:{free_port()}",
         )
         await client.start()
         try:
@@ -160,122 +157,6 @@ def test_start_fails_clearly_without_a_model(tmp_path: Path) -> None:
         assert not client.is_alive
 
     asyncio.run(scenario())
-
-
-PARENT_SCRIPT = textwrap.dedent(
-    """
-    import asyncio, sys
-    from engine.config import EngineConfig
-    from server.engine_client import EngineClient
-
-    async def main():
-        config = EngineConfig(model=sys.argv[1], num_threads=1, num_kv_blocks=16)
-        client = EngineClient(config, startup_timeout=120)
-        await client.start()
-        print(client.pid, flush=True)
-        await asyncio.sleep(600)
-
-    if __name__ == "__main__":
-        asyncio.run(main())
-    """
-)
-
-
-def _is_gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"  # exited, not yet reaped
-    except FileNotFoundError:
-        return True
-
-
-def test_engine_exits_when_the_server_dies(engine_config: EngineConfig, tmp_path: Path) -> None:
-    script = tmp_path / "parent.py"
-    script.write_text(PARENT_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
-    parent = subprocess.Popen(
-        [sys.executable, str(script), engine_config.model], stdout=subprocess.PIPE, env=env
-    )
-    engine_pid = None
-    try:
-        engine_pid = int(parent.stdout.readline())
-        assert not _is_gone(engine_pid)
-        parent.kill()  # SIGKILL: no atexit, no shutdown message
-        parent.wait(10)
-        deadline = time.monotonic() + 5
-        while not _is_gone(engine_pid):
-            assert time.monotonic() < deadline, "the engine outlived its server"
-            time.sleep(0.1)
-    finally:
-        parent.kill()
-        parent.wait(10)
-        if engine_pid is not None and not _is_gone(engine_pid):
-            os.kill(engine_pid, signal.SIGKILL)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _engine_child(server_pid: int) -> int | None:
-    """The engine process among the server's children (not multiprocessing's helpers)."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == server_pid and b"spawn_main" in cmdline:
-            return int(entry.name)
-    return None
-
-
-def _start_serve(engine_config: EngineConfig, tmp_path: Path) -> tuple[subprocess.Popen, int]:
-    import httpx
-
-    port = _free_port()
-    command = [sys.executable, "-m", "server.cli", "serve", "--model", engine_config.model]
-    command += ["--host", "127.0.0.1", "--port", str(port), "--num-threads", "1"]
-    command += ["--num-kv-blocks", "16", "--shutdown-timeout-s", "2"]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
-    log = open(tmp_path / f"serve-{port}.log", "wb")
-    server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 90
-    while True:
-        assert server.poll() is None, (tmp_path / f"serve-{port}.log").read_text()[-3000:]
-        assert time.monotonic() < deadline, "server not healthy in time"
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    engine_pid = _engine_child(server.pid)
-    assert engine_pid is not None
-    return server, engine_pid
-
-
-@pytest.mark.parametrize("how", ["engine-killed", "sigterm"])
-def test_serve_exit_codes(engine_config: EngineConfig, tmp_path: Path, how: str) -> None:
-    server, engine_pid = _start_serve(engine_config, tmp_path)
-    try:
-        if how == "engine-killed":
-            os.kill(engine_pid, signal.SIGKILL)
-            assert server.wait(15) == 1  # non-zero: a supervisor restarts the server
-        else:
-            server.send_signal(signal.SIGTERM)
-            assert server.wait(30) == 0
-            assert _is_gone(engine_pid)  # shut down with the server, not orphaned
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait(10)
 
 
 class _CoreThatFailsInStep:

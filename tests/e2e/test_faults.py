@@ -1,12 +1,12 @@
-"""Faults against a real server: mass client disconnects, a poisoned request among healthy
-ones, and the SIGTERM drain. (Engine SIGKILL mid-stream and server SIGKILL -> engine exits
-are covered in test_errors_api.py, test_chat_api.py and test_engine_process.py.)"""
+"""Faults against a real server: the engine SIGKILLed mid-stream, the server SIGKILLed, a
+poisoned request among healthy ones, mass client disconnects, and the SIGTERM drain."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import concurrent.futures
+import contextlib
 import os
 import signal
 import threading
@@ -16,27 +16,50 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.e2e.conftest import MODEL_NAME, ServerHandle, picture, png_bytes, run_server
+from tests.e2e.conftest import (
+    MODEL_NAME,
+    ServerHandle,
+    child_pids,
+    engine_pid,
+    is_gone,
+    picture,
+    png_bytes,
+    run_server,
+)
 
 NUM_DISCONNECTING_CLIENTS = 200
-# The issue's bound is 1 s; measured 1.4 s on the shared 2-core CI box, where the 200
-# clients run in the test process and compete with the server for CPU. Override to check.
-ABORT_DEADLINE_S = float(os.environ.get("TESSERA_ABORT_DEADLINE_S", "3.0"))
+# The issue's bound is 1 s. Measured 0.03-0.30 s over 17 runs on the shared 2-core box, where
+# the 200 clients run in the test process and compete with the server for CPU; 1.5 s leaves
+# room for a loaded box. Override to check: TESSERA_ABORT_DEADLINE_S=1.
+ABORT_DEADLINE_S = float(os.environ.get("TESSERA_ABORT_DEADLINE_S", "1.5"))
+IDLE_GAUGES = (
+    "tessera:num_requests_running",
+    "tessera:num_requests_waiting",
+    "tessera:kv_cache_usage_perc",
+)
 
 
-def _metric(base_url: str, name: str) -> float:
+def _gauges(base_url: str) -> dict[str, float]:
+    """The IDLE_GAUGES from one /metrics scrape (one consistent snapshot)."""
+    found = {}
     for line in httpx.get(base_url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not in /metrics")
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in IDLE_GAUGES:
+            found[name] = float(line.rsplit(" ", 1)[1])
+    assert set(found) == set(IDLE_GAUGES), f"missing from /metrics: {set(IDLE_GAUGES) - set(found)}"
+    return found
 
 
 def _is_idle(base_url: str) -> bool:
-    return (
-        _metric(base_url, "tessera:num_requests_running") == 0
-        and _metric(base_url, "tessera:num_requests_waiting") == 0
-        and _metric(base_url, "tessera:kv_cache_usage_perc") == 0
-    )
+    return not any(_gauges(base_url).values())
+
+
+def _wait_all_gone(pids: list[int], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(is_gone(pid) for pid in pids):
+        alive = [pid for pid in pids if not is_gone(pid)]
+        assert time.monotonic() < deadline, f"processes {alive} outlived the server"
+        time.sleep(0.05)
 
 
 def _long(content: str = "Talk forever.", **fields) -> dict:
@@ -51,6 +74,77 @@ def busy_server(model_dir, tmp_path_factory) -> Iterator[ServerHandle]:
     log_path = tmp_path_factory.mktemp("logs") / "faults.log"
     with run_server(model_dir, log_path, "--max-num-seqs", "64") as handle:
         yield handle
+
+
+def _stream_in_background(
+    base_url: str, body: dict
+) -> tuple[threading.Thread, dict, threading.Event]:
+    """POST a streaming request on a thread; `started` is set once a generated chunk (not
+    just the role chunk, which precedes the engine) arrived. result["lines"]: data lines."""
+    started, result = threading.Event(), {"lines": []}
+
+    def run() -> None:
+        with (
+            contextlib.suppress(httpx.HTTPError),
+            httpx.stream("POST", base_url + "/v1/chat/completions", json=body, timeout=60) as r,
+        ):
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    result["lines"].append(line)
+                    if len(result["lines"]) >= 2:
+                        started.set()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, result, started
+
+
+def test_engine_sigkill_mid_stream(model_dir, tmp_path):
+    with run_server(model_dir, tmp_path / "engine_killed.log") as handle:
+        base = handle.base_url
+        children = child_pids(handle.process.pid)  # the engine and multiprocessing's helper
+        stream, streamed, started = _stream_in_background(base, _long(max_tokens=1900, stream=True))
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            plain = pool.submit(
+                httpx.post, base + "/v1/chat/completions", json=_long(max_tokens=1900), timeout=60
+            )
+            assert started.wait(60), handle.log_tail()
+            while _gauges(base)["tessera:num_requests_running"] < 2:
+                time.sleep(0.02)  # both requests are in the engine
+            os.kill(engine_pid(handle.process.pid), signal.SIGKILL)
+            killed = time.monotonic()
+            # Unhealthy within 5 s: 503, or no longer listening once the server exits.
+            while True:
+                try:
+                    health = httpx.get(base + "/health", timeout=2)
+                except httpx.TransportError:
+                    break
+                if health.status_code != 200:
+                    assert health.status_code == 503
+                    assert health.json()["error"]["code"] == "engine_dead"
+                    break
+                assert time.monotonic() - killed < 5, "/health still 200 after 5 s"
+                time.sleep(0.05)
+            response = plain.result(30)
+        stream.join(30)
+        assert streamed["lines"][-1] == "data: [DONE]"
+        assert '"error"' in streamed["lines"][-2] and "engine_dead" in streamed["lines"][-2]
+        assert response.status_code == 503, response.text
+        assert response.json()["error"]["code"] == "engine_dead"
+        assert handle.process.wait(20) == 1, handle.log_tail()  # a supervisor restarts it
+        _wait_all_gone(children, timeout=5)
+
+
+def test_server_sigkill_engine_exits(model_dir, tmp_path):
+    with run_server(model_dir, tmp_path / "server_killed.log") as handle:
+        children = child_pids(handle.process.pid)
+        body = _long(max_tokens=1900, stream=True)
+        stream, _, started = _stream_in_background(handle.base_url, body)
+        assert started.wait(60), handle.log_tail()  # the engine is busy stepping
+        handle.process.kill()  # SIGKILL: no shutdown message, no atexit
+        handle.process.wait(10)
+        stream.join(30)
+        _wait_all_gone(children, timeout=5)  # the engine noticed its parent is gone
 
 
 def test_many_clients_disconnect_after_the_first_chunk(busy_server):
@@ -73,7 +167,7 @@ def test_many_clients_disconnect_after_the_first_chunk(busy_server):
     hung_up = time.monotonic()
     while not _is_idle(base):
         assert time.monotonic() - hung_up < 20, "requests were not all aborted"
-        time.sleep(0.05)
+        time.sleep(0.02)
     elapsed = time.monotonic() - hung_up
     print(f"all {NUM_DISCONNECTING_CLIENTS} aborted and KV freed {elapsed:.2f} s after hang-up")
     assert elapsed < ABORT_DEADLINE_S
@@ -113,6 +207,7 @@ def test_sigterm_drains_then_exits_zero(model_dir, tmp_path):
     log_path = tmp_path / "drain.log"
     with run_server(model_dir, log_path, "--shutdown-timeout-s", "30") as handle:
         base = handle.base_url
+        children = child_pids(handle.process.pid)
         first_chunk = threading.Event()
         result: dict = {}
 
@@ -142,3 +237,4 @@ def test_sigterm_drains_then_exits_zero(model_dir, tmp_path):
             '"finish_reason":"length"' in line.replace(" ", "") for line in result["lines"]
         )
         assert handle.process.wait(30) == 0, handle.log_tail()
+        _wait_all_gone(children, timeout=5)  # the engine stopped with the server

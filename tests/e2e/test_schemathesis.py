@@ -1,8 +1,8 @@
-"""Property-based API fuzzing with schemathesis: cases generated from the server's OpenAPI
-document for POST /v1/chat/completions and POST /v1/completions, sent to a real running
-server, must never get a 5xx. The server does not publish /openapi.json (openapi_url=None in
-server/app.py), so the document is taken from the same `build_app` in-process. Generation cost
-is bounded by a small --max-model-len (128; large max_tokens is refused with 400)."""
+"""Property-based API fuzzing with schemathesis: the OpenAPI document is fetched from the
+running server's GET /openapi.json (over HTTP, as any client would), and cases generated
+from it for POST /v1/chat/completions and POST /v1/completions are sent to that server:
+none may get a 5xx. Bounded: MAX_EXAMPLES per route and a small --max-model-len (128; a
+large max_tokens is refused with 400)."""
 
 from __future__ import annotations
 
@@ -28,13 +28,18 @@ def fuzz_server(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def api_schema(fuzz_server):
-    from engine.config import EngineConfig
-    from server.app import build_app
-    from server.settings import ServerSettings
+    return schemathesis.openapi.from_url(fuzz_server.base_url + "/openapi.json", timeout=30)
 
-    engine_config = EngineConfig(model=str(fuzz_server.model_dir), served_model_name=MODEL_NAME)
-    document = build_app(ServerSettings(engine=engine_config), None).openapi()
-    return schemathesis.openapi.from_dict(document)
+
+def test_openapi_json_lists_the_generation_routes(fuzz_server):
+    response = httpx.get(fuzz_server.base_url + "/openapi.json", timeout=30)
+    assert response.status_code == 200
+    assert response.headers["content-type"] == "application/json"
+    paths = response.json()["paths"]
+    assert "post" in paths["/v1/chat/completions"] and "post" in paths["/v1/completions"]
+    assert "/openapi.json" not in paths
+    for hidden in ("/docs", "/redoc"):
+        assert httpx.get(fuzz_server.base_url + hidden, timeout=30).status_code == 404
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])

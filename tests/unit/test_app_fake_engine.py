@@ -336,6 +336,8 @@ def test_api_key(model_dir):
         assert client.get("/health").status_code == 200
         assert client.get("/metrics").status_code == 200
         assert client.post("/tokenize", json={"prompt": "x"}).status_code == 401
+        assert client.get("/openapi.json").status_code == 401  # like the routes it lists
+        assert client.get("/openapi.json", headers=headers).status_code == 200
 
 
 def _client_with_key(model_dir, key):

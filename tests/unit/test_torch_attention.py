@@ -10,6 +10,7 @@ import torch
 from engine.attention import get_attention_backend
 from engine.attention.base import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
+from kernels.reference import FP8_DTYPE, dequantize_fp8, quantize_fp8
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 8
 
@@ -24,6 +25,11 @@ def dense_attention(q, k, v, scale):
     visible = torch.arange(seq_len)[None, :] <= torch.arange(q_len)[:, None] + seq_len - q_len
     scores = scores.masked_fill(~visible, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def fp8_round_trip(x):
+    one = torch.ones(1)
+    return dequantize_fp8(quantize_fp8(x, one), one)
 
 
 class Pool:
@@ -54,6 +60,8 @@ class Pool:
             k = torch.randn(n, NUM_KV_HEADS, HEAD_DIM, generator=self.gen)
             v = torch.randn(n, NUM_KV_HEADS, HEAD_DIM, generator=self.gen)
             k_all, v_all = torch.cat([k_old, k]), torch.cat([v_old, v])
+            if self.cache.dtype == FP8_DTYPE:  # what an FP8 cache (scale 1) gives back
+                k_all, v_all = fp8_round_trip(k_all), fp8_round_trip(v_all)
             while len(blocks) * self.block_size < len(k_all):
                 blocks.append(self.free.pop())
             self.history[seq] = (k_all, v_all, blocks)
@@ -78,7 +86,7 @@ class Pool:
             slot_mapping=torch.tensor(slots, dtype=torch.long),
             is_decode_only=all(n == 1 for n in qlens),
         )
-        dtype = self.cache.dtype
+        dtype = torch.float32 if self.cache.dtype == FP8_DTYPE else self.cache.dtype
         out = backend.forward(
             torch.cat(qs).to(dtype),
             torch.cat(ks).to(dtype),
@@ -132,6 +140,63 @@ def test_bfloat16_cache():
     torch.testing.assert_close(out.float(), expected, atol=5e-2, rtol=5e-2)
     out, expected = pool.step([(0, 1), (1, 1)])
     torch.testing.assert_close(out.float(), expected, atol=5e-2, rtol=5e-2)
+
+
+def test_fp8_cache_matches_dense_over_round_tripped_kv():
+    pool = Pool(block_size=4, dtype=FP8_DTYPE)
+    steps = [
+        [(0, 5), (1, 2)],  # fresh prefills: attend over the new K/V round-tripped
+        [(0, 3), (1, 1), (2, 6)],  # chunk over history, a decode, a new sequence
+        [(0, 1), (1, 1), (2, 1)],  # all-decode fast path
+    ]
+    for plan in steps:
+        out, expected = pool.step(plan)
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    k_all, _, blocks = pool.history[2]
+    assert pool.cache.dtype == FP8_DTYPE
+    assert torch.equal(pool.cache[blocks[1], 0, 1].float(), k_all[5])  # stored as x / 1
+
+
+def test_fp8_scales_divide_on_write_and_multiply_on_read():
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(6, h, HEAD_DIM, generator=gen) for h in (NUM_HEADS, 2, 2))
+    k, v = k * 8, v / 8  # scales matched to the magnitudes, as calibration would choose
+    cache = torch.zeros(4, 2, 4, NUM_KV_HEADS, HEAD_DIM, dtype=FP8_DTYPE)
+    meta = AttentionMetadata(
+        num_seqs=1,
+        query_lens=[6],
+        seq_lens=[6],
+        query_start_loc=torch.tensor([0, 6], dtype=torch.int32),
+        seq_lens_tensor=torch.tensor([6], dtype=torch.int32),
+        block_tables=torch.tensor([[3, 1]], dtype=torch.int32),
+        slot_mapping=torch.tensor([12, 13, 14, 15, 4, 5]),
+        is_decode_only=False,
+    )
+    k_scale, v_scale = torch.tensor([2.0]), torch.tensor([0.125])
+    backend = TorchAttentionBackend(k_scale=2.0, v_scale=0.125)
+    out = backend.forward(q, k, v, cache, meta, 0.5)
+    assert torch.equal(cache[1, 0, 1].float(), quantize_fp8(k[5], k_scale).float())
+    assert torch.equal(cache[3, 1, 2].float(), quantize_fp8(v[2], v_scale).float())
+    k_read = dequantize_fp8(quantize_fp8(k, k_scale), k_scale)
+    v_read = dequantize_fp8(quantize_fp8(v, v_scale), v_scale)
+    torch.testing.assert_close(out, dense_attention(q, k_read, v_read, 0.5), atol=1e-5, rtol=1e-5)
+    # A decode over that history reads the same values back from the cache.
+    meta = AttentionMetadata(
+        num_seqs=1,
+        query_lens=[1],
+        seq_lens=[7],
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+        seq_lens_tensor=torch.tensor([7], dtype=torch.int32),
+        block_tables=torch.tensor([[3, 1]], dtype=torch.int32),
+        slot_mapping=torch.tensor([6]),
+        is_decode_only=True,
+    )
+    out = backend.forward(q[:1], k[:1], v[:1], cache, meta, 0.5)
+    k_read, v_read = torch.cat([k_read, k_read[:1]]), torch.cat([v_read, v_read[:1]])
+    torch.testing.assert_close(
+        out, dense_attention(q[:1], k_read, v_read, 0.5), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_factory():
