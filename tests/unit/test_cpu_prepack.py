@@ -52,3 +52,49 @@ def test_prepack_linears_swaps_every_linear_and_keeps_the_rest():
         assert isinstance(model[0], PrepackedLinear) and isinstance(model[2][0], PrepackedLinear)
         assert isinstance(model[1], nn.LayerNorm)
         assert torch.equal(model(x), expected)
+
+
+@needs_bf16
+def test_bf16_engine_output_is_unchanged_by_prepacking(tmp_path, monkeypatch):
+    """The whole bf16 engine (vision tower, decoder, LM head) gives bit-identical greedy
+    tokens and logprobs with and without prepacked linears."""
+    import numpy as np
+    from PIL import Image
+
+    import engine.model_runner as model_runner
+    from engine import LLM, SamplingParams
+    from engine.models.cpu_prepack import PrepackedLinear
+    from engine.tiny_model import make_tiny_model
+
+    model_dir = str(make_tiny_model(tmp_path / "tiny", seed=3, size="tiny"))
+    pixels = (np.arange(84 * 112 * 3).reshape(84, 112, 3) * 7 % 251).astype(np.uint8)
+    image_prompt = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image", "image": Image.fromarray(pixels)},
+                    {"type": "text", "text": "What is this?"},
+                ],
+            }
+        ]
+    }
+    prompts = ["the quick brown fox", image_prompt]
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
+
+    def run() -> tuple[list, list, bool]:
+        llm = LLM(model_dir, dtype="bfloat16", num_kv_blocks=64)
+        results = llm.generate(prompts, greedy)
+        layer = llm.engine.runner.model.model.layers[0]
+        return (
+            [r.token_ids for r in results],
+            [[lp.logprob for lp in r.logprobs] for r in results],
+            isinstance(layer.mlp.gate_up_proj, PrepackedLinear),
+        )
+
+    tokens, logprobs, packed = run()
+    monkeypatch.setattr(model_runner, "can_prepack", lambda device, dtype: False)
+    plain_tokens, plain_logprobs, plain_packed = run()
+    assert packed and not plain_packed
+    assert tokens == plain_tokens
+    assert logprobs == plain_logprobs
