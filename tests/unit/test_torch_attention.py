@@ -158,21 +158,26 @@ def test_fp8_cache_matches_dense_over_round_tripped_kv():
     assert torch.equal(pool.cache[blocks[1], 0, 1].float(), k_all[5])  # stored as x / 1
 
 
+def _one_sequence(query_len: int, seq_len: int, slots: list[int]) -> AttentionMetadata:
+    """One sequence in blocks [3, 1] of a 4-slot-block cache."""
+    return AttentionMetadata(
+        num_seqs=1,
+        query_lens=[query_len],
+        seq_lens=[seq_len],
+        query_start_loc=torch.tensor([0, query_len], dtype=torch.int32),
+        seq_lens_tensor=torch.tensor([seq_len], dtype=torch.int32),
+        block_tables=torch.tensor([[3, 1]], dtype=torch.int32),
+        slot_mapping=torch.tensor(slots),
+        is_decode_only=query_len == 1,
+    )
+
+
 def test_fp8_scales_divide_on_write_and_multiply_on_read():
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(6, h, HEAD_DIM, generator=gen) for h in (NUM_HEADS, 2, 2))
     k, v = k * 8, v / 8  # scales matched to the magnitudes, as calibration would choose
     cache = torch.zeros(4, 2, 4, NUM_KV_HEADS, HEAD_DIM, dtype=FP8_DTYPE)
-    meta = AttentionMetadata(
-        num_seqs=1,
-        query_lens=[6],
-        seq_lens=[6],
-        query_start_loc=torch.tensor([0, 6], dtype=torch.int32),
-        seq_lens_tensor=torch.tensor([6], dtype=torch.int32),
-        block_tables=torch.tensor([[3, 1]], dtype=torch.int32),
-        slot_mapping=torch.tensor([12, 13, 14, 15, 4, 5]),
-        is_decode_only=False,
-    )
+    meta = _one_sequence(query_len=6, seq_len=6, slots=[12, 13, 14, 15, 4, 5])
     k_scale, v_scale = torch.tensor([2.0]), torch.tensor([0.125])
     backend = TorchAttentionBackend(k_scale=2.0, v_scale=0.125)
     out = backend.forward(q, k, v, cache, meta, 0.5)
@@ -182,16 +187,7 @@ def test_fp8_scales_divide_on_write_and_multiply_on_read():
     v_read = dequantize_fp8(quantize_fp8(v, v_scale), v_scale)
     torch.testing.assert_close(out, dense_attention(q, k_read, v_read, 0.5), atol=1e-5, rtol=1e-5)
     # A decode over that history reads the same values back from the cache.
-    meta = AttentionMetadata(
-        num_seqs=1,
-        query_lens=[1],
-        seq_lens=[7],
-        query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
-        seq_lens_tensor=torch.tensor([7], dtype=torch.int32),
-        block_tables=torch.tensor([[3, 1]], dtype=torch.int32),
-        slot_mapping=torch.tensor([6]),
-        is_decode_only=True,
-    )
+    meta = _one_sequence(query_len=1, seq_len=7, slots=[6])
     out = backend.forward(q[:1], k[:1], v[:1], cache, meta, 0.5)
     k_read, v_read = torch.cat([k_read, k_read[:1]]), torch.cat([v_read, v_read[:1]])
     torch.testing.assert_close(
