@@ -31,6 +31,9 @@ class EngineConfig:
     max_encoder_tokens_per_step: int = 16384  # bounds vision-encoder work per step
     split_media: bool = True  # False = a prefill chunk never ends inside a media span
     attention_backend: str = "torch"  # "torch" (reference, CPU/GPU) or "flashinfer" (GPU)
+    enforce_eager: bool = False  # never replay decode steps from CUDA graphs (GPU only)
+    cuda_graph_max_batch_size: int | None = None  # largest captured decode batch; None = max_num_seqs
+    cuda_graph_max_seq_len: int = 8192  # decode steps with a longer history run eagerly
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch default
     seed: int = 0  # engine-wide sampling seed for requests without their own
     feature_fetch_parallel: int = 8  # concurrent feature downloads per request; 1 = serial

@@ -3,7 +3,9 @@
 `step()` is schedule -> execute -> update, and returns one `EngineOutputs` with
 everything the step produced, including requests refused at `add_request` (bad
 input never raises here; it finishes that request with an `ErrorInfo`).
-The server's engine process and the offline `LLM` drive the same loop.
+`step()` = `finish_step(launch_step())`: on a GPU the engine process does host work
+between the two while the device runs. The server's engine process and the offline
+`LLM` drive the same loop.
 """
 
 from __future__ import annotations
@@ -11,13 +13,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from engine.config import EngineConfig
 from engine.errors import ContextLengthExceeded, InvalidRequest, MediaError, TesseraError
 from engine.feature_admission import FeatureAdmission
-from engine.model_runner import ModelRunner, error_info
+from engine.model_runner import ModelRunner, PendingStep, error_info
 from engine.models.mrope import mrope_positions
 from engine.protocol import (
     EngineOutputs,
@@ -31,9 +34,20 @@ from engine.protocol import (
     RequestOutput,
 )
 from engine.request import MediaItem, Request
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class InFlightStep:
+    """A launched step: what was scheduled, its queued device work, and the outputs
+    (refusals, aborts, fetch failures) that go out with it."""
+
+    started: float  # perf_counter at launch
+    scheduler_output: SchedulerOutput
+    pending: PendingStep | None  # None: nothing ran (empty step, or it failed at launch)
+    outputs: list[RequestOutput]
 
 
 class EngineCore:
@@ -95,25 +109,44 @@ class EngineCore:
             or self.features.num_fetching > 0
         )
 
+    @property
+    def overlaps_steps(self) -> bool:
+        """True when `launch_step` returns before the device has finished (CUDA): the
+        caller can do host work — read its inbox, add requests — until `finish_step`."""
+        return self.runner.device.type == "cuda"
+
     def step(self) -> EngineOutputs:
+        return self.finish_step(self.launch_step())
+
+    def launch_step(self) -> InFlightStep:
+        """Schedules a step and queues its device work. Until `finish_step`, requests may
+        be added and aborted (an aborted request's tokens from this step are dropped)."""
         started = time.perf_counter()
-        self._pending += self.features.admit_finished()  # never waits on the network
-        outputs, self._pending = self._pending, []
+        outputs = self.features.admit_finished()  # never waits on the network
+        outputs, self._pending = self._pending + outputs, []
         scheduler_output = self.scheduler.schedule()
-        encoder_seconds, num_items, num_batches = 0.0, 0, 0
+        pending = None
         if not scheduler_output.is_empty:
             try:
-                result = self.runner.execute(scheduler_output)
+                pending = self.runner.launch(scheduler_output)
             except Exception:  # noqa: BLE001 - fail this step's requests, keep serving
                 logger.exception("model step failed")
-                failure = error_info(RuntimeError())
-                for chunk in scheduler_output.chunks:
-                    output = self.scheduler.fail(chunk.request.request_id, failure)
-                    if output is not None:
-                        outputs.append(output)
+                outputs += self._fail_step(scheduler_output)
+        return InFlightStep(started, scheduler_output, pending, outputs)
+
+    def finish_step(self, step: InFlightStep) -> EngineOutputs:
+        """Waits for the step's sampled tokens and applies them."""
+        outputs = step.outputs
+        encoder_seconds, num_items, num_batches = 0.0, 0, 0
+        if step.pending is not None:
+            try:
+                result = step.pending.result()
+            except Exception:  # noqa: BLE001 - e.g. a device error surfacing at the sync
+                logger.exception("model step failed")
+                outputs += self._fail_step(step.scheduler_output)
             else:
                 outputs += self.scheduler.update(
-                    scheduler_output, result.sampled_token_ids, result.logprobs, result.errors
+                    step.scheduler_output, result.sampled_token_ids, result.logprobs, result.errors
                 )
                 encoder_seconds = result.encoder_seconds
                 num_items, num_batches = result.num_encoder_items, result.num_encoder_batches
@@ -124,8 +157,8 @@ class EngineCore:
             num_fetching=self.features.num_fetching,
             kv_cache_usage=self.scheduler.kv.usage,
             num_preemptions_total=counters.num_preemptions,
-            num_scheduled_tokens=scheduler_output.num_scheduled_tokens,
-            step_seconds=time.perf_counter() - started,
+            num_scheduled_tokens=step.scheduler_output.num_scheduled_tokens,
+            step_seconds=time.perf_counter() - step.started,
             vision_encoder_seconds=encoder_seconds,
             vision_encoder_items_total=num_items,
             vision_encoder_batches_total=num_batches,
@@ -136,6 +169,15 @@ class EngineCore:
             **self.features.stats_fields(),
         )
         return EngineOutputs(outputs, stats)
+
+    def _fail_step(self, scheduler_output: SchedulerOutput) -> list[RequestOutput]:
+        failure = error_info(RuntimeError())
+        outputs = []
+        for chunk in scheduler_output.chunks:
+            output = self.scheduler.fail(chunk.request.request_id, failure)
+            if output is not None:
+                outputs.append(output)
+        return outputs
 
     def _refuse(self, request: EngineRequest, error: ErrorInfo) -> None:
         self._pending.append(

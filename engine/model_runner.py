@@ -1,29 +1,35 @@
 """Owns the model, the KV cache tensors and the encoder outputs; runs one step.
 
-`execute(SchedulerOutput)`:
+`launch(SchedulerOutput)` queues a step's device work and returns at once:
     1. drop evicted encoder outputs; encode this step's new media in ONE batched
        call across requests, split the rows per item, store them by content hash;
-    2. build the flat batch: token ids, M-RoPE positions [3, T], slot mapping,
-       block tables, query start locations, and the encoder rows each chunk covers;
-    3. forward, logits of the last row of every sequence that samples, sample.
-A media item that fails to encode fails only the requests that need it.
+    2. gather the flat batch on the host (engine/step_inputs.py) and move it to the
+       device without stalling (engine/device_io.py);
+    3. forward (a CUDA graph replay for decode steps on a GPU, engine/cuda_graphs.py),
+       logits of the last row of every sequence that samples, sample.
+`PendingStep.result()` then waits for the sampled tokens: the step's one host sync.
+`execute` is both at once. A media item that fails to encode fails only the requests
+that need it.
+
+KV caches hold `num_kv_blocks + 1` blocks: the last is the scratch block that padding
+rows of CUDA-graph steps write into; the scheduler never hands it out.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 import math
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from engine.attention import get_attention_backend
-from engine.attention.base import AttentionMetadata
+from engine.attention import check_attention_backend, get_attention_backend
+from engine.attention.base import AttentionMetadata, AttentionShape
 from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphRunner, DecodeInputs
+from engine.device_io import DeviceTimer, to_device
 from engine.encoder_cache import EncoderCache
 from engine.errors import MediaError, TesseraError
 from engine.model_config import ModelConfig
@@ -31,8 +37,9 @@ from engine.models.cpu_prepack import can_prepack, prepack_linears
 from engine.models.loader import load_model
 from engine.protocol import ErrorInfo, TokenLogprob
 from engine.request import MediaItem
-from engine.sampler import Sampler, SamplingRow
+from engine.sampler import PendingSample, Sampler, SamplingRow
 from engine.scheduler import ScheduledChunk, SchedulerOutput
+from engine.step_inputs import StepInputs, gather_step_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +55,39 @@ class ModelRunnerOutput:
     encoder_seconds: float = 0.0
     num_encoder_items: int = 0
     num_encoder_batches: int = 0
+
+
+@dataclass(frozen=True)
+class PendingStep:
+    """A step whose device work is queued. `result()` waits for its sampled tokens."""
+
+    sample: PendingSample | None
+    sampled_request_ids: list[str]  # row order of `sample`
+    errors: dict[str, ErrorInfo]
+    encoder_timer: DeviceTimer | None
+    num_encoder_items: int
+    num_encoder_batches: int
+
+    def result(self) -> ModelRunnerOutput:
+        sampled: dict[str, int] = {}
+        logprobs: dict[str, TokenLogprob] = {}
+        if self.sample is not None:
+            output = self.sample.result()  # the step's one host sync
+            for request_id, token_id, token_logprob in zip(
+                self.sampled_request_ids, output.token_ids, output.logprobs, strict=True
+            ):
+                sampled[request_id] = token_id
+                if token_logprob is not None:
+                    logprobs[request_id] = token_logprob
+        encoder_seconds = self.encoder_timer.seconds() if self.encoder_timer else 0.0
+        return ModelRunnerOutput(
+            sampled,
+            logprobs,
+            self.errors,
+            encoder_seconds,
+            self.num_encoder_items,
+            self.num_encoder_batches,
+        )
 
 
 def resolve_device(name: str) -> torch.device:
@@ -107,18 +147,22 @@ class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = resolve_device(config.device)
-        checkpoint_dtype = ModelConfig.from_model_dir(config.model).torch_dtype
-        self.dtype = resolve_dtype(config.dtype, self.device, checkpoint_dtype)
+        model_config = ModelConfig.from_model_dir(config.model)
+        self.dtype = resolve_dtype(config.dtype, self.device, model_config.torch_dtype)
+        check_attention_backend(config.attention_backend, self.device, self.dtype)
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
         self.kv_cache_dtype = resolve_kv_cache_dtype(
             config.kv_cache_dtype, self.dtype, config.kv_cache_scale
         )
-        attention = get_attention_backend(
-            config.attention_backend, config.kv_cache_scale, config.kv_cache_scale
+        self.attention = get_attention_backend(
+            config.attention_backend,
+            self._attention_shape(model_config),
+            config.kv_cache_scale,
+            config.kv_cache_scale,
         )
         self.model = load_model(
-            config.model, dtype=self.dtype, device=self.device, attention=attention
+            config.model, dtype=self.dtype, device=self.device, attention=self.attention
         )
         if can_prepack(self.device, self.dtype):
             prepack_linears(self.model)
@@ -127,17 +171,49 @@ class ModelRunner:
         self.block_size = config.block_size
         self.num_kv_blocks = self._num_kv_blocks()
         mc = self.model_config
-        shape = (self.num_kv_blocks, 2, self.block_size, mc.num_key_value_heads, mc.head_dim)
+        shape = (self.num_kv_blocks + 1, 2, self.block_size, mc.num_key_value_heads, mc.head_dim)
         # Zeros, not empty: a backend may gather whole blocks and mask the tail, and
         # masked garbage (NaN/inf) would still poison the weighted sum.
         self.kv_caches = [
-            torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)  # [N, 2, B, Hkv, D]
+            torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)  # [N+1, 2, B, Hkv, D]
             for _ in range(mc.num_hidden_layers)
         ]
         self.encoder_cache = EncoderCache()
         self.sampler = Sampler(config.seed)
+        self.decode_graphs: DecodeGraphRunner | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.enable_decode_graphs(use_cuda_graphs=True)
+
+    def _attention_shape(self, model_config: ModelConfig) -> AttentionShape:
+        return AttentionShape(
+            num_heads=model_config.num_attention_heads,
+            num_kv_heads=model_config.num_key_value_heads,
+            head_dim=model_config.head_dim,
+            block_size=self.config.block_size,
+            scale=model_config.head_dim**-0.5,
+            dtype=self.dtype,
+            kv_cache_dtype=self.kv_cache_dtype,
+        )
+
+    def enable_decode_graphs(self, *, use_cuda_graphs: bool) -> None:
+        """Captures the decode graphs (`use_cuda_graphs=False`: runs the same padded,
+        static-buffer path eagerly; for tests on CPU)."""
+        graphs = DecodeGraphRunner(
+            self.model,
+            self.kv_caches,
+            self.attention,
+            max_batch_size=self.config.cuda_graph_max_batch_size or self.config.max_num_seqs,
+            max_seq_len=min(self.config.cuda_graph_max_seq_len, self.max_model_len),
+            block_size=self.block_size,
+            scratch_block=self.num_kv_blocks,
+            use_cuda_graphs=use_cuda_graphs,
+        )
+        with torch.inference_mode():
+            graphs.capture()
+        self.decode_graphs = graphs
 
     def _num_kv_blocks(self) -> int:
+        """Blocks for the scheduler; the memory budget also pays for the scratch block."""
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         mc = self.model_config
@@ -150,52 +226,61 @@ class ModelRunner:
             * dtype_bytes
             * mc.num_hidden_layers
         )
-        by_memory = int(self.config.kv_cache_memory_gib * 2**30) // block_bytes
+        by_memory = int(self.config.kv_cache_memory_gib * 2**30) // block_bytes - 1
         # More than every sequence at full length can never be used.
         useful = -(-self.config.max_num_seqs * self.max_model_len // self.block_size)
         return max(1, min(by_memory, useful))
 
-    @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.launch(scheduler_output).result()
+
+    @torch.inference_mode()
+    def launch(self, scheduler_output: SchedulerOutput) -> PendingStep:
+        """Queues the step's device work; the host does not wait for any of it."""
         self.encoder_cache.drop(scheduler_output.evicted_encoder_hashes)
-        start = time.perf_counter()
+        encoder_timer = None
+        if scheduler_output.media_to_encode:
+            encoder_timer = DeviceTimer(self.device)
+            encoder_timer.start()
         failed_hashes, num_batches = self._encode(scheduler_output.media_to_encode)
-        encoder_seconds = time.perf_counter() - start if scheduler_output.media_to_encode else 0.0
+        if encoder_timer is not None:
+            encoder_timer.stop()
         errors: dict[str, ErrorInfo] = {}
         chunks = []
         for chunk in scheduler_output.chunks:
-            needed = chunk.request.media_overlapping(chunk.start, chunk.end)
-            failure = next(
-                (failed_hashes[m.content_hash] for m in needed if m.content_hash in failed_hashes),
-                None,
-            )
-            if failure is None:
-                missing = next(
-                    (m for m in needed if m.content_hash not in self.encoder_cache), None
-                )
-                if missing is not None:
-                    failure = error_info(
-                        MediaError(
-                            f"{missing.modality} at {missing.offset} "
-                            "has no pixels and no cached encoding"
-                        )
-                    )
+            failure = self._media_failure(chunk, failed_hashes)
             if failure is not None:
                 errors[chunk.request.request_id] = failure
             else:
                 chunks.append(chunk)
-        sampled: dict[str, int] = {}
-        logprobs: dict[str, TokenLogprob] = {}
+        sample, request_ids = None, []
         if chunks:
-            sampled, logprobs = self._run(chunks)
-        return ModelRunnerOutput(
-            sampled,
-            logprobs,
+            sample, request_ids = self._run(chunks)
+        return PendingStep(
+            sample,
+            request_ids,
             errors,
-            encoder_seconds,
+            encoder_timer,
             len(scheduler_output.media_to_encode),
             num_batches,
         )
+
+    def _media_failure(
+        self, chunk: ScheduledChunk, failed_hashes: dict[str, ErrorInfo]
+    ) -> ErrorInfo | None:
+        """Why `chunk` cannot run: one of its media failed to encode or has no encoding."""
+        needed = chunk.request.media_overlapping(chunk.start, chunk.end)
+        for media in needed:
+            if media.content_hash in failed_hashes:
+                return failed_hashes[media.content_hash]
+        for media in needed:
+            if media.content_hash not in self.encoder_cache:
+                return error_info(
+                    MediaError(
+                        f"{media.modality} at {media.offset} has no pixels and no cached encoding"
+                    )
+                )
+        return None
 
     def _encode(self, items: list[MediaItem]) -> tuple[dict[str, ErrorInfo], int]:
         """Encodes `items` in one batched call (per item on failure, to find the culprit)."""
@@ -206,7 +291,7 @@ class ModelRunner:
         for item in items:
             if item.embeds is not None:  # fetched features: the "encoder" is the request's copy
                 self.encoder_cache.put(
-                    item.content_hash, item.embeds.to(device=self.device, dtype=self.dtype)
+                    item.content_hash, to_device(item.embeds, self.dtype, self.device)
                 )  # [num_tokens, hidden]
             elif item.pixel_values is None:
                 failed[item.content_hash] = error_info(
@@ -235,12 +320,10 @@ class ModelRunner:
         return failed, 1 + len(ready)
 
     def _encode_batch(self, items: list[MediaItem]) -> None:
-        pixel_values = torch.cat([item.pixel_values for item in items]).to(
-            device=self.device, dtype=self.dtype
+        pixel_values = to_device(
+            torch.cat([item.pixel_values for item in items]), self.dtype, self.device
         )  # [P, C * T_patch * patch * patch]
-        grid_thw = torch.tensor(
-            [item.grid_thw for item in items], dtype=torch.long, device=self.device
-        )  # [N, 3]
+        grid_thw = torch.tensor([item.grid_thw for item in items], dtype=torch.long)  # [N, 3]
         rows = self.model.encode_images(pixel_values, grid_thw)  # [sum tokens, hidden]
         merge = self.model_config.vision.spatial_merge_size
         counts = [t * h * w // merge**2 for t, h, w in (item.grid_thw for item in items)]
@@ -258,78 +341,18 @@ class ModelRunner:
         for item, item_rows in zip(items, rows.split(counts), strict=True):
             self.encoder_cache.put(item.content_hash, item_rows)
 
-    def _run(self, chunks: list[ScheduledChunk]) -> tuple[dict[str, int], dict[str, TokenLogprob]]:
-        input_ids: list[int] = []
-        positions: list[torch.Tensor] = []  # each [3, n]: prompt slices
-        decode_rows: list[int] = []  # flat positions of tokens past the prompt (same in 3 rows)
-        decode_values: list[int] = []
-        slot_mapping: list[int] = []
-        embeds: list[torch.Tensor] = []  # each [rows, hidden]
-        mask_rows: list[int] = []
-        query_lens, seq_lens = [], []
-        size = self.block_size
-        for chunk in chunks:
-            request = chunk.request
-            base = len(input_ids)
-            input_ids += request.token_ids_between(chunk.start, chunk.end)
-            num_prompt = request.num_prompt_tokens
-            if chunk.start < num_prompt:
-                prompt_end = min(chunk.end, num_prompt)
-                positions.append((base, request.positions[:, chunk.start : prompt_end]))
-            for index in range(max(chunk.start, num_prompt), chunk.end):
-                decode_rows.append(base + index - chunk.start)
-                decode_values.append(index + request.rope_delta)
-            block_ids = request.block_ids
-            slot_mapping += [
-                block_ids[i // size] * size + i % size for i in range(chunk.start, chunk.end)
-            ]
-            for media in request.media_overlapping(chunk.start, chunk.end):
-                lo, hi = max(chunk.start, media.offset), min(chunk.end, media.end)
-                rows = self.encoder_cache.get(media.content_hash)
-                embeds.append(rows[lo - media.offset : hi - media.offset])
-                mask_rows.extend(range(base + lo - chunk.start, base + hi - chunk.start))
-            query_lens.append(chunk.num_tokens)
-            seq_lens.append(chunk.end)
-        device = self.device
-        num_tokens = len(input_ids)
-        width = max(len(chunk.request.block_ids) for chunk in chunks)
-        block_tables = torch.tensor(
-            [ids + [0] * (width - len(ids)) for ids in (c.request.block_ids for c in chunks)],
-            dtype=torch.int32,
-        )  # [S, max_blocks]
-        query_ends = list(itertools.accumulate(query_lens))  # host copy of query_start_loc[1:]
-        query_start_loc = torch.tensor([0, *query_ends], dtype=torch.int32)  # [S + 1]
-        metadata = AttentionMetadata(
-            num_seqs=len(chunks),
-            query_lens=query_lens,
-            seq_lens=seq_lens,
-            query_start_loc=query_start_loc.to(device),
-            seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32).to(device),
-            block_tables=block_tables.to(device),
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long).to(device),
-            is_decode_only=all(n == 1 for n in query_lens),
-        )
-        multimodal_embeds = multimodal_mask = None
-        if embeds:
-            multimodal_embeds = torch.cat(embeds)  # [M, hidden]
-            multimodal_mask = torch.zeros(num_tokens, dtype=torch.bool)
-            multimodal_mask[mask_rows] = True
-            multimodal_mask = multimodal_mask.to(device)  # [T]
-        hidden = self.model.forward(
-            torch.tensor(input_ids, dtype=torch.long).to(device),  # [T]
-            self._flat_positions(num_tokens, positions, decode_rows, decode_values).to(device),
-            self.kv_caches,
-            metadata,
-            multimodal_embeds,
-            multimodal_mask,
-        )  # [T, hidden]
+    def _run(self, chunks: list[ScheduledChunk]) -> tuple[PendingSample | None, list[str]]:
+        inputs = gather_step_inputs(chunks, self.block_size, self.encoder_cache)
+        hidden = self._forward(inputs)  # [T, hidden]
         sampling = [(row, chunk) for row, chunk in enumerate(chunks) if chunk.samples]
         if not sampling:
-            return {}, {}
-        if len(sampling) == num_tokens:  # every row is the last of a sampling sequence
-            last_hidden = hidden  # [S, hidden]
+            return None, []
+        if len(sampling) == inputs.num_tokens:  # every row is the last of a sampling sequence
+            last_hidden = hidden[: len(sampling)]  # [S, hidden]
         else:
-            last_rows = torch.tensor([query_ends[row] - 1 for row, _ in sampling], device=device)
+            query_ends = inputs.query_ends
+            last_rows = to_device([query_ends[row] - 1 for row, _ in sampling], torch.long,
+                                  self.device)  # fmt: skip
             last_hidden = hidden.index_select(0, last_rows)  # [S, hidden]
         logits = self.model.compute_logits(last_hidden)  # [S, vocab] float32
         rows = [
@@ -341,28 +364,47 @@ class ModelRunner:
             )
             for _, chunk in sampling
         ]
-        result = self.sampler(logits, rows)
-        sampled, logprobs = {}, {}
-        for (_, chunk), token_id, token_logprob in zip(
-            sampling, result.token_ids, result.logprobs, strict=True
-        ):
-            sampled[chunk.request.request_id] = token_id
-            if token_logprob is not None:
-                logprobs[chunk.request.request_id] = token_logprob
-        return sampled, logprobs
+        return self.sampler.sample(logits, rows), [c.request.request_id for _, c in sampling]
 
-    @staticmethod
-    def _flat_positions(
-        num_tokens: int,
-        prompt_slices: list[tuple[int, torch.Tensor]],
-        decode_rows: list[int],
-        decode_values: list[int],
-    ) -> torch.Tensor:  # [3, T] int64
-        """Prompt tokens take their precomputed M-RoPE positions; later tokens sit at
-        `index + rope_delta` in all three rows."""
-        positions = torch.empty(3, num_tokens, dtype=torch.long)
-        for base, piece in prompt_slices:  # piece [3, n]
-            positions[:, base : base + piece.shape[1]] = piece
-        if decode_rows:
-            positions[:, decode_rows] = torch.tensor(decode_values, dtype=torch.long)
-        return positions
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:  # [T, hidden]
+        graphs = self.decode_graphs
+        if (
+            graphs is not None
+            and inputs.is_decode_only
+            and not inputs.multimodal_rows
+            and graphs.can_run(len(inputs.seq_lens), max(inputs.seq_lens))
+        ):
+            return graphs.run(
+                DecodeInputs(
+                    inputs.input_ids,
+                    inputs.positions,
+                    inputs.slot_mapping,
+                    inputs.block_tables,
+                    inputs.seq_lens,
+                )
+            )
+        device = self.device
+        width = max(len(ids) for ids in inputs.block_tables)
+        block_tables = [ids + [0] * (width - len(ids)) for ids in inputs.block_tables]
+        metadata = AttentionMetadata(
+            num_seqs=len(inputs.query_lens),
+            query_lens=inputs.query_lens,
+            seq_lens=inputs.seq_lens,
+            query_start_loc=to_device([0, *inputs.query_ends], torch.int32, device),
+            seq_lens_tensor=to_device(inputs.seq_lens, torch.int32, device),
+            block_tables=to_device(block_tables, torch.int32, device),  # [S, max_blocks]
+            slot_mapping=to_device(inputs.slot_mapping, torch.long, device),
+            is_decode_only=inputs.is_decode_only,
+        )
+        multimodal_embeds = multimodal_rows = None
+        if inputs.multimodal_rows:
+            multimodal_embeds = torch.cat(inputs.multimodal_embeds)  # [M, hidden]
+            multimodal_rows = to_device(inputs.multimodal_rows, torch.long, device)  # [M]
+        return self.model.forward(
+            to_device(inputs.input_ids, torch.long, device),  # [T]
+            to_device(inputs.positions, torch.long, device),  # [3, T]
+            self.kv_caches,
+            metadata,
+            multimodal_embeds,
+            multimodal_rows,
+        )

@@ -8,6 +8,9 @@ temp dir, or `tcp://HOST:PORT`) and starts this process with multiprocessing "sp
 
     drain inbox (blocking poll only when idle) -> add / abort -> step() -> send outputs
 
+On a GPU (`core.overlaps_steps`), step() is split: launch_step() queues the device work,
+the inbox is drained while it runs, finish_step() waits for the sampled tokens.
+
 It exits 0 on `Shutdown`, exits by itself when its parent (the server) is gone, and on an
 unrecoverable error sends `EngineFailed` and exits non-zero so the server fails too.
 Undecodable inbox messages are logged and dropped; the engine lives on.
@@ -138,12 +141,21 @@ class EngineLoop:
                 logger.error("server process %d is gone; engine exiting", self.parent_pid)
                 return EXIT_PARENT_GONE
             if self.core.has_unfinished_requests():
-                result = self.core.step()
+                result = self._step()
                 self._publish(result)
                 if not result.outputs and result.stats.num_scheduled_tokens == 0:
                     self._drain_inbox(STALLED_POLL_MS)  # waiting on fetches: do not spin hot
             elif self.refused:
                 self._publish(EngineOutputs([], self.last_stats or EngineStats()))
+
+    def _step(self) -> EngineOutputs:
+        if not self.core.overlaps_steps:
+            return self.core.step()
+        in_flight = self.core.launch_step()
+        # While the device runs the step: admit new requests and aborts, so the host work
+        # of building them is off the step's critical path.
+        self._drain_inbox(0)
+        return self.core.finish_step(in_flight)
 
     def _drain_inbox(self, timeout_ms: int) -> None:
         """Handle every queued message; wait up to `timeout_ms` for the first one."""

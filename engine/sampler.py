@@ -8,7 +8,8 @@ Order of operations per row (as HF / OpenAI define them):
                -> random rows: / temperature -> top-k -> top-p -> min-p -> softmax
                   -> exponential race: argmax(probs / E), E ~ Exp(1)
 Rows with a seed draw E from their request's own generator, so their tokens do
-not depend on what else is in the batch. One host sync per step.
+not depend on what else is in the batch. `sample()` only queues device work; the one
+host sync of a step is `PendingSample.result()`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.device_io import to_device
 from engine.protocol import SamplingParams, TokenLogprob
 
 
@@ -36,6 +38,33 @@ class SamplerOutput:
     logprobs: list[TokenLogprob | None]
 
 
+@dataclass(frozen=True)
+class PendingSample:
+    """One step's samples, still on the device. `result()` reads them back: the step's one
+    host sync (everything before it is queued without waiting)."""
+
+    packed: torch.Tensor  # [S, 1 + (1 + 2 * num_top if logprobs)] float64 (int64 if not)
+    params: list[SamplingParams]
+    num_top: int  # top-logprob columns in `packed`
+
+    def result(self) -> SamplerOutput:
+        host = self.packed.tolist()  # float64 keeps token ids exact
+        params = self.params
+        if self.packed.dtype != torch.float64:  # no row asked for logprobs
+            return SamplerOutput([int(row[0]) for row in host], [None] * len(params))
+        token_ids, logprobs = [], []
+        width = self.num_top
+        for row, param in zip(host, params, strict=True):
+            token_ids.append(int(row[0]))
+            if param.logprobs is None:
+                logprobs.append(None)
+                continue
+            n = min(param.logprobs, width)
+            top = [(int(row[2 + i]), row[2 + width + i]) for i in range(n)]
+            logprobs.append(TokenLogprob(int(row[0]), row[1], top))
+        return SamplerOutput(token_ids, logprobs)
+
+
 class Sampler:
     """Samples one token per row of a [S, V] float32 logits tensor."""
 
@@ -49,61 +78,52 @@ class Sampler:
         return self._generators[device]
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        return self.sample(logits, rows).result()
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> PendingSample:
+        """Queues the sampling of every row; no host sync."""
         # logits [S, V] float32
-        num_rows, vocab = logits.shape
+        vocab = logits.shape[1]
         device = logits.device
         params = [row.params for row in rows]
-        num_top = max((p.logprobs or 0) for p in params)
+        num_top = min(max((p.logprobs or 0) for p in params), vocab)
         wants_logprobs = any(p.logprobs is not None for p in params)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None  # [S, V]
 
         logits = apply_penalties(logits, rows)
         sampled = logits.argmax(dim=-1)  # [S]
         if not all(p.is_greedy for p in params):
-            greedy = torch.tensor([p.is_greedy for p in params], device=device)  # [S]
+            greedy = to_device([p.is_greedy for p in params], torch.bool, device)  # [S]
             random_ids = self._sample_random(logits, rows)  # [S]
             sampled = torch.where(greedy, sampled, random_ids)
 
         if raw_logprobs is None:
-            return SamplerOutput(sampled.tolist(), [None] * num_rows)
+            return PendingSample(sampled.unsqueeze(1), params, 0)
         chosen = raw_logprobs.gather(1, sampled.unsqueeze(1))  # [S, 1]
         packed = [sampled.unsqueeze(1).double(), chosen.double()]
         if num_top > 0:
-            top_values, top_ids = raw_logprobs.topk(min(num_top, vocab), dim=-1)  # [S, N]
+            top_values, top_ids = raw_logprobs.topk(num_top, dim=-1)  # [S, N]
             packed += [top_ids.double(), top_values.double()]
-        host = torch.cat(packed, dim=1).tolist()  # the one host sync; float64 keeps ids exact
-        token_ids, logprobs = [], []
-        width = min(num_top, vocab)
-        for row, param in zip(host, params, strict=True):
-            token_ids.append(int(row[0]))
-            if param.logprobs is None:
-                logprobs.append(None)
-                continue
-            n = min(param.logprobs, vocab)
-            top = [(int(row[2 + i]), row[2 + width + i]) for i in range(n)]
-            logprobs.append(TokenLogprob(int(row[0]), row[1], top))
-        return SamplerOutput(token_ids, logprobs)
+        return PendingSample(torch.cat(packed, dim=1), params, num_top)
 
     def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         device = logits.device
         params = [row.params for row in rows]
-        temperature = torch.tensor(
-            [p.temperature if p.temperature > 0 else 1.0 for p in params],
-            device=device,
-            dtype=logits.dtype,
+        temperature = to_device(
+            [p.temperature if p.temperature > 0 else 1.0 for p in params], logits.dtype, device
         )
         logits = logits / temperature.unsqueeze(1)  # [S, V]
         logits = apply_top_k_top_p(logits, params)
         probs = torch.softmax(logits, dim=-1)  # [S, V]
         min_p = [p.min_p for p in params]
         if any(m > 0 for m in min_p):
-            threshold = torch.tensor(min_p, device=device).unsqueeze(1) * probs.amax(-1, True)
+            threshold = to_device(min_p, probs.dtype, device).unsqueeze(1) * probs.amax(-1, True)
             probs = probs.masked_fill(probs < threshold, 0.0)
         noise = torch.empty_like(probs).exponential_(generator=self._generator(device))  # [S, V]
         for index, row in enumerate(rows):
             if row.generator is not None and not row.params.is_greedy:
                 own = torch.empty(probs.shape[1]).exponential_(generator=row.generator)  # [V]
-                noise[index] = own.to(device)
+                noise[index] = to_device(own, noise.dtype, device)
         return (probs / noise).argmax(dim=-1)  # [S]
 
 
@@ -126,13 +146,13 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
         seen = torch.zeros(num_rows, vocab + 1, dtype=torch.bool, device=device)
         seen.scatter_(1, prompts, True)
         seen = seen[:, :vocab] | (output_counts > 0)  # [S, V]
-        penalty = torch.tensor([p.repetition_penalty for p in params], device=device)
+        penalty = to_device([p.repetition_penalty for p in params], logits.dtype, device)
         penalty = penalty.unsqueeze(1).expand_as(logits)
         penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
         logits = torch.where(seen, penalized, logits)
     if has_additive:
-        presence = torch.tensor([p.presence_penalty for p in params], device=device)
-        frequency = torch.tensor([p.frequency_penalty for p in params], device=device)
+        presence = to_device([p.presence_penalty for p in params], logits.dtype, device)
+        frequency = to_device([p.frequency_penalty for p in params], logits.dtype, device)
         logits -= frequency.unsqueeze(1) * output_counts
         logits -= presence.unsqueeze(1) * (output_counts > 0).to(logits.dtype)
     return logits
@@ -149,11 +169,11 @@ def apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> tor
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # [S, V]
     remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
     if use_top_k:
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+        top_k = to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.long, device)
         ranks = torch.arange(vocab, device=device).unsqueeze(0)  # [1, V]
         remove |= ranks >= top_k.unsqueeze(1)
     if use_top_p:
-        top_p = torch.tensor([p.top_p for p in params], device=device, dtype=logits.dtype)
+        top_p = to_device([p.top_p for p in params], logits.dtype, device)
         probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs  # [S, V] mass of better tokens
         remove |= mass_before >= top_p.unsqueeze(1)
@@ -169,4 +189,4 @@ def _padded(lists: list[list[int]], pad: int, device: torch.device) -> torch.Ten
     for index, ids in enumerate(lists):
         if ids:
             out[index, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-    return out.to(device)
+    return to_device(out, torch.long, device)

@@ -19,7 +19,10 @@ history L and Q queries sees keys 0 .. L - Q + r), the same as the torch backend
 `build_paged_kv_plan` turns the host-side lists into these arrays without touching the
 device; `gather_page_indices` picks the block ids out of the device block table with one
 index (no host sync). `FlashInferWrappers` owns the workspace and the prefill/decode
-wrappers: `plan()` once per step, `run()` once per layer. FlashInfer is optional
+wrappers: `plan()` once per step, `run()` once per layer. `GraphDecodeWrapper` is the
+decode wrapper of one fixed batch size in FlashInfer's CUDA-graph mode: its page table
+lives in buffers at fixed addresses that `plan()` rewrites on the host before every replay,
+and the `run()` captured in a graph reads them. FlashInfer is optional
 (`pip install tessera[gpu]`) and imported only when `FlashInferWrappers` is built.
 This module never imports `engine/`.
 """
@@ -49,14 +52,26 @@ class PagedKVPlan:
     def num_seqs(self) -> int:
         return self.kv_last_page_len.shape[0]
 
+    def pinned(self) -> PagedKVPlan:
+        return PagedKVPlan(
+            qo_indptr=self.qo_indptr.pin_memory(),
+            kv_indptr=self.kv_indptr.pin_memory(),
+            kv_last_page_len=self.kv_last_page_len.pin_memory(),
+            block_table_index=self.block_table_index.pin_memory(),
+            is_decode_only=self.is_decode_only,
+        )
+
 
 def build_paged_kv_plan(
     query_lens: list[int],
     seq_lens: list[int],
     block_size: int,
     block_table_width: int,
+    *,
+    pin_memory: bool = False,
 ) -> PagedKVPlan:
-    """CSR arrays for sequences with these query lengths and histories (host lists)."""
+    """CSR arrays for sequences with these query lengths and histories (host lists).
+    `pin_memory`: stage them in pinned memory, so copies to the GPU never stall the host."""
     if len(query_lens) != len(seq_lens):
         raise ValueError(f"{len(query_lens)} query lengths but {len(seq_lens)} sequence lengths")
     if block_size < 1:
@@ -83,13 +98,14 @@ def build_paged_kv_plan(
         ]
         or [torch.zeros(0, dtype=torch.int64)]
     )
-    return PagedKVPlan(
+    plan = PagedKVPlan(
         qo_indptr=qo_indptr,
         kv_indptr=kv_indptr,
         kv_last_page_len=torch.tensor(last_page_len, dtype=torch.int32),
         block_table_index=block_table_index,
         is_decode_only=all(query_len == 1 for query_len in query_lens),
     )
+    return plan.pinned() if pin_memory else plan
 
 
 def gather_page_indices(
@@ -109,6 +125,86 @@ def import_flashinfer() -> Any:
         raise ImportError(
             "flashinfer is not installed; install the GPU extra: pip install 'tessera[gpu]'"
         ) from exc
+
+
+@dataclass(frozen=True)
+class PlanGeometry:
+    """Everything a plan needs besides the page table; fixed for a model."""
+
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    scale: float  # softmax scale
+    q_dtype: torch.dtype
+    kv_dtype: torch.dtype
+
+    @property
+    def use_tensor_cores(self) -> bool:
+        # Tensor cores pay off once several query heads share a KV head (GQA).
+        return self.num_qo_heads > self.num_kv_heads
+
+
+def _plan_decode(
+    wrapper: Any, plan: PagedKVPlan, kv_indices: torch.Tensor, geometry: PlanGeometry
+) -> None:
+    wrapper.plan(
+        plan.kv_indptr,
+        kv_indices,
+        plan.kv_last_page_len,
+        geometry.num_qo_heads,
+        geometry.num_kv_heads,
+        geometry.head_dim,
+        geometry.block_size,
+        pos_encoding_mode="NONE",  # RoPE / M-RoPE is applied before the cache write
+        q_data_type=geometry.q_dtype,
+        kv_data_type=geometry.kv_dtype,
+        sm_scale=geometry.scale,
+    )
+
+
+class GraphDecodeWrapper:
+    """FlashInfer's decode wrapper in CUDA-graph mode for one batch size.
+
+    The page table (indptr [B + 1], indices [max_pages], last_page_len [B]) lives in
+    buffers allocated here, at addresses a captured graph keeps. `plan()` runs on the host
+    before every warm-up, capture and replay: it writes this step's table into the buffers
+    and FlashInfer's split-KV schedule into its workspace (fixed-size in graph mode, so any
+    history fits the captured launch). `run()` is what a graph captures.
+    """
+
+    def __init__(self, workspace: torch.Tensor, batch_size: int, max_pages: int,
+                 use_tensor_cores: bool) -> None:  # fmt: skip
+        flashinfer = import_flashinfer()
+        device = workspace.device
+        self.batch_size = batch_size
+        self.max_pages = max_pages
+        self._indptr = torch.zeros(batch_size + 1, dtype=torch.int32, device=device)
+        self._indices = torch.zeros(max_pages, dtype=torch.int32, device=device)
+        self._last_page_len = torch.ones(batch_size, dtype=torch.int32, device=device)
+        self._wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            workspace,
+            kv_layout="NHD",
+            use_cuda_graph=True,
+            use_tensor_cores=use_tensor_cores,
+            paged_kv_indptr_buffer=self._indptr,
+            paged_kv_indices_buffer=self._indices,
+            paged_kv_last_page_len_buffer=self._last_page_len,
+        )
+
+    def plan(self, plan: PagedKVPlan, kv_indices: torch.Tensor, geometry: PlanGeometry) -> None:
+        if plan.num_seqs != self.batch_size or not plan.is_decode_only:
+            raise ValueError(
+                f"a graph wrapper of batch size {self.batch_size} got {plan.num_seqs} "
+                "sequences" + ("" if plan.is_decode_only else " with prefill chunks")
+            )
+        if kv_indices.shape[0] > self.max_pages:
+            raise ValueError(f"{kv_indices.shape[0]} pages exceed the {self.max_pages} planned")
+        _plan_decode(self._wrapper, plan, kv_indices, geometry)
+
+    def run(self, query: torch.Tensor, kv_cache: torch.Tensor,
+            k_scale: float | None = None, v_scale: float | None = None) -> torch.Tensor:  # fmt: skip
+        return self._wrapper.run(query, kv_cache, k_scale=k_scale, v_scale=v_scale)
 
 
 class FlashInferWrappers:
@@ -132,50 +228,36 @@ class FlashInferWrappers:
         self,
         plan: PagedKVPlan,
         kv_indices: torch.Tensor,  # [num_pages] int32, device
-        num_qo_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        block_size: int,
-        scale: float,
-        q_dtype: torch.dtype,
-        kv_dtype: torch.dtype,
+        geometry: PlanGeometry,
     ) -> None:
         self._is_decode_only = plan.is_decode_only
         if plan.is_decode_only:
             if self._decode is None:
-                # Tensor cores pay off once several query heads share a KV head (GQA).
                 self._decode = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                    self._workspace, kv_layout="NHD", use_tensor_cores=num_qo_heads > num_kv_heads
+                    self._workspace, kv_layout="NHD", use_tensor_cores=geometry.use_tensor_cores
                 )
-            self._decode.plan(
-                plan.kv_indptr,
-                kv_indices,
-                plan.kv_last_page_len,
-                num_qo_heads,
-                num_kv_heads,
-                head_dim,
-                block_size,
-                pos_encoding_mode="NONE",  # RoPE / M-RoPE is applied before the cache write
-                q_data_type=q_dtype,
-                kv_data_type=kv_dtype,
-                sm_scale=scale,
-            )
+            _plan_decode(self._decode, plan, kv_indices, geometry)
             return
         self._prefill.plan(
             plan.qo_indptr,
             plan.kv_indptr,
             kv_indices,
             plan.kv_last_page_len,
-            num_qo_heads,
-            num_kv_heads,
-            head_dim,
-            block_size,
+            geometry.num_qo_heads,
+            geometry.num_kv_heads,
+            geometry.head_dim,
+            geometry.block_size,
             causal=True,
             pos_encoding_mode="NONE",
-            sm_scale=scale,
-            q_data_type=q_dtype,
-            kv_data_type=kv_dtype,
+            sm_scale=geometry.scale,
+            q_data_type=geometry.q_dtype,
+            kv_data_type=geometry.kv_dtype,
         )
+
+    @property
+    def workspace(self) -> torch.Tensor:
+        """The float workspace, shared with the graph wrappers (one step runs at a time)."""
+        return self._workspace
 
     def run(
         self,

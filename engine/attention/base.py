@@ -11,6 +11,13 @@ KV cache layout, one tensor per layer (FlashInfer's "NHD" paged layout):
     [num_blocks, 2, block_size, num_kv_heads, head_dim]   (index 0 = K, 1 = V)
 Token t of the flat batch is written at slot `slot_mapping[t]`, i.e. block
 `slot // block_size`, offset `slot % block_size`.
+
+CUDA graphs (engine/cuda_graphs.py) replay decode steps over *static* metadata: its
+tensors are persistent buffers rewritten before every replay, `graph_max_seq_len` bounds
+every replayed history, and its host lists describe only the capture-time batch. A backend
+must not plan from such metadata inside `forward`; the graph runner calls
+`plan_cuda_graph` on the host before every warm-up, capture and replay instead, with the
+step's real host lists.
 """
 
 from __future__ import annotations
@@ -19,6 +26,20 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """What every layer's attention looks like; fixed for a model and engine. Backends that
+    plan ahead (FlashInfer) need it before the first forward."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int  # tokens per KV-cache block
+    scale: float  # softmax scale
+    dtype: torch.dtype  # query / output dtype (the model's)
+    kv_cache_dtype: torch.dtype
 
 
 @dataclass(frozen=True)
@@ -31,6 +52,20 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32, device
     slot_mapping: torch.Tensor  # [num_tokens] int64, device
     is_decode_only: bool  # every query_len == 1
+    # Set on the static metadata of a captured decode graph: the bound on every seq_len
+    # replayed through it (the key length a backend with static shapes pads to).
+    graph_max_seq_len: int | None = None
+
+    @property
+    def is_cuda_graph(self) -> bool:
+        return self.graph_max_seq_len is not None
+
+    @property
+    def max_seq_len(self) -> int:
+        """Host bound on every history of the step (static for CUDA-graph metadata)."""
+        if self.graph_max_seq_len is not None:
+            return self.graph_max_seq_len
+        return max(self.seq_lens)
 
 
 class AttentionBackend(Protocol):
@@ -46,4 +81,10 @@ class AttentionBackend(Protocol):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        ...
+
+    def plan_cuda_graph(self, metadata: AttentionMetadata) -> None:
+        """Prepares the decode graph of `metadata.num_seqs` rows for its next run (warm-up,
+        capture or replay), on the host, outside the graph. `metadata` holds the graph's
+        static tensors (already filled for this run) and the run's real host lists."""
         ...

@@ -1,16 +1,22 @@
 """FlashInfer attention backend (GPU): paged KV cache in FlashInfer's "NHD" layout, which is
 the layout of `engine.attention.base`, so no copy or reshape is ever needed.
 
-Per step (the first layer to see a new `AttentionMetadata`):
-    host lists (query_lens, seq_lens) -> CSR page table  (kernels.flashinfer_glue)
-    block_tables[flat index] -> kv_indices on the device (no host sync)
-    wrapper.plan(...)                                     (decode-only: decode wrapper)
+Eager steps (the first layer to see a new `AttentionMetadata`):
+    host lists (query_lens, seq_lens) -> CSR page table, pinned   (kernels.flashinfer_glue)
+    block_tables[flat index] -> kv_indices on the device           (no host sync)
+    wrapper.plan(...)                                               (decode-only: decode wrapper)
 Per layer:
     write K/V into their slots (Triton kernel; FP8 E4M3 with per-tensor scales)
     wrapper.run(query, kv_cache)
 
+Decode steps in CUDA graphs use one `GraphDecodeWrapper` per captured batch size, planned
+by `plan_cuda_graph` on the host before every replay; `forward` under such metadata only
+writes K/V and runs, which is what the graph captures.
+
 Rotary embeddings (M-RoPE for Qwen2-VL) are applied by the model before `forward`, so the
-cache holds rotated keys and FlashInfer runs with `pos_encoding_mode="NONE"`.
+cache holds rotated keys and FlashInfer runs with `pos_encoding_mode="NONE"`. FlashInfer
+has float16 / bfloat16 kernels only (FP8 for the cache): float32 models use the torch
+backend (`engine.attention.check_attention_backend` says so at start-up).
 
 Importing this module fails with ImportError when flashinfer is not installed; the engine
 imports it only when `--attention-backend flashinfer` is chosen.
@@ -22,7 +28,7 @@ import importlib.util
 
 import torch
 
-from engine.attention.base import AttentionMetadata
+from engine.attention.base import AttentionMetadata, AttentionShape
 from kernels import flashinfer_glue
 from kernels.reference import FP8_DTYPE
 
@@ -30,8 +36,6 @@ if importlib.util.find_spec("flashinfer") is None:
     raise ImportError(
         "flashinfer is not installed; install the GPU extra: pip install 'tessera[gpu]'"
     )
-
-_PlanKey = tuple[int, int, int, float, torch.dtype, torch.dtype]
 
 
 class FlashInferAttentionBackend:
@@ -47,18 +51,29 @@ class FlashInferAttentionBackend:
 
     def __init__(
         self,
+        shape: AttentionShape,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
         workspace_bytes: int = flashinfer_glue.DEFAULT_WORKSPACE_BYTES,
     ) -> None:
+        self.shape = shape
+        self._geometry = flashinfer_glue.PlanGeometry(
+            num_qo_heads=shape.num_heads,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
+            block_size=shape.block_size,
+            scale=shape.scale,
+            q_dtype=shape.dtype,
+            kv_dtype=shape.kv_cache_dtype,
+        )
         self.k_scale = k_scale
         self.v_scale = v_scale
         self._workspace_bytes = workspace_bytes
         self._wrappers: flashinfer_glue.FlashInferWrappers | None = None
+        self._graph_wrappers: dict[int, flashinfer_glue.GraphDecodeWrapper] = {}
         # Holding the planned metadata keeps it alive, so an identity test cannot be fooled
         # by a new step's metadata reusing a freed object's id.
         self._planned_metadata: AttentionMetadata | None = None
-        self._planned_key: _PlanKey | None = None
         self._scale_tensors: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def forward(
@@ -72,15 +87,34 @@ class FlashInferAttentionBackend:
     ) -> torch.Tensor:  # [T, H, D]
         if not query.is_cuda:
             raise ValueError("the flashinfer attention backend needs CUDA tensors")
+        if scale != self.shape.scale or kv_cache.shape[2] != self.shape.block_size:
+            raise ValueError("attention scale or block size differs from the planned shape")
         self._write_kv(key, value, kv_cache, metadata.slot_mapping)
-        wrappers = self._plan_if_new_step(query, kv_cache, metadata, scale)
         is_fp8 = kv_cache.dtype == FP8_DTYPE
-        return wrappers.run(
-            query,
-            kv_cache,
-            k_scale=self.k_scale if is_fp8 else None,
-            v_scale=self.v_scale if is_fp8 else None,
+        k_scale = self.k_scale if is_fp8 else None
+        v_scale = self.v_scale if is_fp8 else None
+        if metadata.is_cuda_graph:  # planned on the host by plan_cuda_graph
+            wrapper = self._graph_wrappers[metadata.num_seqs]
+            return wrapper.run(query, kv_cache, k_scale=k_scale, v_scale=v_scale)
+        wrappers = self._plan_if_new_step(kv_cache, metadata)
+        return wrappers.run(query, kv_cache, k_scale=k_scale, v_scale=v_scale)
+
+    def plan_cuda_graph(self, metadata: AttentionMetadata) -> None:
+        batch_size, width = metadata.block_tables.shape
+        wrapper = self._graph_wrappers.get(batch_size)
+        if wrapper is None:
+            wrapper = flashinfer_glue.GraphDecodeWrapper(
+                self._eager_wrappers(metadata.block_tables.device).workspace,
+                batch_size,
+                max_pages=batch_size * width,
+                use_tensor_cores=self._geometry.use_tensor_cores,
+            )
+            self._graph_wrappers[batch_size] = wrapper
+        plan = flashinfer_glue.build_paged_kv_plan(
+            metadata.query_lens, metadata.seq_lens, self.shape.block_size, width, pin_memory=True
         )
+        kv_indices = flashinfer_glue.gather_page_indices(metadata.block_tables, plan)
+        wrapper.plan(plan, kv_indices, self._geometry)
 
     def _write_kv(
         self,
@@ -106,37 +140,27 @@ class FlashInferAttentionBackend:
             )
         return self._scale_tensors[device]
 
+    def _eager_wrappers(self, device: torch.device) -> flashinfer_glue.FlashInferWrappers:
+        if self._wrappers is None:
+            self._wrappers = flashinfer_glue.FlashInferWrappers(device, self._workspace_bytes)
+        return self._wrappers
+
     def _plan_if_new_step(
         self,
-        query: torch.Tensor,  # [T, H, D]
         kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, KVH, D]
         metadata: AttentionMetadata,
-        scale: float,
     ) -> flashinfer_glue.FlashInferWrappers:
-        num_heads, head_dim = query.shape[1], query.shape[2]
-        num_kv_heads = kv_cache.shape[3]
-        plan_key: _PlanKey = (num_heads, num_kv_heads, head_dim, scale, query.dtype, kv_cache.dtype)
-        wrappers = self._wrappers
-        if wrappers is None:
-            wrappers = flashinfer_glue.FlashInferWrappers(query.device, self._workspace_bytes)
-            self._wrappers = wrappers
-        if metadata is self._planned_metadata and plan_key == self._planned_key:
+        wrappers = self._eager_wrappers(kv_cache.device)
+        if metadata is self._planned_metadata:
             return wrappers
-        block_size = kv_cache.shape[2]
         plan = flashinfer_glue.build_paged_kv_plan(
-            metadata.query_lens, metadata.seq_lens, block_size, metadata.block_tables.shape[1]
+            metadata.query_lens,
+            metadata.seq_lens,
+            self.shape.block_size,
+            metadata.block_tables.shape[1],
+            pin_memory=True,
         )
-        wrappers.plan(
-            plan,
-            flashinfer_glue.gather_page_indices(metadata.block_tables, plan),
-            num_qo_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            block_size=block_size,
-            scale=scale,
-            q_dtype=query.dtype,
-            kv_dtype=kv_cache.dtype,
-        )
+        kv_indices = flashinfer_glue.gather_page_indices(metadata.block_tables, plan)
+        wrappers.plan(plan, kv_indices, self._geometry)
         self._planned_metadata = metadata
-        self._planned_key = plan_key
         return wrappers

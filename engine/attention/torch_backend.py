@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionMetadata
+from engine.device_io import to_device
 from kernels.reference import FP8_DTYPE, dequantize_fp8, quantize_fp8
 
 
@@ -158,6 +159,13 @@ class TorchAttentionBackend:
             )
         return self._scale_tensors[device]
 
+    def plan_cuda_graph(self, metadata: AttentionMetadata) -> None:
+        """Forgets the cached plan, so the next `forward` builds it from the (static)
+        tensors again: under capture those index ops become part of the graph, and every
+        replay recomputes them from the buffers it was given."""
+        self._plan_metadata = None
+        self._plan = None
+
     def _step_plan(
         self, metadata: AttentionMetadata, block_size: int, num_kv_heads: int
     ) -> StepPlan:
@@ -209,19 +217,16 @@ def decode_plan(
     """Gather rows and key mask for the decode sequences (`subset` = (flat rows, seq indices),
     None = every sequence, one row each)."""
     device = metadata.slot_mapping.device
-    block_tables, seq_lens_tensor, seq_lens = (
-        metadata.block_tables,
-        metadata.seq_lens_tensor,
-        metadata.seq_lens,
-    )
+    block_tables, seq_lens_tensor = metadata.block_tables, metadata.seq_lens_tensor
     query_rows = None
     if subset is not None:
         rows, seqs = subset
-        query_rows = torch.tensor(rows, dtype=torch.long, device=device)
-        seq_index = torch.tensor(seqs, dtype=torch.long, device=device)
+        query_rows = to_device(rows, torch.long, device)
+        seq_index = to_device(seqs, torch.long, device)
         block_tables, seq_lens_tensor = block_tables[seq_index], seq_lens_tensor[seq_index]
-        seq_lens = [seq_lens[i] for i in seqs]
-    max_len = max(seq_lens)
+        max_len = max(metadata.seq_lens[i] for i in seqs)
+    else:
+        max_len = metadata.max_seq_len  # static for a CUDA graph: keys padded to the bound
     positions = torch.arange(max_len, device=device)  # [L]
     visible = positions.unsqueeze(0) < seq_lens_tensor.unsqueeze(1)  # [S, L]
     blocks = block_tables.long()[:, positions // block_size]  # [S, L]

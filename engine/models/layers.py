@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import triton as triton_kernels
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm, computed in float32 and cast back before the weight."""
@@ -93,3 +95,18 @@ def rope_inv_freq(dim: int, theta: float, device: torch.device | None = None) ->
     """[dim // 2] float32 inverse frequencies 1 / theta^(2i / dim)."""
     exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim
     return 1.0 / (theta**exponents)
+
+
+def scatter_rows(
+    dst: torch.Tensor,  # [T, hidden]
+    rows: torch.Tensor,  # [M] int64, distinct rows of dst
+    src: torch.Tensor,  # [M, hidden], dst's dtype
+) -> None:
+    """dst[rows[i]] = src[i] in place: encoder rows into their placeholder rows. On CUDA the
+    Triton kernel (kernels/triton/embedding_scatter.py) when Triton is installed."""
+    if dst.is_cuda and triton_kernels.is_available():
+        from kernels.triton.embedding_scatter import scatter_rows as triton_scatter_rows
+
+        triton_scatter_rows(dst, rows, src)
+    else:
+        dst.index_copy_(0, rows, src)

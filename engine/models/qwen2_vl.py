@@ -3,7 +3,7 @@
 The model runner calls, per step:
     rows = model.encode_images(pixel_values, grid_thw)      # uncached media, all at once
     hidden = model.forward(input_ids, positions, kv_caches, attn_metadata,
-                           multimodal_embeds, multimodal_mask)
+                           multimodal_embeds, multimodal_rows)
     logits = model.compute_logits(hidden[last_rows])
 Build it with `engine.models.loader.load_model`, which fills the weights.
 """
@@ -17,6 +17,7 @@ from torch import nn
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.errors import MediaError
 from engine.model_config import ModelConfig
+from engine.models.layers import scatter_rows
 from engine.models.qwen2_decoder import Qwen2Decoder
 from engine.models.qwen2_vl_vision import Qwen2VisionTransformer
 
@@ -78,14 +79,11 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         kv_caches: list[torch.Tensor],  # per layer [num_blocks, 2, block_size, KVH, D]
         attn_metadata: AttentionMetadata,
         multimodal_embeds: torch.Tensor | None = None,  # [M, hidden]
-        multimodal_mask: torch.Tensor | None = None,  # [T] bool, M True rows
+        multimodal_rows: torch.Tensor | None = None,  # [M] int64 flat rows, in order
     ) -> torch.Tensor:  # [T, hidden], after the final norm
         embeds = self.model.embed_tokens(input_ids)  # [T, hidden]
-        if multimodal_embeds is not None and multimodal_mask is not None:
-            # masked_scatter fills True rows in order, without a host sync.
-            embeds = embeds.masked_scatter(
-                multimodal_mask.unsqueeze(-1), multimodal_embeds.to(embeds.dtype)
-            )
+        if multimodal_embeds is not None and multimodal_rows is not None:
+            scatter_rows(embeds, multimodal_rows, multimodal_embeds.to(embeds.dtype))
         return self.model(embeds, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, V] fp32

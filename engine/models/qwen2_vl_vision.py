@@ -3,7 +3,9 @@
 All items (images and videos) of one call are concatenated row-wise, no padding.
 Attention is block-diagonal: every frame (`h * w` patches) attends only within
 itself, exactly like the reference. Frames of equal length are attended in one
-batched SDPA call, so a call costs one SDPA per distinct frame size.
+batched SDPA call, so a call costs one SDPA per distinct frame size. On CUDA in
+float16 / bfloat16, frames of several sizes go through one variable-length flash
+attention call instead (`torch.nn.attention.varlen`, frame boundaries as cu_seqlens).
 
 Patch rows arrive in the order the Qwen2-VL image processor writes them:
 per frame, `merge x merge` blocks of neighbouring patches are consecutive, so
@@ -12,6 +14,8 @@ the merger can fold 4 (for merge 2) consecutive rows into one output token.
 
 from __future__ import annotations
 
+import importlib.util
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.device_io import to_device
 from engine.model_config import VisionConfig
 from engine.models.layers import ACTIVATIONS, rope_inv_freq, rotate_half
 
@@ -53,6 +58,35 @@ def plan_frame_groups(
         rows = (starts_tensor + torch.arange(length)).to(device)  # [F, L]
         groups.append(FrameGroup(length, rows))
     return groups
+
+
+@dataclass(frozen=True)
+class VisionAttentionPlan:
+    """How one call's frames attend: `groups` for batched SDPA, or, when set, one varlen
+    kernel call over frame boundaries `cu_seqlens` [num_frames + 1] int32 (device)."""
+
+    groups: list[FrameGroup]
+    cu_seqlens: torch.Tensor | None = None
+    max_frame_len: int = 0
+
+
+def plan_vision_attention(
+    grid_thw: Sequence[tuple[int, int, int]], device: torch.device, dtype: torch.dtype
+) -> VisionAttentionPlan:
+    groups = plan_frame_groups(grid_thw, device)
+    if len(groups) == 1 or not _can_use_varlen(device, dtype):
+        return VisionAttentionPlan(groups)
+    frame_lens = [h * w for t, h, w in grid_thw for _ in range(t)]
+    cu_seqlens = torch.tensor([0, *itertools.accumulate(frame_lens)], dtype=torch.int32)
+    return VisionAttentionPlan(groups, to_device(cu_seqlens, torch.int32, device), max(frame_lens))
+
+
+def _can_use_varlen(device: torch.device, dtype: torch.dtype) -> bool:
+    return (
+        device.type == "cuda"
+        and dtype in (torch.float16, torch.bfloat16)
+        and importlib.util.find_spec("torch.nn.attention.varlen") is not None
+    )
 
 
 def vision_rotary_positions(
@@ -105,13 +139,20 @@ class VisionAttention(nn.Module):
         self.proj = nn.Linear(dim, dim, bias=True)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, groups: list[FrameGroup]
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: VisionAttentionPlan
     ) -> torch.Tensor:  # x [N, dim] -> [N, dim]
         num_rows = x.shape[0]
         q, k, v = self.qkv(x).view(num_rows, 3, self.num_heads, self.head_dim).unbind(1)
         q = _rotate_fp32(q, cos, sin)  # [N, H, D]
         k = _rotate_fp32(k, cos, sin)  # [N, H, D]
-        if len(groups) == 1 and groups[0].rows is None:
+        groups = plan.groups
+        if plan.cu_seqlens is not None:
+            from torch.nn.attention.varlen import varlen_attn
+
+            cu, longest = plan.cu_seqlens, plan.max_frame_len
+            out = varlen_attn(q, k, v.contiguous(), cu, cu, longest, longest)  # [N, H, D]
+            out = out.reshape(num_rows, -1)
+        elif len(groups) == 1 and groups[0].rows is None:
             out = self._attend(q, k, v, groups[0].length).reshape(num_rows, -1)
         else:
             out = torch.empty_like(q)  # [N, H, D]
@@ -151,9 +192,9 @@ class VisionBlock(nn.Module):
         self.mlp = VisionMLP(config.embed_dim, int(config.embed_dim * config.mlp_ratio), act)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, groups: list[FrameGroup]
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: VisionAttentionPlan
     ) -> torch.Tensor:  # [N, embed] -> [N, embed]
-        x = x + self.attn(self.norm1(x), cos, sin, groups)
+        x = x + self.attn(self.norm1(x), cos, sin, plan)
         return x + self.mlp(self.norm2(x))
 
 
@@ -193,7 +234,7 @@ class Qwen2VisionTransformer(nn.Module):
         x = self.patch_embed(pixel_values.to(device=device, dtype=dtype))
         positions = vision_rotary_positions(grids, self.config.spatial_merge_size).to(device)
         cos, sin = self.rotary(positions)  # [N, D] each, float32
-        groups = plan_frame_groups(grids, device)
+        plan = plan_vision_attention(grids, device, dtype)
         for block in self.blocks:
-            x = block(x, cos, sin, groups)
+            x = block(x, cos, sin, plan)
         return self.merger(x)

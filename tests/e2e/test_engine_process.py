@@ -175,6 +175,8 @@ class _CoreThatFailsInStep:
     def abort_requests(self, request_ids) -> None:
         pass
 
+    overlaps_steps = False
+
     def has_unfinished_requests(self) -> bool:
         return self.has_work
 

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.gpu
 pytest.importorskip("flashinfer")
 pytest.importorskip("triton")
 
-from engine.attention.base import AttentionMetadata  # noqa: E402
+from engine.attention.base import AttentionMetadata, AttentionShape  # noqa: E402
 from engine.attention.flashinfer_backend import FlashInferAttentionBackend  # noqa: E402
 from engine.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from kernels import reference  # noqa: E402
@@ -60,6 +60,18 @@ def random_paged_batch(query_lens, context_lens, num_heads, num_kv_heads, head_d
     return query, key, value, kv_cache, metadata
 
 
+def shape_of(query, kv_cache, scale) -> AttentionShape:
+    return AttentionShape(
+        num_heads=query.shape[1],
+        num_kv_heads=kv_cache.shape[3],
+        head_dim=query.shape[2],
+        block_size=kv_cache.shape[2],
+        scale=scale,
+        dtype=query.dtype,
+        kv_cache_dtype=kv_cache.dtype,
+    )
+
+
 BATCHES = [
     ([1, 1, 1, 1], [0, 17, 40, 129]),  # decode only
     ([37, 1, 5, 1], [0, 63, 16, 200]),  # mixed prefill chunks and decodes
@@ -78,7 +90,7 @@ def test_matches_torch_backend(query_lens, context_lens, num_heads, num_kv_heads
     scale = 1 / math.sqrt(head_dim)
     torch_cache = kv_cache.clone()
     expected = TorchAttentionBackend().forward(query, key, value, torch_cache, metadata, scale)
-    backend = FlashInferAttentionBackend()
+    backend = FlashInferAttentionBackend(shape_of(query, kv_cache, scale))
     out = backend.forward(query, key, value, kv_cache, metadata, scale)
     assert torch.equal(kv_cache, torch_cache)  # same cache write
     torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
@@ -88,11 +100,12 @@ def test_matches_torch_backend(query_lens, context_lens, num_heads, num_kv_heads
 
 
 def test_replans_for_a_new_step():
-    backend = FlashInferAttentionBackend()
+    backend = None
     for seed, (query_lens, context_lens) in enumerate(BATCHES):
         query, key, value, kv_cache, metadata = random_paged_batch(
             query_lens, context_lens, 8, 2, 64, 16, torch.bfloat16, seed=seed
         )
+        backend = backend or FlashInferAttentionBackend(shape_of(query, kv_cache, 0.125))
         expected = TorchAttentionBackend().forward(
             query, key, value, kv_cache.clone(), metadata, 0.125
         )
@@ -113,7 +126,9 @@ def test_fp8_cache_matches_dequantized_reference(query_lens, context_lens):
     fp8_cache[:, 1] = reference.quantize_fp8(
         kv_cache[:, 1], torch.full((1,), v_scale, device=DEVICE)
     )
-    backend = FlashInferAttentionBackend(k_scale=k_scale, v_scale=v_scale)
+    backend = FlashInferAttentionBackend(
+        shape_of(query, fp8_cache, 1 / math.sqrt(128)), k_scale=k_scale, v_scale=v_scale
+    )
     out = backend.forward(query, key, value, fp8_cache, metadata, 1 / math.sqrt(128))
     # Reference: the torch backend over the dequantized cache (read after the FP8 write),
     # with the new K/V as they round-trip through FP8.
@@ -128,3 +143,63 @@ def test_fp8_cache_matches_dequantized_reference(query_lens, context_lens):
         query.float(), key_fp8, value_fp8, dequantized, metadata, 1 / math.sqrt(128)
     )
     torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2)
+
+
+def test_graph_decode_replays_new_page_tables():
+    """One decode graph of 4 rows, captured once, replayed over two different batches whose
+    buffers and plan change between replays: each replay equals the torch backend."""
+    num_heads, num_kv_heads, head_dim, block_size, width = 8, 2, 128, 16, 16
+    scale = 1 / math.sqrt(head_dim)
+    query_lens = [1, 1, 1, 1]
+    static = random_paged_batch(query_lens, [3, 40, 100, 7], num_heads, num_kv_heads,
+                                head_dim, block_size, torch.bfloat16, seed=1)  # fmt: skip
+    query, key, value, kv_cache, _ = static
+    buffers = {
+        "block_tables": torch.zeros(4, width, dtype=torch.int32, device=DEVICE),
+        "seq_lens": torch.ones(4, dtype=torch.int32, device=DEVICE),
+        "slot_mapping": torch.zeros(4, dtype=torch.int64, device=DEVICE),
+    }
+
+    def static_metadata(seq_lens):
+        return AttentionMetadata(
+            num_seqs=4,
+            query_lens=query_lens,
+            seq_lens=seq_lens,
+            query_start_loc=torch.arange(5, dtype=torch.int32, device=DEVICE),
+            seq_lens_tensor=buffers["seq_lens"],
+            block_tables=buffers["block_tables"],
+            slot_mapping=buffers["slot_mapping"],
+            is_decode_only=True,
+            graph_max_seq_len=width * block_size,
+        )
+
+    def load(batch):
+        buffers["block_tables"].zero_()
+        buffers["block_tables"][:, : batch.block_tables.shape[1]] = batch.block_tables
+        buffers["seq_lens"].copy_(batch.seq_lens_tensor)
+        buffers["slot_mapping"].copy_(batch.slot_mapping)
+        return static_metadata(batch.seq_lens)
+
+    backend = FlashInferAttentionBackend(shape_of(query, kv_cache, scale))
+    static_q, static_k, static_v = query.clone(), key.clone(), value.clone()
+    cache = torch.zeros(kv_cache.shape[0] + 64, *kv_cache.shape[1:], dtype=kv_cache.dtype,
+                        device=DEVICE)  # fmt: skip
+    metadata = load(static[4])
+    backend.plan_cuda_graph(metadata)
+    backend.forward(static_q, static_k, static_v, cache, metadata, scale)  # warm-up
+    torch.cuda.synchronize()
+    backend.plan_cuda_graph(metadata)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(static_q, static_k, static_v, cache, metadata, scale)
+    for seed, context_lens in [(2, [0, 17, 129, 200]), (3, [63, 1, 5, 31])]:
+        q, k, v, batch_cache, batch = random_paged_batch(
+            query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size,
+            torch.bfloat16, seed=seed,
+        )  # fmt: skip
+        cache[: batch_cache.shape[0]] = batch_cache
+        expected = TorchAttentionBackend().forward(q, k, v, batch_cache.clone(), batch, scale)
+        static_q.copy_(q), static_k.copy_(k), static_v.copy_(v)
+        backend.plan_cuda_graph(load(batch))
+        graph.replay()
+        torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)

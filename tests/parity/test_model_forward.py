@@ -170,7 +170,7 @@ class PagedRunner:
                 self.kv_caches,
                 meta,
                 multimodal_embeds=mm,
-                multimodal_mask=torch.cat(mm_mask),
+                multimodal_rows=torch.cat(mm_mask).nonzero()[:, 0],
             )
             logits = self.model.compute_logits(hidden)
         start = 0

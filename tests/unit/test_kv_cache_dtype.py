@@ -30,10 +30,13 @@ def test_fp8_cache_is_one_byte_per_element_and_doubles_blocks(model_dir):
     assert fp8.kv_caches[0].dtype == torch.float8_e4m3fn
     assert fp8.kv_caches[0].element_size() == 1
     assert bf16.num_kv_blocks > 10
-    assert fp8.num_kv_blocks in (2 * bf16.num_kv_blocks, 2 * bf16.num_kv_blocks + 1)
+    # The budget pays for the scheduler's blocks and the scratch block of CUDA-graph padding.
+    bf16_blocks, fp8_blocks = bf16.kv_caches[0].shape[0], fp8.kv_caches[0].shape[0]
+    assert (bf16_blocks, fp8_blocks) == (bf16.num_kv_blocks + 1, fp8.num_kv_blocks + 1)
+    assert fp8_blocks in (2 * bf16_blocks, 2 * bf16_blocks + 1)
     budget = int(0.01 * 2**30)
     fp8_bytes = sum(cache.numel() * cache.element_size() for cache in fp8.kv_caches)
-    assert budget - fp8_bytes < fp8_bytes / fp8.num_kv_blocks  # less than one block unused
+    assert 0 <= budget - fp8_bytes < fp8_bytes / fp8_blocks  # less than one block unused
 
 
 def test_auto_is_the_model_dtype(model_dir):

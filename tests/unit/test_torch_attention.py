@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from engine.attention import get_attention_backend
+from engine.attention import check_attention_backend, get_attention_backend
 from engine.attention.base import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from kernels.reference import FP8_DTYPE, dequantize_fp8, quantize_fp8
@@ -199,3 +199,32 @@ def test_factory():
     assert isinstance(get_attention_backend("torch"), TorchAttentionBackend)
     with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
         get_attention_backend("nope")
+
+
+@pytest.mark.parametrize(
+    "name,device,dtype,message",
+    [
+        ("nope", "cpu", torch.float32, "unknown attention backend 'nope'"),
+        ("flashinfer", "cpu", torch.bfloat16, "needs a CUDA device.*--attention-backend torch"),
+        ("flashinfer", "cuda", torch.float32, "float16 and bfloat16 kernels only, not float32"),
+    ],
+)
+def test_backend_checks_name_the_fix(name, device, dtype, message):
+    with pytest.raises(ValueError, match=message):
+        check_attention_backend(name, torch.device(device), dtype)
+
+
+def test_backend_checks_pass_what_runs():
+    check_attention_backend("torch", torch.device("cpu"), torch.float32)
+    check_attention_backend("flashinfer", torch.device("cuda"), torch.bfloat16)
+
+
+def test_engine_refuses_flashinfer_on_cpu_at_start_up(tmp_path):
+    from engine.config import EngineConfig
+    from engine.model_runner import ModelRunner
+    from engine.tiny_model import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path)
+    config = EngineConfig(model=str(model_dir), device="cpu", attention_backend="flashinfer")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        ModelRunner(config)

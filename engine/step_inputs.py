@@ -1,0 +1,95 @@
+"""The flat batch of one step, gathered on the host from the scheduler's chunks.
+
+Chunk i covers sequence positions [start, end) of its request; its `end - start` tokens
+are rows `query_start_loc[i] : query_start_loc[i + 1]` of the flat batch (layout in
+engine/attention/base.py). Prompt tokens take their precomputed M-RoPE positions; tokens
+past the prompt sit at `index + rope_delta` in all three rows. A media span overlapping a
+chunk contributes the encoder rows of its overlap, scattered into the chunk's placeholder
+rows by the model.
+
+Everything here is host data (lists, CPU tensors) except the encoder rows, which already
+live on the model's device; the model runner moves the rest in one go.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from engine.encoder_cache import EncoderCache
+from engine.scheduler import ScheduledChunk
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    input_ids: list[int]  # [T]
+    positions: torch.Tensor  # [3, T] int64, CPU
+    slot_mapping: list[int]  # [T] KV slot of each token
+    query_lens: list[int]  # [S]
+    seq_lens: list[int]  # [S] history including this step's tokens
+    block_tables: list[list[int]]  # [S] block ids of each sequence, history order
+    multimodal_embeds: list[torch.Tensor]  # each [rows, hidden] on the model's device
+    multimodal_rows: list[int]  # flat row of every embedded row, in order
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(n == 1 for n in self.query_lens)
+
+    @property
+    def query_ends(self) -> list[int]:
+        """query_start_loc[1:]: one past the last row of each sequence."""
+        return list(itertools.accumulate(self.query_lens))
+
+
+def gather_step_inputs(
+    chunks: list[ScheduledChunk], block_size: int, encoder_cache: EncoderCache
+) -> StepInputs:
+    input_ids: list[int] = []
+    prompt_positions: list[tuple[int, torch.Tensor]] = []  # (first flat row, [3, n])
+    later_rows: list[int] = []  # flat rows of tokens past the prompt
+    later_positions: list[int] = []
+    slot_mapping: list[int] = []
+    embeds: list[torch.Tensor] = []
+    embed_rows: list[int] = []
+    for chunk in chunks:
+        request = chunk.request
+        base = len(input_ids)
+        input_ids += request.token_ids_between(chunk.start, chunk.end)
+        num_prompt = request.num_prompt_tokens
+        if chunk.start < num_prompt:
+            prompt_end = min(chunk.end, num_prompt)
+            prompt_positions.append((base, request.positions[:, chunk.start : prompt_end]))
+        for index in range(max(chunk.start, num_prompt), chunk.end):
+            later_rows.append(base + index - chunk.start)
+            later_positions.append(index + request.rope_delta)
+        block_ids = request.block_ids
+        slot_mapping += [
+            block_ids[i // block_size] * block_size + i % block_size
+            for i in range(chunk.start, chunk.end)
+        ]
+        for media in request.media_overlapping(chunk.start, chunk.end):
+            lo, hi = max(chunk.start, media.offset), min(chunk.end, media.end)
+            rows = encoder_cache.get(media.content_hash)
+            embeds.append(rows[lo - media.offset : hi - media.offset])
+            embed_rows.extend(range(base + lo - chunk.start, base + hi - chunk.start))
+    positions = torch.empty(3, len(input_ids), dtype=torch.long)
+    for base, piece in prompt_positions:  # piece [3, n]
+        positions[:, base : base + piece.shape[1]] = piece
+    if later_rows:
+        positions[:, later_rows] = torch.tensor(later_positions, dtype=torch.long)
+    return StepInputs(
+        input_ids=input_ids,
+        positions=positions,
+        slot_mapping=slot_mapping,
+        query_lens=[chunk.num_tokens for chunk in chunks],
+        seq_lens=[chunk.end for chunk in chunks],
+        block_tables=[chunk.request.block_ids for chunk in chunks],
+        multimodal_embeds=embeds,
+        multimodal_rows=embed_rows,
+    )
