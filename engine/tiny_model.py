@@ -1,26 +1,32 @@
 """Write small random-weight Qwen2-VL checkpoints in Hugging Face format.
 
-`tessera make-tiny-model OUT_DIR [--seed N] [--size tiny|tiny2|small]` writes a folder that
-both Tessera and `transformers` load: config.json (flat hub layout), model.safetensors (hub
-tensor names), a byte-level BPE tokenizer trained here with the Qwen2-VL special tokens,
-the Qwen2-VL chat template and the image processor config. No network, no hub.
+`tessera make-tiny-model OUT_DIR [--seed N] [--size SIZE] [--device cpu|cuda]` writes a
+folder that both Tessera and `transformers` load: config.json (flat hub layout),
+model.safetensors (hub tensor names; sharded with an index past MAX_SHARD_BYTES), a
+byte-level BPE tokenizer trained here with the Qwen2-VL special tokens, the Qwen2-VL chat
+template and the image processor config. No network, no hub.
 
-Everything is a pure function of (size, seed): the same arguments give byte-identical
-files. The tokenizer depends on the size only, so checkpoints of one size share token ids.
+Sizes: `tiny` and `tiny2` for tests, `small` (a ~0.5B decoder) for CPU benchmarks, and
+`qwen2-vl-2b` / `qwen2-vl-7b`, the real Qwen2-VL shapes (parameter for parameter) for GPU
+benchmarks. Every size keeps a small trained tokenizer; the big ones only pad the
+embedding / lm_head rows up to the real vocabulary size.
+
+Everything is a pure function of (size, seed, device): the same arguments give
+byte-identical files. The CPU and CUDA generators draw different numbers from one seed; a
+CUDA checkpoint is reproducible on the same GPU model and torch version. The tokenizer
+depends on the size only, so checkpoints of one size share token ids.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from tokenizers import (
     AddedToken,
     Regex,
@@ -31,6 +37,14 @@ from tokenizers import (
     pre_tokenizers,
     processors,
     trainers,
+)
+
+from engine.tiny_weights import (
+    MAX_SHARD_BYTES,
+    iter_random_weights,
+    save_shards,
+    shard_plan,
+    weight_shapes,
 )
 
 SPECIAL_TOKENS = (
@@ -52,13 +66,17 @@ PRETOKENIZE_REGEX = (
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 VOCAB_ALIGNMENT = 64
-MATRIX_GAIN = 1.5
 
 
 @dataclass(frozen=True)
 class TinyModelSpec:
     """Shape of one generated checkpoint. `hidden_size // num_attention_heads` is the head
-    dim (transformers derives it that way) and `2 * sum(mrope_section)` must equal it."""
+    dim (transformers derives it that way) and `2 * sum(mrope_section)` must equal it.
+
+    `vocab_size` is the number of embedding (and lm_head) rows: None rounds the tokenizer's
+    size up to VOCAB_ALIGNMENT; a larger value pads with zero rows to a real model's shape.
+    With `tie_word_embeddings` the checkpoint has no lm_head.weight (logits use the
+    embedding matrix), as in Qwen2-VL-2B."""
 
     bpe_vocab_size: int  # target for the BPE trainer, byte alphabet included
     hidden_size: int
@@ -78,6 +96,8 @@ class TinyModelSpec:
     temporal_patch_size: int = 2
     spatial_merge_size: int = 2
     min_pixels: int = 56 * 56
+    vocab_size: int | None = None
+    tie_word_embeddings: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -132,14 +152,63 @@ SIZES: dict[str, TinyModelSpec] = {
         max_pixels=1280 * 28 * 28,
         dtype=torch.bfloat16,
     ),
+    # The real Qwen2-VL-2B / 7B shapes (2,208,985,600 and 8,291,375,616 parameters, as the
+    # hub checkpoints), with the small tokenizer: only the embedding rows have the real count.
+    "qwen2-vl-2b": TinyModelSpec(
+        bpe_vocab_size=8192,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        mrope_section=(16, 24, 24),  # head_dim 128
+        max_position_embeddings=32768,
+        vision_depth=32,
+        vision_embed_dim=1280,
+        vision_num_heads=16,
+        max_pixels=12845056,  # the hub preprocessor_config's
+        dtype=torch.bfloat16,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "qwen2-vl-7b": TinyModelSpec(
+        bpe_vocab_size=8192,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        mrope_section=(16, 24, 24),  # head_dim 128
+        max_position_embeddings=32768,
+        vision_depth=32,
+        vision_embed_dim=1280,
+        vision_num_heads=16,
+        max_pixels=12845056,
+        dtype=torch.bfloat16,
+        vocab_size=152064,
+    ),
 }
 
 
-def make_tiny_model(out_dir: str | Path, *, seed: int = 0, size: str = "tiny") -> Path:
-    """Write a complete random-weight Qwen2-VL checkpoint folder and return its path."""
+def make_tiny_model(
+    out_dir: str | Path, *, seed: int = 0, size: str = "tiny", device: str = "cpu"
+) -> Path:
+    """Write a complete random-weight Qwen2-VL checkpoint folder of a named size and return
+    its path. `device` draws the weights there (e.g. "cuda": fast, other numbers than CPU)."""
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
-    spec = SIZES[size]
+    return write_checkpoint(out_dir, SIZES[size], seed=seed, device=device)
+
+
+def write_checkpoint(
+    out_dir: str | Path,
+    spec: TinyModelSpec,
+    *,
+    seed: int = 0,
+    device: str = "cpu",
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> Path:
+    """`make_tiny_model` for any spec, named or made up (tests build small odd ones)."""
     _check_spec(spec)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -148,7 +217,7 @@ def make_tiny_model(out_dir: str | Path, *, seed: int = 0, size: str = "tiny") -
     tokenizer.save(str(out / "tokenizer.json"), pretty=True)
     token_ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
     num_tokens = tokenizer.get_vocab_size(with_added_tokens=True)
-    vocab_size = _round_up(num_tokens, VOCAB_ALIGNMENT)
+    vocab_size = _vocab_size(spec, num_tokens)
     chat_template = read_chat_template()
 
     _write_json(out / "config.json", model_config_dict(spec, token_ids, vocab_size))
@@ -157,10 +226,19 @@ def make_tiny_model(out_dir: str | Path, *, seed: int = 0, size: str = "tiny") -
     _write_json(out / "preprocessor_config.json", _preprocessor_config(spec))
     _write_json(out / "chat_template.json", {"chat_template": chat_template})
     (out / "chat_template.jinja").write_text(chat_template, encoding="utf-8")
-    weights = random_weights(spec, vocab_size, seed, num_real_tokens=num_tokens)
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "model.safetensors").chmod(0o644)  # safetensors writes it owner-only
+    weights = iter_random_weights(spec, vocab_size, seed, num_real_tokens=num_tokens, device=device)
+    plan = shard_plan(weight_shapes(spec, vocab_size), spec.dtype, max_shard_bytes)
+    save_shards(out, weights, plan)
     return out
+
+
+def _vocab_size(spec: TinyModelSpec, num_tokens: int) -> int:
+    """Embedding rows: the spec's, or the tokenizer's size rounded up to the alignment."""
+    if spec.vocab_size is None:
+        return _round_up(num_tokens, VOCAB_ALIGNMENT)
+    if spec.vocab_size < num_tokens:
+        raise ValueError(f"vocab_size {spec.vocab_size} < the tokenizer's {num_tokens} tokens")
+    return spec.vocab_size
 
 
 def _check_spec(spec: TinyModelSpec) -> None:
@@ -176,96 +254,6 @@ def _check_spec(spec: TinyModelSpec) -> None:
 
 def _round_up(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
-
-
-# ---------------------------------------------------------------------------- weights
-
-
-def weight_shapes(spec: TinyModelSpec, vocab_size: int) -> list[tuple[str, tuple[int, ...]]]:
-    """Hub tensor names and shapes, in the fixed order the random values are drawn."""
-    hidden, kv_dim = spec.hidden_size, spec.num_key_value_heads * spec.head_dim
-    shapes: list[tuple[str, tuple[int, ...]]] = [
-        ("model.embed_tokens.weight", (vocab_size, hidden))
-    ]
-    for i in range(spec.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes += [
-            (p + "input_layernorm.weight", (hidden,)),
-            (p + "self_attn.q_proj.weight", (hidden, hidden)),
-            (p + "self_attn.q_proj.bias", (hidden,)),
-            (p + "self_attn.k_proj.weight", (kv_dim, hidden)),
-            (p + "self_attn.k_proj.bias", (kv_dim,)),
-            (p + "self_attn.v_proj.weight", (kv_dim, hidden)),
-            (p + "self_attn.v_proj.bias", (kv_dim,)),
-            (p + "self_attn.o_proj.weight", (hidden, hidden)),
-            (p + "post_attention_layernorm.weight", (hidden,)),
-            (p + "mlp.gate_proj.weight", (spec.intermediate_size, hidden)),
-            (p + "mlp.up_proj.weight", (spec.intermediate_size, hidden)),
-            (p + "mlp.down_proj.weight", (hidden, spec.intermediate_size)),
-        ]
-    shapes += [("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab_size, hidden))]
-
-    embed = spec.vision_embed_dim
-    patch = (embed, 3, spec.temporal_patch_size, spec.patch_size, spec.patch_size)
-    shapes.append(("visual.patch_embed.proj.weight", patch))  # Conv3d, no bias
-    mlp = embed * spec.vision_mlp_ratio
-    for i in range(spec.vision_depth):
-        p = f"visual.blocks.{i}."
-        shapes += [
-            (p + "norm1.weight", (embed,)),
-            (p + "norm1.bias", (embed,)),
-            (p + "attn.qkv.weight", (3 * embed, embed)),
-            (p + "attn.qkv.bias", (3 * embed,)),
-            (p + "attn.proj.weight", (embed, embed)),
-            (p + "attn.proj.bias", (embed,)),
-            (p + "norm2.weight", (embed,)),
-            (p + "norm2.bias", (embed,)),
-            (p + "mlp.fc1.weight", (mlp, embed)),
-            (p + "mlp.fc1.bias", (mlp,)),
-            (p + "mlp.fc2.weight", (embed, mlp)),
-            (p + "mlp.fc2.bias", (embed,)),
-        ]
-    merged = embed * spec.spatial_merge_size**2
-    shapes += [
-        ("visual.merger.ln_q.weight", (embed,)),
-        ("visual.merger.ln_q.bias", (embed,)),
-        ("visual.merger.mlp.0.weight", (merged, merged)),
-        ("visual.merger.mlp.0.bias", (merged,)),
-        ("visual.merger.mlp.2.weight", (hidden, merged)),
-        ("visual.merger.mlp.2.bias", (hidden,)),
-    ]
-    return shapes
-
-
-def random_weights(
-    spec: TinyModelSpec, vocab_size: int, seed: int, *, num_real_tokens: int | None = None
-) -> dict[str, torch.Tensor]:
-    """Draw every tensor from one seeded generator, in `weight_shapes` order.
-
-    Matrices get std MATRIX_GAIN/sqrt(fan_in) rather than HF's 0.02: with 0.02 the residual
-    stream barely changes, greedy decoding collapses into one repeated token and a wrong
-    rotary or mask hides below test tolerances (gain 1.5 gives ~30 distinct tokens in 32
-    greedy steps). Norm scales are 1 +- 0.1 and biases 0 +- 0.1 so a forgotten bias or norm
-    weight shows up too. Embedding and lm_head rows past the tokenizer's vocabulary (the
-    alignment padding) are zero, so greedy decoding never emits an id the tokenizer lacks.
-    """
-    generator = torch.Generator(device="cpu").manual_seed(seed)
-    weights = {}
-    for name, shape in weight_shapes(spec, vocab_size):
-        tensor = torch.empty(shape, dtype=torch.float32)
-        if name == "model.embed_tokens.weight":
-            tensor.normal_(0.0, 1.0, generator=generator)
-        elif len(shape) >= 2:
-            fan_in = math.prod(shape[1:])
-            tensor.normal_(0.0, MATRIX_GAIN * fan_in**-0.5, generator=generator)
-        elif name.endswith("bias"):
-            tensor.normal_(0.0, 0.1, generator=generator)
-        else:  # RMSNorm / LayerNorm scale
-            tensor.normal_(1.0, 0.1, generator=generator)
-        if name in ("model.embed_tokens.weight", "lm_head.weight") and num_real_tokens:
-            tensor[num_real_tokens:] = 0.0
-        weights[name] = tensor.to(spec.dtype).contiguous()
-    return weights
 
 
 # ---------------------------------------------------------------------------- tokenizer
@@ -356,7 +344,7 @@ def model_config_dict(spec: TinyModelSpec, token_ids: dict[str, int], vocab_size
         "rope_scaling": {"type": "mrope", "mrope_section": list(spec.mrope_section)},
         "sliding_window": spec.max_position_embeddings,
         "use_sliding_window": False,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": spec.tie_word_embeddings,
         "torch_dtype": dtype,
         "use_cache": True,
         "vocab_size": vocab_size,
@@ -452,9 +440,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir", metavar="OUT_DIR")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where the random values are drawn: cpu (default) or cuda, much faster for the "
+        "qwen2-vl-* sizes; the two give different weights from one seed",
+    )
     args = parser.parse_args(argv)
-    path = make_tiny_model(args.out_dir, seed=args.seed, size=args.size)
-    print(f"wrote {args.size} Qwen2-VL checkpoint (seed {args.seed}) to {path}")
+    path = make_tiny_model(args.out_dir, seed=args.seed, size=args.size, device=args.device)
+    print(f"wrote {args.size} Qwen2-VL checkpoint (seed {args.seed}, {args.device}) to {path}")
     return 0
 
 

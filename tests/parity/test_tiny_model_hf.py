@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import numpy as np
@@ -12,7 +13,12 @@ from tokenizers import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 
-from engine.tiny_model import SIZES, SPECIAL_TOKENS, make_tiny_model  # noqa: E402
+from engine.tiny_model import (  # noqa: E402
+    SIZES,
+    SPECIAL_TOKENS,
+    make_tiny_model,
+    write_checkpoint,
+)
 
 HAS_TORCHVISION = importlib.util.find_spec("torchvision") is not None
 
@@ -154,3 +160,30 @@ def test_generates_varied_tokens_from_an_image_prompt(tiny, hf_model, hf_tokeniz
     # The image matters: a different picture changes the continuation.
     other = _image_inputs(tiny, hf_tokenizer, text, Image.fromarray(255 - pixels))
     assert _greedy(hf_model[0], other) != tokens
+
+
+def test_tied_padded_sharded_checkpoint_matches_tessera(tmp_path):
+    """Tied embeddings (no lm_head.weight), embedding rows forced past the tokenizer's size
+    to an unaligned count, and several shards with an index: transformers and Tessera both
+    load it and agree on greedy tokens and their logprobs."""
+    from engine import LLM
+    from tests.parity.test_generate import GREEDY, Reference, chat, check, picture
+
+    spec = dataclasses.replace(SIZES["tiny2"], vocab_size=1100, tie_word_embeddings=True)
+    path = write_checkpoint(tmp_path / "tied", spec, seed=3, max_shard_bytes=200_000)
+    assert len(list(path.glob("model-*-of-*.safetensors"))) > 1
+    _, info = transformers.Qwen2VLForConditionalGeneration.from_pretrained(
+        path, output_loading_info=True
+    )
+    assert not any(info.values()), info
+    reference = Reference(path)
+    model = reference.model
+    assert model.config.tie_word_embeddings is True
+    assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    assert model.lm_head.weight.shape[0] == 1100
+
+    prompts = [chat("Describe a dog in the park."), chat(picture(112, 84, 1), "What is this?")]
+    results = LLM(str(path), num_kv_blocks=64).generate(prompts, GREEDY)
+    check(results, reference, prompts, range(len(prompts)))
+    tokens = [t for index in range(len(prompts)) for t in reference.get(index, prompts[index])[1]]
+    assert len(set(tokens)) >= 6 and max(tokens) < len(reference.tokenizer), tokens

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -20,9 +22,12 @@ from engine.tiny_model import (
     SPECIAL_TOKENS,
     main,
     make_tiny_model,
+    model_config_dict,
     read_chat_template,
     weight_shapes,
+    write_checkpoint,
 )
+from engine.tiny_weights import INDEX_FILE, random_weights
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FILES = (
@@ -209,9 +214,120 @@ def test_tiny2_has_a_different_shape(tmp_path):
 
 
 def test_main_cli_and_unknown_size(tmp_path, capsys):
-    assert main([str(tmp_path / "m"), "--seed", "3", "--size", "tiny2"]) == 0
+    assert main([str(tmp_path / "m"), "--seed", "3", "--size", "tiny2", "--device", "cpu"]) == 0
     assert (tmp_path / "m" / "model.safetensors").is_file()
     with pytest.raises(ValueError, match="unknown size"):
         make_tiny_model(tmp_path / "x", size="huge")
     with pytest.raises(SystemExit):
         main([str(tmp_path / "y"), "--size", "huge"])
+
+
+def _num_params(shapes: list[tuple[str, tuple[int, ...]]]) -> int:
+    return sum(math.prod(shape) for _, shape in shapes)
+
+
+def _decoder_params(h: int, layers: int, heads: int, kv_heads: int, mlp: int, vocab: int) -> int:
+    """Qwen2 decoder parameters, counted from the architecture (not from weight_shapes)."""
+    kv = kv_heads * (h // heads)
+    attention = (h * h + h) + 2 * (kv * h + kv) + h * h  # q, k, v with bias; o without
+    layer = 2 * h + attention + 3 * h * mlp  # two RMSNorms, SwiGLU MLP
+    return vocab * h + layers * layer + h  # embedding, layers, final norm (lm_head apart)
+
+
+def _vision_params(embed: int, depth: int, out_hidden: int) -> int:
+    """Qwen2-VL ViT parameters: Conv3d patch embed (no bias), blocks, 2x2 patch merger."""
+    block = 2 * 2 * embed + (3 * embed * embed + 3 * embed) + (embed * embed + embed)
+    block += 2 * (4 * embed * embed) + 4 * embed + embed  # fc1, fc2 (mlp ratio 4)
+    merged = 4 * embed
+    merger = 2 * embed + (merged * merged + merged) + (out_hidden * merged + out_hidden)
+    return embed * 3 * 2 * 14 * 14 + depth * block + merger
+
+
+@pytest.mark.parametrize(
+    "size,decoder,lm_head,total",
+    [
+        # The hub's Qwen2-VL-2B-Instruct / 7B-Instruct safetensors hold exactly these totals.
+        ("qwen2-vl-2b", _decoder_params(1536, 28, 12, 2, 8960, 151936), 0, 2_208_985_600),
+        (
+            "qwen2-vl-7b",
+            _decoder_params(3584, 28, 28, 4, 18944, 152064),
+            152064 * 3584,
+            8_291_375_616,
+        ),
+    ],
+)
+def test_benchmark_sizes_have_the_real_parameter_counts(size, decoder, lm_head, total):
+    spec = SIZES[size]
+    vision = _vision_params(1280, 32, spec.hidden_size)
+    assert decoder + lm_head + vision == total  # the architecture's count matches the hub's
+    shapes = weight_shapes(spec, spec.vocab_size)
+    assert _num_params(shapes) == total
+    assert _num_params([s for s in shapes if s[0].startswith("visual.")]) == vision
+    assert spec.head_dim == 128 == 2 * sum(spec.mrope_section)
+    assert spec.dtype == torch.bfloat16
+    assert ("lm_head.weight" in dict(shapes)) is (lm_head > 0)
+    assert dict(shapes)["model.embed_tokens.weight"] == (spec.vocab_size, spec.hidden_size)
+    assert 8192 <= spec.bpe_vocab_size < spec.vocab_size  # small tokenizer, real row count
+
+
+def test_tie_word_embeddings_drops_lm_head_and_sets_the_config():
+    untied = SIZES["tiny"]
+    tied = dataclasses.replace(untied, tie_word_embeddings=True)
+    untied_shapes, tied_shapes = dict(weight_shapes(untied, 1600)), dict(weight_shapes(tied, 1600))
+    assert untied_shapes.pop("lm_head.weight") == (1600, untied.hidden_size)
+    assert tied_shapes == untied_shapes
+    weights = random_weights(tied, 1600, seed=0, num_real_tokens=1544)
+    assert "lm_head.weight" not in weights and weights.keys() == tied_shapes.keys()
+    token_ids = dict.fromkeys(SPECIAL_TOKENS, 1)
+    assert model_config_dict(tied, token_ids, 1600)["tie_word_embeddings"] is True
+    assert model_config_dict(untied, token_ids, 1600)["tie_word_embeddings"] is False
+    assert model_config_dict(SIZES["qwen2-vl-2b"], token_ids, 151936)["tie_word_embeddings"]
+    assert not model_config_dict(SIZES["qwen2-vl-7b"], token_ids, 152064)["tie_word_embeddings"]
+
+
+def test_forced_vocab_size_pads_with_zero_rows(tmp_path):
+    spec = dataclasses.replace(SIZES["tiny2"], vocab_size=1100, tie_word_embeddings=True)
+    path = write_checkpoint(tmp_path / "tied", spec, seed=3)
+    tensors = _tensors(path)
+    num_tokens = Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab_size(True)
+    assert num_tokens < 1100
+    assert "lm_head.weight" not in tensors
+    embed = tensors["model.embed_tokens.weight"]
+    assert embed.shape == (1100, spec.hidden_size)
+    assert torch.all(embed[num_tokens:] == 0) and torch.all(embed[:num_tokens].abs().sum(1) > 0)
+    config = ModelConfig.from_model_dir(path)
+    assert config.vocab_size == 1100 and config.tie_word_embeddings is True
+    with pytest.raises(ValueError, match="vocab_size"):
+        write_checkpoint(tmp_path / "bad", dataclasses.replace(spec, vocab_size=num_tokens - 1))
+
+
+def test_sharded_checkpoint_holds_the_same_tensors(tiny, tmp_path):
+    path = write_checkpoint(tmp_path / "sharded", SIZES["tiny"], seed=0, max_shard_bytes=10**6)
+    index = json.loads((path / INDEX_FILE).read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) >= 5 and not (path / "model.safetensors").exists()
+    assert sorted(p.name for p in path.glob("*.safetensors")) == files
+    sharded = {}
+    for file in files:
+        with safe_open(str(path / file), framework="pt") as f:
+            sharded.update({name: f.get_tensor(name) for name in f.keys()})  # noqa: SIM118
+    whole = _tensors(tiny)
+    assert sharded.keys() == whole.keys() == index["weight_map"].keys()
+    assert all(torch.equal(sharded[name], whole[name]) for name in whole)
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in whole.values())
+    # Written again as one file into the same folder: the old shards and index are gone.
+    write_checkpoint(path, SIZES["tiny"], seed=0)
+    assert sorted(p.name for p in path.iterdir()) == sorted(FILES)
+    assert _read(path, "model.safetensors") == _read(tiny, "model.safetensors")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_draw_is_deterministic_and_differs_from_cpu():
+    spec = SIZES["tiny"]
+    first = random_weights(spec, 1600, seed=0, num_real_tokens=1544, device="cuda")
+    again = random_weights(spec, 1600, seed=0, num_real_tokens=1544, device="cuda")
+    cpu = random_weights(spec, 1600, seed=0, num_real_tokens=1544)
+    assert all(t.device.type == "cpu" and t.dtype == spec.dtype for t in first.values())
+    assert all(torch.equal(first[name], again[name]) for name in first)
+    assert not torch.equal(first["model.embed_tokens.weight"], cpu["model.embed_tokens.weight"])
+    assert torch.all(first["lm_head.weight"][1544:] == 0)
