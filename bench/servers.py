@@ -1,0 +1,92 @@
+"""Starting and stopping an OpenAI-compatible server for a benchmark run (not a test).
+
+`running(spec, port, log_dir, timeout_s)` starts the server in its own process group on
+127.0.0.1, waits until `/health` and `/v1/models` answer, yields its base URL and stops it
+on the way out (SIGTERM to the group, SIGKILL after a grace period). Used by
+bench/side_by_side.py (Tessera vs vLLM's CPU build) and bench/gpu_serving.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+HOST = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """How to start one server: its command line and extra environment."""
+
+    name: str
+    command: list[str]
+    env: dict[str, str]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
+def wait_healthy(base_url: str, process: subprocess.Popen, timeout_s: float, log: Path) -> None:
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(base_url=base_url, timeout=5.0, trust_env=False) as http:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"server exited with {process.returncode}; log: {log}")
+            with contextlib.suppress(httpx.HTTPError):
+                if http.get("/health").status_code == 200:
+                    models = http.get("/v1/models")
+                    if models.status_code == 200:
+                        return
+            time.sleep(1.0)
+    raise RuntimeError(f"server not healthy after {timeout_s:.0f} s; log: {log}")
+
+
+def stop(process: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """SIGTERM the server's process group (engine workers included), SIGKILL if it lingers."""
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)  # stragglers of the group, if any
+    process.wait()
+
+
+@contextlib.contextmanager
+def running(spec: ServerSpec, port: int, log_dir: Path, timeout_s: float) -> Iterator[str]:
+    log = log_dir / f"{spec.name}.log"
+    print(f"[{spec.name}] starting: {' '.join(spec.command)}  (log {log})", file=sys.stderr)
+    started = time.monotonic()
+    with open(log, "wb") as log_file:
+        process = subprocess.Popen(
+            spec.command,
+            cwd=REPO_ROOT,
+            env={**os.environ, **spec.env},
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: stop() reaches its children
+        )
+    base_url = f"http://{HOST}:{port}"
+    try:
+        wait_healthy(base_url, process, timeout_s, log)
+        print(f"[{spec.name}] healthy after {time.monotonic() - started:.0f} s", file=sys.stderr)
+        yield base_url
+    finally:
+        stop(process)
