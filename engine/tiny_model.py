@@ -137,6 +137,23 @@ SIZES: dict[str, TinyModelSpec] = {
         max_pixels=336 * 336,
         dtype=torch.float32,
     ),
+    # FlashInfer's head dim (128, as Qwen2-VL-2B/7B), small otherwise: the GPU tests run
+    # FlashInfer on it, which JIT-compiles one kernel module per head dim and dtype.
+    "tiny-hd128": TinyModelSpec(
+        bpe_vocab_size=1536,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        mrope_section=(16, 24, 24),
+        max_position_embeddings=4096,
+        vision_depth=2,
+        vision_embed_dim=64,
+        vision_num_heads=4,
+        max_pixels=448 * 448,
+        dtype=torch.float32,
+    ),
     "small": TinyModelSpec(
         bpe_vocab_size=8192,
         hidden_size=896,

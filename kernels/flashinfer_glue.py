@@ -37,6 +37,14 @@ import torch
 
 DEFAULT_WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace
 
+# Every wrapper runs FlashInfer's FA2 kernels, decode included (its "tensor-core" decode is
+# the FA2 prefill kernel with one query row per sequence). FlashInfer JIT-compiles one module
+# per (query dtype, KV dtype, head dim, backend) on first use, about a minute each on a
+# 16-core machine; with FA2 everywhere, prefill and decode share that one module. FA3 would
+# only speed up prefill attention, a few percent of a prefill step at multimodal prompt
+# lengths (hundreds to a few thousand tokens), for a second module per variant.
+FLASHINFER_BACKEND = "fa2"
+
 
 @dataclass(frozen=True)
 class PagedKVPlan:
@@ -139,11 +147,6 @@ class PlanGeometry:
     q_dtype: torch.dtype
     kv_dtype: torch.dtype
 
-    @property
-    def use_tensor_cores(self) -> bool:
-        # Tensor cores pay off once several query heads share a KV head (GQA).
-        return self.num_qo_heads > self.num_kv_heads
-
 
 def _plan_decode(
     wrapper: Any, plan: PagedKVPlan, kv_indices: torch.Tensor, geometry: PlanGeometry
@@ -173,8 +176,7 @@ class GraphDecodeWrapper:
     history fits the captured launch). `run()` is what a graph captures.
     """
 
-    def __init__(self, workspace: torch.Tensor, batch_size: int, max_pages: int,
-                 use_tensor_cores: bool) -> None:  # fmt: skip
+    def __init__(self, workspace: torch.Tensor, batch_size: int, max_pages: int) -> None:
         flashinfer = import_flashinfer()
         device = workspace.device
         self.batch_size = batch_size
@@ -186,7 +188,8 @@ class GraphDecodeWrapper:
             workspace,
             kv_layout="NHD",
             use_cuda_graph=True,
-            use_tensor_cores=use_tensor_cores,
+            use_tensor_cores=True,
+            backend=FLASHINFER_BACKEND,
             paged_kv_indptr_buffer=self._indptr,
             paged_kv_indices_buffer=self._indices,
             paged_kv_last_page_len_buffer=self._last_page_len,
@@ -219,9 +222,11 @@ class FlashInferWrappers:
         self._flashinfer = import_flashinfer()
         self._workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
         self._prefill = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self._workspace, kv_layout="NHD"
+            self._workspace, kv_layout="NHD", backend=FLASHINFER_BACKEND
         )
-        self._decode: Any = None  # built on first plan, once the GQA group size is known
+        self._decode = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self._workspace, kv_layout="NHD", use_tensor_cores=True, backend=FLASHINFER_BACKEND
+        )
         self._is_decode_only = False
 
     def plan(
@@ -232,10 +237,6 @@ class FlashInferWrappers:
     ) -> None:
         self._is_decode_only = plan.is_decode_only
         if plan.is_decode_only:
-            if self._decode is None:
-                self._decode = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                    self._workspace, kv_layout="NHD", use_tensor_cores=geometry.use_tensor_cores
-                )
             _plan_decode(self._decode, plan, kv_indices, geometry)
             return
         self._prefill.plan(
@@ -268,3 +269,19 @@ class FlashInferWrappers:
     ) -> torch.Tensor:  # [T, H, D]
         wrapper = self._decode if self._is_decode_only else self._prefill
         return wrapper.run(query, kv_cache, k_scale=k_scale, v_scale=v_scale)
+
+
+def compile_kernels(device: torch.device, geometry: PlanGeometry) -> None:
+    """JIT-compile (or load from FlashInfer's cache) the one module this geometry runs on,
+    by planning and running a two-token prefill over a one-page cache. Serving starts
+    without it; it moves the first request's compile wait to wherever this is called."""
+    wrappers = FlashInferWrappers(device, workspace_bytes=16 * 1024 * 1024)
+    plan = build_paged_kv_plan([2], [2], geometry.block_size, 1, pin_memory=True)
+    cache = torch.zeros(1, 2, geometry.block_size, geometry.num_kv_heads, geometry.head_dim,
+                        dtype=geometry.kv_dtype, device=device)  # fmt: skip
+    block_tables = torch.zeros(1, 1, dtype=torch.int32, device=device)
+    wrappers.plan(plan, gather_page_indices(block_tables, plan), geometry)
+    query = torch.zeros(2, geometry.num_qo_heads, geometry.head_dim, dtype=geometry.q_dtype,
+                        device=device)  # fmt: skip
+    wrappers.run(query, cache)
+    torch.cuda.synchronize(device)

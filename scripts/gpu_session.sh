@@ -1,25 +1,33 @@
 #!/usr/bin/env bash
-# The GPU checks of issue 8 in a few commands, for an offline GPU machine that already has
-# torch, triton and transformers (docs/gpu.md). Each step fits a 10-minute window:
+# The GPU checks of issue 8, for an offline GPU machine that already has torch, triton and
+# transformers (docs/gpu.md). Steps run in the order given; each one's log goes to $OUT:
 #
-#   scripts/gpu_session.sh setup tests        # install .whl/, tests/gpu (FlashInfer JIT-compiles)
-#   scripts/gpu_session.sh setup decode       # bench/gpu_decode.py, 2B and 7B shapes
-#   scripts/gpu_session.sh setup serving-2b   # bench/gpu_serving.py: Tessera vs transformers
-#   scripts/gpu_session.sh setup serving-7b
+#   scripts/gpu_session.sh prepare tests decode   # ~8 min on a fresh H100
+#   scripts/gpu_session.sh serving-2b serving-7b
 #
-# `setup` installs the wheel bundle of scripts/device_wheels.sh (carried in .whl/) into
-# /tmp/site once per machine. Logs and JSON results go to $OUT (default ./gpu-results).
-# Generated checkpoints stay in /tmp/tessera-models while the machine lives.
-set -euo pipefail
+#   prepare     FlashInfer's JIT modules (scripts/flashinfer_jit.py) while the 2B and 7B
+#               checkpoints are written (engine.tiny_model, drawn on the GPU)
+#   tests       tests/gpu
+#   decode      bench/gpu_decode.py, 2B and 7B shapes, batch 1 / 32 / 128
+#   serving-2b  bench/gpu_serving.py: Tessera vs transformers on issue 8's load
+#   serving-7b
+#
+# Every call first installs the wheel bundle of scripts/device_wheels.sh (carried in .whl/)
+# into /tmp/site, once per machine. A step that fails is reported and the next one runs.
+# STEP_TIMEOUT (seconds, default 590) bounds each step. Logs and JSON go to $OUT (default
+# ./gpu-results); checkpoints stay in /tmp/tessera-models while the machine lives.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-results}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+models=/tmp/tessera-models
+step_timeout=${STEP_TIMEOUT:-590}
 
 setup() {
     if [ ! -e /tmp/site/.tessera-installed ]; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-            --target /tmp/site .whl/*.whl
+            --target /tmp/site .whl/*.whl || return 1
         touch /tmp/site/.tessera-installed
     fi
     export PYTHONPATH="/tmp/site:$PWD"
@@ -29,29 +37,50 @@ setup() {
 'transformers', transformers.__version__)"
 }
 
+prepare() {
+    python3 scripts/flashinfer_jit.py --head-dim 128 --kv-cache-dtype auto fp8 &
+    local jit=$!
+    for size in qwen2-vl-2b qwen2-vl-7b; do
+        python3 -c "import sys; from pathlib import Path; from bench.gpu_decode import ensure_model
+ensure_model(Path('$models'), '$size', 'cuda')" || return 1
+    done
+    wait "$jit"
+}
+
 run_tests() {
     # tests/gpu in their own process: tests/unit switches triton to its CPU interpreter.
-    python3 -m pytest -q -x -p no:cacheprovider tests/gpu 2>&1 | tee "$out/tests-gpu.log"
+    python3 -m pytest -q -rs -p no:cacheprovider --durations=10 tests/gpu
 }
 
 run_decode() {
     python3 bench/gpu_decode.py --sizes qwen2-vl-2b qwen2-vl-7b --batch-sizes 1 32 128 \
-        --out "$out/decode.json" 2>&1 | tee "$out/decode.log"
+        --model-root "$models" --out "$out/decode.json"
 }
 
 run_serving() {  # $1: qwen2-vl-2b | qwen2-vl-7b
-    python3 bench/gpu_serving.py --size "$1" --log-dir "/tmp/serving-$1" \
-        --out "$out/serving-$1.json" 2>&1 | tee "$out/serving-$1.log"
+    python3 bench/gpu_serving.py --size "$1" --model-root "$models" \
+        --log-dir "/tmp/serving-$1" --out "$out/serving-$1.json"
+    cp "/tmp/serving-$1/tessera.log" "$out/server-$1.log" 2>/dev/null || true
 }
 
+setup || exit 1
+status=0
 for step in "$@"; do
+    started=$SECONDS
     echo "=== $step"
     case "$step" in
-        setup) setup ;;
-        tests) run_tests ;;
-        decode) run_decode ;;
-        serving-2b) run_serving qwen2-vl-2b ;;
-        serving-7b) run_serving qwen2-vl-7b ;;
+        prepare) fn=prepare ;;
+        tests) fn=run_tests ;;
+        decode) fn=run_decode ;;
+        serving-2b) fn="run_serving qwen2-vl-2b" ;;
+        serving-7b) fn="run_serving qwen2-vl-7b" ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac
+    export -f prepare run_tests run_decode run_serving
+    export out models
+    timeout "$step_timeout" bash -c "$fn" 2>&1 | tee "$out/$step.log"
+    rc=${PIPESTATUS[0]}
+    echo "=== $step: exit $rc after $((SECONDS - started)) s"
+    [ "$rc" -eq 0 ] || status=1
 done
+exit "$status"

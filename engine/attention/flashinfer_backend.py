@@ -107,7 +107,6 @@ class FlashInferAttentionBackend:
                 self._eager_wrappers(metadata.block_tables.device).workspace,
                 batch_size,
                 max_pages=batch_size * width,
-                use_tensor_cores=self._geometry.use_tensor_cores,
             )
             self._graph_wrappers[batch_size] = wrapper
         plan = flashinfer_glue.build_paged_kv_plan(

@@ -1,6 +1,6 @@
 """Greedy generation through LLM / EngineCore equals transformers, token for token.
 
-Two generated checkpoints of different seed and shape. Every engine configuration
+Three generated checkpoints of different seed and shape (the third is tests/gpu's). Every engine configuration
 (single prompts, a batch of 8, a KV pool small enough to force preemption, tiny
 prefill chunks) must reproduce HF's 32 greedy tokens, and chosen-token logprobs
 within 1e-4 of log_softmax(HF output_logits).
@@ -22,7 +22,7 @@ from engine.tiny_model import make_tiny_model  # noqa: E402
 
 NUM_NEW = 32
 GREEDY = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True, logprobs=1)
-VARIANTS = [("tiny", 0), ("tiny2", 1)]
+VARIANTS = [("tiny", 0), ("tiny2", 1), ("tiny-hd128", 2)]  # tiny-hd128: tests/gpu's model
 
 
 def picture(width: int, height: int, salt: int) -> Image.Image:
