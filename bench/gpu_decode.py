@@ -34,6 +34,8 @@ from engine.core import EngineCore
 from engine.device_io import DeviceTimer
 from engine.protocol import EngineRequest, SamplingParams
 
+PROFILE_STEPS = 5
+
 
 @dataclass(frozen=True)
 class DecodeResult:
@@ -107,6 +109,14 @@ class ForwardTimer:
         return times
 
 
+def plain_token_ids(core: EngineCore) -> int:
+    """Prompts draw ids below this: inside the tokenizer, and below the special tokens (an
+    image placeholder in a text-only prompt fails the request)."""
+    mc = core.model_config
+    special = [mc.image_token_id, mc.video_token_id, mc.vision_start_token_id, *mc.eos_token_ids]
+    return min(mc.vocab_size, 8000, *(i for i in special if i is not None))
+
+
 def random_prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
     return [rng.randrange(vocab) for _ in range(length)]
 
@@ -115,8 +125,7 @@ def run_batch(core: EngineCore, timer: ForwardTimer, batch_size: int,
               args: argparse.Namespace, vocab: int) -> tuple[float, float]:  # fmt: skip
     """Median step and forward times (ms) of `args.steps` decode steps at `batch_size`."""
     rng = random.Random(batch_size)
-    total = args.warmup_steps + args.steps + 2
-    sampling = SamplingParams(max_tokens=total, temperature=0.0, ignore_eos=True)
+    sampling = SamplingParams(max_tokens=max_new_tokens(args), temperature=0.0, ignore_eos=True)
     ids = [f"b{batch_size}-{i}" for i in range(batch_size)]
     for request_id in ids:
         prompt = random_prompt(rng, args.context_len, vocab)
@@ -124,7 +133,11 @@ def run_batch(core: EngineCore, timer: ForwardTimer, batch_size: int,
                                        sampling=sampling))  # fmt: skip
     started: set[str] = set()
     while len(started) < batch_size:  # prefill, chunked by the token budget
-        started |= {o.request_id for o in core.step().outputs if o.new_token_ids}
+        for output in core.step().outputs:
+            if output.error is not None:
+                raise RuntimeError(f"request {output.request_id} failed: {output.error}")
+            if output.new_token_ids:
+                started.add(output.request_id)
     for _ in range(args.warmup_steps):
         core.step()
     timer.pop_ms()
@@ -134,12 +147,48 @@ def run_batch(core: EngineCore, timer: ForwardTimer, batch_size: int,
         outputs = core.step()
         step_ms.append((time.perf_counter() - begin) * 1000)
         if outputs.stats.num_scheduled_tokens != batch_size:
-            raise RuntimeError("a timed step was not a pure decode step of the whole batch")
+            raise RuntimeError(
+                f"a timed step was not a pure decode step of the whole batch: {outputs.stats}"
+            )
     forward_ms = timer.pop_ms()
+    if args.profile_dir and batch_size in args.profile_batch_sizes:
+        profile_steps(core, f"{core.config.attention_backend}-b{batch_size}", args)
     core.abort_requests(ids)
     while core.has_unfinished_requests():
         core.step()
     return median(step_ms), median(forward_ms)
+
+
+def profile_steps(core: EngineCore, name: str, args: argparse.Namespace) -> None:
+    """PROFILE_STEPS more decode steps under torch.profiler: the busiest ops on the host and
+    on the device to stderr, a Chrome trace (Perfetto / chrome://tracing) to --profile-dir."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities, with_stack=True) as prof:
+        for _ in range(PROFILE_STEPS):
+            core.step()
+    mode = "eager" if core.config.enforce_eager else "graphs"
+    path = Path(args.profile_dir) / f"{Path(core.config.model).name}-{mode}-{name}.json.gz"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(path))
+    # Ops and kernels only: with_stack also records every Python call as an event.
+    ops = [e for e in prof.key_averages() if ".py(" not in e.key and "built-in" not in e.key]
+    for field in ("self_cpu_time_total", "self_device_time_total"):
+        print(f"--- {path.name}: top {field} over {PROFILE_STEPS} steps (us, calls)",
+              file=sys.stderr)  # fmt: skip
+        for event in sorted(ops, key=lambda e: getattr(e, field), reverse=True)[:15]:
+            print(f"{getattr(event, field):10.0f} {event.count:6d}  {event.key[:90]}",
+                  file=sys.stderr)  # fmt: skip
+
+
+def max_new_tokens(args: argparse.Namespace) -> int:
+    """Enough for every timed step: the prompts prefilled first decode while later ones are
+    still prefilling, so they run ahead by up to the number of prefill steps."""
+    prefill_steps = -(-max(args.batch_sizes) * args.context_len // args.max_num_batched_tokens)
+    return args.warmup_steps + args.steps + PROFILE_STEPS + prefill_steps + 2
 
 
 def median(values: Sequence[float]) -> float:
@@ -160,7 +209,7 @@ def ensure_model(root: Path, size: str, device: str) -> Path:
 def bench_size(size: str, args: argparse.Namespace, bandwidth: float) -> list[DecodeResult]:
     model_dir = ensure_model(Path(args.model_root), size, args.device)
     max_batch = max(args.batch_sizes)
-    max_len = args.context_len + args.warmup_steps + args.steps + 16
+    max_len = args.context_len + max_new_tokens(args) + 16
     results = []
     for mode in args.modes:
         config = EngineConfig(
@@ -179,7 +228,7 @@ def bench_size(size: str, args: argparse.Namespace, bandwidth: float) -> list[De
         timer = ForwardTimer(core)
         weight_bytes = decoder_weight_bytes(core.runner.model)
         per_token = kv_bytes_per_token(core)
-        vocab = min(core.model_config.vocab_size, 8000)  # inside the tokenizer's ids
+        vocab = plain_token_ids(core)
         for batch_size in args.batch_sizes:
             step_ms, forward_ms = run_batch(core, timer, batch_size, args, vocab)
             history = args.context_len + args.warmup_steps + args.steps // 2
@@ -217,6 +266,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the script")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--profile-dir", help="profile a few steps per batch size; traces here")
+    parser.add_argument("--profile-batch-sizes", nargs="+", type=int, default=[1],
+                        help="which batch sizes --profile-dir profiles")  # fmt: skip
     return parser.parse_args(argv)
 
 

@@ -27,7 +27,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.servers import HOST, REPO_ROOT, ServerSpec, free_port, running
+from bench.servers import HOST, ServerSpec, free_port, repo_pythonpath, running
 
 SERVED_MODEL_NAME = "bench"
 COLUMNS = [  # (summary key, title)
@@ -62,7 +62,7 @@ def tessera_spec(args: argparse.Namespace, model_dir: Path, port: int) -> Server
         "--max-waiting-requests", str(args.num_requests), "--log-level", "warning",
         *args.tessera_arg,
     ]  # fmt: skip
-    return ServerSpec("tessera", command, {"PYTHONPATH": str(REPO_ROOT)})
+    return ServerSpec("tessera", command, {"PYTHONPATH": repo_pythonpath()})
 
 
 def run_tessera(args: argparse.Namespace, model_dir: Path, work: Path) -> dict:

@@ -22,6 +22,13 @@ from pathlib import Path
 import httpx
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def repo_pythonpath() -> str:
+    """PYTHONPATH for a server started from this checkout: the repo first, then whatever
+    the caller had (on the offline GPU machine, the folder the wheel bundle went to)."""
+    inherited = os.environ.get("PYTHONPATH")
+    return os.pathsep.join([str(REPO_ROOT), inherited] if inherited else [str(REPO_ROOT)])
 HOST = "127.0.0.1"
 
 

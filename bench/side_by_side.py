@@ -29,7 +29,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.servers import HOST, REPO_ROOT, ServerSpec, free_port, running
+from bench.servers import HOST, ServerSpec, free_port, repo_pythonpath, running
 
 SERVED_MODEL_NAME = "small"
 DEFAULT_MODEL_DIR = "/work/.peers/small-model"
@@ -57,7 +57,7 @@ def tessera_spec(args: argparse.Namespace, port: int) -> ServerSpec:
         "--dtype", "bfloat16", "--max-model-len", str(args.max_model_len),
         "--log-level", "warning", *args.tessera_arg,
     ]  # fmt: skip
-    env = {"PYTHONPATH": str(REPO_ROOT)}
+    env = {"PYTHONPATH": repo_pythonpath()}
     return ServerSpec("tessera", command, env)
 
 

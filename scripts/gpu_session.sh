@@ -2,13 +2,15 @@
 # The GPU checks of issue 8, for an offline GPU machine that already has torch, triton and
 # transformers (docs/gpu.md). Steps run in the order given; each one's log goes to $OUT:
 #
-#   scripts/gpu_session.sh prepare tests decode   # ~8 min on a fresh H100
+#   scripts/gpu_session.sh prepare tests decode-2b decode-7b   # ~8 min on a fresh H100
 #   scripts/gpu_session.sh serving-2b serving-7b
 #
 #   prepare     FlashInfer's JIT modules (scripts/flashinfer_jit.py) while the 2B and 7B
 #               checkpoints are written (engine.tiny_model, drawn on the GPU)
 #   tests       tests/gpu
-#   decode      bench/gpu_decode.py, 2B and 7B shapes, batch 1 / 32 / 128
+#   decode-2b   bench/gpu_decode.py, batch 1 / 32 / 128, graphs and eager; with a torch
+#               profile of batch 1 and 128 (profiles.tar: Chrome traces)
+#   decode-7b
 #   serving-2b  bench/gpu_serving.py: Tessera vs transformers on issue 8's load
 #   serving-7b
 #
@@ -52,9 +54,14 @@ run_tests() {
     python3 -m pytest -q -rs -p no:cacheprovider --durations=10 tests/gpu
 }
 
-run_decode() {
-    python3 bench/gpu_decode.py --sizes qwen2-vl-2b qwen2-vl-7b --batch-sizes 1 32 128 \
-        --model-root "$models" --out "$out/decode.json"
+run_decode() {  # $1: qwen2-vl-2b | qwen2-vl-7b; the 2B run also profiles batch 1 and 128
+    local profile=()
+    if [ "$1" = qwen2-vl-2b ]; then
+        profile=(--profile-dir /tmp/profiles --profile-batch-sizes 1 128)
+    fi
+    python3 bench/gpu_decode.py --sizes "$1" --batch-sizes 1 32 128 --model-root "$models" \
+        --out "$out/decode-$1.json" "${profile[@]}" || return 1
+    if [ -d /tmp/profiles ]; then tar -C /tmp -cf "$out/profiles.tar" profiles; fi
 }
 
 run_serving() {  # $1: qwen2-vl-2b | qwen2-vl-7b
@@ -71,7 +78,8 @@ for step in "$@"; do
     case "$step" in
         prepare) fn=prepare ;;
         tests) fn=run_tests ;;
-        decode) fn=run_decode ;;
+        decode-2b) fn="run_decode qwen2-vl-2b" ;;
+        decode-7b) fn="run_decode qwen2-vl-7b" ;;
         serving-2b) fn="run_serving qwen2-vl-2b" ;;
         serving-7b) fn="run_serving qwen2-vl-7b" ;;
         *) echo "unknown step $step" >&2; exit 2 ;;

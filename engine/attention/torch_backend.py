@@ -269,7 +269,7 @@ def paged_decode(
         attn_mask=plan.visible,  # [S, 1, 1, L]
         scale=scale,
     )  # [S, KVH, G, D]
-    return out.view(num_seqs, num_heads, head_dim)
+    return out.reshape(num_seqs, num_heads, head_dim)  # CUDA SDPA may return it transposed
 
 
 def read_cached(

@@ -55,7 +55,7 @@ def plan_frame_groups(
     groups = []
     for length, starts in starts_by_length.items():
         starts_tensor = torch.tensor(starts, dtype=torch.long).unsqueeze(1)  # [F, 1]
-        rows = (starts_tensor + torch.arange(length)).to(device)  # [F, L]
+        rows = to_device(starts_tensor + torch.arange(length), torch.long, device)  # [F, L]
         groups.append(FrameGroup(length, rows))
     return groups
 
@@ -232,7 +232,8 @@ class Qwen2VisionTransformer(nn.Module):
         # The merger's LayerNorm is never prepacked (see engine/models/cpu_prepack.py).
         device, dtype = self.merger.ln_q.weight.device, self.merger.ln_q.weight.dtype
         x = self.patch_embed(pixel_values.to(device=device, dtype=dtype))
-        positions = vision_rotary_positions(grids, self.config.spatial_merge_size).to(device)
+        merge = self.config.spatial_merge_size
+        positions = to_device(vision_rotary_positions(grids, merge), torch.long, device)
         cos, sin = self.rotary(positions)  # [N, D] each, float32
         plan = plan_vision_attention(grids, device, dtype)
         for block in self.blocks:
