@@ -5,6 +5,9 @@ in `kernels.reference`:
     kv_cache_write     write_kv_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale)
     embedding_scatter  scatter_rows(dst, row_indices, src)
     token_gather       gather_rows(src, row_indices, out=None)
+    rms_norm           add_rms_norm(x, weight, eps, residual=None)  (the decoder's norms)
+    rotary             rotary_folded_(qk, cos, signed_sin)  (in place on the QKV buffer)
+    silu_and_mul       silu_and_mul(x)  (the MLP activation)
 
 Triton is optional (`pip install tessera[gpu]`): importing this package never imports it;
 import the submodules only after `is_available()`. On CPU the kernels run under

@@ -40,7 +40,9 @@ def _rotary_kernel(
     cols = tl.arange(0, BLOCK_HALF)  # [BD]
     mask = (heads[:, None] < num_heads) & (cols[None, :] < half)  # [BH, BD]
     dtype = qk_ptr.dtype.element_ty
-    first = qk_ptr + token * token_stride + heads[:, None].to(tl.int64) * head_stride + cols[None, :]
+    first = (
+        qk_ptr + token * token_stride + heads[:, None].to(tl.int64) * head_stride + cols[None, :]
+    )
     x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(first + half, mask=mask, other=0.0).to(tl.float32)
     table = token * table_stride + cols
