@@ -45,6 +45,12 @@ WORDS: tuple[str, ...] = tuple(
 )
 
 
+def parse_image_size(text: str) -> tuple[int, int]:
+    """--image-size "WxH" -> (width, height)."""
+    width, _, height = text.lower().partition("x")
+    return int(width), int(height)
+
+
 @dataclass(frozen=True)
 class DatasetConfig:
     """What requests to make. Sizes are validated by the CLI before they get here."""

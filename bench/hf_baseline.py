@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from PIL import Image
 
-from bench.datasets import BenchRequest, DatasetConfig, make_requests
+from bench.datasets import BenchRequest, DatasetConfig, make_requests, parse_image_size
 from bench.report import format_report, result_json
 from bench.stats import RequestRecord, summarize
 
@@ -288,11 +288,6 @@ def format_baseline(config: BaselineConfig, result: BaselineResult) -> str:
 # ---------------------------------------------------------------------------- cli
 
 
-def _size(text: str) -> tuple[int, int]:
-    width, _, height = text.lower().partition("x")
-    return int(width), int(height)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bench/hf_baseline.py", description=__doc__.split("\n")[0])
     p.add_argument("model_dir", metavar="MODEL_DIR")
@@ -301,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--input-len", type=int, default=128, help="random text words (~tokens)")
-    p.add_argument("--image-size", type=_size, default=(448, 448), help="WxH")
+    p.add_argument("--image-size", type=parse_image_size, default=(448, 448), help="WxH")
     p.add_argument("--image-repeat-ratio", type=float, default=0.0, help="share of one image")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -29,7 +29,13 @@ from pathlib import Path
 import httpx
 
 from bench.client import CHAT_PATH, chat_body, stream_chat
-from bench.datasets import DATASETS, BenchRequest, DatasetConfig, make_requests
+from bench.datasets import (
+    DATASETS,
+    BenchRequest,
+    DatasetConfig,
+    make_requests,
+    parse_image_size,
+)
 from bench.report import format_report, result_json
 from bench.safety import BenchConfigError, check_loopback
 from bench.stats import RequestRecord, summarize
@@ -177,11 +183,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
 
 
-def _size(text: str) -> tuple[int, int]:
-    width, _, height = text.lower().partition("x")
-    return int(width), int(height)
-
-
 def _grid(text: str) -> tuple[int, int, int]:
     values = [int(v) for v in text.replace("x", ",").split(",")]
     if len(values) != 3:
@@ -203,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--image-size", type=_size, default=(448, 448), help="WxH")
+    p.add_argument("--image-size", type=parse_image_size, default=(448, 448), help="WxH")
     p.add_argument("--image-repeat-ratio", type=float, default=0.0)
     p.add_argument("--feature-url", action="append", default=[], help="repeatable")
     p.add_argument("--feature-grid-thw", type=_grid, default=(1, 16, 16), help="T,H,W")

@@ -109,11 +109,7 @@ class FlashInferAttentionBackend:
                 max_pages=batch_size * width,
             )
             self._graph_wrappers[batch_size] = wrapper
-        plan = flashinfer_glue.build_paged_kv_plan(
-            metadata.query_lens, metadata.seq_lens, self.shape.block_size, width, pin_memory=True
-        )
-        kv_indices = flashinfer_glue.gather_page_indices(metadata.block_tables, plan)
-        wrapper.plan(plan, kv_indices, self._geometry)
+        self._plan(wrapper, metadata)
 
     def _write_kv(
         self,
@@ -152,6 +148,17 @@ class FlashInferAttentionBackend:
         wrappers = self._eager_wrappers(kv_cache.device)
         if metadata is self._planned_metadata:
             return wrappers
+        self._plan(wrappers, metadata)
+        self._planned_metadata = metadata
+        return wrappers
+
+    def _plan(
+        self,
+        wrapper: flashinfer_glue.FlashInferWrappers | flashinfer_glue.GraphDecodeWrapper,
+        metadata: AttentionMetadata,
+    ) -> None:
+        """The step's CSR page table from its host lists (pinned), the page ids gathered on
+        the device, then FlashInfer's plan."""
         plan = flashinfer_glue.build_paged_kv_plan(
             metadata.query_lens,
             metadata.seq_lens,
@@ -160,6 +167,4 @@ class FlashInferAttentionBackend:
             pin_memory=True,
         )
         kv_indices = flashinfer_glue.gather_page_indices(metadata.block_tables, plan)
-        wrappers.plan(plan, kv_indices, self._geometry)
-        self._planned_metadata = metadata
-        return wrappers
+        wrapper.plan(plan, kv_indices, self._geometry)

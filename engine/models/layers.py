@@ -102,21 +102,14 @@ def apply_rotary_folded(
     """`apply_rotary` with tables from `rotary_tables`: x [T, H, D]; cos, signed_sin [T, 1, D].
 
     rotate_half(x) * sin == roll(x, D/2) * signed_sin exactly (negation is exact), in
-    four ops instead of eight."""
-    return reference.rotary_folded(x, cos, signed_sin)
-
-
-def apply_rotary_folded_(
-    x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
-) -> torch.Tensor:
-    """`apply_rotary_folded` written back into x (a view, e.g. the q and k heads of a fused
-    QKV output): one Triton kernel on CUDA; returns x."""
+    four ops instead of eight. On CUDA one Triton kernel rotates x in place (it may be a
+    view, e.g. the q and k heads of a fused QKV output, which then stays whole) and returns
+    it; elsewhere a new tensor is returned and x is left as it was."""
     if use_triton(x):
         from kernels.triton.rotary import rotary_folded_
 
         return rotary_folded_(x, cos, signed_sin)
-    x.copy_(reference.rotary_folded(x, cos, signed_sin))
-    return x
+    return reference.rotary_folded(x, cos, signed_sin)
 
 
 def rope_inv_freq(dim: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
@@ -132,7 +125,7 @@ def scatter_rows(
 ) -> None:
     """dst[rows[i]] = src[i] in place: encoder rows into their placeholder rows. On CUDA the
     Triton kernel (kernels/triton/embedding_scatter.py) when Triton is installed."""
-    if dst.is_cuda and triton_kernels.is_available():
+    if use_triton(dst):
         from kernels.triton.embedding_scatter import scatter_rows as triton_scatter_rows
 
         triton_scatter_rows(dst, rows, src)

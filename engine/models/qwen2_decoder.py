@@ -19,10 +19,8 @@ from engine.models.layers import (
     RMSNorm,
     SiluAndMul,
     apply_rotary_folded,
-    apply_rotary_folded_,
     rope_inv_freq,
     rotary_tables,
-    use_triton,
 )
 
 
@@ -92,10 +90,7 @@ class Qwen2Attention(nn.Module):
         qk = qkv[:, : self.q_size + self.kv_size].view(
             num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
         )  # [T, H + KVH, D]
-        if use_triton(qk):
-            apply_rotary_folded_(qk, cos, sin)  # in place: q, k, v stay views of qkv
-        else:
-            qk = apply_rotary_folded(qk, cos, sin)  # [T, H + KVH, D]
+        qk = apply_rotary_folded(qk, cos, sin)  # [T, H + KVH, D]; in place in qkv on CUDA
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(
             num_tokens, self.num_kv_heads, self.head_dim

@@ -63,7 +63,8 @@ def plan_frame_groups(
 @dataclass(frozen=True)
 class VisionAttentionPlan:
     """How one call's frames attend: `groups` for batched SDPA, or, when set, one varlen
-    kernel call over frame boundaries `cu_seqlens` [num_frames + 1] int32 (device)."""
+    kernel call over frame boundaries `cu_seqlens` [num_frames + 1] int32 (device), and then
+    no groups."""
 
     groups: list[FrameGroup]
     cu_seqlens: torch.Tensor | None = None
@@ -73,12 +74,11 @@ class VisionAttentionPlan:
 def plan_vision_attention(
     grid_thw: Sequence[tuple[int, int, int]], device: torch.device, dtype: torch.dtype
 ) -> VisionAttentionPlan:
-    groups = plan_frame_groups(grid_thw, device)
-    if len(groups) == 1 or not _can_use_varlen(device, dtype):
-        return VisionAttentionPlan(groups)
     frame_lens = [h * w for t, h, w in grid_thw for _ in range(t)]
-    cu_seqlens = torch.tensor([0, *itertools.accumulate(frame_lens)], dtype=torch.int32)
-    return VisionAttentionPlan(groups, to_device(cu_seqlens, torch.int32, device), max(frame_lens))
+    if len(set(frame_lens)) <= 1 or not _can_use_varlen(device, dtype):
+        return VisionAttentionPlan(plan_frame_groups(grid_thw, device))
+    cu_seqlens = to_device([0, *itertools.accumulate(frame_lens)], torch.int32, device)
+    return VisionAttentionPlan([], cu_seqlens, max(frame_lens))
 
 
 def _can_use_varlen(device: torch.device, dtype: torch.dtype) -> bool:

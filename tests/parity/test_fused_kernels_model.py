@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("triton")
 
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.models import layers, qwen2_decoder  # noqa: E402
+from engine.models import layers  # noqa: E402
 from engine.tiny_model import make_tiny_model  # noqa: E402
 from tests.parity.test_generate import make_prompts  # noqa: E402
 
@@ -29,7 +29,6 @@ def test_fused_kernel_decoder_matches_torch_path(tmp_path, monkeypatch, size, se
         return True
 
     monkeypatch.setattr(layers, "use_triton", forced)
-    monkeypatch.setattr(qwen2_decoder, "use_triton", forced)
     fused = llm.generate(prompts, GREEDY)
     assert calls, "the fused kernels were not used"
     for ours, theirs in zip(fused, expected, strict=True):
