@@ -4,10 +4,17 @@
         --batch-sizes 1 32 128 --out decode.json
 
 For each checkpoint (random weights of the real Qwen2-VL shapes, written once under
---model-root by `engine.tiny_model`) and each mode (CUDA graphs, eager), B prompts of
---context-len random tokens are prefilled, then --steps decode steps are timed. A step is
-one `EngineCore.step()` as the server runs it: schedule, host inputs, graph replay (or the
-eager forward), logits, sampling, the host sync for the sampled tokens, bookkeeping.
+--model-root by `engine.tiny_model`) and each mode, B prompts of --context-len random
+tokens are prefilled, then --steps decode steps are timed. A step is one
+`EngineCore.step_overlapped()` as the server runs it: schedule, host inputs, graph replay
+(or the eager forward), logits, sampling, the host sync for the sampled tokens,
+bookkeeping. Modes:
+
+    graphs          CUDA graphs + overlap scheduling (the server's default): the next
+                    step is launched before this one's tokens are read
+    graphs-serial   CUDA graphs, overlap_scheduling=False: each step waits for the last
+    eager           no graphs (overlap on)
+
 "forward" is the device time of the decoder alone (CUDA events around it).
 
 The floor of a step is the bytes it must read: every decoder weight once (final norm and
@@ -40,7 +47,7 @@ PROFILE_STEPS = 5
 @dataclass(frozen=True)
 class DecodeResult:
     size: str
-    mode: str  # "graphs" | "eager"
+    mode: str  # "graphs" | "graphs-serial" | "eager"
     batch_size: int
     step_ms: float  # median over the timed steps
     forward_ms: float  # median device time of the decoder forward
@@ -93,10 +100,10 @@ class ForwardTimer:
         runner = core.runner
         forward = runner._forward
 
-        def timed(inputs):
+        def timed(inputs, in_flight):
             timer = DeviceTimer(runner.device)
             timer.start()
-            hidden = forward(inputs)
+            hidden = forward(inputs, in_flight)
             timer.stop()
             self.timers.append(timer)
             return hidden
@@ -139,12 +146,12 @@ def run_batch(core: EngineCore, timer: ForwardTimer, batch_size: int,
             if output.new_token_ids:
                 started.add(output.request_id)
     for _ in range(args.warmup_steps):
-        core.step()
+        core.step_overlapped()
     timer.pop_ms()
     step_ms = []
     for _ in range(args.steps):
         begin = time.perf_counter()
-        outputs = core.step()
+        outputs = core.step_overlapped()
         step_ms.append((time.perf_counter() - begin) * 1000)
         if outputs.stats.num_scheduled_tokens != batch_size:
             raise RuntimeError(
@@ -169,8 +176,10 @@ def profile_steps(core: EngineCore, name: str, args: argparse.Namespace) -> None
         activities.append(ProfilerActivity.CUDA)
     with profile(activities=activities, with_stack=True) as prof:
         for _ in range(PROFILE_STEPS):
-            core.step()
+            core.step_overlapped()
     mode = "eager" if core.config.enforce_eager else "graphs"
+    if not core.config.overlap_scheduling:
+        mode += "-serial"
     path = Path(args.profile_dir) / f"{Path(core.config.model).name}-{mode}-{name}.json.gz"
     path.parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(path))
@@ -218,6 +227,7 @@ def bench_size(size: str, args: argparse.Namespace, bandwidth: float) -> list[De
             dtype=args.dtype,
             attention_backend=args.attention_backend,
             enforce_eager=mode == "eager",
+            overlap_scheduling=mode != "graphs-serial",
             max_num_seqs=max_batch,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=max_len,
@@ -256,8 +266,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--sizes", nargs="+", default=["qwen2-vl-2b", "qwen2-vl-7b"])
     parser.add_argument("--model-root", default="/tmp/tessera-models")
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 32, 128])
-    parser.add_argument("--modes", nargs="+", default=["graphs", "eager"],
-                        choices=["graphs", "eager"])  # fmt: skip
+    parser.add_argument("--modes", nargs="+", default=["graphs", "graphs-serial", "eager"],
+                        choices=["graphs", "graphs-serial", "eager"])  # fmt: skip
     parser.add_argument("--attention-backend", default="flashinfer")
     parser.add_argument("--context-len", type=int, default=512)
     parser.add_argument("--warmup-steps", type=int, default=5)

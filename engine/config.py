@@ -32,6 +32,7 @@ class EngineConfig:
     split_media: bool = True  # False = a prefill chunk never ends inside a media span
     attention_backend: str = "torch"  # "torch" (reference, CPU/GPU) or "flashinfer" (GPU)
     enforce_eager: bool = False  # never replay decode steps from CUDA graphs (GPU only)
+    overlap_scheduling: bool = True  # GPU: launch step N+1 before reading step N's tokens
     cuda_graph_max_batch_size: int | None = None  # largest captured decode batch; None = max_num_seqs
     cuda_graph_max_seq_len: int = 8192  # decode steps with a longer history run eagerly
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch default

@@ -6,13 +6,25 @@ input never raises here; it finishes that request with an `ErrorInfo`).
 `step()` = `finish_step(launch_step())`: on a GPU the engine process does host work
 between the two while the device runs. The server's engine process and the offline
 `LLM` drive the same loop.
+
+Overlap scheduling (`step_overlapped`, on a GPU): step N+1 is scheduled and launched
+before step N's sampled tokens are read, so the host's work for N+1 (scheduling, inputs,
+attention plan, graph launch) runs while the device computes N:
+
+    host    launch N | launch N+1 | read N, update | launch N+2 | read N+1, update | ...
+    device           |  N ...     |  N+1 ...                    |  N+2 ...
+
+A decode row of N+1 whose token N is still sampling gets it on the device
+(`InFlightTokens`). A request that N's token stops (EOS, a stop token) has computed one
+token in N+1 that is dropped; length limits are known ahead and never cost one. A step
+whose requests need their output history to sample (penalties) is not overlapped.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +66,7 @@ class EngineCore:
     """One model, one scheduler, one loop. Not thread-safe: call from one thread."""
 
     def __init__(self, config: EngineConfig) -> None:
+        self._in_flight: InFlightStep | None = None  # launched ahead by step_overlapped
         self.runner = ModelRunner(config)
         self.model_config = self.runner.model_config
         self.config = config.replace(
@@ -66,6 +79,10 @@ class EngineCore:
         )
         self._pending: list[RequestOutput] = []  # refusals and aborts for the next step
         self.features = FeatureAdmission(self.config, self.runner, self.scheduler)
+        # True when `launch_step` returns before the device has finished (CUDA): the caller
+        # can do host work (read its inbox, launch the next step) until `finish_step`.
+        # Tests set it on CPU, where a launched step has already run, to drive the same code.
+        self.overlaps_steps = self.runner.device.type == "cuda"
 
     @property
     def ready(self) -> Ready:
@@ -104,23 +121,50 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return (
-            self.scheduler.has_unfinished_requests()
+            self._in_flight is not None
+            or self.scheduler.has_unfinished_requests()
             or bool(self._pending)
             or self.features.num_fetching > 0
         )
 
     @property
-    def overlaps_steps(self) -> bool:
-        """True when `launch_step` returns before the device has finished (CUDA): the
-        caller can do host work — read its inbox, add requests — until `finish_step`."""
-        return self.runner.device.type == "cuda"
+    def has_step_in_flight(self) -> bool:
+        """A step launched ahead by `step_overlapped` is not finished yet."""
+        return self._in_flight is not None
 
     def step(self) -> EngineOutputs:
-        return self.finish_step(self.launch_step())
+        """One step, launched and finished (a step already launched ahead is finished)."""
+        step, self._in_flight = self._in_flight, None
+        return self.finish_step(step or self.launch_step())
 
-    def launch_step(self) -> InFlightStep:
+    def step_overlapped(self, while_running: Callable[[], None] | None = None) -> EngineOutputs:
+        """One step's outputs, with the next step launched before they are read where it
+        can be (see the module docstring). `while_running` (e.g. reading the inbox) is
+        called while the device runs, before the next step is scheduled."""
+        step, self._in_flight = self._in_flight, None
+        step = step or self.launch_step()
+        if while_running is not None:
+            while_running()
+        if self._can_launch_ahead(step):
+            self._in_flight = self.launch_step(previous=step)
+        return self.finish_step(step)
+
+    def _can_launch_ahead(self, step: InFlightStep) -> bool:
+        if not (self.overlaps_steps and self.config.overlap_scheduling):
+            return False
+        if step.pending is None or step.pending.errors:
+            return False  # nothing in flight, or requests that the finish will fail
+        if not self.scheduler.has_unfinished_requests():
+            return False
+        return not any(
+            chunk.samples and chunk.request.needs_output_history
+            for chunk in step.scheduler_output.chunks
+        )
+
+    def launch_step(self, previous: InFlightStep | None = None) -> InFlightStep:
         """Schedules a step and queues its device work. Until `finish_step`, requests may
-        be added and aborted (an aborted request's tokens from this step are dropped)."""
+        be added and aborted (an aborted request's tokens from this step are dropped).
+        `previous`: the step in flight, whose sampled tokens this one may take as inputs."""
         started = time.perf_counter()
         outputs = self.features.admit_finished()  # never waits on the network
         outputs, self._pending = self._pending + outputs, []
@@ -128,7 +172,9 @@ class EngineCore:
         pending = None
         if not scheduler_output.is_empty:
             try:
-                pending = self.runner.launch(scheduler_output)
+                pending = self.runner.launch(
+                    scheduler_output, previous.pending if previous else None
+                )
             except Exception:  # noqa: BLE001 - fail this step's requests, keep serving
                 logger.exception("model step failed")
                 outputs += self._fail_step(scheduler_output)

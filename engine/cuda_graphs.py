@@ -33,6 +33,7 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.device_io import copy_to_device
+from engine.step_inputs import InFlightTokens
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class DecodeInputs:
     slot_mapping: list[int]
     block_tables: list[list[int]]  # each sequence's block ids, history order
     seq_lens: list[int]  # history length including this token
+    in_flight: InFlightTokens | None = None  # rows whose token the previous step samples
 
     @property
     def num_seqs(self) -> int:
@@ -169,6 +171,8 @@ class DecodeGraphRunner:
         for row, block_ids in enumerate(inputs.block_tables):  # numpy: ~1 us a row
             tables[row, : len(block_ids)] = block_ids
         copy_to_device(self._input_ids[:size], input_ids)
+        if inputs.in_flight is not None:
+            inputs.in_flight.write_into(self._input_ids)
         copy_to_device(self._positions[:, :size], positions)
         copy_to_device(self._slot_mapping[:size], slots)
         copy_to_device(self._seq_lens[:size], torch.tensor(seq_lens, dtype=torch.int32))

@@ -134,7 +134,9 @@ class KVCacheManager:
         """Registers the blocks that are full once `num_tokens` tokens have KV."""
         num_full = num_tokens // self.block_size
         self._update_hashes(request, num_full * self.block_size)
-        for index in range(num_full):
+        # A block ending in a token still in flight (overlap scheduling) has no hash yet;
+        # the request's next allocation registers it.
+        for index in range(min(num_full, len(request.block_hashes))):
             block = self.blocks[request.block_ids[index]]
             if block.block_hash is not None:
                 continue

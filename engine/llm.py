@@ -95,7 +95,7 @@ class LLM:
             self.engine.add_request(request, tensors)
         self.last_stats = []
         while outputs.keys() - results.keys() and self.engine.has_unfinished_requests():
-            step = self.engine.step()
+            step = self.engine.step_overlapped()
             self.last_stats.append(step.stats)
             for output in step.outputs:
                 if output.request_id in outputs:
@@ -106,6 +106,8 @@ class LLM:
                             prompt_ids[output.request_id],
                             outputs[output.request_id],
                         )
+        if self.engine.has_step_in_flight:  # launched ahead for requests that have finished
+            self.last_stats.append(self.engine.step().stats)
         for request_id in request_ids:
             error = results[request_id].error
             if raise_on_error and error is not None:

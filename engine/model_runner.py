@@ -39,7 +39,7 @@ from engine.protocol import ErrorInfo, TokenLogprob
 from engine.request import MediaItem
 from engine.sampler import PendingSample, Sampler, SamplingRow
 from engine.scheduler import ScheduledChunk, SchedulerOutput
-from engine.step_inputs import StepInputs, gather_step_inputs
+from engine.step_inputs import InFlightTokens, StepInputs, gather_step_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -235,8 +235,13 @@ class ModelRunner:
         return self.launch(scheduler_output).result()
 
     @torch.inference_mode()
-    def launch(self, scheduler_output: SchedulerOutput) -> PendingStep:
-        """Queues the step's device work; the host does not wait for any of it."""
+    def launch(
+        self, scheduler_output: SchedulerOutput, previous: PendingStep | None = None
+    ) -> PendingStep:
+        """Queues the step's device work; the host does not wait for any of it.
+
+        With overlap scheduling `previous` is the step still in flight: rows whose token
+        it is sampling take that token on the device."""
         self.encoder_cache.drop(scheduler_output.evicted_encoder_hashes)
         encoder_timer = None
         if scheduler_output.media_to_encode:
@@ -255,7 +260,7 @@ class ModelRunner:
                 chunks.append(chunk)
         sample, request_ids = None, []
         if chunks:
-            sample, request_ids = self._run(chunks)
+            sample, request_ids = self._run(chunks, previous)
         return PendingStep(
             sample,
             request_ids,
@@ -341,9 +346,11 @@ class ModelRunner:
         for item, item_rows in zip(items, rows.split(counts), strict=True):
             self.encoder_cache.put(item.content_hash, item_rows)
 
-    def _run(self, chunks: list[ScheduledChunk]) -> tuple[PendingSample | None, list[str]]:
+    def _run(
+        self, chunks: list[ScheduledChunk], previous: PendingStep | None
+    ) -> tuple[PendingSample | None, list[str]]:
         inputs = gather_step_inputs(chunks, self.block_size, self.encoder_cache)
-        hidden = self._forward(inputs)  # [T, hidden]
+        hidden = self._forward(inputs, self._in_flight_tokens(inputs, previous))  # [T, hidden]
         sampling = [(row, chunk) for row, chunk in enumerate(chunks) if chunk.samples]
         if not sampling:
             return None, []
@@ -366,7 +373,24 @@ class ModelRunner:
         ]
         return self.sampler.sample(logits, rows), [c.request.request_id for _, c in sampling]
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor:  # [T, hidden]
+    def _in_flight_tokens(
+        self, inputs: StepInputs, previous: PendingStep | None
+    ) -> InFlightTokens | None:
+        if not inputs.pending_rows:
+            return None
+        if previous is None or previous.sample is None:
+            raise RuntimeError("a row's token is in flight but no step is sampling it")
+        source_row = {
+            request_id: row for row, request_id in enumerate(previous.sampled_request_ids)
+        }
+        sources = [source_row[request_id] for request_id in inputs.pending_request_ids]
+        rows_and_sources = to_device([inputs.pending_rows, sources], torch.long, self.device)
+        token_ids = previous.sample.token_ids.index_select(0, rows_and_sources[1])  # [P]
+        return InFlightTokens(rows_and_sources[0], token_ids)
+
+    def _forward(
+        self, inputs: StepInputs, in_flight: InFlightTokens | None
+    ) -> torch.Tensor:  # [T, hidden]
         graphs = self.decode_graphs
         if (
             graphs is not None
@@ -381,6 +405,7 @@ class ModelRunner:
                     inputs.slot_mapping,
                     inputs.block_tables,
                     inputs.seq_lens,
+                    in_flight,
                 )
             )
         device = self.device
@@ -400,8 +425,11 @@ class ModelRunner:
         if inputs.multimodal_rows:
             multimodal_embeds = torch.cat(inputs.multimodal_embeds)  # [M, hidden]
             multimodal_rows = to_device(inputs.multimodal_rows, torch.long, device)  # [M]
+        input_ids = to_device(inputs.input_ids, torch.long, device)  # [T]
+        if in_flight is not None:
+            in_flight.write_into(input_ids)
         return self.model.forward(
-            to_device(inputs.input_ids, torch.long, device),  # [T]
+            input_ids,
             to_device(inputs.positions, torch.long, device),  # [3, T]
             self.kv_caches,
             metadata,

@@ -8,8 +8,9 @@ temp dir, or `tcp://HOST:PORT`) and starts this process with multiprocessing "sp
 
     drain inbox (blocking poll only when idle) -> add / abort -> step() -> send outputs
 
-On a GPU (`core.overlaps_steps`), step() is split: launch_step() queues the device work,
-the inbox is drained while it runs, finish_step() waits for the sampled tokens.
+On a GPU (`core.overlaps_steps`), steps overlap (`EngineCore.step_overlapped`): while a
+launched step runs, the inbox is drained and the next step is launched; then the first
+one's sampled tokens are read.
 
 It exits 0 on `Shutdown`, exits by itself when its parent (the server) is gone, and on an
 unrecoverable error sends `EngineFailed` and exits non-zero so the server fails too.
@@ -151,11 +152,10 @@ class EngineLoop:
     def _step(self) -> EngineOutputs:
         if not self.core.overlaps_steps:
             return self.core.step()
-        in_flight = self.core.launch_step()
-        # While the device runs the step: admit new requests and aborts, so the host work
-        # of building them is off the step's critical path.
-        self._drain_inbox(0)
-        return self.core.finish_step(in_flight)
+        # While the device runs the step: admit new requests and aborts (so building them
+        # is off the step's critical path and they join the next step), then launch the
+        # next step before this one's tokens are read.
+        return self.core.step_overlapped(lambda: self._drain_inbox(0))
 
     def _drain_inbox(self, timeout_ms: int) -> None:
         """Handle every queued message; wait up to `timeout_ms` for the first one."""

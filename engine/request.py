@@ -83,6 +83,10 @@ class Request:
         self.eos_token_ids = tuple(eos_token_ids)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose KV is (or is being) written
+        # Tokens being sampled by launched steps whose results are not applied yet: with
+        # overlap scheduling the next step is scheduled (and may take one of them as its
+        # input on the device) before they are known. At most one per step in flight.
+        self.num_pending_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks so far
@@ -110,6 +114,29 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """The sequence's length once its pending tokens arrive."""
+        return self.num_tokens + self.num_pending_tokens
+
+    @property
+    def pending_token_ends_it(self) -> bool:
+        """The pending token will finish the request whatever it is (length limits)."""
+        if not self.num_pending_tokens:
+            return False
+        return self.num_output_tokens + self.num_pending_tokens >= self.sampling.max_tokens
+
+    @property
+    def needs_output_history(self) -> bool:
+        """Sampling reads the output tokens so far (penalties): the next token cannot be
+        sampled before the previous one is known on the host."""
+        params = self.sampling
+        return (
+            params.repetition_penalty != 1.0
+            or params.presence_penalty != 0.0
+            or params.frequency_penalty != 0.0
+        )
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -46,6 +46,7 @@ class PendingSample:
     packed: torch.Tensor  # [S, 1 + (1 + 2 * num_top if logprobs)] float64 (int64 if not)
     params: list[SamplingParams]
     num_top: int  # top-logprob columns in `packed`
+    token_ids: torch.Tensor  # [S] int64 on the device: the next step's inputs, unread
 
     def result(self) -> SamplerOutput:
         host = self.packed.tolist()  # float64 keeps token ids exact
@@ -98,13 +99,13 @@ class Sampler:
             sampled = torch.where(greedy, sampled, random_ids)
 
         if raw_logprobs is None:
-            return PendingSample(sampled.unsqueeze(1), params, 0)
+            return PendingSample(sampled.unsqueeze(1), params, 0, sampled)
         chosen = raw_logprobs.gather(1, sampled.unsqueeze(1))  # [S, 1]
         packed = [sampled.unsqueeze(1).double(), chosen.double()]
         if num_top > 0:
             top_values, top_ids = raw_logprobs.topk(num_top, dim=-1)  # [S, N]
             packed += [top_ids.double(), top_values.double()]
-        return PendingSample(torch.cat(packed, dim=1), params, num_top)
+        return PendingSample(torch.cat(packed, dim=1), params, num_top, sampled)
 
     def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         device = logits.device

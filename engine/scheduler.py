@@ -18,6 +18,13 @@ the first chunk touching it and kept in the encoder cache for the next chunks.
 With `split_media=False` a chunk stops before a span it would split, unless the
 span starts the chunk (then it must still make progress).
 
+Overlap scheduling (engine/core.py) schedules a step while the previous one is still
+sampling: `request.num_pending_tokens` counts tokens in flight, a sampling chunk adds one
+and `update` takes it back. A decode may then cover the sequence index of an in-flight
+token (the model runner feeds it on the device); a request whose in-flight token reaches
+max_tokens is not scheduled again, and one stopped by a token it did not know yet has
+its extra row dropped in `update`.
+
 Encoder references: a request holds one only while a span of that item is part-way
 computed, so a request waiting for encoder room never holds room itself. An item
 larger than `encoder_cache_tokens` or `max_encoder_tokens_per_step` still runs: the
@@ -180,13 +187,16 @@ class Scheduler:
             nonlocal budget
             self._commit_media(request, start, start + num_tokens, to_encode, encoder_budget)
             request.num_computed_tokens = start + num_tokens
-            samples = request.num_computed_tokens == request.num_tokens
+            samples = request.num_computed_tokens == request.num_scheduled_tokens
+            if samples:
+                request.num_pending_tokens += 1
             chunks.append(ScheduledChunk(request, start, num_tokens, samples))
             scheduled.add(request.request_id)
             budget -= num_tokens
 
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        running = [r for r in self.running if not self._pending_token_ends(r)]
+        decodes = [r for r in running if r.num_scheduled_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in running if r.num_scheduled_tokens - r.num_computed_tokens > 1]
         for request in decodes + prefills:
             if budget <= 0:
                 break
@@ -201,8 +211,8 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            if request.request_id in preempted:
-                break  # do not readmit what this step just preempted
+            if request.request_id in preempted or request.num_pending_tokens:
+                break  # do not readmit what this step preempted, nor before its token is known
             computed_blocks, num_cached = self.kv.get_computed_blocks(request)
             num_tokens = self._plan_chunk(request, num_cached, budget, to_encode, encoder_budget[0])
             if num_tokens == 0 or not self.kv.allocate_slots(request, num_tokens, computed_blocks):
@@ -233,7 +243,7 @@ class Scheduler:
         encoder_budget: int,
     ) -> int:
         """How many tokens from `start` fit the budgets and the media rules (may be 0)."""
-        end = min(start + budget, request.num_tokens)
+        end = min(start + budget, request.num_scheduled_tokens)
         if not self.config.split_media:
             for media in request.media:
                 if media.offset < end < media.end and media.offset > start:
@@ -284,6 +294,12 @@ class Scheduler:
                 encoder_budget[0] -= media.num_tokens
                 self.counters.encoder_cache_queries += 1
 
+    def _pending_token_ends(self, request: Request) -> bool:
+        """Its in-flight token finishes it by length: nothing more to schedule."""
+        return request.pending_token_ends_it or (
+            request.num_pending_tokens > 0 and request.num_scheduled_tokens >= self.max_model_len
+        )
+
     def _allocate_or_preempt(
         self, request: Request, num_tokens: int, scheduled: set[str], preempted: list[str]
     ) -> bool:
@@ -318,6 +334,8 @@ class Scheduler:
         outputs = []
         for chunk in scheduler_output.chunks:
             request = chunk.request
+            if chunk.samples:
+                request.num_pending_tokens -= 1  # arrived (or never will: errors, aborts)
             if request.is_finished:
                 continue
             if errors and request.request_id in errors:

@@ -8,11 +8,14 @@ chunk contributes the encoder rows of its overlap, scattered into the chunk's pl
 rows by the model.
 
 Everything here is host data (lists, CPU tensors) except the encoder rows, which already
-live on the model's device; the model runner moves the rest in one go.
+live on the model's device; the model runner moves the rest in one go. A decode row whose
+token the step in flight is still sampling (overlap scheduling) holds 0 here and is listed
+in `pending_rows`; the runner writes the token in on the device (`InFlightTokens`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -32,6 +35,10 @@ class StepInputs:
     block_tables: list[list[int]]  # [S] block ids of each sequence, history order
     multimodal_embeds: list[torch.Tensor]  # each [rows, hidden] on the model's device
     multimodal_rows: list[int]  # flat row of every embedded row, in order
+    # Rows whose token is still being sampled by the step in flight (overlap scheduling):
+    # input_ids holds 0 there; the runner copies the token in on the device.
+    pending_rows: list[int] = dataclasses.field(default_factory=list)
+    pending_request_ids: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -57,10 +64,16 @@ def gather_step_inputs(
     slot_mapping: list[int] = []
     embeds: list[torch.Tensor] = []
     embed_rows: list[int] = []
+    pending_rows: list[int] = []
+    pending_request_ids: list[str] = []
     for chunk in chunks:
         request = chunk.request
         base = len(input_ids)
         input_ids += request.token_ids_between(chunk.start, chunk.end)
+        if chunk.end > request.num_tokens:  # the last row's token is in flight
+            pending_rows.append(len(input_ids))
+            pending_request_ids.append(request.request_id)
+            input_ids.append(0)
         num_prompt = request.num_prompt_tokens
         if chunk.start < num_prompt:
             prompt_end = min(chunk.end, num_prompt)
@@ -92,4 +105,18 @@ def gather_step_inputs(
         block_tables=[chunk.request.block_ids for chunk in chunks],
         multimodal_embeds=embeds,
         multimodal_rows=embed_rows,
+        pending_rows=pending_rows,
+        pending_request_ids=pending_request_ids,
     )
+
+
+@dataclass(frozen=True)
+class InFlightTokens:
+    """Tokens of the step in flight that are inputs of the next one, kept on the device."""
+
+    rows: torch.Tensor  # [P] int64: flat rows of the next step's input_ids
+    token_ids: torch.Tensor  # [P] int64: the sampled tokens for those rows
+
+    def write_into(self, input_ids: torch.Tensor) -> None:
+        """Fills the rows' placeholders (queued on the device, no host sync)."""
+        input_ids.index_copy_(0, self.rows, self.token_ids)

@@ -8,8 +8,9 @@
 #   prepare     FlashInfer's JIT modules (scripts/flashinfer_jit.py) while the 2B and 7B
 #               checkpoints are written (engine.tiny_model, drawn on the GPU)
 #   tests       tests/gpu
-#   decode-2b   bench/gpu_decode.py, batch 1 / 32 / 128, graphs and eager; with a torch
-#               profile of batch 1 and 128 (profiles.tar: Chrome traces)
+#   decode-2b   bench/gpu_decode.py, batch 1 / 32 / 128, graphs with and without overlap
+#               scheduling; with a torch profile of batch 1 and 128 (profiles.tar: Chrome
+#               traces)
 #   decode-7b
 #   serving-2b  bench/gpu_serving.py: Tessera vs transformers on issue 8's load
 #   serving-7b
@@ -60,7 +61,7 @@ run_decode() {  # $1: qwen2-vl-2b | qwen2-vl-7b; the 2B run also profiles batch 
         profile=(--profile-dir /tmp/profiles --profile-batch-sizes 1 128)
     fi
     python3 bench/gpu_decode.py --sizes "$1" --batch-sizes 1 32 128 --model-root "$models" \
-        --out "$out/decode-$1.json" "${profile[@]}" || return 1
+        --modes graphs graphs-serial --out "$out/decode-$1.json" "${profile[@]}" || return 1
     if [ -d /tmp/profiles ]; then tar -C /tmp -cf "$out/profiles.tar" profiles; fi
 }
 

@@ -130,10 +130,13 @@ def test_launch_never_waits_for_the_device(model_dir, prompts, monkeypatch, back
     runner = llm.engine.runner
     real_launch = runner.launch
 
-    def launch_without_sync(scheduler_output):
+    launched_ahead = []
+
+    def launch_without_sync(scheduler_output, previous=None):
+        launched_ahead.append(previous is not None)
         torch.cuda.set_sync_debug_mode("error")
         try:
-            return real_launch(scheduler_output)
+            return real_launch(scheduler_output, previous)
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
@@ -143,6 +146,30 @@ def test_launch_never_waits_for_the_device(model_dir, prompts, monkeypatch, back
     results = llm.generate(prompts, sampling)
     assert [r.error for r in results] == [None] * len(prompts)
     assert all(len(r.token_ids) == 8 for r in results)
+    assert sum(launched_ahead) >= 5  # steps taking in-flight tokens queued no sync either
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("flashinfer", marks=needs_flashinfer)])
+def test_overlap_scheduling_equals_serial_steps(model_dir, prompts, backend):
+    """Steps launched before the previous step's tokens are read (the default on CUDA) give
+    the serial loop's tokens, including a request stopped by a token mid-way."""
+    options = dict(device="cuda", dtype="bfloat16", attention_backend=backend)
+    serial = generate(model_dir, prompts, overlap_scheduling=False, **options)
+    stop = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, logprobs=20,
+                          stop_token_ids=(serial[1].token_ids[5],))  # fmt: skip
+    params = [GREEDY, stop, *[GREEDY] * (len(prompts) - 2)]
+    llm = LLM(str(model_dir), num_kv_blocks=512, overlap_scheduling=False, **options)
+    serial = llm.generate(prompts, params)
+    llm = LLM(str(model_dir), num_kv_blocks=512, **options)
+    assert llm.engine.overlaps_steps
+    overlapped = llm.generate(prompts, params)
+    assert len(overlapped[1].token_ids) <= 6 and overlapped[1].finish_reason == "stop"
+    assert [r.finish_reason for r in overlapped] == [r.finish_reason for r in serial]
+    agreed = sum(
+        assert_tracks(ours, theirs, BF16_TOL, f"prompt {index}")
+        for index, (ours, theirs) in enumerate(zip(overlapped, serial, strict=True))
+    )
+    assert agreed >= 0.9 * sum(len(r.token_ids) for r in serial)
 
 
 def test_vision_varlen_matches_grouped_sdpa(model_dir, monkeypatch):

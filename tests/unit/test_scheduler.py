@@ -189,3 +189,51 @@ def test_prefix_cache_hit_skips_tokens():
     assert (out.chunks[0].start, out.chunks[0].num_tokens) == (8, 2)
     outputs = sample_all(scheduler, out)
     assert outputs[0].num_cached_tokens == 8
+
+
+def test_scheduling_ahead_of_in_flight_tokens():
+    """Overlap scheduling: the next step is scheduled before the previous one's tokens
+    arrive. A decode takes the in-flight token as input; a request whose in-flight token
+    is its last (max_tokens) is not scheduled again; a stop it reveals drops the row."""
+    scheduler = make_scheduler()
+    long = make_request("long", 6, max_tokens=5, eos=(9,))
+    short = make_request("short", 4, max_tokens=2)
+    scheduler.add_request(long)
+    scheduler.add_request(short)
+    first = scheduler.schedule()  # both prefills, each samples its first token
+    assert (long.num_pending_tokens, short.num_pending_tokens) == (1, 1)
+    second = scheduler.schedule()  # before `first` is read
+    assert [(c.request.request_id, c.start, c.num_tokens, c.samples) for c in second.chunks] == [
+        ("long", 6, 1, True),  # sequence index 6 is the token `first` is sampling
+        ("short", 4, 1, True),
+    ]
+    assert long.num_computed_tokens == 7 and long.num_tokens == 6
+    assert sample_all(scheduler, first)[0].new_token_ids == [5]
+    assert short.num_pending_tokens == 1 and short.pending_token_ends_it
+    third = scheduler.schedule()  # `second` in flight: short's token there is its last
+    assert [c.request.request_id for c in third.chunks] == ["long"]
+    outputs = {o.request_id: o for o in sample_all(scheduler, second, token=9)}  # long's EOS
+    assert outputs["long"].finish_reason == FinishReason.STOP
+    assert outputs["short"].finish_reason == FinishReason.LENGTH
+    assert sample_all(scheduler, third) == []  # the speculative row of a finished request
+    assert long.output_token_ids == [5, 9]
+    assert not scheduler.has_unfinished_requests()
+    assert scheduler.kv.num_free_blocks == 64
+
+
+def test_preempted_with_a_token_in_flight_waits_for_it():
+    scheduler = make_scheduler(num_blocks=4, block_size=4)
+    first_in = make_request("first", 8, max_tokens=8)
+    second_in = make_request("second", 8, max_tokens=8)
+    scheduler.add_request(first_in)
+    scheduler.add_request(second_in)
+    prefill = scheduler.schedule()  # 2 blocks each: the pool is full
+    ahead = scheduler.schedule()  # decodes of both: second is preempted for first's block
+    assert [c.request.request_id for c in ahead.chunks] == ["first"]
+    assert ahead.preempted_request_ids == ["second"]
+    assert second_in.num_pending_tokens == 1  # its first token is still in flight
+    assert scheduler.waiting[0] is second_in
+    sample_all(scheduler, prefill)  # the token arrives: kept, recomputed on readmission
+    assert second_in.output_token_ids == [5] and second_in.num_pending_tokens == 0
+    sample_all(scheduler, ahead)
+    assert first_in.output_token_ids == [5, 5]

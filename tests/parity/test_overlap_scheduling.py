@@ -1,0 +1,143 @@
+"""Overlap scheduling (EngineCore.step_overlapped): step N+1 is scheduled and launched
+before step N's sampled tokens are read, its decode rows taking N's tokens on the device.
+
+On CPU a launched step has already run, but the engine is told it overlaps (as on CUDA),
+so the same code runs: pending tokens in the scheduler, placeholder rows filled from the
+previous step's token tensor, a speculative row for a request that N's token stops. The
+outputs must be those of the plain step-by-step loop (which tests/parity/test_generate.py
+holds equal to transformers): greedy and seeded tokens equal, logprobs within float32
+noise (a speculative row changes a step's batch shape), finish reasons equal, and no KV
+block left held.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from engine import LLM, SamplingParams
+from engine.tiny_model import make_tiny_model
+
+WORDS = "the quick brown fox jumps over the lazy dog again and again".split()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("overlap"), seed=5)
+
+
+def image_chat(text: str) -> dict:
+    pixels = (np.arange(56 * 84 * 3).reshape(56, 84, 3) * 5) % 253
+    image = Image.fromarray(pixels.astype(np.uint8))
+    content = [{"type": "image", "image": image}, {"type": "text", "text": text}]
+    return {"messages": [{"role": "user", "content": content}]}
+
+
+def prompts(count: int) -> list:
+    texts = [" ".join(WORDS[: 2 + 2 * i]) for i in range(count - 1)]
+    return [image_chat("What is it?"), *texts]
+
+
+def greedy(max_tokens: int, **extra) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=2, **extra)
+
+
+def generate(model_dir, prompts, params, *, overlap: bool, graphs: bool = False, **options):
+    """Results, the number of steps launched ahead, and the run's preemptions."""
+    llm = LLM(str(model_dir), dtype="float32", **options)
+    core = llm.engine
+    core.overlaps_steps = overlap
+    if graphs:
+        core.runner.enable_decode_graphs(use_cuda_graphs=False)
+    launched_ahead = []
+    real_launch = core.launch_step
+
+    def launch_step(previous=None):
+        launched_ahead.append(previous is not None)
+        return real_launch(previous)
+
+    core.launch_step = launch_step
+    results = llm.generate(prompts, params)
+    assert not core.has_unfinished_requests()
+    assert core.scheduler.kv.usage == 0  # every block back, speculative rows included
+    assert all(r.num_pending_tokens == 0 for r in core.scheduler.requests.values())
+    preemptions = sum(stats.num_preemptions_total for stats in llm.last_stats)
+    return results, sum(launched_ahead), preemptions
+
+
+def assert_same_outputs(got, want) -> None:
+    for have, expected in zip(got, want, strict=True):
+        assert have.error is None, have.error
+        assert have.token_ids == expected.token_ids
+        assert have.finish_reason == expected.finish_reason
+        if expected.logprobs is not None:
+            torch.testing.assert_close(
+                [lp.logprob for lp in have.logprobs],
+                [lp.logprob for lp in expected.logprobs],
+                atol=1e-4,
+                rtol=0,
+            )
+
+
+def stopping_params(model_dir, batch) -> list[SamplingParams]:
+    """Different lengths, seeded random rows, and stop tokens taken from a first greedy run,
+    so requests stop on their first token (right after prefill), mid-way, or by length."""
+    plain = [greedy(6 + 3 * i, ignore_eos=True) for i in range(len(batch))]
+    first, _, _ = generate(model_dir, batch, plain, overlap=False)
+    params = list(plain)
+    params[1] = msgspec.structs.replace(plain[1], stop_token_ids=(first[1].token_ids[0],))
+    params[2] = msgspec.structs.replace(plain[2], stop_token_ids=(first[2].token_ids[3],))
+    params[3] = SamplingParams(max_tokens=9, temperature=0.8, top_p=0.9, seed=7, logprobs=1)
+    params[4] = SamplingParams(max_tokens=1, temperature=0.0)  # done at its prefill
+    return params
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-path"])
+def test_overlapped_steps_equal_plain_steps(model_dir, graphs):
+    batch = prompts(7)
+    params = stopping_params(model_dir, batch)
+    want, ahead, _ = generate(model_dir, batch, params, overlap=False)
+    assert ahead == 0
+    got, ahead, _ = generate(model_dir, batch, params, overlap=True, graphs=graphs)
+    assert ahead > 10  # most steps were launched before the previous one was read
+    assert_same_outputs(got, want)
+    assert got[1].finish_reason == "stop" and len(got[1].token_ids) == 1
+    assert got[2].finish_reason == "stop" and len(got[2].token_ids) <= 4
+
+
+def test_chunked_prefill_preemption_and_prefix_cache(model_dir):
+    """A tight KV pool (preemption, with tokens in flight), 4-token blocks that fill on
+    in-flight tokens, shared prefixes and prefill chunks of 16 tokens."""
+    batch = prompts(6) + prompts(6)[1:4]  # repeats: prefix-cache hits
+    params = [greedy(10 + 2 * i, ignore_eos=True) for i in range(len(batch))]
+    options = dict(num_kv_blocks=24, block_size=4, max_num_batched_tokens=16)
+    want, _, _ = generate(model_dir, batch, params, overlap=False, **options)
+    got, ahead, preemptions = generate(model_dir, batch, params, overlap=True, **options)
+    assert ahead > 10
+    assert preemptions > 0
+    assert_same_outputs(got, want)
+
+
+def test_penalties_wait_for_the_previous_token(model_dir):
+    """Penalties read the output so far: steps sampling such a request are not overlapped,
+    and its tokens still equal the plain loop's."""
+    batch = prompts(3)
+    params = [
+        greedy(12, ignore_eos=True, repetition_penalty=1.5, frequency_penalty=0.5),
+        greedy(24, ignore_eos=True),
+        greedy(24, ignore_eos=True, presence_penalty=1.0),
+    ]
+    want, _, _ = generate(model_dir, batch, params, overlap=False)
+    got, ahead, _ = generate(model_dir, batch, params, overlap=True)
+    assert_same_outputs(got, want)
+    assert ahead == 0  # the presence-penalty request runs to the end
+
+
+def test_overlap_scheduling_setting_turns_it_off(model_dir):
+    batch = prompts(2)
+    params = greedy(8, ignore_eos=True)
+    _, ahead, _ = generate(model_dir, batch, params, overlap=True, overlap_scheduling=False)
+    assert ahead == 0
