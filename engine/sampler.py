@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.device_io import to_device
+from engine.device_io import HostCopy, copy_to_host, to_device
 from engine.protocol import SamplingParams, TokenLogprob
 
 
@@ -43,15 +43,16 @@ class PendingSample:
     """One step's samples, still on the device. `result()` reads them back: the step's one
     host sync (everything before it is queued without waiting)."""
 
-    packed: torch.Tensor  # [S, 1 + (1 + 2 * num_top if logprobs)] float64 (int64 if not)
+    packed: HostCopy  # [S, 1 + (1 + 2 * num_top if logprobs)] float64 (int64 if not)
     params: list[SamplingParams]
     num_top: int  # top-logprob columns in `packed`
     token_ids: torch.Tensor  # [S] int64 on the device: the next step's inputs, unread
 
     def result(self) -> SamplerOutput:
-        host = self.packed.tolist()  # float64 keeps token ids exact
+        packed = self.packed.get()  # the step's one host sync
+        host = packed.tolist()  # float64 keeps token ids exact
         params = self.params
-        if self.packed.dtype != torch.float64:  # no row asked for logprobs
+        if packed.dtype != torch.float64:  # no row asked for logprobs
             return SamplerOutput([int(row[0]) for row in host], [None] * len(params))
         token_ids, logprobs = [], []
         width = self.num_top
@@ -99,13 +100,13 @@ class Sampler:
             sampled = torch.where(greedy, sampled, random_ids)
 
         if raw_logprobs is None:
-            return PendingSample(sampled.unsqueeze(1), params, 0, sampled)
+            return PendingSample(copy_to_host(sampled.unsqueeze(1)), params, 0, sampled)
         chosen = raw_logprobs.gather(1, sampled.unsqueeze(1))  # [S, 1]
         packed = [sampled.unsqueeze(1).double(), chosen.double()]
         if num_top > 0:
             top_values, top_ids = raw_logprobs.topk(num_top, dim=-1)  # [S, N]
             packed += [top_ids.double(), top_values.double()]
-        return PendingSample(torch.cat(packed, dim=1), params, num_top, sampled)
+        return PendingSample(copy_to_host(torch.cat(packed, dim=1)), params, num_top, sampled)
 
     def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         device = logits.device

@@ -75,6 +75,7 @@ class FlashInferAttentionBackend:
         # by a new step's metadata reusing a freed object's id.
         self._planned_metadata: AttentionMetadata | None = None
         self._scale_tensors: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._last_plan_copied: torch.cuda.Event | None = None
 
     def forward(
         self,
@@ -167,4 +168,12 @@ class FlashInferAttentionBackend:
             pin_memory=True,
         )
         kv_indices = flashinfer_glue.gather_page_indices(metadata.block_tables, plan)
+        # FlashInfer's plan() fills a pinned host buffer, reused by every plan, and queues
+        # its copy to the device. With overlap scheduling this step is planned while the
+        # last one may not have reached that copy yet: wait until it has (the device has
+        # finished the step before it, so this is the start of the step now running).
+        if self._last_plan_copied is not None:
+            self._last_plan_copied.synchronize()
         wrapper.plan(plan, kv_indices, self._geometry)
+        self._last_plan_copied = torch.cuda.Event()
+        self._last_plan_copied.record()

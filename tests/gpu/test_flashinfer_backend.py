@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -205,3 +206,33 @@ def test_graph_decode_replays_new_page_tables():
         backend.plan_cuda_graph(load(batch))
         graph.replay()
         torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_back_to_back_plans_while_the_device_is_busy():
+    """Overlap scheduling plans step N+1 before the device has reached step N. FlashInfer's
+    plan() stages its tables in one pinned host buffer per wrapper and queues the copy to
+    the device, so planning again must wait for the previous copy, or step N runs with
+    step N+1's tables. Two decode batches (same wrapper, different shapes) are planned and
+    run while the device is still busy with earlier work."""
+    scale = 1 / math.sqrt(128)
+    batches = [
+        random_paged_batch(query_lens, context_lens, 8, 2, 128, 16, torch.bfloat16, seed=seed)
+        for seed, (query_lens, context_lens) in enumerate(
+            [([1, 1, 1, 1], [0, 17, 40, 129]), ([1, 1], [300, 5])], start=20
+        )
+    ]
+    expected = [
+        TorchAttentionBackend().forward(q, k, v, cache.clone(), metadata, scale)
+        for q, k, v, cache, metadata in batches
+    ]
+    backend = FlashInferAttentionBackend(shape_of(batches[0][0], batches[0][3], scale))
+    backend.forward(*batches[0], scale)  # kernels loaded outside the busy stretch
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second: the step still running
+    outputs = [  # a new metadata object is a new step: planned again
+        backend.forward(q, k, v, cache, dataclasses.replace(metadata), scale)
+        for q, k, v, cache, metadata in batches
+    ]
+    torch.cuda.synchronize()
+    for out, want in zip(outputs, expected, strict=True):
+        torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
