@@ -6,8 +6,9 @@ the attention backend is planned on the host (`plan_cuda_graph`); one `replay()`
 the whole decoder (embedding, every layer, final norm). Logits and sampling stay eager.
 
     batch sizes   1 2 4 8 16 24 32 ... (multiples of 8 up to the largest)
-    buffers       input_ids [Bmax]   positions [3, Bmax]   slot_mapping [Bmax]
-                  seq_lens [Bmax]    block_tables [Bmax, W]     W = ceil(max_seq_len / block)
+    buffers       int64 [5, Bmax]: input_ids (row 0), positions (rows 1-3), slot_mapping
+                  (row 4), filled by ONE copy per step;
+                  seq_lens [Bmax], block_tables [Bmax, W] int32     W = ceil(max_seq_len / block)
 
     rows          0 .. n-1   the step's sequences
                   n .. B-1   padding: token 0 at position 0, history of 1 token kept in the
@@ -97,9 +98,11 @@ class DecodeGraphRunner:
         self.use_cuda_graphs = use_cuda_graphs
         device = kv_caches[0].device
         size = self.batch_sizes[-1]
-        self._input_ids = torch.zeros(size, dtype=torch.long, device=device)  # [Bmax]
-        self._positions = torch.zeros(3, size, dtype=torch.long, device=device)  # [3, Bmax]
-        self._slot_mapping = torch.zeros(size, dtype=torch.long, device=device)  # [Bmax]
+        # One int64 buffer for the per-token inputs, so a step fills them with one copy.
+        self._token_inputs = torch.zeros(5, size, dtype=torch.long, device=device)  # [5, Bmax]
+        self._input_ids = self._token_inputs[0]  # [Bmax]
+        self._positions = self._token_inputs[1:4]  # [3, Bmax]
+        self._slot_mapping = self._token_inputs[4]  # [Bmax]
         self._seq_lens = torch.ones(size, dtype=torch.int32, device=device)  # [Bmax]
         self._block_tables = torch.zeros(size, self.width, dtype=torch.int32, device=device)
         self._query_start_loc = torch.arange(size + 1, dtype=torch.int32, device=device)
@@ -160,21 +163,20 @@ class DecodeGraphRunner:
     def _fill(self, inputs: DecodeInputs, size: int) -> AttentionMetadata:
         """Copies `inputs` padded to `size` rows into the buffers (non-blocking on CUDA);
         returns the graph's static metadata with this run's host lists."""
-        num_padding = size - inputs.num_seqs
-        scratch_slot = self.scratch_block * self.block_size
-        input_ids = torch.tensor(inputs.input_ids + [0] * num_padding, dtype=torch.long)
-        positions = torch.zeros(3, size, dtype=torch.long)
-        positions[:, : inputs.num_seqs] = inputs.positions
-        slots = torch.tensor(inputs.slot_mapping + [scratch_slot] * num_padding)
+        num_seqs, num_padding = inputs.num_seqs, size - inputs.num_seqs
+        # Every column of the int64 buffer (padding past `size` too): one contiguous copy.
+        token_inputs = np.zeros((5, self.max_batch_size), dtype=np.int64)  # ids, pos 0, 0
+        token_inputs[0, :num_seqs] = inputs.input_ids
+        token_inputs[1:4, :num_seqs] = inputs.positions.numpy()
+        token_inputs[4, :num_seqs] = inputs.slot_mapping
+        token_inputs[4, num_seqs:] = self.scratch_block * self.block_size
         seq_lens = inputs.seq_lens + [1] * num_padding
         tables = np.full((size, self.width), self.scratch_block, dtype=np.int32)
         for row, block_ids in enumerate(inputs.block_tables):  # numpy: ~1 us a row
             tables[row, : len(block_ids)] = block_ids
-        copy_to_device(self._input_ids[:size], input_ids)
+        copy_to_device(self._token_inputs, torch.from_numpy(token_inputs))
         if inputs.in_flight is not None:
             inputs.in_flight.write_into(self._input_ids)
-        copy_to_device(self._positions[:, :size], positions)
-        copy_to_device(self._slot_mapping[:size], slots)
         copy_to_device(self._seq_lens[:size], torch.tensor(seq_lens, dtype=torch.int32))
         copy_to_device(self._block_tables[:size], torch.from_numpy(tables))
         return AttentionMetadata(
