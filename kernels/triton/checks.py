@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the launchers accept
+
 
 class KernelArgumentError(ValueError):
     """A tensor handed to a kernel launcher has the wrong shape, dtype, device or strides."""

@@ -19,13 +19,13 @@ import triton
 import triton.language as tl
 
 from kernels.triton.checks import (
+    FLOAT_DTYPES,
     require,
     require_dtype,
     require_same_device,
     require_unit_last_stride,
 )
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_BLOCK = 1024
 
 
@@ -62,7 +62,7 @@ def scatter_rows(
         row_indices.shape == (src.shape[0],),
         f"row_indices must be [{src.shape[0]}], got {tuple(row_indices.shape)}",
     )
-    require_dtype("dst", dst, _FLOAT_DTYPES)
+    require_dtype("dst", dst, FLOAT_DTYPES)
     # Same dtype, no cast: a cast belongs to the caller (and the interpreter truncates
     # fp32 -> bf16 where the GPU rounds to nearest even).
     require(src.dtype == dst.dtype, f"src dtype {src.dtype} != dst dtype {dst.dtype}")

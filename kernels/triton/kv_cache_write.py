@@ -19,6 +19,7 @@ import triton.language as tl
 
 from kernels.reference import FP8_DTYPE, FP8_MAX
 from kernels.triton.checks import (
+    FLOAT_DTYPES,
     KernelArgumentError,
     require,
     require_dtype,
@@ -26,7 +27,6 @@ from kernels.triton.checks import (
     require_unit_last_stride,
 )
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _E4M3_MAX = tl.constexpr(FP8_MAX)
 
 
@@ -180,9 +180,9 @@ def _check_args(
         slot_mapping.shape == (key.shape[0],),
         f"slot_mapping must be [{key.shape[0]}], got {tuple(slot_mapping.shape)}",
     )
-    require_dtype("key", key, _FLOAT_DTYPES)
+    require_dtype("key", key, FLOAT_DTYPES)
     require(value.dtype == key.dtype, f"value dtype {value.dtype} != key dtype {key.dtype}")
-    require_dtype("kv_cache", kv_cache, (*_FLOAT_DTYPES, FP8_DTYPE))
+    require_dtype("kv_cache", kv_cache, (*FLOAT_DTYPES, FP8_DTYPE))
     # No silent down-cast on write (and the interpreter truncates fp32 -> bf16 where the GPU
     # rounds): a 16/32-bit cache holds K/V in their own dtype.
     require(

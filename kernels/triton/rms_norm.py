@@ -16,9 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.checks import require, require_dtype, require_same_device
+from kernels.triton.checks import FLOAT_DTYPES, require, require_dtype, require_same_device
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HIDDEN = 16384  # one row per program: the whole row must fit in one block
 
 
@@ -65,7 +64,7 @@ def add_rms_norm(
     num_rows, hidden = x.shape
     require(weight.shape == (hidden,), f"weight must be [{hidden}], got {tuple(weight.shape)}")
     require(hidden <= MAX_HIDDEN, f"hidden {hidden} exceeds {MAX_HIDDEN}")
-    require_dtype("x", x, _FLOAT_DTYPES)
+    require_dtype("x", x, FLOAT_DTYPES)
     require(weight.dtype == x.dtype, f"weight dtype {weight.dtype} != x dtype {x.dtype}")
     require(x.stride(-1) == 1 and weight.stride(-1) == 1, "x and weight must be row-contiguous")
     if residual is not None:

@@ -16,9 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.checks import require, require_dtype, require_same_device
+from kernels.triton.checks import FLOAT_DTYPES, require, require_dtype, require_same_device
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BLOCK_HEADS = 4
 
 
@@ -65,7 +64,7 @@ def rotary_folded_(
     require(qk.dim() == 3, f"qk must be [T, N, D], got {tuple(qk.shape)}")
     num_tokens, num_heads, head_dim = qk.shape
     require(head_dim % 2 == 0, f"head_dim {head_dim} must be even")
-    require_dtype("qk", qk, _FLOAT_DTYPES)
+    require_dtype("qk", qk, FLOAT_DTYPES)
     require(qk.stride(2) == 1, "qk must be contiguous in head_dim")
     cos2d = cos.reshape(cos.shape[0], cos.shape[-1])
     sin2d = signed_sin.reshape(signed_sin.shape[0], signed_sin.shape[-1])

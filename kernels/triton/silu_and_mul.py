@@ -12,9 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.checks import require, require_dtype
+from kernels.triton.checks import FLOAT_DTYPES, require, require_dtype
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_BLOCK = 1024
 
 
@@ -32,7 +31,7 @@ def _silu_and_mul_kernel(out_ptr, x_ptr, x_stride, out_stride, inter, BLOCK: tl.
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
     require(x.dim() == 2 and x.shape[1] % 2 == 0, f"x must be [T, 2I], got {tuple(x.shape)}")
-    require_dtype("x", x, _FLOAT_DTYPES)
+    require_dtype("x", x, FLOAT_DTYPES)
     require(x.stride(-1) == 1, "x must be row-contiguous")
     num_rows, inter = x.shape[0], x.shape[1] // 2
     out = torch.empty(num_rows, inter, dtype=x.dtype, device=x.device)

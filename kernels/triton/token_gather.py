@@ -13,13 +13,13 @@ import triton
 import triton.language as tl
 
 from kernels.triton.checks import (
+    FLOAT_DTYPES,
     require,
     require_dtype,
     require_same_device,
     require_unit_last_stride,
 )
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_BLOCK = 1024
 
 
@@ -56,7 +56,7 @@ def gather_rows(
         out.shape == (num_rows, hidden),
         f"out must be [{num_rows}, {hidden}], got {tuple(out.shape)}",
     )
-    require_dtype("src", src, _FLOAT_DTYPES)
+    require_dtype("src", src, FLOAT_DTYPES)
     require(out.dtype == src.dtype, f"out dtype {out.dtype} != src dtype {src.dtype}")
     require_dtype("row_indices", row_indices, (torch.int32, torch.int64))
     require(row_indices.numel() <= 1 or row_indices.stride(0) == 1, "row_indices not contiguous")
