@@ -156,8 +156,9 @@ class EngineCore:
             return False  # nothing in flight, or requests that the finish will fail
         if not self.scheduler.has_unfinished_requests():
             return False
+        # Penalties read the output so far: the next token needs this one on the host.
         return not any(
-            chunk.samples and chunk.request.needs_output_history
+            chunk.samples and chunk.request.sampling.has_penalties
             for chunk in step.scheduler_output.chunks
         )
 

@@ -43,6 +43,15 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def has_penalties(self) -> bool:
+        """Repetition, presence or frequency penalties: sampling reads the output so far."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
 
 class TensorRef(msgspec.Struct, frozen=True):
     """A tensor carried in extra frame number `frame` (0 = first frame after the message)."""

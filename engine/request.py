@@ -121,24 +121,6 @@ class Request:
         return self.num_tokens + self.num_pending_tokens
 
     @property
-    def pending_token_ends_it(self) -> bool:
-        """The pending token will finish the request whatever it is (length limits)."""
-        if not self.num_pending_tokens:
-            return False
-        return self.num_output_tokens + self.num_pending_tokens >= self.sampling.max_tokens
-
-    @property
-    def needs_output_history(self) -> bool:
-        """Sampling reads the output tokens so far (penalties): the next token cannot be
-        sampled before the previous one is known on the host."""
-        params = self.sampling
-        return (
-            params.repetition_penalty != 1.0
-            or params.presence_penalty != 0.0
-            or params.frequency_penalty != 0.0
-        )
-
-    @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 

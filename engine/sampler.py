@@ -132,10 +132,10 @@ class Sampler:
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Repetition (HF), presence and frequency (OpenAI) penalties; [S, V] -> [S, V]."""
     params = [row.params for row in rows]
+    if not any(p.has_penalties for p in params):
+        return logits
     has_repetition = any(p.repetition_penalty != 1.0 for p in params)
     has_additive = any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params)
-    if not has_repetition and not has_additive:
-        return logits
     num_rows, vocab = logits.shape
     device = logits.device
     output_counts = torch.zeros(num_rows, vocab + 1, device=device)  # [S, V + pad]

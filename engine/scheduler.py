@@ -295,9 +295,14 @@ class Scheduler:
                 self.counters.encoder_cache_queries += 1
 
     def _pending_token_ends(self, request: Request) -> bool:
-        """Its in-flight token finishes it by length: nothing more to schedule."""
-        return request.pending_token_ends_it or (
-            request.num_pending_tokens > 0 and request.num_scheduled_tokens >= self.max_model_len
+        """Its in-flight tokens finish it by length (max_tokens, the context): nothing more
+        to schedule."""
+        if not request.num_pending_tokens:
+            return False
+        num_outputs = request.num_output_tokens + request.num_pending_tokens
+        return (
+            num_outputs >= request.sampling.max_tokens
+            or request.num_scheduled_tokens >= self.max_model_len
         )
 
     def _allocate_or_preempt(

@@ -15,9 +15,8 @@ in `pending_rows`; the runner writes the token in on the device (`InFlightTokens
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,8 +36,8 @@ class StepInputs:
     multimodal_rows: list[int]  # flat row of every embedded row, in order
     # Rows whose token is still being sampled by the step in flight (overlap scheduling):
     # input_ids holds 0 there; the runner copies the token in on the device.
-    pending_rows: list[int] = dataclasses.field(default_factory=list)
-    pending_request_ids: list[str] = dataclasses.field(default_factory=list)
+    pending_rows: list[int] = field(default_factory=list)
+    pending_request_ids: list[str] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -209,7 +209,7 @@ def test_scheduling_ahead_of_in_flight_tokens():
     ]
     assert long.num_computed_tokens == 7 and long.num_tokens == 6
     assert sample_all(scheduler, first)[0].new_token_ids == [5]
-    assert short.num_pending_tokens == 1 and short.pending_token_ends_it
+    assert short.num_pending_tokens == 1 and scheduler._pending_token_ends(short)
     third = scheduler.schedule()  # `second` in flight: short's token there is its last
     assert [c.request.request_id for c in third.chunks] == ["long"]
     outputs = {o.request_id: o for o in sample_all(scheduler, second, token=9)}  # long's EOS
