@@ -22,7 +22,6 @@ bounded exponential backoff; the whole fetch of one URL has a total deadline and
 from __future__ import annotations
 
 import asyncio
-import base64
 import binascii
 import logging
 import queue
@@ -35,6 +34,7 @@ import httpx
 import torch
 
 from engine.feature_validation import FeatureError, FeatureSpec, validate_features
+from engine.multimodal.media import decode_base64
 from engine.url_safety import UnsafeUrlError, UrlPolicy, guarded_client
 
 logger = logging.getLogger(__name__)
@@ -456,7 +456,7 @@ def _decode_data_url(url: str, max_bytes: int) -> bytes:
     if len(payload) * 3 // 4 > max_bytes + 3:
         raise _too_large(max_bytes)
     try:
-        data = base64.b64decode(payload, validate=True)
+        data = decode_base64(payload)
     except (binascii.Error, ValueError):
         raise FeatureError("the data: URL is not valid base64", reason="bad_format") from None
     if len(data) > max_bytes:

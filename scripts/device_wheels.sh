@@ -47,6 +47,7 @@ packages=(
     msgspec==0.22.0     # engine <-> server messages
     pyzmq==27.3.0       # engine <-> server transport (wheel bundles libzmq)
     blake3==1.0.11      # prefix-cache and image-cache keys
+    pybase64==1.5.1     # data: URL decoding (SIMD base64)
     fastapi==0.165.0    # HTTP server
     starlette==1.10.0   # fastapi's base
     opentelemetry-api==1.45.2  # fastapi >= 0.16x imports it unconditionally

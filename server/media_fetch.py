@@ -67,14 +67,19 @@ class MediaFetcher:
 
     async def load_image(self, url: str, *, param: str) -> ProcessedImage:
         """Fetch (or decode a data: URL), decode and preprocess one image."""
+        loop = asyncio.get_running_loop()
         if url.startswith("data:"):
-            data = decode_data_url(url, max_bytes=self.config.max_image_bytes, param=param)
-        elif url[:7].lower() == "file://":
+            # base64 of a large image is milliseconds of CPU: off the event loop too.
+            return await loop.run_in_executor(self._pool, self._process_data_url, url, param)
+        if url[:7].lower() == "file://":
             data = await asyncio.to_thread(self._read_local, url, param)
         else:
             data = await self.fetch_url_bytes(url, param=param)
-        loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, self._decode_and_process, data, param)
+
+    def _process_data_url(self, url: str, param: str) -> ProcessedImage:
+        data = decode_data_url(url, max_bytes=self.config.max_image_bytes, param=param)
+        return self._decode_and_process(data, param)
 
     def _decode_and_process(self, data: bytes, param: str) -> ProcessedImage:
         key = bytes_key(data)
