@@ -14,6 +14,7 @@ Patch layout, for one image resized to (H, W) with patch P, merge M, temporal pa
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass, replace
@@ -187,33 +188,50 @@ def process_image(image: Image.Image, config: ImageProcessorConfig) -> Processed
         max_pixels=config.max_pixels,
     )
     resized = rgb.resize((resized_width, resized_height), resample=config.resample)
-    pixels = np.asarray(resized)  # [H, W, C] uint8
-    # transformers rescales in float64 then casts to float32, and normalises in float32.
-    scaled = (pixels.astype(np.float64) * config.rescale_factor).astype(np.float32)
-    mean = np.asarray(config.image_mean, dtype=np.float32)
-    std = np.asarray(config.image_std, dtype=np.float32)
-    normalized = (scaled - mean) / std  # [H, W, C] float32
-    patches, grid_h, grid_w = _patchify(normalized, config)
+    patches, grid_h, grid_w = _patchify(np.asarray(resized), config)  # uint8
     return ProcessedImage(
-        pixel_values=torch.from_numpy(patches),
+        pixel_values=torch.from_numpy(_normalize_patches(patches, config)),
         grid_thw=(1, grid_h, grid_w),
         num_tokens=grid_h * grid_w // config.merge_size**2,
         content_hash=image_content_hash(rgb, config),
     )
 
 
+@functools.lru_cache(maxsize=16)
+def _normalization_table(config: ImageProcessorConfig) -> np.ndarray:
+    """[C, 256] float32: the normalised value of every uint8 level, per channel.
+
+    Computed with transformers' arithmetic (rescale in float64, cast to float32, then
+    normalise in float32), so looking a pixel up gives bit for bit what that arithmetic
+    gives on the pixel, at a third of the cost of doing it per pixel.
+    """
+    levels = np.arange(256, dtype=np.float64)[:, None]  # [256, 1]
+    scaled = (levels * config.rescale_factor).astype(np.float32)
+    mean = np.asarray(config.image_mean, dtype=np.float32)
+    std = np.asarray(config.image_std, dtype=np.float32)
+    return np.ascontiguousarray(((scaled - mean) / std).T)  # [C, 256]
+
+
 def _patchify(image: np.ndarray, config: ImageProcessorConfig) -> tuple[np.ndarray, int, int]:
+    """[H, W, C] -> [grid_h * grid_w, C, P * P] in merge order (dtype kept)."""
     height, width, channels = image.shape
-    patch, merge, temporal = config.patch_size, config.merge_size, config.temporal_patch_size
+    patch, merge = config.patch_size, config.merge_size
     grid_h, grid_w = height // patch, width // patch
     blocks = image.reshape(grid_h // merge, merge, patch, grid_w // merge, merge, patch, channels)
     # [gh/M, M, P, gw/M, M, P, C] -> [gh/M, gw/M, M, M, C, P, P]
     blocks = blocks.transpose(0, 3, 1, 4, 6, 2, 5)
-    # A still image fills every temporal slot: [gh/M, gw/M, M, M, C, T, P, P]
-    blocks = np.broadcast_to(
-        blocks[:, :, :, :, :, None], (*blocks.shape[:5], temporal, patch, patch)
-    )
-    flat = np.ascontiguousarray(blocks).reshape(
-        grid_h * grid_w, channels * temporal * patch * patch
-    )  # [num_patches, C * T * P * P]
+    flat = np.ascontiguousarray(blocks).reshape(grid_h * grid_w, channels, patch * patch)
     return flat, grid_h, grid_w
+
+
+def _normalize_patches(patches: np.ndarray, config: ImageProcessorConfig) -> np.ndarray:
+    """uint8 [rows, C, P * P] -> float32 [rows, C * T * P * P], normalised; a still image
+    fills every temporal slot with the same patch."""
+    rows, channels, area = patches.shape
+    temporal = config.temporal_patch_size
+    table = _normalization_table(config)
+    out = np.empty((rows, channels, temporal, area), dtype=np.float32)
+    for channel in range(channels):
+        np.take(table[channel], patches[:, channel], out=out[:, channel, 0])
+        out[:, channel, 1:] = out[:, channel, :1]
+    return out.reshape(rows, channels * temporal * area)

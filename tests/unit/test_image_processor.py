@@ -152,6 +152,25 @@ def test_normalisation_values():
         assert torch.allclose(first[channel], torch.tensor(expected), atol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "config",
+    [CONFIG, ImageProcessorConfig(image_mean=(0.5, 0.25, 0.1), image_std=(0.5, 0.3, 0.7))],
+)
+def test_normalisation_is_bit_exact_for_every_level(config):
+    # transformers rescales in float64, casts to float32 and normalises in float32; the
+    # lookup table must give exactly those float32 values, for every level and channel.
+    config = config.with_overrides(min_pixels=784, max_pixels=784)
+    mean = np.asarray(config.image_mean, dtype=np.float32)
+    std = np.asarray(config.image_std, dtype=np.float32)
+    for level in range(256):
+        colour = np.array([level, 255 - level, (level * 7) % 256], dtype=np.uint8)
+        scaled = (colour.astype(np.float64) * config.rescale_factor).astype(np.float32)
+        expected = torch.from_numpy((scaled - mean) / std)  # [C]
+        image = Image.new("RGB", (28, 28), tuple(int(v) for v in colour))
+        rows = process_image(image, config).pixel_values.reshape(-1, 3, 2 * 14 * 14)
+        assert torch.equal(rows, expected[None, :, None].expand_as(rows)), level
+
+
 def test_grayscale_image_is_processed_as_rgb():
     processed = process_image(Image.new("L", (64, 64), 90), CONFIG)
     rows = processed.pixel_values.reshape(-1, 3, 392)
