@@ -14,7 +14,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,12 +151,12 @@ def build_app(settings: ServerSettings, engine: Any) -> FastAPI:
     async def _gone(_: Request, exc: ClientDisconnected) -> Response:
         return Response(status_code=499)  # nobody reads it; keeps the log and metrics honest
 
-    _install_middleware(app, settings, metrics)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes)
+    # Outermost: logs, ids and counts every request, refusals included.
     app.add_middleware(
-        BodyLimitMiddleware,
-        max_bytes=settings.max_request_body_bytes,
+        RequestLogMiddleware,
+        on_finished=lambda record: metrics.on_http_request(record.route, record.status),
     )
-    app.add_middleware(RequestLogMiddleware)  # outermost: logs and ids even refusals
 
     async def require_api_key(request: Request) -> None:
         check_api_key(request, settings.api_key)
@@ -166,29 +166,6 @@ def build_app(settings: ServerSettings, engine: Any) -> FastAPI:
     app.include_router(api)
     _add_open_routes(app)
     return app
-
-
-def _install_middleware(app: FastAPI, settings: ServerSettings, metrics: ServerMetrics) -> None:
-    max_body = settings.max_request_body_bytes
-
-    @app.middleware("http")
-    async def count_and_limit(request: Request, call_next: Callable[[Request], Awaitable]):
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > max_body:
-            response: Response = JSONResponse(
-                status_code=413,
-                content=error_body(
-                    f"the request body is over {max_body} bytes",
-                    type="invalid_request_error",
-                    code="request_too_large",
-                ),
-            )
-        else:
-            response = await call_next(request)
-        route = request.scope.get("route")
-        template = getattr(route, "path", None) or "unmatched"
-        metrics.on_http_request(template, response.status_code)
-        return response
 
 
 def _state(request: Request) -> AppState:

@@ -1,8 +1,10 @@
-"""ASGI middleware capping the request body as it streams in, chunked uploads included.
+"""ASGI middleware capping the request body, chunked uploads included.
 
-The app's own middleware refuses a too-large `Content-Length` up front; this one counts
-the bytes actually received, so a chunked (or lying) upload is cut off at the limit with
-413 `request_too_large` instead of being buffered whole.
+A `Content-Length` over the limit is refused before the app runs; otherwise the bytes
+actually received are counted, so a chunked (or lying) upload is cut off at the limit
+with 413 `request_too_large` instead of being buffered whole. Pure ASGI: a streamed
+response passes through with one extra call per chunk (Starlette's BaseHTTPMiddleware
+would hand every chunk across a task and a memory stream).
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ class BodyLimitMiddleware:
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        if _declared_length(scope) > self.max_bytes:
+            await self._too_large(send)
             return
         received = 0
         is_over = False
@@ -74,3 +79,12 @@ class BodyLimitMiddleware:
         headers.append((b"content-length", str(len(body)).encode()))
         await send({"type": "http.response.start", "status": 413, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+
+
+def _declared_length(scope: Scope) -> int:
+    """The request's Content-Length, or 0 when it has none (or not a number)."""
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            return int(value) if value.isdigit() else 0
+    return 0
+

@@ -167,6 +167,20 @@ async def _merge(
     engine: Any, requests: list[EngineRequest], tensors: list[Any]
 ) -> AsyncIterator[tuple[int, RequestOutput | BaseException]]:
     """Run all engine requests concurrently; yield (choice index, output or exception)."""
+    if len(requests) == 1:  # the common case: no task and queue hop per token
+        outputs = engine.generate(requests[0], tensors)
+        try:
+            while True:
+                try:
+                    output = await anext(outputs)
+                except StopAsyncIteration:
+                    return
+                except Exception as exc:  # noqa: BLE001 - handed to the consumer
+                    yield 0, exc
+                    return
+                yield 0, output  # outside the try: a close here must not be caught
+        finally:
+            await outputs.aclose()
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
     async def pump(index: int, engine_request: EngineRequest) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -68,8 +69,11 @@ def record_of(request: Any) -> RequestLogRecord | None:
 class RequestLogMiddleware:
     """Assigns the request id, echoes it in the response, logs one line per request."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(
+        self, app: ASGIApp, on_finished: Callable[[RequestLogRecord], None] | None = None
+    ) -> None:
         self.app = app
+        self.on_finished = on_finished  # e.g. the http_requests_total counter
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -93,6 +97,8 @@ class RequestLogMiddleware:
             record.latency_s = round(time.monotonic() - start, 6)
             fields = {k: v for k, v in asdict(record).items() if v is not None}
             logger.info("%s", record.as_text(), extra={"fields": fields})
+            if self.on_finished is not None:
+                self.on_finished(record)
 
 
 def _request_id(scope: Scope) -> str:

@@ -16,6 +16,8 @@ from engine.errors import EngineDeadError
 from engine.protocol import FinishReason, Modality, Ready, RequestOutput, TokenLogprob
 from engine.tiny_model import make_tiny_model
 from server.app import build_app
+from server.openai_models import ChatCompletionChunk
+from server.openai_models import CompletionResponse as Completion
 from server.settings import ServerSettings
 
 SCRIPT = "The cat sat on the mat. 🎉 Done and done again and again."
@@ -109,9 +111,16 @@ def chat(client, **body):
 
 
 def sse_events(response):
+    """The JSON events of an SSE response; each one must also be a valid instance of its
+    OpenAI model (the chunks are encoded from plain dicts, so this keeps them honest)."""
     events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
-    return [json.loads(e) for e in events[:-1]]
+    parsed = [json.loads(e) for e in events[:-1]]
+    for event in parsed:
+        model = {"chat.completion.chunk": ChatCompletionChunk, "text_completion": Completion}
+        if "error" not in event:
+            model[event["object"]].model_validate(event)
+    return parsed
 
 
 def test_chat_shape_and_usage(app):
@@ -190,6 +199,22 @@ def test_logprobs_shape(app):
     first = engine.tokenizer.decode(engine.script[:1])
     assert content[0]["token"] == first and content[0]["bytes"] == list(first.encode())
     assert len(content[0]["top_logprobs"]) == 2
+
+
+def test_streamed_logprobs_chat_and_completions(app):
+    client, engine = app
+    events = sse_events(chat(client, max_tokens=3, stream=True, logprobs=True, top_logprobs=2))
+    content = [e["choices"][0]["logprobs"] for e in events[1:] if e["choices"]]
+    tokens = [entry["token"] for part in content for entry in part["content"]]
+    assert tokens == [engine.tokenizer.decode([t]) for t in engine.script[:3]]
+    assert all(len(entry["top_logprobs"]) == 2 for part in content for entry in part["content"])
+    assert events[0]["choices"][0]["logprobs"] is None  # the role chunk
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 3, "stream": True, "logprobs": 1}
+    events = sse_events(client.post("/v1/completions", json=body))
+    logprobs = [e["choices"][0]["logprobs"] for e in events if e["choices"]]
+    assert [t for part in logprobs for t in part["tokens"]] == tokens
+    offsets = [o for part in logprobs for o in part["text_offset"]]
+    assert offsets == [0, len(tokens[0]), len(tokens[0]) + len(tokens[1])]
 
 
 def test_completions_prompt_ids_and_string(app):
@@ -318,7 +343,7 @@ def test_api_key(model_dir):
     client, _ = _client(model_dir)
     client.app  # noqa: B018
     config_key = "sekrit"
-    client, _ = _client_with_key(model_dir, config_key)
+    client, _ = _client(model_dir, api_key=config_key)
     with client:
         assert chat(client).status_code == 401
         assert chat(client).json()["error"]["code"] == "invalid_api_key"
@@ -340,9 +365,43 @@ def test_api_key(model_dir):
         assert client.get("/openapi.json", headers=headers).status_code == 200
 
 
-def _client_with_key(model_dir, key):
-    engine = FakeEngine(str(model_dir / "tokenizer.json"))
-    config = ServerSettings(
-        engine=EngineConfig(model=str(model_dir), served_model_name="tiny"), api_key=key
-    )
-    return TestClient(build_app(config, engine)), engine
+def _http_requests_total(client) -> dict[tuple[str, str], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counts = {}
+    for family in text_string_to_metric_families(client.get("/metrics").text):
+        for sample in family.samples:
+            if sample.name == "tessera:http_requests_total":
+                counts[sample.labels["route"], sample.labels["status"]] = sample.value
+    return counts
+
+
+def test_http_requests_are_counted_by_route_template_and_status(model_dir):
+    client, _ = _client(model_dir, max_request_body_bytes=4096)
+    with client:
+        assert chat(client, max_tokens=2).status_code == 200
+        assert chat(client, max_tokens=3, stream=True).status_code == 200
+        assert chat(client, temperature=-1).status_code == 400
+        assert client.get("/v1/nope/secret-path").status_code == 404
+        declared = client.post(
+            "/v1/chat/completions",
+            content=b"x" * 5000,
+            headers={"content-type": "application/json"},
+        )
+        assert declared.status_code == 413
+        assert declared.json()["error"]["code"] == "request_too_large"
+
+        def chunks():
+            yield b"x" * 3000
+            yield b"x" * 3000
+
+        chunked = client.post(
+            "/v1/chat/completions", content=chunks(), headers={"content-type": "application/json"}
+        )
+        assert chunked.status_code == 413
+        counts = _http_requests_total(client)
+    assert counts[("/v1/chat/completions", "200")] == 2  # the streamed one included
+    assert counts[("/v1/chat/completions", "400")] == 1
+    assert counts[("unmatched", "404")] == 1  # the template, never the raw path
+    assert counts[("/v1/chat/completions", "413")] == 1  # cut off while streaming in
+    assert counts[("unmatched", "413")] == 1  # refused before routing
