@@ -1,10 +1,11 @@
 """The server's handle on the engine process: start it, talk to it, watch it, stop it.
 
     EngineClient ──PUSH (inbox)──▶ engine process ──PUSH (outbox)──▶ EngineClient
-      generate()  one asyncio.Queue per request id  ◀── _output_loop routes RequestOutputs
+      generate()  one OutputCollector per request id  ◀── _output_loop routes RequestOutputs
 
 Both sockets are bound here (ipc:// paths in a private 0700 temp dir by default). One
-background task reads the outbox, routes each `RequestOutput` to its request's queue,
+background task reads the outbox, routes each `RequestOutput` to its request's collector
+(server/output_collector.py: outputs the consumer has not taken yet are merged),
 folds `EngineStats` into `stats`, and notices the engine's death within ~1 s: every
 in-flight `generate()` then raises `EngineDeadError` and `on_engine_death` is called.
 Aborts of abandoned requests are batched: one `AbortRequests` per event-loop tick, so a
@@ -42,6 +43,7 @@ from engine.protocol import (
     Shutdown,
 )
 from engine.serialization import MessageDecodeError, decode_server_inbox, encode_message
+from server.output_collector import OutputCollector
 
 logger = logging.getLogger("tessera.engine_client")
 
@@ -96,7 +98,7 @@ class EngineClient:
             "log_format": log_format,
             "core_factory": core_factory,
         }
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._collectors: dict[str, OutputCollector] = {}
         self._stats_listeners: list[Callable[[EngineStats], Any]] = []
         self._process: multiprocessing.process.BaseProcess | None = None
         self._context: zmq.asyncio.Context | None = None
@@ -233,24 +235,25 @@ class EngineClient:
         request_id = request.request_id
         if not self.is_alive:
             raise EngineDeadError("the engine is not running")
-        if request_id in self._queues:
+        if request_id in self._collectors:
             raise InvalidRequest(f"duplicate request id {request_id!r}", param="request_id")
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
+        collector = OutputCollector()
+        self._collectors[request_id] = collector
         is_finished = False
         try:
             await self._inbox.send_multipart(encode_message(request, tensors), copy=False)
             while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
+                try:
+                    item = await collector.get()
+                except Exception:  # the engine died (not a cancellation: that aborts)
                     is_finished = True
-                    raise item
+                    raise
                 is_finished = item.finish_reason is not None
                 yield item
                 if is_finished:
                     return
         finally:
-            self._queues.pop(request_id, None)
+            self._collectors.pop(request_id, None)
             if not is_finished:
                 # No await here: this runs on GeneratorExit / CancelledError too.
                 self._abort_soon(request_id)
@@ -316,9 +319,9 @@ class EngineClient:
         message = self._decode(frames)
         if isinstance(message, EngineOutputs):
             for output in message.outputs:
-                queue = self._queues.get(output.request_id)
-                if queue is not None:
-                    queue.put_nowait(output)
+                collector = self._collectors.get(output.request_id)
+                if collector is not None:
+                    collector.put(output)
             self.stats.update(message.stats)
             for callback in self._stats_listeners:
                 try:
@@ -351,8 +354,8 @@ class EngineClient:
 
     def _fail_all(self) -> None:
         # The client sees a generic message; the reason (exit code, traceback) is logged.
-        for queue in self._queues.values():
-            queue.put_nowait(EngineDeadError("the engine is not running"))
+        for collector in self._collectors.values():
+            collector.fail(EngineDeadError("the engine is not running"))
 
 
 def _consume_exception(future: asyncio.Future) -> None:

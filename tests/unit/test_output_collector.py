@@ -1,0 +1,79 @@
+"""OutputCollector: outputs the consumer has not taken yet are merged, in order."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.errors import EngineDeadError
+from engine.protocol import FinishReason, RequestOutput, TokenLogprob
+from server.output_collector import OutputCollector, merge_outputs
+
+
+def _output(*token_ids: int, **fields) -> RequestOutput:
+    return RequestOutput(request_id="r", new_token_ids=list(token_ids), **fields)
+
+
+def test_each_output_alone_when_the_consumer_keeps_up():
+    async def run():
+        collector = OutputCollector()
+        got = []
+        for token in (1, 2, 3):
+            collector.put(_output(token))
+            got.append((await collector.get()).new_token_ids)
+        return got
+
+    assert asyncio.run(run()) == [[1], [2], [3]]
+
+
+def test_outputs_waiting_are_merged_in_order():
+    async def run():
+        collector = OutputCollector()
+        collector.put(_output(1, num_prompt_tokens=7, num_cached_tokens=4))
+        collector.put(_output(2, 3))
+        collector.put(
+            _output(4, finish_reason=FinishReason.LENGTH, decode_seconds=0.5, queued_seconds=0.1)
+        )
+        return await collector.get()
+
+    merged = asyncio.run(run())
+    assert merged.new_token_ids == [1, 2, 3, 4]
+    assert merged.finish_reason == FinishReason.LENGTH
+    assert (merged.num_prompt_tokens, merged.num_cached_tokens) == (7, 4)
+    assert (merged.decode_seconds, merged.queued_seconds) == (0.5, 0.1)
+
+
+def test_logprobs_are_concatenated():
+    first = _output(1, logprobs=[TokenLogprob(1, -0.1, [])])
+    second = _output(2, logprobs=[TokenLogprob(2, -0.2, [])])
+    assert [e.token_id for e in merge_outputs(first, second).logprobs] == [1, 2]
+    assert merge_outputs(_output(1), _output(2)).logprobs is None
+
+
+def test_a_waiting_consumer_wakes_for_the_next_output():
+    async def run():
+        collector = OutputCollector()
+        waiter = asyncio.create_task(collector.get())
+        await asyncio.sleep(0)
+        assert not waiter.done()
+        collector.put(_output(9))
+        return await asyncio.wait_for(waiter, 1)
+
+    assert asyncio.run(run()).new_token_ids == [9]
+
+
+def test_failure_comes_after_the_output_already_waiting():
+    async def run():
+        collector = OutputCollector()
+        collector.put(_output(1))
+        collector.fail(EngineDeadError("the engine is not running"))
+        first = await collector.get()
+        with pytest.raises(EngineDeadError):
+            await collector.get()
+        waiter = asyncio.create_task(collector.get())  # and again, for a waiting consumer
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(waiter, 1)
+        return first
+
+    assert asyncio.run(run()).new_token_ids == [1]
