@@ -39,6 +39,7 @@ class ServerSpec:
     name: str
     command: list[str]
     env: dict[str, str]
+    cwd: Path = REPO_ROOT  # `python -m` imports from here first
 
 
 def free_port() -> int:
@@ -78,13 +79,22 @@ def stop(process: subprocess.Popen, grace_s: float = 30.0) -> None:
 
 @contextlib.contextmanager
 def running(spec: ServerSpec, port: int, log_dir: Path, timeout_s: float) -> Iterator[str]:
+    with started(spec, port, log_dir, timeout_s) as (base_url, _):
+        yield base_url
+
+
+@contextlib.contextmanager
+def started(
+    spec: ServerSpec, port: int, log_dir: Path, timeout_s: float
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """Like `running`, and also yields the server's process (for its pid)."""
     log = log_dir / f"{spec.name}.log"
     print(f"[{spec.name}] starting: {' '.join(spec.command)}  (log {log})", file=sys.stderr)
-    started = time.monotonic()
+    start = time.monotonic()
     with open(log, "wb") as log_file:
         process = subprocess.Popen(
             spec.command,
-            cwd=REPO_ROOT,
+            cwd=spec.cwd,
             env={**os.environ, **spec.env},
             stdout=log_file,
             stderr=subprocess.STDOUT,
@@ -93,7 +103,22 @@ def running(spec: ServerSpec, port: int, log_dir: Path, timeout_s: float) -> Ite
     base_url = f"http://{HOST}:{port}"
     try:
         wait_healthy(base_url, process, timeout_s, log)
-        print(f"[{spec.name}] healthy after {time.monotonic() - started:.0f} s", file=sys.stderr)
-        yield base_url
+        print(f"[{spec.name}] healthy after {time.monotonic() - start:.0f} s", file=sys.stderr)
+        yield base_url, process
     finally:
         stop(process)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process `pid` so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def engine_child(server_pid: int) -> int:
+    """The engine process among the server's children (multiprocessing's spawn child)."""
+    for task in Path(f"/proc/{server_pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                return int(child)
+    raise RuntimeError(f"no engine process under {server_pid}")

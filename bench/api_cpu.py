@@ -1,0 +1,148 @@
+"""Benchmark (not a test): the CPU the API process spends per request and per streamed token.
+
+    PYTHONPATH=. python bench/api_cpu.py
+    PYTHONPATH=. python bench/api_cpu.py --baseline-repo /tmp/old   # side by side
+
+Why: on a GPU the engine makes tokens faster than one Python process can stream them if
+every token costs hundreds of microseconds there (issue 8's 2B serving run: the API
+process used a whole core and capped throughput). The engine here runs the tiny generated
+checkpoint, so it is cheap and the API process's own work shows.
+
+For each server (with --baseline-repo: one started from that checkout, then this one),
+it runs the loads below with `tessera bench serve` (each request streams --max-tokens
+tokens, ignore_eos) and reads the user + system CPU time of the API process and of the
+engine process from /proc before and after each load:
+
+  text   --input-len random words
+  image  the same plus one distinct --image-size PNG image per request (a data: URL:
+         base64, PNG decode, resize, normalise, patchify, hash on the API process)
+
+It prints API CPU ms per request, API CPU us per output token, and engine CPU, per load;
+with a baseline, also this / baseline. CPU time is less noisy than wall time on a shared
+machine, but the client runs on the same cores: compare within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from bench.servers import REPO_ROOT, ServerSpec, cpu_seconds, engine_child, free_port, started
+
+SERVED_MODEL_NAME = "bench"
+LOADS = {"text": ["--dataset", "text"], "image": ["--dataset", "image"]}
+
+
+def server_spec(name: str, repo: Path, model_dir: Path, port: int) -> ServerSpec:
+    command = [
+        sys.executable, "-m", "server.cli", "serve", "--model", str(model_dir),
+        "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_MODEL_NAME,
+        "--num-kv-blocks", "4096", "--max-model-len", "2048",
+    ]  # fmt: skip
+    # One engine thread: the engine's matmuls then leave the second core to the API
+    # process and the client, as a GPU engine would.
+    env = {"PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+    return ServerSpec(name, command, env, cwd=repo)
+
+
+def run_load(base_url: str, flags: list[str], out: Path) -> dict:
+    from bench.serve import main as bench_main
+
+    with contextlib.redirect_stdout(sys.stderr):  # its report; the table goes to stdout
+        code = bench_main(["--base-url", base_url, "--model", SERVED_MODEL_NAME, "--out",
+                           str(out), "--no-progress", *flags])  # fmt: skip
+    if code != 0:
+        raise RuntimeError(f"the load failed (exit {code}); see {out}")
+    return json.loads(out.read_text())
+
+
+def measure(spec: ServerSpec, port: int, args: argparse.Namespace, work: Path) -> dict:
+    common = [
+        "--num-requests", str(args.num_requests), "--concurrency", str(args.concurrency),
+        "--max-tokens", str(args.max_tokens), "--ignore-eos", "--input-len",
+        str(args.input_len), "--image-size", args.image_size, "--image-repeat-ratio", "0",
+    ]  # fmt: skip
+    results = {}
+    with started(spec, port, work, timeout_s=180) as (base_url, process):
+        engine_pid = engine_child(process.pid)
+        warmup = [*common[:1], "8", *common[2:], "--dataset", "image", "--seed", "999"]
+        run_load(base_url, warmup, work / f"{spec.name}-warmup.json")
+        for load in args.loads:
+            api_before, engine_before = cpu_seconds(process.pid), cpu_seconds(engine_pid)
+            flags = [*common, *LOADS[load], "--seed", str(args.seed)]
+            summary = run_load(base_url, flags, work / f"{spec.name}-{load}.json")["summary"]
+            api_s = cpu_seconds(process.pid) - api_before
+            engine_s = cpu_seconds(engine_pid) - engine_before
+            tokens = summary["total_output_tokens"]
+            results[load] = {
+                "completed": summary["completed"],
+                "api_cpu_s": api_s,
+                "api_ms_per_request": 1000 * api_s / summary["completed"],
+                "api_us_per_token": 1e6 * api_s / tokens,
+                "engine_cpu_s": engine_s,
+                "output_throughput": summary["output_throughput"],
+                "p50_ttft_ms": summary["p50_ttft_ms"],
+            }
+            print(f"[{spec.name}] {load}: {json.dumps(results[load])}", file=sys.stderr)
+    return results
+
+
+def table(results: dict[str, dict[str, dict]], loads: Sequence[str]) -> str:
+    names = list(results)
+    lines = ["| load | server | API ms/request | API us/token | engine CPU s | out tok/s |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for load in loads:
+        for name in names:
+            row = results[name][load]
+            lines.append(
+                f"| {load} | {name} | {row['api_ms_per_request']:.1f} | "
+                f"{row['api_us_per_token']:.0f} | {row['engine_cpu_s']:.1f} | "
+                f"{row['output_throughput']:.0f} |"
+            )
+        if len(names) == 2:
+            base, this = (results[name][load]["api_ms_per_request"] for name in names)
+            lines.append(f"| {load} | this / baseline | {this / base:.2f} | | | |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--baseline-repo", type=Path, help="another checkout, measured first")
+    parser.add_argument("--loads", nargs="+", choices=list(LOADS), default=list(LOADS))
+    parser.add_argument("--num-requests", type=int, default=128)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--input-len", type=int, default=200)
+    parser.add_argument("--image-size", default="448x448")
+    parser.add_argument("--seed", type=int, default=3)
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    from engine.tiny_model import make_tiny_model
+
+    with tempfile.TemporaryDirectory(prefix="tessera-api-cpu-") as tmp:
+        work = Path(tmp)
+        model_dir = make_tiny_model(work / "tiny")
+        servers = [("this", REPO_ROOT)]
+        if args.baseline_repo is not None:
+            servers.insert(0, ("baseline", args.baseline_repo.resolve()))
+        results = {}
+        for name, repo in servers:
+            port = free_port()
+            results[name] = measure(server_spec(name, repo, model_dir, port), port, args, work)
+    print(table(results, args.loads))
+    if args.out is not None:
+        args.out.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
