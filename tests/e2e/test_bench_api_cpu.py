@@ -1,0 +1,27 @@
+"""bench/api_cpu.py end to end, small: it starts the real server, runs both loads and
+reports the API process's CPU per request and per token from /proc."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from bench.api_cpu import main
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+
+
+def test_api_cpu_reports_both_loads(tmp_path, capsys):
+    out = tmp_path / "api_cpu.json"
+    flags = ["--num-requests", "4", "--concurrency", "2", "--max-tokens", "4"]
+    assert main([*flags, "--input-len", "20", "--image-size", "64x64", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())["this"]
+    for load in ("text", "image"):
+        row = results[load]
+        assert row["completed"] == 4
+        assert row["api_cpu_s"] > 0 and row["engine_cpu_s"] > 0
+        assert row["api_us_per_token"] == pytest.approx(1e6 * row["api_cpu_s"] / 16)
+    table = capsys.readouterr().out
+    assert "| text | this |" in table and "| image | this |" in table
