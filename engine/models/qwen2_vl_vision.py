@@ -25,7 +25,8 @@ from torch import nn
 
 from engine.device_io import to_device
 from engine.model_config import VisionConfig
-from engine.models.layers import ACTIVATIONS, rope_inv_freq, rotate_half
+from engine.models.layers import ACTIVATIONS, rope_inv_freq, rotary_tables
+from kernels.reference import rotary_folded
 
 VISION_ROPE_THETA = 10000.0
 
@@ -116,18 +117,17 @@ class VisionRotary(nn.Module):
         self.inv_freq = rope_inv_freq(self.head_dim // 2, VISION_ROPE_THETA, self.inv_freq.device)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions [N, 2] -> cos, sin [N, head_dim] float32
+        # positions [N, 2] -> cos, signed sin [N, 1, head_dim] float32 (`rotary_tables`)
         freqs = positions.unsqueeze(-1).float() * self.inv_freq  # [N, 2, D/4]
         freqs = freqs.flatten(1)  # [N, D/2] (h freqs then w freqs)
         emb = torch.cat((freqs, freqs), dim=-1)  # [N, D]
-        return emb.cos(), emb.sin()
+        return rotary_tables(emb.cos(), emb.sin())
 
 
-def _rotate_fp32(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x [N, H, D]; cos, sin [N, D] float32; rotation in float32 like the reference
-    x32 = x.float()
-    out = x32 * cos.unsqueeze(-2) + rotate_half(x32) * sin.unsqueeze(-2)
-    return out.to(x.dtype)
+def _rotate_fp32(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary in float32 like the reference; x [..., N, H, D], tables [N, 1, D] float32
+    (`rotary_tables`: roll with a signed sin equals rotate_half with sin exactly)."""
+    return rotary_folded(x.float(), cos, signed_sin).to(x.dtype)
 
 
 class VisionAttention(nn.Module):
@@ -142,15 +142,18 @@ class VisionAttention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: VisionAttentionPlan
     ) -> torch.Tensor:  # x [N, dim] -> [N, dim]
         num_rows = x.shape[0]
-        q, k, v = self.qkv(x).view(num_rows, 3, self.num_heads, self.head_dim).unbind(1)
-        q = _rotate_fp32(q, cos, sin)  # [N, H, D]
-        k = _rotate_fp32(k, cos, sin)  # [N, H, D]
+        qkv = self.qkv(x).view(num_rows, 3, self.num_heads, self.head_dim)
+        # q and k rotate together: one set of elementwise kernels per layer, not two (the
+        # tower is launch-bound on a GPU at one image per call).
+        q, k = _rotate_fp32(qkv[:, :2].transpose(0, 1), cos, sin).unbind(0)  # [N, H, D]
+        v = qkv[:, 2]  # [N, H, D]
         groups = plan.groups
         if plan.cu_seqlens is not None:
             from torch.nn.attention.varlen import varlen_attn
 
             cu, longest = plan.cu_seqlens, plan.max_frame_len
-            out = varlen_attn(q, k, v.contiguous(), cu, cu, longest, longest)  # [N, H, D]
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+            out = varlen_attn(q, k, v, cu, cu, longest, longest)  # [N, H, D]
             out = out.reshape(num_rows, -1)
         elif len(groups) == 1 and groups[0].rows is None:
             out = self._attend(q, k, v, groups[0].length).reshape(num_rows, -1)
@@ -234,7 +237,7 @@ class Qwen2VisionTransformer(nn.Module):
         x = self.patch_embed(pixel_values.to(device=device, dtype=dtype))
         merge = self.config.spatial_merge_size
         positions = to_device(vision_rotary_positions(grids, merge), torch.long, device)
-        cos, sin = self.rotary(positions)  # [N, D] each, float32
+        cos, sin = self.rotary(positions)  # [N, 1, D] each, float32 (sin signed)
         plan = plan_vision_attention(grids, device, dtype)
         for block in self.blocks:
             x = block(x, cos, sin, plan)
