@@ -86,8 +86,22 @@ def sse(data: dict[str, Any]) -> bytes:
     return b"data: " + _JSON.encode(data) + b"\n\n"
 
 
-def _chunk_header(job: GenerationJob, object_name: str) -> dict[str, Any]:
-    return {"id": job.request_id, "object": object_name, "created": job.created}
+class _ChunkWriter:
+    """Builds the SSE chunks of one job: `writer(choices, usage=None)`."""
+
+    def __init__(self, job: GenerationJob, object_name: str) -> None:
+        self.header = {
+            "id": job.request_id,
+            "object": object_name,
+            "created": job.created,
+            "model": job.model_name,
+        }
+
+    def __call__(self, choices: list[dict[str, Any]], usage: UsageInfo | None = None) -> bytes:
+        body = {**self.header, "choices": choices}
+        if usage is not None:
+            body["usage"] = dump(usage)
+        return sse(body)
 
 
 def usage_of(totals: GenerationTotals) -> UsageInfo:
@@ -134,15 +148,9 @@ async def stream_chat(
     *,
     with_logprobs: bool,
     on_finished: OnFinished,
-) -> AsyncIterator[str]:
+) -> AsyncIterator[bytes]:
     totals = GenerationTotals()
-    header = _chunk_header(job, "chat.completion.chunk")
-
-    def chunk(choices: list[dict[str, Any]], usage: UsageInfo | None = None) -> bytes:
-        body = {**header, "model": job.model_name, "choices": choices}
-        if usage is not None:
-            body["usage"] = dump(usage)
-        return sse(body)
+    chunk = _ChunkWriter(job, "chat.completion.chunk")
 
     def choice(index: int, delta: dict, logprobs: Any = None, finish: str | None = None):
         # OpenAI's deltas carry only the fields they set; logprobs and finish_reason are
@@ -180,16 +188,10 @@ async def stream_completion(
     *,
     with_logprobs: bool,
     on_finished: OnFinished,
-) -> AsyncIterator[str]:
+) -> AsyncIterator[bytes]:
     totals = GenerationTotals()
     offsets = [0] * job.n
-    header = _chunk_header(job, "text_completion")
-
-    def chunk(choices: list[dict[str, Any]], usage: UsageInfo | None = None) -> bytes:
-        body = {**header, "model": job.model_name, "choices": choices}
-        if usage is not None:
-            body["usage"] = dump(usage)
-        return sse(body)
+    chunk = _ChunkWriter(job, "text_completion")
 
     async with contextlib.aclosing(_guarded(_run(job, engine, tokenizer, totals))) as pieces:
         async for piece in pieces:
