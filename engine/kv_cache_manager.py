@@ -116,6 +116,7 @@ class KVCacheManager:
             if block.ref_count == 0:
                 self._free[block_id] = None
         request.block_ids = []
+        request.num_registered_blocks = 0
 
     def _take(self, block_id: int, *, is_hit: bool) -> None:
         block = self.blocks[block_id]
@@ -131,19 +132,25 @@ class KVCacheManager:
         block.block_hash = None
 
     def _register_full_blocks(self, request: Request, num_tokens: int) -> None:
-        """Registers the blocks that are full once `num_tokens` tokens have KV."""
+        """Registers the blocks that are full once `num_tokens` tokens have KV.
+
+        Only blocks past `request.num_registered_blocks` are looked at: every decode step
+        allocates, and walking all of a long request's blocks each time cost O(context)
+        per request per step."""
         num_full = num_tokens // self.block_size
         self._update_hashes(request, num_full * self.block_size)
         # A block ending in a token still in flight (overlap scheduling) has no hash yet;
         # the request's next allocation registers it.
-        for index in range(min(num_full, len(request.block_hashes))):
+        end = min(num_full, len(request.block_hashes))
+        for index in range(request.num_registered_blocks, end):
             block = self.blocks[request.block_ids[index]]
-            if block.block_hash is not None:
+            if block.block_hash is not None:  # a prefix-cache hit: cached already
                 continue
             block_hash = request.block_hashes[index]
             if block_hash not in self._cached:  # a duplicate keeps the first copy cached
                 self._cached[block_hash] = block.block_id
                 block.block_hash = block_hash
+        request.num_registered_blocks = max(request.num_registered_blocks, end)
 
     def _update_hashes(self, request: Request, num_tokens: int) -> None:
         """Extends `request.block_hashes` over the full blocks of its first `num_tokens`."""

@@ -89,6 +89,7 @@ class Request:
         self.num_pending_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
         self.block_ids: list[int] = []
+        self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks so far
         self.positions: torch.Tensor | None = None  # [3, num_prompt_tokens] int64 M-RoPE
         self.rope_delta = 0

@@ -98,3 +98,27 @@ def test_free_without_keep_cached_drops_hashes():
     assert kv.allocate_slots(first, 12)
     kv.free(first, keep_cached=False)
     assert kv.get_computed_blocks(make_request("b", list(range(12)))) == ([], 0)
+
+
+def test_decode_steps_register_only_new_full_blocks():
+    # Each decode step allocates; registration must look only at blocks that filled since
+    # the last one (it used to walk every block of the request, O(context) per step).
+    kv = KVCacheManager(64, 4)
+    request = make_request("a", list(range(100, 140)))  # 10 full blocks
+    assert kv.allocate_slots(request, 40)
+    request.num_computed_tokens = 40
+    assert request.num_registered_blocks == 10
+    assert all(kv.blocks[b].block_hash is not None for b in request.block_ids)
+    for step in range(5):  # decode: one token a step; the 11th block fills at token 44
+        request.output_token_ids.append(7 + step)
+        assert kv.allocate_slots(request, 1)
+        request.num_computed_tokens += 1
+        assert request.num_registered_blocks == (11 if request.num_computed_tokens >= 44 else 10)
+    assert kv.blocks[request.block_ids[10]].block_hash == request.block_hashes[10]
+    kv.free(request)
+    assert request.num_registered_blocks == 0
+    again = make_request("b", list(range(100, 140)) + [7, 8, 9, 10, 11])
+    blocks, num_cached = kv.get_computed_blocks(again)
+    assert num_cached == 44  # the block filled while decoding is in the cache too
+    assert kv.allocate_slots(again, 1, blocks)
+    assert again.num_registered_blocks == 11
