@@ -82,6 +82,8 @@ class GenerationTotals:
             last = self.last_token_times.get(index)
             if last is not None:  # several tokens in one output share the gap
                 self.inter_token_seconds += [(now - last) / num_tokens] * num_tokens
+            elif num_tokens > 1:  # the first token came with others (a merged backlog)
+                self.inter_token_seconds += [0.0] * (num_tokens - 1)
             self.last_token_times[index] = now
         for name in ("queued_seconds", "prefill_seconds", "decode_seconds"):
             value = getattr(output, name)

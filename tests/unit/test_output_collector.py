@@ -77,3 +77,17 @@ def test_failure_comes_after_the_output_already_waiting():
         return first
 
     assert asyncio.run(run()).new_token_ids == [1]
+
+
+def test_merged_outputs_keep_one_gap_per_token_after_the_first():
+    # inter_token_latency counts generated - 1 gaps per choice, however the tokens were
+    # grouped into outputs (a merged backlog may carry the first token with others).
+    from server.generation import GenerationTotals
+
+    for groups in ([1, 1, 1, 1, 1], [2, 1, 2], [3, 2], [5]):
+        totals = GenerationTotals()
+        token = iter(range(100))
+        for size in groups:
+            totals.note_output(0, _output(*(next(token) for _ in range(size))))
+        assert len(totals.inter_token_seconds) == 4, groups
+        assert all(gap >= 0 for gap in totals.inter_token_seconds)
