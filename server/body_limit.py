@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from server.errors import error_body
+
 Scope = dict[str, Any]
 
 
@@ -66,14 +68,11 @@ class BodyLimitMiddleware:
 
     async def _too_large(self, send: Any) -> None:
         body = json.dumps(
-            {
-                "error": {
-                    "message": f"the request body is over {self.max_bytes} bytes",
-                    "type": "invalid_request_error",
-                    "param": None,
-                    "code": "request_too_large",
-                }
-            }
+            error_body(
+                f"the request body is over {self.max_bytes} bytes",
+                type="invalid_request_error",
+                code="request_too_large",
+            )
         ).encode()
         headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
         headers.append((b"content-length", str(len(body)).encode()))
@@ -87,4 +86,3 @@ def _declared_length(scope: Scope) -> int:
         if name == b"content-length":
             return int(value) if value.isdigit() else 0
     return 0
-

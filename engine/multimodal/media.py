@@ -142,4 +142,3 @@ def decode_base64(text: str) -> bytes:
     which matters because images arrive as data: URLs on the API process.
     Raises `binascii.Error` (or `ValueError` for non-ASCII text)."""
     return pybase64.b64decode(text, validate=True)
-
