@@ -32,7 +32,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.servers import REPO_ROOT, ServerSpec, cpu_seconds, engine_child, free_port, started
+from bench.servers import REPO_ROOT, ServerSpec, cpu_seconds, engine_pid, free_port, started
 
 SERVED_MODEL_NAME = "bench"
 LOADS = {"text": ["--dataset", "text"], "image": ["--dataset", "image"]}
@@ -69,15 +69,15 @@ def measure(spec: ServerSpec, port: int, args: argparse.Namespace, work: Path) -
     ]  # fmt: skip
     results = {}
     with started(spec, port, work, timeout_s=180) as (base_url, process):
-        engine_pid = engine_child(process.pid)
+        engine = engine_pid(process.pid)
         warmup = [*common[:1], "8", *common[2:], "--dataset", "image", "--seed", "999"]
         run_load(base_url, warmup, work / f"{spec.name}-warmup.json")
         for load in args.loads:
-            api_before, engine_before = cpu_seconds(process.pid), cpu_seconds(engine_pid)
+            api_before, engine_before = cpu_seconds(process.pid), cpu_seconds(engine)
             flags = [*common, *LOADS[load], "--seed", str(args.seed)]
             summary = run_load(base_url, flags, work / f"{spec.name}-{load}.json")["summary"]
             api_s = cpu_seconds(process.pid) - api_before
-            engine_s = cpu_seconds(engine_pid) - engine_before
+            engine_s = cpu_seconds(engine) - engine_before
             tokens = summary["total_output_tokens"]
             results[load] = {
                 "completed": summary["completed"],

@@ -115,10 +115,18 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def engine_child(server_pid: int) -> int:
-    """The engine process among the server's children (multiprocessing's spawn child)."""
-    for task in Path(f"/proc/{server_pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
-                return int(child)
-    raise RuntimeError(f"no engine process under {server_pid}")
+def child_pids(pid: int) -> list[int]:
+    """The direct children of process `pid`, from every one of its threads (Linux /proc)."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children += [int(child) for child in (task / "children").read_text().split()]
+    return children
+
+
+def engine_pid(server_pid: int) -> int:
+    """The engine process among the server's children (not multiprocessing's helpers)."""
+    children = child_pids(server_pid)
+    for child in children:
+        if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+            return child
+    raise RuntimeError(f"no engine process among the children {children}")

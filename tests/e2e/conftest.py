@@ -8,7 +8,6 @@ import contextlib
 import functools
 import io
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +22,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from bench.servers import free_port
 from engine.tiny_model import make_tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -40,12 +40,6 @@ class ServerHandle:
 
     def log_tail(self, num_chars: int = 4000) -> str:
         return self.log_path.read_text(errors="replace")[-num_chars:]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def picture(width: int, height: int, salt: int) -> Image.Image:
@@ -85,23 +79,6 @@ def run_server(model_dir: Path, log_path: Path, *extra: str) -> Iterator[ServerH
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(timeout=10)
-
-
-def child_pids(pid: int) -> list[int]:
-    """The direct children of process `pid`, from every one of its threads (Linux /proc)."""
-    children = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        children += [int(child) for child in (task / "children").read_text().split()]
-    return children
-
-
-def engine_pid(server_pid: int) -> int:
-    """The engine process among the server's children (not multiprocessing's helpers)."""
-    children = child_pids(server_pid)
-    for child in children:
-        if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
-            return child
-    raise AssertionError(f"no engine process among the children {children}")
 
 
 def is_gone(pid: int) -> bool:

@@ -16,11 +16,10 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from bench.servers import child_pids, engine_pid
 from tests.e2e.conftest import (
     MODEL_NAME,
     ServerHandle,
-    child_pids,
-    engine_pid,
     is_gone,
     picture,
     png_bytes,
