@@ -34,6 +34,7 @@ from engine.errors import ContextLengthExceeded, InvalidRequest, MediaError, Tes
 from engine.feature_admission import FeatureAdmission
 from engine.model_runner import ModelRunner, PendingStep, error_info
 from engine.models.mrope import mrope_positions
+from engine.multimodal.image_processor import normalization_table
 from engine.protocol import (
     EngineOutputs,
     EngineRequest,
@@ -42,6 +43,7 @@ from engine.protocol import (
     FinishReason,
     MediaInput,
     Modality,
+    PixelNormalization,
     Ready,
     RequestOutput,
 )
@@ -307,6 +309,7 @@ class EngineCore:
                     f"{tuple(media.grid_thw)} (expected {(t * h * w, patch_dim)})",
                     param=param,
                 )
+            _check_pixel_encoding(pixel_values, media.normalization, vision.in_channels, param)
         elif media.feature is not None:
             pass  # fetched by the FeatureFetcher before the request is scheduled
         elif media.content_hash.startswith("uuid:"):
@@ -326,6 +329,7 @@ class EngineCore:
             media.num_tokens,
             tuple(media.grid_thw),
             pixel_values,
+            media.normalization if pixel_values is not None else None,
         )
 
     def _check_placeholders(self, prompt: list[int], media: list[MediaItem]) -> None:
@@ -354,3 +358,30 @@ class EngineCore:
                 f"the media items fill {num_expected}",
                 param="messages",
             )
+
+
+def _check_pixel_encoding(
+    pixel_values: torch.Tensor,
+    normalization: PixelNormalization | None,
+    channels: int,
+    param: str,
+) -> None:
+    """uint8 levels need a `normalization` for the model's channels that gives finite
+    values; floating-point values are taken as already normalised."""
+    if pixel_values.dtype == torch.uint8:
+        if normalization is None:
+            raise MediaError("uint8 pixel values need a normalization", param=param)
+        if len(normalization.mean) != channels or len(normalization.std) != channels:
+            raise MediaError(
+                f"the normalization must have {channels} means and stds (one per channel)",
+                param=param,
+            )
+        if not torch.isfinite(normalization_table(normalization)).all():
+            raise MediaError("the normalization gives non-finite pixel values", param=param)
+    elif not pixel_values.is_floating_point():
+        raise MediaError(
+            f"pixel values must be uint8 levels or floating point, not {pixel_values.dtype}",
+            param=param,
+        )
+    elif normalization is not None:
+        raise MediaError("a normalization applies to uint8 pixel values only", param=param)

@@ -180,7 +180,8 @@ class LLM:
                 offset=span.offset,
                 num_tokens=span.num_tokens,
                 grid_thw=tuple(image.grid_thw),
-                pixel_values=TensorRef(index, "float32", tuple(image.pixel_values.shape)),
+                pixel_values=TensorRef(index, "uint8", tuple(image.pixel_levels.shape)),
+                normalization=image.normalization,
             )
             for index, (span, image) in enumerate(zip(processed.spans, images, strict=True))
         ]
@@ -190,4 +191,4 @@ class LLM:
             sampling=sampling,
             media=media,
         )
-        return request, [image.pixel_values for image in images]
+        return request, [image.pixel_levels for image in images]

@@ -35,6 +35,7 @@ from engine.errors import MediaError, TesseraError
 from engine.model_config import ModelConfig
 from engine.models.cpu_prepack import can_prepack, prepack_linears
 from engine.models.loader import load_model
+from engine.multimodal.image_processor import normalize_pixels
 from engine.protocol import ErrorInfo, TokenLogprob
 from engine.request import MediaItem
 from engine.sampler import PendingSample, Sampler, SamplingRow
@@ -324,10 +325,16 @@ class ModelRunner:
                 failed[item.content_hash] = error_info(exc)
         return failed, 1 + len(ready)
 
+    def _pixel_input(self, item: MediaItem) -> torch.Tensor:
+        """The item's encoder input on the device, [P, C * T_patch * patch * patch]: uint8
+        levels travel as they are (a quarter of float32's bytes) and are normalised there."""
+        if item.normalization is None:
+            return to_device(item.pixel_values, self.dtype, self.device)
+        levels = to_device(item.pixel_values, torch.uint8, self.device)
+        return normalize_pixels(levels, item.normalization).to(self.dtype)
+
     def _encode_batch(self, items: list[MediaItem]) -> None:
-        pixel_values = to_device(
-            torch.cat([item.pixel_values for item in items]), self.dtype, self.device
-        )  # [P, C * T_patch * patch * patch]
+        pixel_values = torch.cat([self._pixel_input(item) for item in items])
         grid_thw = torch.tensor([item.grid_thw for item in items], dtype=torch.long)  # [N, 3]
         rows = self.model.encode_images(pixel_values, grid_thw)  # [sum tokens, hidden]
         merge = self.model_config.vision.spatial_merge_size

@@ -72,6 +72,16 @@ class FeatureSource(msgspec.Struct, frozen=True):
     url: str
 
 
+class PixelNormalization(msgspec.Struct, frozen=True, array_like=True):
+    """How uint8 pixel levels become encoder input, per channel c:
+    `(level * rescale_factor - mean[c]) / std[c]`, with transformers' arithmetic (see
+    `engine.multimodal.image_processor.normalization_table`)."""
+
+    rescale_factor: float
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+
 class MediaInput(msgspec.Struct, frozen=True, kw_only=True):
     """One media item of a request and the placeholder span it fills.
 
@@ -79,6 +89,10 @@ class MediaInput(msgspec.Struct, frozen=True, kw_only=True):
     `num_tokens` the number of placeholders (= encoder output rows). Exactly one
     of `pixel_values` / `feature` is set, or neither when the engine is expected
     to hold `content_hash` in its encoder cache already.
+
+    `pixel_values` are either uint8 levels with a `normalization` (what the server sends:
+    a quarter of float32's bytes, normalised on the engine's device) or floating-point
+    values already normalised (`normalization` None).
     """
 
     modality: Modality
@@ -87,6 +101,7 @@ class MediaInput(msgspec.Struct, frozen=True, kw_only=True):
     num_tokens: int
     grid_thw: tuple[int, int, int]
     pixel_values: TensorRef | None = None  # [num_patches, C * T_patch * P * P]
+    normalization: PixelNormalization | None = None  # set iff pixel_values are uint8
     feature: FeatureSource | None = None
 
 

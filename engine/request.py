@@ -14,7 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.protocol import ErrorInfo, FinishReason, SamplingParams, TokenLogprob
+from engine.protocol import (
+    ErrorInfo,
+    FinishReason,
+    PixelNormalization,
+    SamplingParams,
+    TokenLogprob,
+)
 
 
 class RequestStatus(enum.Enum):
@@ -52,6 +58,7 @@ class MediaItem:
     num_tokens: int
     grid_thw: tuple[int, int, int]
     pixel_values: torch.Tensor | None = None  # [num_patches, C * T_patch * P * P], host
+    normalization: PixelNormalization | None = None  # set iff pixel_values are uint8 levels
     # Fetched pre-encoded features: the request's own copy of its encoder rows, put back
     # into the encoder cache if they were evicted (e.g. while the request was preempted).
     embeds: torch.Tensor | None = None  # [num_tokens, hidden], host

@@ -297,9 +297,10 @@ def _image_input(part: MediaPart, image: ProcessedImage | None, tensors: list[An
         offset=0,
         num_tokens=image.num_tokens,
         grid_thw=tuple(image.grid_thw),
-        pixel_values=tensor_ref(len(tensors), image.pixel_values),
+        pixel_values=tensor_ref(len(tensors), image.pixel_levels),
+        normalization=image.normalization,
     )
-    tensors.append(image.pixel_values)  # [num_patches, C * T * P * P] float32
+    tensors.append(image.pixel_levels)  # [num_patches, C * T * P * P] uint8
     return item
 
 

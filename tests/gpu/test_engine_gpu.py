@@ -192,3 +192,17 @@ def test_vision_varlen_matches_grouped_sdpa(model_dir, monkeypatch):
         monkeypatch.setattr(qwen2_vl_vision, "_can_use_varlen", lambda device, dtype: False)
         grouped = model.encode_images(pixels, grid)
     torch.testing.assert_close(varlen.float(), grouped.float(), atol=5e-2, rtol=5e-2)
+
+
+def test_pixel_levels_normalise_on_the_device_as_on_the_host(model_dir):
+    # The engine looks uint8 levels up on its device (engine/model_runner._pixel_input);
+    # the values must be bit for bit the host's, which transformers' processor matches.
+    from engine.multimodal.image_processor import (
+        ImageProcessorConfig,
+        normalize_pixels,
+        process_image,
+    )
+
+    image = process_image(picture(140, 196, 5), ImageProcessorConfig.from_model_dir(model_dir))
+    on_device = normalize_pixels(image.pixel_levels.cuda(), image.normalization)
+    assert on_device.is_cuda and torch.equal(on_device.cpu(), image.pixel_values)

@@ -16,7 +16,8 @@ from server.media_fetch import MediaFetchConfig, MediaFetcher
 
 
 def _processed(num_rows: int, tag: str) -> ProcessedImage:
-    return ProcessedImage(torch.zeros(num_rows, 4), (1, 2, 2), 1, tag)  # 16 bytes per row
+    levels = torch.zeros(num_rows, 16, dtype=torch.uint8)  # 16 bytes per row
+    return ProcessedImage(levels, ImageProcessorConfig().normalization, (1, 2, 2), 1, tag)
 
 
 def _data_url(seed: int) -> str:
