@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 
+from bench.servers import TINY_MODEL_NAME
 from bench.stats import RequestRecord
 
 CHAT_PATH = "/v1/chat/completions"
@@ -118,3 +119,24 @@ async def stream_chat(
     except (json.JSONDecodeError, TypeError, ValueError) as exc:
         return RequestRecord(False, error=_short(f"malformed stream: {exc}"))
     return state.record(time.perf_counter())
+
+
+def stream_times(
+    http: httpx.Client, content: list[dict[str, Any]], max_tokens: int, model: str = TINY_MODEL_NAME
+) -> list[float]:
+    """A greedy streamed chat request sent from a thread (the small benchmarks): the
+    perf_counter at the send, then at each content chunk. Raises on an error status, an
+    error event in the stream, or a stream that ends before the answer finished: a failed
+    request must never pass for a fast one."""
+    body = chat_body(model, tuple(content), max_tokens=max_tokens, ignore_eos=True,
+                     temperature=0.0)  # fmt: skip
+    state = _StreamState(time.perf_counter())
+    with http.stream("POST", CHAT_PATH, json=body) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if line.startswith("data:"):
+                state.on_event(line[5:].strip(), time.perf_counter())
+    record = state.record(time.perf_counter())
+    if not record.is_success:
+        raise RuntimeError(f"streamed request failed: {record.error}")
+    return [state.start, *state.chunk_times]

@@ -14,26 +14,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import contextlib
-import io
 import json
-import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
 
+from bench.datasets import png_data_url
+from bench.local_inputs import FEATURE_GRID, data_url, features, picture, png_bytes
 from bench.safety import BenchConfigError, check_loopback
+from bench.servers import TINY_MODEL_NAME, child_pids, tiny_server
 
-MODEL_NAME = "tiny"
-FEATURE_GRID = (1, 4, 4)  # 4 tokens after the 2x2 merge
 WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike".split()
 
 
@@ -72,27 +68,6 @@ class SoakReport:
         return not self.failures
 
 
-def _png_data_url(width: int, height: int, salt: int) -> str:
-    import numpy as np
-    from PIL import Image
-
-    pixels = (np.arange(height * width * 3).reshape(height, width, 3) * (salt + 3)) % 251
-    buffer = io.BytesIO()
-    Image.fromarray(pixels.astype(np.uint8)).save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
-
-
-def _feature_data_url(seed: int, hidden: int) -> str:
-    import torch
-    from safetensors.torch import save
-
-    generator = torch.Generator().manual_seed(seed)
-    rows = FEATURE_GRID[1] * FEATURE_GRID[2] // 4
-    embeds = torch.randn(rows, hidden, generator=generator)  # [N, hidden]
-    blob = save({"embeds": embeds, "grid_thw": torch.tensor(FEATURE_GRID)})
-    return "data:application/octet-stream;base64," + base64.b64encode(blob).decode()
-
-
 def make_bodies(config: SoakConfig) -> list[dict]:
     """The distinct request bodies: one third text-only, one third image, one third features."""
     bodies = []
@@ -101,15 +76,15 @@ def make_bodies(config: SoakConfig) -> list[dict]:
         text = f"request {index}: " + " ".join(words[: config.prompt_words // (1 + index % 3)])
         parts: list[dict] = []
         if index % 3 == 1:
-            url = _png_data_url(56 + 28 * (index % 2), 56, index)
+            url = png_data_url(png_bytes(picture(56 + 28 * (index % 2), 56, index)))
             parts.append({"type": "image_url", "image_url": {"url": url}})
         elif index % 3 == 2:
-            url = _feature_data_url(index, config.feature_hidden)
+            url = data_url(features(index, hidden=config.feature_hidden))
             feature = {"url": url, "grid_thw": list(FEATURE_GRID)}
             parts.append({"type": "image_features", "image_features": feature})
         parts.append({"type": "text", "text": text})
         bodies.append({
-            "model": MODEL_NAME,
+            "model": TINY_MODEL_NAME,
             "messages": [{"role": "user", "content": parts}],
             "max_tokens": config.max_tokens,
             "temperature": 0,
@@ -162,14 +137,6 @@ def metric_value(base_url: str, name: str) -> float:
     return total
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        with contextlib.suppress(OSError):
-            found += [int(child) for child in (task / "children").read_text().split()]
-    return found
-
-
 def process_tree_rss_kib(pid: int) -> int:
     """VmRSS (KiB) of `pid` plus all its descendants (the engine child), from /proc."""
     total, pending = 0, [pid]
@@ -179,7 +146,7 @@ def process_tree_rss_kib(pid: int) -> int:
             for line in Path(f"/proc/{current}/status").read_text().splitlines():
                 if line.startswith("VmRSS:"):
                     total += int(line.split()[1])
-            pending += _children(current)
+            pending += child_pids(current)
     return total
 
 
@@ -248,45 +215,6 @@ def run_soak(base_url: str, server_pid: int | None, config: SoakConfig) -> SoakR
     return report
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@contextlib.contextmanager
-def start_server(model_dir: Path, log_path: Path, *extra: str) -> Iterator[tuple[str, int]]:
-    """Start `server.cli serve` on a free loopback port; yields (base_url, pid); always stops."""
-    port = _free_port()
-    command = [
-        sys.executable, "-m", "server.cli", "serve", "--model", str(model_dir),
-        "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL_NAME,
-        "--enable-feature-inputs", *extra,
-    ]  # fmt: skip
-    repo_root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(repo_root)}
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, cwd=repo_root, env=env, stdout=log, stderr=log)
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"server did not start; see {log_path}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(base_url + "/health", timeout=2).status_code == 200:
-                    break
-            time.sleep(0.25)
-        yield base_url, process.pid
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base-url", help="an already running loopback server")
@@ -321,8 +249,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 model_dir = Path(args.model) if args.model else _tiny_model(Path(tmp))
                 extra = ("--num-kv-blocks", str(args.num_kv_blocks),
                          "--max-model-len", str(args.max_model_len))  # fmt: skip
-                with start_server(model_dir, Path(tmp) / "server.log", *extra) as (url, pid):
-                    report = run_soak(url, pid, config)
+                log = Path(tmp) / "server.log"
+                with tiny_server(model_dir, log, "--enable-feature-inputs", *extra) as server:
+                    report = run_soak(server[0], server[1].pid, config)
     except BenchConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import json
 import statistics
 import tempfile
 import threading
@@ -29,34 +28,15 @@ from pathlib import Path
 
 import httpx
 
+from bench.client import stream_times
+from bench.local_inputs import picture, png_bytes
+from bench.servers import TINY_SERVER_FLAGS, tiny_server
 from engine.tiny_model import make_tiny_model
-from tests.e2e.conftest import MODEL_NAME, picture, png_bytes, run_server
 
 
 def image_part(salt: int, size: int = 448) -> dict:
     data = base64.b64encode(png_bytes(picture(size, size, salt))).decode()
     return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + data}}
-
-
-def stream_times(http: httpx.Client, content: list[dict], max_tokens: int) -> list[float]:
-    """perf_counter at the send, then at each streamed chunk carrying content."""
-    body = {
-        "model": MODEL_NAME,
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-    }
-    times = [time.perf_counter()]
-    with http.stream("POST", "/v1/chat/completions", json=body) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                choices = json.loads(line[6:])["choices"]
-                if choices and choices[0].get("delta", {}).get("content"):
-                    times.append(time.perf_counter())
-    return times
 
 
 def percentile(values: list[float], fraction: float) -> float:
@@ -73,8 +53,8 @@ def median_ttft(http: httpx.Client, contents: list[list[dict]]) -> float:
 def bench_ttft(model_dir: Path, work: Path, num_requests: int) -> tuple[float, float]:
     questions = [f"Question {i}: what do you see in the picture?" for i in range(num_requests)]
     with (
-        run_server(model_dir, work / "ttft.log") as server,
-        httpx.Client(base_url=server.base_url, timeout=1800) as http,
+        tiny_server(model_dir, work / "ttft.log", *TINY_SERVER_FLAGS, engine_threads=1) as (url, _),
+        httpx.Client(base_url=url, timeout=1800) as http,
     ):
         stream_times(http, [image_part(10_000), {"type": "text", "text": "warm-up"}], 1)
         shared = median_ttft(
@@ -93,8 +73,8 @@ def bench_itl(
     """p99 inter-token gap of 16 decoding requests while long multimodal prompts arrive."""
     decoder_text = [{"type": "text", "text": "tell me a long story"}]
     with (
-        run_server(model_dir, log, *flags) as server,
-        httpx.Client(base_url=server.base_url, timeout=1800) as http,
+        tiny_server(model_dir, log, *TINY_SERVER_FLAGS, *flags, engine_threads=1) as (url, _),
+        httpx.Client(base_url=url, timeout=1800) as http,
     ):
         stream_times(http, decoder_text, 2)  # warm-up
         window: list[float] = []  # [start, end] of the long prefills

@@ -3,7 +3,8 @@
 `running(spec, port, log_dir, timeout_s)` starts the server in its own process group on
 127.0.0.1, waits until `/health` and `/v1/models` answer, yields its base URL and stops it
 on the way out (SIGTERM to the group, SIGKILL after a grace period). Used by
-bench/side_by_side.py (Tessera vs vLLM's CPU build) and bench/gpu_serving.py.
+bench/side_by_side.py (Tessera vs vLLM's CPU build) and bench/gpu_serving.py;
+`tiny_server` starts this checkout's server the way the small benchmarks want it.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ def repo_pythonpath() -> str:
     the caller had (on the offline GPU machine, the folder the wheel bundle went to)."""
     inherited = os.environ.get("PYTHONPATH")
     return os.pathsep.join([str(REPO_ROOT), inherited] if inherited else [str(REPO_ROOT)])
+
+
 HOST = "127.0.0.1"
 
 
@@ -107,6 +110,32 @@ def started(
         yield base_url, process
     finally:
         stop(process)
+
+
+TINY_MODEL_NAME = "tiny"  # the name `tiny_server` serves its model under
+# The small benchmarks' and e2e tests' server: media URLs on 127.0.0.1, a fixed KV pool.
+TINY_SERVER_FLAGS = (
+    "--allow-private-media-urls", "--num-kv-blocks", "512", "--max-model-len", "2048",
+)  # fmt: skip
+
+
+@contextlib.contextmanager
+def tiny_server(
+    model_dir: Path, log: Path, *extra: str, engine_threads: int | None = None
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`python -m server.cli serve` from this checkout on `model_dir` (served as
+    TINY_MODEL_NAME) on a free port with `extra` flags; yields (base URL, process).
+    `engine_threads` sets OMP_NUM_THREADS (one leaves the other core to the client)."""
+    port = free_port()
+    command = [
+        sys.executable, "-m", "server.cli", "serve", "--model", str(model_dir),
+        "--host", HOST, "--port", str(port), "--served-model-name", TINY_MODEL_NAME, *extra,
+    ]  # fmt: skip
+    env = {"PYTHONPATH": repo_pythonpath()}
+    if engine_threads is not None:
+        env["OMP_NUM_THREADS"] = str(engine_threads)
+    with started(ServerSpec(log.stem, command, env), port, log.parent, 180.0) as server:
+        yield server
 
 
 def cpu_seconds(pid: int) -> float:

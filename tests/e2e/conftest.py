@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import io
 import os
 import subprocess
 import sys
@@ -18,15 +17,14 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
-from PIL import Image
 
-from bench.servers import free_port
+from bench.local_inputs import picture, png_bytes
+from bench.servers import TINY_MODEL_NAME, TINY_SERVER_FLAGS, free_port
 from engine.tiny_model import make_tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-MODEL_NAME = "tiny"
+MODEL_NAME = TINY_MODEL_NAME
 API_KEY = "test-key-123"
 STARTUP_TIMEOUT_S = 180.0
 
@@ -42,25 +40,13 @@ class ServerHandle:
         return self.log_path.read_text(errors="replace")[-num_chars:]
 
 
-def picture(width: int, height: int, salt: int) -> Image.Image:
-    pixels = (np.arange(height * width * 3).reshape(height, width, 3) * (salt + 3)) % 251
-    return Image.fromarray(pixels.astype(np.uint8))
-
-
-def png_bytes(image: Image.Image) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
 @contextlib.contextmanager
 def run_server(model_dir: Path, log_path: Path, *extra: str) -> Iterator[ServerHandle]:
     port = free_port()
     command = [
         sys.executable, "-m", "server.cli", "serve", "--model", str(model_dir),
         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL_NAME,
-        "--allow-private-media-urls", "--num-kv-blocks", "512", "--max-model-len", "2048",
-        *extra,
+        *TINY_SERVER_FLAGS, *extra,
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("TESSERA_API_KEY", None)

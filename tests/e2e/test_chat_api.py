@@ -11,7 +11,8 @@ import httpx
 import pytest
 from tokenizers import Tokenizer
 
-from tests.e2e.conftest import API_KEY, MODEL_NAME, picture, png_bytes
+from bench.local_inputs import picture, png_bytes
+from tests.e2e.conftest import API_KEY, MODEL_NAME
 
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 

@@ -3,8 +3,6 @@ server mode on 127.0.0.1) and a local HTTP server with per-object latency and fa
 
 from __future__ import annotations
 
-import base64
-import contextlib
 import os
 import pickle
 import random
@@ -12,14 +10,23 @@ import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
 import torch
 from safetensors.torch import save
 
-from tests.e2e.conftest import MODEL_NAME, free_port, picture, png_bytes, run_server
+from bench.local_inputs import (
+    FEATURE_GRID,
+    TINY_HIDDEN,
+    ObjectServer,
+    data_url,
+    feature_part,
+    features,
+    picture,
+    png_bytes,
+)
+from tests.e2e.conftest import MODEL_NAME, free_port, run_server
 
 moto_server = pytest.importorskip("moto.server")
 boto3 = pytest.importorskip("boto3")
@@ -30,61 +37,7 @@ AWS_ENV = {
     "AWS_DEFAULT_REGION": "us-east-1",
 }
 BUCKET = "features"
-HIDDEN = 128  # the tiny model's hidden size
-GRID = (1, 4, 4)  # 4 tokens with merge size 2
 MAX_FEATURE_BYTES = 64 * 1024
-
-
-class ObjectServer:
-    """HTTP objects by path, each with an added latency and an optional error status."""
-
-    def __init__(self) -> None:
-        self.objects: dict[str, tuple[bytes, float, int]] = {}
-        self.num_gets: dict[str, int] = {}
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args) -> None:
-                pass
-
-            def _serve(self, with_body: bool) -> None:
-                data, delay, status = server.objects.get(self.path, (b"", 0.0, 404))
-                if with_body:
-                    server.num_gets[self.path] = server.num_gets.get(self.path, 0) + 1
-                time.sleep(delay)
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(data) if status == 200 else 0))
-                self.end_headers()
-                if with_body and status == 200:
-                    with contextlib.suppress(OSError):
-                        self.wfile.write(data)
-
-            def do_GET(self) -> None:
-                self._serve(True)
-
-            def do_HEAD(self) -> None:
-                self._serve(False)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-
-    def put(self, name: str, data: bytes, *, delay: float = 0.0, status: int = 200) -> str:
-        self.objects["/" + name] = (data, delay, status)
-        return f"{self.base_url}/{name}"
-
-
-def features(seed: int, rows: int = 4, hidden: int = HIDDEN, dtype=torch.float32) -> bytes:
-    generator = torch.Generator().manual_seed(seed)
-    embeds = torch.randn(rows, hidden, generator=generator).to(dtype)
-    return save({"embeds": embeds, "grid_thw": torch.tensor(GRID)})
-
-
-def data_url(data: bytes) -> str:
-    return "data:application/octet-stream;base64," + base64.b64encode(data).decode()
-
-
-def feature_part(url: str, grid=GRID, kind: str = "image_features") -> dict:
-    return {"type": kind, kind: {"url": url, "grid_thw": list(grid)}}
 
 
 def chat(http: httpx.Client, parts: list[dict], max_tokens: int = 6) -> httpx.Response:
@@ -240,18 +193,18 @@ def test_one_failure_fails_its_request_and_cancels_the_rest(fhttp, objects):
     ],
 )
 def test_bad_features_are_clear_4xx(fhttp, objects, s3, case, words):
-    nan = torch.randn(4, HIDDEN)
+    nan = torch.randn(4, TINY_HIDDEN)
     nan[1, 2] = float("nan")
     blobs = {
         "timeout": features(1),
-        "too_large": save({"embeds": torch.zeros(200, HIDDEN)}),
-        "wrong_hidden": features(1, hidden=HIDDEN // 2),
+        "too_large": save({"embeds": torch.zeros(200, TINY_HIDDEN)}),
+        "wrong_hidden": features(1, hidden=TINY_HIDDEN // 2),
         "wrong_tokens": features(1, rows=5),
         "bad_dtype": features(1, dtype=torch.float64),
-        "pickle": pickle.dumps({"embeds": [[0.0] * HIDDEN] * 4}),
+        "pickle": pickle.dumps({"embeds": [[0.0] * TINY_HIDDEN] * 4}),
         "nan": save({"embeds": nan}),
     }
-    grid = GRID
+    grid = FEATURE_GRID
     if case in blobs:
         url = objects.put(f"bad/{case}", blobs[case], delay=8.0 if case == "timeout" else 0.0)
     elif case == "bucket":
@@ -303,7 +256,7 @@ def test_num_requests_fetching_rises_while_features_are_delayed(fhttp, objects):
 
 
 def test_video_features_and_metrics(fhttp):
-    blob = save({"embeds": torch.randn(8, HIDDEN), "grid_thw": torch.tensor([2, 4, 4])})
+    blob = save({"embeds": torch.randn(8, TINY_HIDDEN), "grid_thw": torch.tensor([2, 4, 4])})
     part = feature_part(data_url(blob), grid=(2, 4, 4), kind="video_features")
     assert text_of(chat(fhttp, [part]))
     text = fhttp.get("/metrics").text
@@ -326,3 +279,17 @@ def test_feature_parts_are_refused_when_disabled(http):
     response = chat(http, [feature_part(data_url(features(1)))])
     assert response.status_code == 400
     assert "--enable-feature-inputs" in response.json()["error"]["message"]
+
+
+def test_bench_stream_times_raises_when_the_stream_fails(fhttp, objects):
+    # bench/feature_fetch.py once measured decoding "with fetches in flight" while every
+    # background fetch failed inside its stream (a refused URL): the failures passed for
+    # requests, and the fetch thread died. A failure in the stream must raise.
+    from bench.client import stream_times
+
+    good = objects.put("bench/good", features(11))
+    times = stream_times(fhttp, [feature_part(good), {"type": "text", "text": "hi"}], 2)
+    assert len(times) >= 2  # the send, then at least one content chunk
+    missing = objects.put("bench/missing", b"", status=404)
+    with pytest.raises(RuntimeError, match="streamed request failed"):
+        stream_times(fhttp, [feature_part(missing), {"type": "text", "text": "hi"}], 2)

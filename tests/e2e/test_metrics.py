@@ -21,7 +21,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.conftest import MODEL_NAME, picture, png_bytes, run_server
+from bench.local_inputs import picture, png_bytes
+from tests.e2e.conftest import MODEL_NAME, run_server
 
 Samples = dict[str, float]  # sample name -> value summed over label sets
 

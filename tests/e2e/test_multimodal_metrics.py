@@ -6,7 +6,8 @@ from __future__ import annotations
 import base64
 import time
 
-from tests.e2e.conftest import MODEL_NAME, picture, png_bytes
+from bench.local_inputs import picture, png_bytes
+from tests.e2e.conftest import MODEL_NAME
 
 COUNTERS = [
     "tessera:encoder_cache_queries_total",

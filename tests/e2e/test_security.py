@@ -21,7 +21,8 @@ import pytest
 import zmq
 from PIL import Image
 
-from tests.e2e.conftest import MODEL_NAME, free_port, picture, png_bytes, run_server
+from bench.local_inputs import picture, png_bytes
+from tests.e2e.conftest import MODEL_NAME, free_port, run_server
 from tests.unit.test_url_safety import listener
 
 KEY = "sec-key-456"

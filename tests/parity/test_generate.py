@@ -13,21 +13,16 @@ import io
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 transformers = pytest.importorskip("transformers")
 
+from bench.local_inputs import picture  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.tiny_model import make_tiny_model  # noqa: E402
 
 NUM_NEW = 32
 GREEDY = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True, logprobs=1)
 VARIANTS = [("tiny", 0), ("tiny2", 1), ("tiny-hd128", 2)]  # tiny-hd128: tests/gpu's model
-
-
-def picture(width: int, height: int, salt: int) -> Image.Image:
-    pixels = (np.arange(height * width * 3).reshape(height, width, 3) * (salt + 3)) % 251
-    return Image.fromarray(pixels.astype(np.uint8))
 
 
 def chat(*parts) -> dict:

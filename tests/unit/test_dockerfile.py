@@ -7,6 +7,7 @@ if the install steps change in one place and not the other, a test fails.
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import shlex
@@ -138,6 +139,40 @@ def test_build_context_has_what_the_install_needs():
         assert path not in ignored, f".dockerignore hides {path} from the build"
     for path in (".venv", ".git"):
         assert path in ignored
+
+
+def _copied_source_folders() -> list[Path]:
+    """The repository folders the image build COPYs (`COPY engine/ engine/` and the like)."""
+    folders = []
+    for keyword, rest in _instructions():
+        if keyword == "COPY" and not rest.startswith("--"):
+            source = rest.split()[0]
+            if source.endswith("/") and (ROOT / source).is_dir():
+                folders.append(ROOT / source)
+    return folders
+
+
+def test_shipped_code_does_not_import_the_tests():
+    # tests/ is not in the image (.dockerignore): a shipped module importing it, such as
+    # a benchmark reusing an e2e helper, works in a checkout and fails in the container.
+    folders = _copied_source_folders()
+    assert {folder.name for folder in folders} >= {"engine", "server", "kernels", "bench"}
+    offenders = []
+    for folder in folders:
+        for path in sorted(folder.rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                    names = [node.module]
+                else:
+                    continue
+                offenders += [
+                    f"{path.relative_to(ROOT)}:{node.lineno} imports {name}"
+                    for name in names
+                    if name == "tests" or name.startswith("tests.")
+                ]
+    assert not offenders, "\n".join(offenders)
 
 
 def test_runtime_contract():

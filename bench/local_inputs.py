@@ -1,0 +1,98 @@
+"""Inputs made and served on this machine for the tiny checkpoint: pattern images, feature
+files, and an HTTP object server with per-object latency and failures.
+
+Shared by the small benchmarks (bench/multimodal_serving.py, bench/feature_fetch.py) and
+the e2e tests; it lives under bench/ because the image ships bench/ and not tests/.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import torch
+from PIL import Image
+from safetensors.torch import save
+
+TINY_HIDDEN = 128  # the tiny checkpoint's decoder hidden size
+FEATURE_GRID = (1, 4, 4)  # 4 tokens with merge size 2
+
+
+def picture(width: int, height: int, salt: int) -> Image.Image:
+    """A deterministic RGB pattern; a different `salt` gives different pixels."""
+    pixels = (np.arange(height * width * 3).reshape(height, width, 3) * (salt + 3)) % 251
+    return Image.fromarray(pixels.astype(np.uint8))
+
+
+def png_bytes(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def features(
+    seed: int, rows: int = 4, hidden: int = TINY_HIDDEN, dtype: torch.dtype = torch.float32
+) -> bytes:
+    """A safetensors feature file: seeded random `embeds` [rows, hidden] and `grid_thw`."""
+    generator = torch.Generator().manual_seed(seed)
+    embeds = torch.randn(rows, hidden, generator=generator).to(dtype)
+    return save({"embeds": embeds, "grid_thw": torch.tensor(FEATURE_GRID)})
+
+
+def data_url(data: bytes, media_type: str = "application/octet-stream") -> str:
+    return f"data:{media_type};base64," + base64.b64encode(data).decode()
+
+
+def feature_part(url: str, grid=FEATURE_GRID, kind: str = "image_features") -> dict:
+    """A chat content part that points at pre-encoded features."""
+    return {"type": kind, kind: {"url": url, "grid_thw": list(grid)}}
+
+
+class _Listener(ThreadingHTTPServer):
+    # socketserver's default listen backlog is 5: eight fetches connecting at once can
+    # overflow it, and the kernel then resends a dropped SYN only after a second, which
+    # turned a 200 ms parallel fetch into 1.2 s in bench/feature_fetch.py now and then.
+    request_queue_size = 128
+
+
+class ObjectServer:
+    """HTTP objects by path on 127.0.0.1, each with an added latency and an optional error
+    status. Serve with `threading.Thread(target=store.httpd.serve_forever)`."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, tuple[bytes, float, int]] = {}
+        self.num_gets: dict[str, int] = {}
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def _serve(self, with_body: bool) -> None:
+                data, delay, status = server.objects.get(self.path, (b"", 0.0, 404))
+                if with_body:
+                    server.num_gets[self.path] = server.num_gets.get(self.path, 0) + 1
+                time.sleep(delay)
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(data) if status == 200 else 0))
+                self.end_headers()
+                if with_body and status == 200:
+                    with contextlib.suppress(OSError):
+                        self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                self._serve(True)
+
+            def do_HEAD(self) -> None:
+                self._serve(False)
+
+        self.httpd = _Listener(("127.0.0.1", 0), Handler)
+        self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def put(self, name: str, data: bytes, *, delay: float = 0.0, status: int = 200) -> str:
+        self.objects["/" + name] = (data, delay, status)
+        return f"{self.base_url}/{name}"
