@@ -22,7 +22,6 @@ bounded exponential backoff; the whole fetch of one URL has a total deadline and
 from __future__ import annotations
 
 import asyncio
-import binascii
 import logging
 import queue
 import threading
@@ -34,7 +33,7 @@ import httpx
 import torch
 
 from engine.feature_validation import FeatureError, FeatureSpec, validate_features
-from engine.multimodal.media import decode_base64
+from engine.multimodal.media import DataUrlError, parse_data_url
 from engine.url_safety import UnsafeUrlError, UrlPolicy, guarded_client
 
 logger = logging.getLogger(__name__)
@@ -450,15 +449,9 @@ def _raise_s3(exc: Exception):
 
 
 def _decode_data_url(url: str, max_bytes: int) -> bytes:
-    header, sep, payload = url.partition(",")
-    if not sep or not header.endswith(";base64"):
-        raise FeatureError("a data: URL must be base64-encoded", reason="bad_format")
-    if len(payload) * 3 // 4 > max_bytes + 3:
-        raise _too_large(max_bytes)
     try:
-        data = decode_base64(payload)
-    except (binascii.Error, ValueError):
-        raise FeatureError("the data: URL is not valid base64", reason="bad_format") from None
-    if len(data) > max_bytes:
-        raise _too_large(max_bytes)
-    return data
+        return parse_data_url(url, max_bytes)
+    except DataUrlError as exc:
+        if exc.too_large:
+            raise _too_large(max_bytes) from None
+        raise FeatureError(str(exc), reason="bad_format") from None

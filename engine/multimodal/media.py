@@ -100,39 +100,56 @@ def _to_eight_bit(image: Image.Image) -> Image.Image:
     return image
 
 
+class DataUrlError(ValueError):
+    """A malformed or oversized data: URL. Callers map it onto their own error (images:
+    `MediaError`, features: `FeatureError` with a reason); `too_large` tells which."""
+
+    def __init__(self, message: str, *, too_large: bool = False) -> None:
+        super().__init__(message)
+        self.too_large = too_large
+
+
 def decode_data_url(url: str, *, max_bytes: int, param: str | None = None) -> bytes:
-    """Decode a base64 `data:` URL (e.g. "data:image/png;base64,iVBOR...") to its bytes.
+    """`parse_data_url` for an image: a bad URL is a `MediaError` naming `param`."""
+    try:
+        return parse_data_url(url, max_bytes)
+    except DataUrlError as exc:
+        raise MediaError(str(exc), param=param) from None
+
+
+def parse_data_url(url: str, max_bytes: int) -> bytes:
+    """Decode a base64 `data:` URL (e.g. "data:image/png;base64,iVBOR...") to its bytes;
+    raises `DataUrlError`. The one parser for images and pre-encoded features.
 
     The size cap is checked on the base64 text before decoding, so an oversized payload
     costs no decode work.
     """
     if not url.startswith("data:"):
-        raise MediaError("expected a data: URL", param=param)
+        raise DataUrlError("expected a data: URL")
     header, comma, payload = url[5:].partition(",")
     if not comma:
-        raise MediaError("the data: URL has no ',' before its payload", param=param)
+        raise DataUrlError("the data: URL has no ',' before its payload")
     if not header.lower().endswith(";base64"):
-        raise MediaError("only base64 data: URLs are supported (';base64,')", param=param)
+        raise DataUrlError("only base64 data: URLs are supported (';base64,')")
+    too_large = DataUrlError(f"the data: URL payload is over {max_bytes} bytes", too_large=True)
     max_encoded = 4 * ((max_bytes + 2) // 3)
     if len(payload) > max_encoded + 64:  # slack for line breaks some encoders insert
-        raise MediaError(f"the data: URL payload is over {max_bytes} bytes", param=param)
+        raise too_large
     try:
         data = decode_base64(payload)
     except (binascii.Error, ValueError):
         # Some encoders break lines; whitespace is rare, so it is stripped only on failure.
         payload = "".join(payload.split())
         if len(payload) > max_encoded:
-            raise MediaError(
-                f"the data: URL payload is over {max_bytes} bytes", param=param
-            ) from None
+            raise too_large from None
         try:
             data = decode_base64(payload)
         except (binascii.Error, ValueError) as exc:
-            raise MediaError("the data: URL payload is not valid base64", param=param) from exc
+            raise DataUrlError("the data: URL payload is not valid base64") from exc
     if not data:
-        raise MediaError("the data: URL payload is empty", param=param)
+        raise DataUrlError("the data: URL payload is empty")
     if len(data) > max_bytes:
-        raise MediaError(f"the data: URL payload is over {max_bytes} bytes", param=param)
+        raise too_large
     return data
 
 

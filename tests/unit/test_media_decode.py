@@ -206,3 +206,36 @@ def test_pillow_decompression_bomb_limit_applies_even_with_a_higher_max_pixels()
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
         with pytest.raises(MediaError, match="pixels"):
             decode_image(_png_header_only(10_000, 10_000), max_pixels=10**12)
+
+
+# ------------------------------------------------ feature data URLs share the parser
+
+
+@pytest.mark.parametrize(
+    ("url", "reason", "message"),
+    [
+        ("data:application/octet-stream,raw", "bad_format", "base64"),
+        ("data:application/octet-stream;base64,@@@", "bad_format", "not valid base64"),
+        ("data:application/octet-stream;base64,", "bad_format", "empty"),
+        ("data:application/octet-stream;base64," + "A" * 400, "too_large", "too large"),
+    ],
+)
+def test_feature_data_url_errors_keep_their_reasons(url, reason, message):
+    from engine.feature_fetcher import _decode_data_url
+    from engine.feature_validation import FeatureError
+
+    with pytest.raises(FeatureError, match=message) as info:
+        _decode_data_url(url, max_bytes=100)
+    assert info.value.reason == reason
+
+
+def test_feature_data_urls_take_what_image_data_urls_take():
+    # One parser: a line-broken payload and an upper-case ";BASE64" header, accepted for
+    # images, are accepted for features too (the feature path used to refuse both).
+    from engine.feature_fetcher import _decode_data_url
+
+    data = bytes(range(256)) * 3
+    encoded = base64.encodebytes(data).decode()  # a line break every 76 characters
+    assert "\n" in encoded
+    assert _decode_data_url("data:application/octet-stream;base64," + encoded, 1000) == data
+    assert _decode_data_url("data:x;BASE64," + base64.b64encode(data).decode(), 1000) == data
