@@ -1,0 +1,18 @@
+"""bench/image_path.py on a small image: every part is timed and the bytes sent are the
+image's uint8 levels (one byte per value, temporal slots included)."""
+
+from __future__ import annotations
+
+
+def test_image_path_reports_every_part(capsys):
+    from bench.image_path import main
+
+    assert main(["--size", "56", "--repeat", "1"]) == 0
+    lines = {
+        line[:26].strip(): line[26:].split() for line in capsys.readouterr().out.splitlines()[1:]
+    }
+    for part in ("process_image (fresh)", "process_image (warm)", "through ZMQ",
+                 "normalise (engine)"):  # fmt: skip
+        value, unit = lines[part]
+        assert float(value) > 0 and unit == "ms", part
+    assert lines["bytes sent"] == [str(16 * 3 * 2 * 14 * 14)]  # 56x56: 16 patches of C*T*P*P
