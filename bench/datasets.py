@@ -85,8 +85,9 @@ def random_png(seed: int, width: int, height: int) -> bytes:
     return buffer.getvalue()
 
 
-def png_data_url(png: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
+def data_url(data: bytes, media_type: str = "application/octet-stream") -> str:
+    """A base64 data: URL (images with their media type, feature files as octet-stream)."""
+    return f"data:{media_type};base64," + base64.b64encode(data).decode("ascii")
 
 
 def request_kinds(config: DatasetConfig) -> list[str]:
@@ -105,11 +106,12 @@ def image_urls(config: DatasetConfig, num_images: int) -> list[str]:
     num_repeats = round(config.image_repeat_ratio * num_images)
     repeated = set(rng.sample(range(num_images), num_repeats))
     width, height = config.image_size
-    shared = png_data_url(random_png(config.seed, width, height)) if repeated else ""
-    return [
-        shared if i in repeated else png_data_url(random_png(config.seed + 1000 + i, width, height))
-        for i in range(num_images)
-    ]
+
+    def png_url(seed: int) -> str:
+        return data_url(random_png(seed, width, height), "image/png")
+
+    shared = png_url(config.seed) if repeated else ""
+    return [shared if i in repeated else png_url(config.seed + 1000 + i) for i in range(num_images)]
 
 
 def make_requests(config: DatasetConfig) -> list[BenchRequest]:

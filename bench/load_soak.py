@@ -25,8 +25,8 @@ from pathlib import Path
 
 import httpx
 
-from bench.datasets import png_data_url
-from bench.local_inputs import FEATURE_GRID, data_url, features, picture, png_bytes
+from bench.datasets import data_url
+from bench.local_inputs import FEATURE_GRID, features, picture, png_bytes
 from bench.safety import BenchConfigError, check_loopback
 from bench.servers import TINY_MODEL_NAME, child_pids, tiny_server
 
@@ -76,7 +76,7 @@ def make_bodies(config: SoakConfig) -> list[dict]:
         text = f"request {index}: " + " ".join(words[: config.prompt_words // (1 + index % 3)])
         parts: list[dict] = []
         if index % 3 == 1:
-            url = png_data_url(png_bytes(picture(56 + 28 * (index % 2), 56, index)))
+            url = data_url(png_bytes(picture(56 + 28 * (index % 2), 56, index)), "image/png")
             parts.append({"type": "image_url", "image_url": {"url": url}})
         elif index % 3 == 2:
             url = data_url(features(index, hidden=config.feature_hidden))
@@ -250,8 +250,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 extra = ("--num-kv-blocks", str(args.num_kv_blocks),
                          "--max-model-len", str(args.max_model_len))  # fmt: skip
                 log = Path(tmp) / "server.log"
-                with tiny_server(model_dir, log, "--enable-feature-inputs", *extra) as server:
-                    report = run_soak(server[0], server[1].pid, config)
+                flags = ("--enable-feature-inputs", *extra)
+                with tiny_server(model_dir, log, *flags) as (url, process):
+                    report = run_soak(url, process.pid, config)
     except BenchConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -7,7 +7,6 @@ the e2e tests; it lives under bench/ because the image ships bench/ and not test
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import io
 import time
@@ -41,10 +40,6 @@ def features(
     generator = torch.Generator().manual_seed(seed)
     embeds = torch.randn(rows, hidden, generator=generator).to(dtype)
     return save({"embeds": embeds, "grid_thw": torch.tensor(FEATURE_GRID)})
-
-
-def data_url(data: bytes, media_type: str = "application/octet-stream") -> str:
-    return f"data:{media_type};base64," + base64.b64encode(data).decode()
 
 
 def feature_part(url: str, grid=FEATURE_GRID, kind: str = "image_features") -> dict:

@@ -18,7 +18,6 @@ through the real server on the `small` generated checkpoint.
 from __future__ import annotations
 
 import argparse
-import base64
 import statistics
 import tempfile
 import threading
@@ -29,14 +28,15 @@ from pathlib import Path
 import httpx
 
 from bench.client import stream_times
+from bench.datasets import data_url
 from bench.local_inputs import picture, png_bytes
 from bench.servers import TINY_SERVER_FLAGS, tiny_server
 from engine.tiny_model import make_tiny_model
 
 
 def image_part(salt: int, size: int = 448) -> dict:
-    data = base64.b64encode(png_bytes(picture(size, size, salt))).decode()
-    return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + data}}
+    url = data_url(png_bytes(picture(size, size, salt)), "image/png")
+    return {"type": "image_url", "image_url": {"url": url}}
 
 
 def percentile(values: list[float], fraction: float) -> float:

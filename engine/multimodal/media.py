@@ -131,17 +131,16 @@ def parse_data_url(url: str, max_bytes: int) -> bytes:
         raise DataUrlError("the data: URL has no ',' before its payload")
     if not header.lower().endswith(";base64"):
         raise DataUrlError("only base64 data: URLs are supported (';base64,')")
-    too_large = DataUrlError(f"the data: URL payload is over {max_bytes} bytes", too_large=True)
     max_encoded = 4 * ((max_bytes + 2) // 3)
     if len(payload) > max_encoded + 64:  # slack for line breaks some encoders insert
-        raise too_large
+        raise _payload_too_large(max_bytes)
     try:
         data = decode_base64(payload)
     except (binascii.Error, ValueError):
         # Some encoders break lines; whitespace is rare, so it is stripped only on failure.
         payload = "".join(payload.split())
         if len(payload) > max_encoded:
-            raise too_large from None
+            raise _payload_too_large(max_bytes) from None
         try:
             data = decode_base64(payload)
         except (binascii.Error, ValueError) as exc:
@@ -149,8 +148,12 @@ def parse_data_url(url: str, max_bytes: int) -> bytes:
     if not data:
         raise DataUrlError("the data: URL payload is empty")
     if len(data) > max_bytes:
-        raise too_large
+        raise _payload_too_large(max_bytes)
     return data
+
+
+def _payload_too_large(max_bytes: int) -> DataUrlError:
+    return DataUrlError(f"the data: URL payload is over {max_bytes} bytes", too_large=True)
 
 
 def decode_base64(text: str) -> bytes:

@@ -16,11 +16,11 @@ import pytest
 import torch
 from safetensors.torch import save
 
+from bench.datasets import data_url
 from bench.local_inputs import (
     FEATURE_GRID,
     TINY_HIDDEN,
     ObjectServer,
-    data_url,
     feature_part,
     features,
     picture,

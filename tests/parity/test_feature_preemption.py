@@ -4,11 +4,10 @@ error) and the completion equals the same request sent with the image's pixels."
 
 from __future__ import annotations
 
-import base64
-
 import msgspec
 import torch
 
+from bench.datasets import data_url
 from engine import LLM, SamplingParams
 from engine.encode_features import feature_file_bytes
 from engine.multimodal.image_processor import process_image
@@ -30,7 +29,7 @@ def feature_url(llm: LLM, image) -> str:
             processed.pixel_values.to(runner.dtype), torch.tensor([processed.grid_thw])
         )  # [num_tokens, hidden]
     data = feature_file_bytes(embeds.float(), tuple(processed.grid_thw), "float32")
-    return "data:application/octet-stream;base64," + base64.b64encode(data).decode()
+    return data_url(data)
 
 
 def run(llm: LLM, with_feature: bool) -> list[list[int]]:
