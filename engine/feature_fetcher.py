@@ -12,9 +12,9 @@ non-blocking `poll()`:
 
 URLs: `s3://bucket/key` (aioboto3; endpoint from config or the standard AWS env,
 credentials from the standard chain; the operator picks the endpoint, so no SSRF guard),
-`http(s)://` (httpx through the SSRF guard of engine/url_safety.py, every redirect hop
-re-checked; `allow_private_urls` lets tests and private deployments reach loopback or
-private hosts), `data:` (base64, size-capped).
+`http(s)://` (aiohttp through the SSRF guard of engine/url_safety.py, every redirect hop
+re-checked, connections kept alive; `allow_private_urls` lets tests and private
+deployments reach loopback or private hosts), `data:` (base64, size-capped).
 Transient failures (timeouts, 5xx, throttling, connection errors) are retried with a
 bounded exponential backoff; the whole fetch of one URL has a total deadline and a byte cap.
 """
@@ -22,19 +22,27 @@ bounded exponential backoff; the whole fetch of one URL has a total deadline and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import aiohttp
 import blake3
-import httpx
 import torch
 
 from engine.feature_validation import FeatureError, FeatureSpec, validate_features
 from engine.multimodal.media import DataUrlError, parse_data_url
-from engine.url_safety import UnsafeUrlError, UrlPolicy, guarded_client
+from engine.url_safety import (
+    RedirectError,
+    UnsafeUrlError,
+    UrlPolicy,
+    guarded_session,
+    open_checked,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +130,7 @@ class FeatureFetcher:
         self._stats = FetchStats()
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
-        self._http: httpx.AsyncClient | None = None
+        self._http: aiohttp.ClientSession | None = None
         self._policy = UrlPolicy(allow_private=config.allow_private_urls)
         self._s3 = None
         self._s3_context = None
@@ -130,6 +138,11 @@ class FeatureFetcher:
             target=self._loop.run_forever, name="feature-fetcher", daemon=True
         )
         self._thread.start()
+
+    @property
+    def native_thread_id(self) -> int | None:
+        """The OS id of the download thread, for CPU accounting (bench/feature_fetch.py)."""
+        return self._thread.native_id
 
     # ---- busy-loop side -----------------------------------------------------------------
 
@@ -179,7 +192,7 @@ class FeatureFetcher:
         for task in list(self._tasks.values()):
             task.cancel()
         if self._http is not None:
-            await self._http.aclose()
+            await self._http.close()
         if self._s3_context is not None:
             await self._s3_context.__aexit__(None, None, None)
 
@@ -271,10 +284,9 @@ class FeatureFetcher:
 
     async def _version_of(self, url: str) -> str | None:
         if url.startswith(("http://", "https://")):
-            response = await self._send("HEAD", url)
-            await response.aclose()
-            _check_http_status(response.status_code)
-            return _version_header(response.headers)
+            async with self._open("HEAD", url) as response:
+                _check_http_status(response.status)
+                return _version_header(response.headers)
         if url.startswith("s3://"):
             bucket, key = _split_s3(url)
             s3 = await self._s3_client()
@@ -285,52 +297,37 @@ class FeatureFetcher:
             return head.get("ETag") or str(head.get("LastModified") or "") or None
         return None
 
-    def _client(self) -> httpx.AsyncClient:
+    @contextlib.asynccontextmanager
+    async def _open(self, method: str, url: str) -> AsyncIterator[aiohttp.ClientResponse]:
+        """`open_checked` with the fetcher's errors: unsafe URLs and redirect loops fail at
+        once; network errors are transient (retried)."""
         if self._http is None:
-            self._http = guarded_client(
-                self._policy,
-                timeout_s=self.config.timeout_s,
-                limits=httpx.Limits(max_connections=64),
+            self._http = guarded_session(
+                self._policy, timeout_s=self.config.timeout_s, max_connections=64
             )
-        return self._http
-
-    async def _send(self, method: str, url: str) -> httpx.Response:
-        """A streamed response (the caller closes it) after following redirects by hand,
-        each hop checked by the SSRF guard. Unsafe URLs fail at once, never retried."""
-        client = self._client()
         try:
-            for _ in range(self.config.max_redirects + 1):
-                checked = self._policy.check_url(url)
-                response = await client.send(client.build_request(method, checked), stream=True)
-                if not response.is_redirect:
-                    return response
-                await response.aclose()
-                location = response.headers.get("location")
-                if not location:
-                    raise FeatureError("redirect without a location", reason="http_error")
-                url = str(checked.join(location))
+            async with open_checked(
+                self._http, self._policy, method, url, max_redirects=self.config.max_redirects
+            ) as response:
+                yield response
         except UnsafeUrlError as exc:
             raise FeatureError(str(exc), reason="unsafe_url") from None
-        except (httpx.TimeoutException, httpx.TransportError) as exc:
+        except RedirectError as exc:
+            raise FeatureError(str(exc), reason="http_error") from None
+        except (aiohttp.ClientError, ConnectionError) as exc:
             raise _Transient("network", f"connection failed ({type(exc).__name__})") from None
-        raise FeatureError(f"more than {self.config.max_redirects} redirects", reason="http_error")
 
     async def _http_get(self, url: str) -> tuple[bytes, str | None]:
-        response = await self._send("GET", url)
-        try:
-            _check_http_status(response.status_code)
-            _check_length(response.headers.get("content-length"), self.config.max_bytes)
+        async with self._open("GET", url) as response:
+            _check_http_status(response.status)
+            _check_length(response.content_length, self.config.max_bytes)
             chunks, total = [], 0
-            async for chunk in response.aiter_bytes():
+            async for chunk in response.content.iter_any():
                 total += len(chunk)
                 if total > self.config.max_bytes:
                     raise _too_large(self.config.max_bytes)
                 chunks.append(chunk)
             return b"".join(chunks), _version_header(response.headers)
-        except (httpx.TimeoutException, httpx.TransportError) as exc:
-            raise _Transient("network", f"connection failed ({type(exc).__name__})") from None
-        finally:
-            await response.aclose()
 
     async def _s3_client(self):
         if self._s3 is None:

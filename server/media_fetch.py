@@ -1,7 +1,8 @@
 """Fetch `image_url`s (http, https, data, file) and turn them into processed images.
 
-One pooled, SSRF-guarded `httpx.AsyncClient` per app (engine/url_safety.py: every
-connection resolves, checks and dials the checked address; env proxies are ignored).
+One pooled, SSRF-guarded aiohttp session per app (engine/url_safety.py: every
+connection resolves, checks and dials the checked address; env proxies are ignored; no
+cookie jar). It is created on the first fetch, on the event loop that uses it.
 Every fetch runs under a TOTAL deadline (`asyncio.timeout` around the whole fetch,
 redirects included), the byte cap is enforced while the body streams in, every redirect
 hop is re-checked and their number bounded. `file://` reads only under
@@ -16,12 +17,18 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 
 from engine.errors import MediaError
 from engine.multimodal.image_processor import ImageProcessorConfig, ProcessedImage, process_image
 from engine.multimodal.media import decode_data_url, decode_image
-from engine.url_safety import UnsafeUrlError, UrlPolicy, guarded_client
+from engine.url_safety import (
+    RedirectError,
+    UnsafeUrlError,
+    UrlPolicy,
+    guarded_session,
+    open_checked,
+)
 from server.image_cache import ProcessedImageCache, bytes_key
 
 
@@ -55,14 +62,15 @@ class MediaFetcher:
         self.config = config
         self.image_config = image_config
         self.policy = config.url_policy
-        self._client = guarded_client(self.policy, timeout_s=config.timeout_s)
+        self._session: aiohttp.ClientSession | None = None
         self._pool = ThreadPoolExecutor(
             max_workers=config.num_decode_threads, thread_name_prefix="media-decode"
         )
         self.processed = ProcessedImageCache(config.processed_image_cache_bytes)
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        if self._session is not None:
+            await self._session.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def load_image(self, url: str, *, param: str) -> ProcessedImage:
@@ -105,44 +113,39 @@ class MediaFetcher:
     async def fetch_url_bytes(self, url: str, *, param: str) -> bytes:
         """GET an http(s) URL under a total deadline and a byte cap, following at most
         `max_redirects` redirects (each hop re-checked)."""
-        max_redirects = self.config.max_redirects
+        if self._session is None:
+            self._session = guarded_session(self.policy, timeout_s=self.config.timeout_s)
         try:
-            async with asyncio.timeout(self.config.timeout_s):
-                for _ in range(max_redirects + 1):
-                    request = self._client.build_request("GET", self.policy.check_url(url))
-                    response = await self._client.send(request, stream=True)
-                    try:
-                        if response.is_redirect:
-                            location = response.headers.get("location")
-                            if not location:
-                                raise MediaError("redirect without a location", param=param)
-                            url = str(response.url.join(location))
-                            continue
-                        if response.status_code != 200:
-                            raise MediaError(
-                                f"fetching the image returned HTTP {response.status_code}",
-                                param=param,
-                            )
-                        return await self._read_capped(response, param=param)
-                    finally:
-                        await response.aclose()
-                raise MediaError(f"more than {max_redirects} redirects", param=param)
+            async with (
+                asyncio.timeout(self.config.timeout_s),
+                open_checked(
+                    self._session,
+                    self.policy,
+                    "GET",
+                    url,
+                    max_redirects=self.config.max_redirects,
+                ) as response,
+            ):
+                if response.status != 200:
+                    raise MediaError(
+                        f"fetching the image returned HTTP {response.status}", param=param
+                    )
+                return await self._read_capped(response, param=param)
         except TimeoutError as exc:
             raise MediaError(
                 f"fetching the image took longer than {self.config.timeout_s:g} s", param=param
             ) from exc
-        except UnsafeUrlError as exc:
+        except (UnsafeUrlError, RedirectError) as exc:
             raise MediaError(str(exc), param=param) from None
-        except httpx.HTTPError as exc:
+        except aiohttp.ClientError as exc:
             raise MediaError("the image URL could not be fetched", param=param) from exc
 
-    async def _read_capped(self, response: httpx.Response, *, param: str) -> bytes:
+    async def _read_capped(self, response: aiohttp.ClientResponse, *, param: str) -> bytes:
         cap = self.config.max_image_bytes
-        declared = response.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > cap:
+        if response.content_length is not None and response.content_length > cap:
             raise MediaError(f"the image is over {cap} bytes", param=param)
         chunks, size = [], 0
-        async for chunk in response.aiter_bytes():
+        async for chunk in response.content.iter_any():
             size += len(chunk)
             if size > cap:
                 raise MediaError(f"the image is over {cap} bytes", param=param)

@@ -221,3 +221,40 @@ def test_redirect_hops_are_bounded():
                 )
             )
         assert counter.count == 3
+
+
+def test_cookies_set_by_one_fetch_are_not_sent_by_the_next():
+    """The fetch session is shared by all clients' requests: a cookie that one client's
+    URL sets must not travel with another client's fetch (httpx's client kept a jar)."""
+    seen: list[str | None] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            seen.append(self.headers.get("Cookie"))
+            self.send_response(200)
+            self.send_header("Set-Cookie", "session=secret; Path=/")
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"ok")
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}/a.png"
+
+    async def twice() -> None:
+        fetcher = _fetcher(allow_private_urls=True)
+        try:
+            for _ in range(2):
+                assert await fetcher.fetch_url_bytes(url, param="p") == b"ok"
+        finally:
+            await fetcher.aclose()
+
+    try:
+        asyncio.run(twice())
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert seen == [None, None]

@@ -1,0 +1,137 @@
+"""FeatureFetcher over http(s) against a local server: version checks with HEAD, retries of
+transient statuses, redirect limits, and kept-alive connections."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from bench.local_inputs import FEATURE_GRID, TINY_HIDDEN, features
+from engine.feature_fetcher import FeatureFetcher, FeatureJob, FetchConfig, FetchResult
+from engine.feature_validation import FeatureSpec
+
+SPEC = FeatureSpec(TINY_HIDDEN, 4, FEATURE_GRID)
+
+
+class Origin:
+    """A scripted HTTP/1.1 origin: per path, a list of (status, headers, body) answers
+    (the last one repeats); logs (method, path, client port) of every request."""
+
+    def __init__(self) -> None:
+        self.answers: dict[str, list[tuple[int, dict[str, str], bytes]]] = {}
+        self.log: list[tuple[str, str, int]] = []
+        origin = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True
+
+            def _answer(self, with_body: bool) -> None:
+                origin.log.append((self.command, self.path, self.client_address[1]))
+                script = origin.answers.get(self.path, [(404, {}, b"")])
+                status, headers, body = script.pop(0) if len(script) > 1 else script[0]
+                self.send_response(status)
+                for name, value in headers.items():
+                    self.send_header(name, value)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if with_body:
+                    self.wfile.write(body)
+
+            def do_GET(self):  # noqa: N802
+                self._answer(True)
+
+            def do_HEAD(self):  # noqa: N802
+                self._answer(False)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.base = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+
+@pytest.fixture
+def origin() -> Iterator[Origin]:
+    server = Origin()
+    threading.Thread(target=server.httpd.serve_forever, daemon=True).start()
+    yield server
+    server.httpd.shutdown()
+    server.httpd.server_close()
+
+
+@pytest.fixture
+def fetcher() -> Iterator[FeatureFetcher]:
+    fetcher = FeatureFetcher(FetchConfig(allow_private_urls=True, backoff_s=0.01))
+    yield fetcher
+    fetcher.close()
+
+
+def fetch(fetcher: FeatureFetcher, urls: list[str], *, force: bool = False) -> FetchResult:
+    fetcher.submit("r", [FeatureJob(url, SPEC) for url in urls], force=force)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if results := fetcher.poll():
+            return results[0]
+        time.sleep(0.005)
+    raise AssertionError("the fetch did not finish")
+
+
+def test_a_known_version_is_checked_with_head_and_not_downloaded(origin, fetcher):
+    first, second = features(1), features(2)
+    origin.answers["/f"] = [(200, {"ETag": '"v1"'}, first)]
+    url = f"{origin.base}/f"
+    downloaded = fetch(fetcher, [url]).features[0]
+    assert downloaded.embeds is not None
+    again = fetch(fetcher, [url]).features[0]
+    assert again.embeds is None and again.content_hash == downloaded.content_hash
+    assert [method for method, _, _ in origin.log] == ["GET", "HEAD"]
+    origin.answers["/f"] = [(200, {"ETag": '"v2"'}, second)]
+    changed = fetch(fetcher, [url]).features[0]
+    assert changed.embeds is not None and changed.content_hash != downloaded.content_hash
+    assert [method for method, _, _ in origin.log] == ["GET", "HEAD", "HEAD", "GET"]
+
+
+def test_transient_statuses_are_retried(origin, fetcher):
+    origin.answers["/busy"] = [(503, {}, b""), (500, {}, b""), (200, {}, features(3))]
+    result = fetch(fetcher, [f"{origin.base}/busy"])
+    assert result.error is None and result.features[0].embeds is not None
+    assert len(origin.log) == 3
+
+
+@pytest.mark.parametrize(
+    ("answers", "words"),
+    [
+        ([(302, {"Location": "/loop"}, b"")], "more than 3 redirects"),
+        ([(302, {}, b"")], "redirect without a location"),
+    ],
+)
+def test_redirect_failures_are_http_errors_and_not_retried(origin, fetcher, answers, words):
+    origin.answers["/loop"] = answers
+    result = fetch(fetcher, [f"{origin.base}/loop"])
+    assert result.error is not None and result.error.reason == "http_error"
+    assert words in result.error.message
+    assert len(origin.log) == (4 if "more than" in words else 1)
+
+
+def test_a_redirect_is_followed(origin, fetcher):
+    origin.answers["/old"] = [(301, {"Location": "/new"}, b"")]
+    origin.answers["/new"] = [(200, {}, features(4))]
+    result = fetch(fetcher, [f"{origin.base}/old"])
+    assert result.error is None and result.features[0].embeds is not None
+
+
+def test_connections_are_kept_alive(origin, fetcher):
+    """Object stores keep connections open; a connection per download costs the engine
+    process a TCP handshake each time."""
+    for i in range(4):
+        origin.answers[f"/k{i}"] = [(200, {}, features(i))]
+    urls = [f"{origin.base}/k{i}" for i in range(4)]
+    for _ in range(3):
+        assert fetch(fetcher, urls, force=True).error is None
+    client_ports = {port for _, _, port in origin.log}
+    assert len(origin.log) == 12 and len(client_ports) <= 4
