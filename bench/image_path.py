@@ -12,6 +12,8 @@ Times, on a random RGB image of --size x --size:
                           image request (what the API process and the engine pay)
   normalise (engine)      normalize_pixels on the host, one thread (on a GPU it runs on
                           the device)
+  fetch over HTTP (CPU)   the API process's CPU per `image_url` GET of the image as PNG
+                          (MediaFetcher, 8 at a time, from a kept-alive local server)
 
 Each is the best of --repeat rounds; prints milliseconds per image and the bytes sent.
 """
@@ -19,8 +21,11 @@ Each is the best of --repeat rounds; prints milliseconds per image and the bytes
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 import tempfile
+import threading
+import time
 import timeit
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -30,13 +35,41 @@ import torch
 import zmq
 from PIL import Image
 
+from bench.local_inputs import ObjectServer, png_bytes
 from engine.multimodal.image_processor import ImageProcessorConfig, normalize_pixels, process_image
 from engine.protocol import EngineRequest, MediaInput, Modality, SamplingParams
 from engine.serialization import decode_engine_inbox, encode_message, tensor_ref
+from server.media_fetch import MediaFetchConfig, MediaFetcher
 
 
 def best_ms(work: Callable[[], object], repeat: int, number: int = 20) -> float:
     return min(timeit.repeat(work, number=number, repeat=repeat)) / number * 1e3
+
+
+def fetch_cpu_ms(image: Image.Image, repeat: int, number: int = 8) -> float:
+    """CPU milliseconds of the fetching thread per GET, best of `repeat` rounds of
+    `number` concurrent GETs (the object server runs in another thread)."""
+    store = ObjectServer()
+    threading.Thread(target=store.httpd.serve_forever, daemon=True).start()
+    urls = [store.put(f"{i}.png", png_bytes(image)) for i in range(number)]
+
+    async def rounds() -> float:
+        fetcher = MediaFetcher(MediaFetchConfig(allow_private_urls=True), ImageProcessorConfig())
+        try:
+            best = float("inf")
+            for _ in range(repeat + 1):  # the first round opens the connections
+                started = time.thread_time()
+                await asyncio.gather(*(fetcher.fetch_url_bytes(u, param="p") for u in urls))
+                best = min(best, time.thread_time() - started)
+            return best / number * 1e3
+        finally:
+            await fetcher.aclose()
+
+    try:
+        return asyncio.run(rounds())
+    finally:
+        store.httpd.shutdown()
+        store.httpd.server_close()
 
 
 def measure(size: int, repeat: int) -> dict[str, float]:
@@ -81,6 +114,7 @@ def measure(size: int, repeat: int) -> dict[str, float]:
         )
     finally:
         torch.set_num_threads(threads)
+    results["fetch over HTTP (CPU)"] = fetch_cpu_ms(image, repeat)  # last: it frees big blocks
     results["bytes sent"] = float(processed.pixel_levels.nbytes)
     return results
 

@@ -56,7 +56,8 @@ class _Listener(ThreadingHTTPServer):
 
 class ObjectServer:
     """HTTP objects by path on 127.0.0.1, each with an added latency and an optional error
-    status. Serve with `threading.Thread(target=store.httpd.serve_forever)`."""
+    status. Serve with `threading.Thread(target=store.httpd.serve_forever)`. Connections
+    are kept alive (HTTP/1.1), as object stores keep them."""
 
     def __init__(self) -> None:
         self.objects: dict[str, tuple[bytes, float, int]] = {}
@@ -64,6 +65,11 @@ class ObjectServer:
         server = self
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+            # Headers and body go out in two writes: without TCP_NODELAY the body waits
+            # for the client's delayed ACK (40 ms) on every kept-alive request.
+            disable_nagle_algorithm = True
+
             def log_message(self, *args) -> None:
                 pass
 

@@ -11,7 +11,7 @@ def test_image_path_reports_every_part(capsys):
     lines = {
         line[:26].strip(): line[26:].split() for line in capsys.readouterr().out.splitlines()[1:]
     }
-    for part in ("process_image (fresh)", "process_image (warm)", "through ZMQ",
+    for part in ("fetch over HTTP (CPU)", "process_image (fresh)", "process_image (warm)", "through ZMQ",
                  "normalise (engine)"):  # fmt: skip
         value, unit = lines[part]
         assert float(value) > 0 and unit == "ms", part
