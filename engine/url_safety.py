@@ -16,9 +16,10 @@ Two layers, both needed:
 * `open_checked` — one GET/HEAD that follows redirects by hand, each hop through
   `check_url` again, at most `max_redirects` of them.
 
-aiohttp, not httpx: the fetchers run beside the engine's busy loop, and an httpx
-AsyncClient GET cost ~2.5 ms of CPU against ~0.3 ms for aiohttp (docs/benchmarks.md,
-"Feature downloads"; encode/httpx#3215). aiohttp is already installed for aioboto3.
+aiohttp, not httpx: the feature fetcher runs in the engine process, beside its busy loop,
+and an httpx AsyncClient GET of a 2 kB object cost that thread 3.4-3.8 ms of CPU against
+0.55-0.75 ms with aiohttp (docs/benchmarks.md, "Pre-encoded feature downloads";
+encode/httpx#3215). aiohttp is installed anyway, for aioboto3.
 The session keeps no cookies: one client's URL must not set cookies that another
 client's fetch then sends.
 
