@@ -27,7 +27,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -37,11 +37,13 @@ import torch
 from engine.feature_validation import FeatureError, FeatureSpec, validate_features
 from engine.multimodal.media import DataUrlError, parse_data_url
 from engine.url_safety import (
+    BodyTooLargeError,
     RedirectError,
     UnsafeUrlError,
     UrlPolicy,
     guarded_session,
     open_checked,
+    read_capped,
 )
 
 logger = logging.getLogger(__name__)
@@ -320,14 +322,17 @@ class FeatureFetcher:
     async def _http_get(self, url: str) -> tuple[bytes, str | None]:
         async with self._open("GET", url) as response:
             _check_http_status(response.status)
-            _check_length(response.content_length, self.config.max_bytes)
-            chunks, total = [], 0
-            async for chunk in response.content.iter_any():
-                total += len(chunk)
-                if total > self.config.max_bytes:
-                    raise _too_large(self.config.max_bytes)
-                chunks.append(chunk)
-            return b"".join(chunks), _version_header(response.headers)
+            body = response.content.iter_any()
+            data = await self._read_capped(body, response.content_length)
+            return data, _version_header(response.headers)
+
+    async def _read_capped(
+        self, chunks: AsyncIterable[bytes], declared_length: int | None
+    ) -> bytes:
+        try:
+            return await read_capped(chunks, self.config.max_bytes, declared_length=declared_length)
+        except BodyTooLargeError:
+            raise _too_large(self.config.max_bytes) from None
 
     async def _s3_client(self):
         if self._s3 is None:
@@ -354,15 +359,11 @@ class FeatureFetcher:
             response = await s3.get_object(Bucket=bucket, Key=key)
         except Exception as exc:  # noqa: BLE001 - botocore raises many types
             _raise_s3(exc)
-        _check_length(response.get("ContentLength"), self.config.max_bytes)
         stream = response["Body"]
         try:
-            chunks, total = [], 0
-            while chunk := await stream.read(1 << 20):
-                total += len(chunk)
-                if total > self.config.max_bytes:
-                    raise _too_large(self.config.max_bytes)
-                chunks.append(chunk)
+            data = await self._read_capped(
+                stream.iter_chunks(1 << 20), response.get("ContentLength")
+            )
         except FeatureError:
             raise
         except Exception as exc:  # noqa: BLE001
@@ -370,7 +371,7 @@ class FeatureFetcher:
         finally:
             stream.close()
         version = response.get("ETag") or str(response.get("LastModified") or "") or None
-        return b"".join(chunks), version
+        return data, version
 
     # ---- bookkeeping --------------------------------------------------------------------
 
@@ -396,15 +397,6 @@ def _failure(url: str, cause: str, reason: str) -> FeatureError:
 
 def _too_large(max_bytes: int) -> FeatureError:
     return FeatureError(f"too large (over {max_bytes} bytes)", reason="too_large")
-
-
-def _check_length(value, max_bytes: int) -> None:
-    try:
-        length = int(value) if value is not None else None
-    except ValueError:
-        length = None
-    if length is not None and length > max_bytes:
-        raise _too_large(max_bytes)
 
 
 def _check_http_status(status: int) -> None:

@@ -14,7 +14,8 @@ Two layers, both needed:
   `check_url` parses with yarl, the parser aiohttp itself uses, and the caller passes on
   the URL object it returned: the checked host is the dialed host.
 * `open_checked` — one GET/HEAD that follows redirects by hand, each hop through
-  `check_url` again, at most `max_redirects` of them.
+  `check_url` again, at most `max_redirects` of them; `read_capped` reads a body under a
+  byte cap (both fetchers, S3 bodies included).
 
 aiohttp, not httpx: the feature fetcher runs in the engine process, beside its busy loop,
 and an httpx AsyncClient GET of a 2 kB object cost that thread 3.4-3.8 ms of CPU against
@@ -33,7 +34,7 @@ import asyncio
 import contextlib
 import ipaddress
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
@@ -258,3 +259,24 @@ async def open_checked(
             raise UnsafeUrlError("the redirect location is not valid") from None
         checked = policy.check_url(str(target))
     raise RedirectError(f"more than {max_redirects} redirects")
+
+
+class BodyTooLargeError(Exception):
+    """A body (declared or received) over the caller's byte cap."""
+
+
+async def read_capped(
+    chunks: AsyncIterable[bytes], max_bytes: int, *, declared_length: int | None = None
+) -> bytes:
+    """The whole body, refused up front when its declared length is over `max_bytes` and
+    as soon as the bytes received pass it (a chunked or lying body is never buffered
+    whole)."""
+    if declared_length is not None and declared_length > max_bytes:
+        raise BodyTooLargeError
+    received, total = [], 0
+    async for chunk in chunks:
+        total += len(chunk)
+        if total > max_bytes:
+            raise BodyTooLargeError
+        received.append(chunk)
+    return b"".join(received)

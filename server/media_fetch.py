@@ -23,11 +23,13 @@ from engine.errors import MediaError
 from engine.multimodal.image_processor import ImageProcessorConfig, ProcessedImage, process_image
 from engine.multimodal.media import decode_data_url, decode_image
 from engine.url_safety import (
+    BodyTooLargeError,
     RedirectError,
     UnsafeUrlError,
     UrlPolicy,
     guarded_session,
     open_checked,
+    read_capped,
 )
 from server.image_cache import ProcessedImageCache, bytes_key
 
@@ -130,7 +132,15 @@ class MediaFetcher:
                     raise MediaError(
                         f"fetching the image returned HTTP {response.status}", param=param
                     )
-                return await self._read_capped(response, param=param)
+                return await read_capped(
+                    response.content.iter_any(),
+                    self.config.max_image_bytes,
+                    declared_length=response.content_length,
+                )
+        except BodyTooLargeError:
+            raise MediaError(
+                f"the image is over {self.config.max_image_bytes} bytes", param=param
+            ) from None
         except TimeoutError as exc:
             raise MediaError(
                 f"fetching the image took longer than {self.config.timeout_s:g} s", param=param
@@ -139,15 +149,3 @@ class MediaFetcher:
             raise MediaError(str(exc), param=param) from None
         except aiohttp.ClientError as exc:
             raise MediaError("the image URL could not be fetched", param=param) from exc
-
-    async def _read_capped(self, response: aiohttp.ClientResponse, *, param: str) -> bytes:
-        cap = self.config.max_image_bytes
-        if response.content_length is not None and response.content_length > cap:
-            raise MediaError(f"the image is over {cap} bytes", param=param)
-        chunks, size = [], 0
-        async for chunk in response.content.iter_any():
-            size += len(chunk)
-            if size > cap:
-                raise MediaError(f"the image is over {cap} bytes", param=param)
-            chunks.append(chunk)
-        return b"".join(chunks)

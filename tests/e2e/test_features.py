@@ -182,6 +182,7 @@ def test_one_failure_fails_its_request_and_cancels_the_rest(fhttp, objects):
     [
         ("timeout", "timed out"),
         ("too_large", "too large"),
+        ("s3_too_large", "too large"),
         ("wrong_hidden", "hidden size"),
         ("wrong_tokens", "implies 4 tokens"),
         ("bad_dtype", "dtype"),
@@ -210,6 +211,9 @@ def test_bad_features_are_clear_4xx(fhttp, objects, s3, case, words):
     elif case == "bucket":
         s3.put_object(Bucket="elsewhere", Key="x.safetensors", Body=features(1))
         url = "s3://elsewhere/x.safetensors"
+    elif case == "s3_too_large":
+        s3.put_object(Bucket=BUCKET, Key="big.safetensors", Body=blobs["too_large"])
+        url = f"s3://{BUCKET}/big.safetensors"
     elif case == "s3_missing":
         url = f"s3://{BUCKET}/does/not/exist.safetensors"
     else:

@@ -37,9 +37,16 @@ class Origin:
                 self.send_response(status)
                 for name, value in headers.items():
                     self.send_header(name, value)
-                self.send_header("Content-Length", str(len(body)))
+                chunked = headers.get("Transfer-Encoding") == "chunked"
+                if not chunked:
+                    self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
-                if with_body:
+                if with_body and chunked:  # 1 kB chunks, no declared length
+                    for start in range(0, len(body), 1024):
+                        piece = body[start : start + 1024]
+                        self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                    self.wfile.write(b"0\r\n\r\n")
+                elif with_body:
                     self.wfile.write(body)
 
             def do_GET(self):  # noqa: N802
@@ -116,6 +123,20 @@ def test_redirect_failures_are_http_errors_and_not_retried(origin, fetcher, answ
     assert result.error is not None and result.error.reason == "http_error"
     assert words in result.error.message
     assert len(origin.log) == (4 if "more than" in words else 1)
+
+
+@pytest.mark.parametrize("headers", [{}, {"Transfer-Encoding": "chunked"}])
+def test_bodies_over_the_cap_are_too_large(origin, headers):
+    """Refused on the declared length, or while a chunked body streams in."""
+    origin.answers["/big"] = [(200, headers, bytes(8192))]
+    origin.answers["/fits"] = [(200, headers, features(5))]
+    fetcher = FeatureFetcher(FetchConfig(allow_private_urls=True, max_bytes=4096))
+    try:
+        result = fetch(fetcher, [f"{origin.base}/big"])
+        assert result.error is not None and result.error.reason == "too_large"
+        assert fetch(fetcher, [f"{origin.base}/fits"]).error is None
+    finally:
+        fetcher.close()
 
 
 def test_a_redirect_is_followed(origin, fetcher):
