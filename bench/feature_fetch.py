@@ -27,7 +27,7 @@ import httpx
 
 from bench.client import stream_times
 from bench.local_inputs import FEATURE_GRID, TINY_HIDDEN, ObjectServer, feature_part, features
-from bench.servers import TINY_SERVER_FLAGS, tiny_server
+from bench.servers import TINY_SERVER_FLAGS, cpu_seconds, tiny_server
 from engine.feature_fetcher import FeatureFetcher, FeatureJob, FetchConfig
 from engine.feature_validation import FeatureSpec
 from engine.tiny_model import make_tiny_model
@@ -117,18 +117,13 @@ def fetcher_cpu_per_download(store: ObjectServer, num_requests: int = 50) -> flo
 
     try:
         fetch_all("warm-up")
-        started = _thread_cpu_s(fetcher.native_thread_id)
+        started = cpu_seconds(os.getpid(), fetcher.native_thread_id)
         for i in range(num_requests):
             fetch_all(f"r{i}")
-        return (_thread_cpu_s(fetcher.native_thread_id) - started) / (num_requests * NUM_OBJECTS)
+        spent = cpu_seconds(os.getpid(), fetcher.native_thread_id) - started
+        return spent / (num_requests * NUM_OBJECTS)
     finally:
         fetcher.close()
-
-
-def _thread_cpu_s(native_id: int | None) -> float:
-    """User + system CPU seconds of one thread of this process (Linux /proc)."""
-    fields = Path(f"/proc/self/task/{native_id}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> None:

@@ -138,9 +138,11 @@ def tiny_server(
         yield server
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of process `pid` so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def cpu_seconds(pid: int, thread_id: int | None = None) -> float:
+    """User + system CPU time so far of process `pid`, or of its thread `thread_id` (the
+    OS thread id, `threading.Thread.native_id`) (Linux /proc)."""
+    stat = f"/proc/{pid}/stat" if thread_id is None else f"/proc/{pid}/task/{thread_id}/stat"
+    fields = Path(stat).read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 

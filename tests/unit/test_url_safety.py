@@ -136,22 +136,26 @@ def test_file_urls_stay_inside_the_root(tmp_path):
 class _Counter:
     def __init__(self) -> None:
         self.count = 0
+        self.cookies: list[str | None] = []  # the Cookie header of every request
 
 
 @contextlib.contextmanager
 def listener(address: str, redirect_to: str | None = None) -> Iterator[tuple[int, _Counter]]:
-    """An HTTP server on `address` counting requests; answers 302 -> redirect_to, or 200."""
+    """An HTTP server on `address` counting requests; answers 302 -> redirect_to, or 200
+    with a Set-Cookie."""
     counter = _Counter()
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802
             counter.count += 1
+            counter.cookies.append(self.headers.get("Cookie"))
             if redirect_to:
                 self.send_response(302)
                 self.send_header("Location", redirect_to)
                 self.end_headers()
             else:
                 self.send_response(200)
+                self.send_header("Set-Cookie", "session=secret; Path=/")
                 self.send_header("Content-Length", "2")
                 self.end_headers()
                 self.wfile.write(b"ok")
@@ -226,25 +230,8 @@ def test_redirect_hops_are_bounded():
 def test_cookies_set_by_one_fetch_are_not_sent_by_the_next():
     """The fetch session is shared by all clients' requests: a cookie that one client's
     URL sets must not travel with another client's fetch (httpx's client kept a jar)."""
-    seen: list[str | None] = []
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
-            seen.append(self.headers.get("Cookie"))
-            self.send_response(200)
-            self.send_header("Set-Cookie", "session=secret; Path=/")
-            self.send_header("Content-Length", "2")
-            self.end_headers()
-            self.wfile.write(b"ok")
-
-        def log_message(self, *args):
-            pass
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{httpd.server_address[1]}/a.png"
-
-    async def twice() -> None:
+    async def twice(url: str) -> None:
         fetcher = _fetcher(allow_private_urls=True)
         try:
             for _ in range(2):
@@ -252,9 +239,6 @@ def test_cookies_set_by_one_fetch_are_not_sent_by_the_next():
         finally:
             await fetcher.aclose()
 
-    try:
-        asyncio.run(twice())
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-    assert seen == [None, None]
+    with listener("127.0.0.1") as (port, counter):
+        asyncio.run(twice(f"http://127.0.0.1:{port}/a.png"))
+    assert counter.cookies == [None, None]
