@@ -22,10 +22,11 @@ class EngineConfig:
     max_num_seqs: int = 64  # most sequences running at once (continuous batching)
     max_num_batched_tokens: int = 2048  # token budget of one engine step (prefill chunks + decodes)
     block_size: int = 16  # tokens per KV-cache block
-    kv_cache_memory_gib: float = 2.0  # memory for the paged KV cache
+    kv_cache_memory_gib: float | None = None  # KV cache size; None = sized from gpu_memory_utilization on CUDA, 2 GiB on CPU
+    gpu_memory_utilization: float = 0.9  # CUDA: share of the device's memory for weights, activations and the KV cache
     kv_cache_dtype: str = "auto"  # auto = the model dtype; fp8 = float8_e4m3fn, 1 byte/element
     kv_cache_scale: float = 1.0  # fp8 only: static K and V scale (stores x / scale, max 448)
-    num_kv_blocks: int | None = None  # overrides kv_cache_memory_gib (tests force preemption)
+    num_kv_blocks: int | None = None  # exact block count, over the two above (tests force preemption)
     enable_prefix_caching: bool = True  # reuse KV blocks of equal text + media prefixes
     encoder_cache_tokens: int = 16384  # vision-encoder output rows kept for reuse
     max_encoder_tokens_per_step: int = 16384  # bounds vision-encoder work per step
@@ -43,6 +44,14 @@ class EngineConfig:
     feature_fetch_retries: int = 3  # transient failures (timeouts, 5xx, throttling)
     s3_endpoint_url: str | None = None  # None = the standard AWS environment / config
     allow_private_feature_urls: bool = False  # allow http(s) feature URLs on private networks
+
+    def __post_init__(self) -> None:
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.kv_cache_memory_gib is not None and not self.kv_cache_memory_gib > 0:
+            raise ValueError(f"kv_cache_memory_gib must be positive, got {self.kv_cache_memory_gib}")
 
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)

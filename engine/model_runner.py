@@ -32,6 +32,16 @@ from engine.cuda_graphs import DecodeGraphRunner, DecodeInputs
 from engine.device_io import DeviceTimer, to_device
 from engine.encoder_cache import EncoderCache
 from engine.errors import MediaError, TesseraError
+from engine.kv_cache_sizing import (
+    CPU_KV_CACHE_GIB,
+    GIB,
+    CudaMemoryProbe,
+    blocks_in,
+    check_free_at_start,
+    kv_block_bytes,
+    log_sizing,
+    profile_kv_cache_bytes,
+)
 from engine.model_config import ModelConfig
 from engine.models.cpu_prepack import can_prepack, prepack_linears
 from engine.models.loader import load_model
@@ -162,6 +172,12 @@ class ModelRunner:
             config.kv_cache_scale,
             config.kv_cache_scale,
         )
+        memory_probe = None
+        if self.device.type == "cuda" and self._sizes_kv_cache_from_memory():
+            memory_probe = CudaMemoryProbe(self.device)  # before the weights load
+            check_free_at_start(
+                memory_probe.total, memory_probe.used_at_start, config.gpu_memory_utilization
+            )
         self.model = load_model(
             config.model, dtype=self.dtype, device=self.device, attention=self.attention
         )
@@ -170,7 +186,7 @@ class ModelRunner:
         self.model_config = self.model.config
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.block_size = config.block_size
-        self.num_kv_blocks = self._num_kv_blocks()
+        self.num_kv_blocks = self._num_kv_blocks(memory_probe)
         mc = self.model_config
         shape = (self.num_kv_blocks + 1, 2, self.block_size, mc.num_key_value_heads, mc.head_dim)
         # Zeros, not empty: a backend may gather whole blocks and mask the tail, and
@@ -213,24 +229,41 @@ class ModelRunner:
             graphs.capture()
         self.decode_graphs = graphs
 
-    def _num_kv_blocks(self) -> int:
-        """Blocks for the scheduler; the memory budget also pays for the scratch block."""
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
-        mc = self.model_config
-        dtype_bytes = torch.empty((), dtype=self.kv_cache_dtype).element_size()
-        block_bytes = (
-            2
-            * self.block_size
-            * mc.num_key_value_heads
-            * mc.head_dim
-            * dtype_bytes
-            * mc.num_hidden_layers
-        )
-        by_memory = int(self.config.kv_cache_memory_gib * 2**30) // block_bytes - 1
+    def _sizes_kv_cache_from_memory(self) -> bool:
+        return self.config.num_kv_blocks is None and self.config.kv_cache_memory_gib is None
+
+    def _num_kv_blocks(self, memory_probe: CudaMemoryProbe | None) -> int:
+        """Blocks for the scheduler (engine/kv_cache_sizing.py); the memory also pays for
+        the scratch block."""
+        config = self.config
+        if config.num_kv_blocks is not None:
+            return config.num_kv_blocks
+        block_bytes = kv_block_bytes(self.model_config, self.block_size, self.kv_cache_dtype)
         # More than every sequence at full length can never be used.
-        useful = -(-self.config.max_num_seqs * self.max_model_len // self.block_size)
-        return max(1, min(by_memory, useful))
+        useful = -(-config.max_num_seqs * self.max_model_len // self.block_size)
+        if memory_probe is None:
+            gib = config.kv_cache_memory_gib or CPU_KV_CACHE_GIB
+            num_blocks = blocks_in(int(gib * GIB), block_bytes, useful)
+            log_sizing(num_blocks, block_bytes, self.block_size, f"from {gib} GiB")
+            return num_blocks
+        num_bytes, use = profile_kv_cache_bytes(
+            memory_probe,
+            self.model,
+            config,
+            max_model_len=self.max_model_len,
+            kv_cache_dtype=self.kv_cache_dtype,
+            block_bytes=block_bytes,
+        )
+        num_blocks = blocks_in(num_bytes, block_bytes, useful)
+        log_sizing(
+            num_blocks,
+            block_bytes,
+            self.block_size,
+            f"from gpu_memory_utilization={config.gpu_memory_utilization} of "
+            f"{use.total / GIB:.1f} GiB (weights + largest step {use.torch_peak / GIB:.2f} GiB, "
+            f"other CUDA allocations {use.non_torch / GIB:.2f} GiB)",
+        )
+        return num_blocks
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.launch(scheduler_output).result()

@@ -1,0 +1,243 @@
+"""How many KV-cache blocks the engine allocates at start-up.
+
+The first setting that applies decides:
+
+    num_kv_blocks            exactly that many blocks (tests force preemption with it);
+    kv_cache_memory_gib      that much memory;
+    neither, on CUDA         what `gpu_memory_utilization` x the device's memory leaves
+                             after the weights and the largest step (profiled, below);
+    neither, on CPU          CPU_KV_CACHE_GIB.
+
+Sizing on CUDA works the way vLLM's memory profiling does. A fixed size either wastes
+most of an 80 GB GPU or does not fit a small one:
+
+1. Before the weights load, note the device memory already in use (other processes,
+   this process's CUDA context). If less than `utilization x total` is free, fail now
+   and say so.
+2. Load the weights. Then run the largest step the scheduler can build against a
+   scratch KV cache (`run_largest_step`) and read PyTorch's peak allocation (the weights
+   included).
+3. The KV cache gets `utilization x total`, less that peak, less what the process
+   holds outside PyTorch's allocator (CUDA libraries' own allocations).
+
+What this does not count: CUDA-graph pools and FlashInfer's plan buffers are allocated
+after the KV cache, out of the `1 - utilization` share (decode graphs are small next to
+a full prefill step). With utilization 1.0 they have no room.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.base import AttentionMetadata
+from engine.config import EngineConfig
+from engine.device_io import to_device
+from engine.model_config import ModelConfig
+from engine.multimodal.image_processor import ImageProcessorConfig
+from engine.protocol import SamplingParams
+from engine.sampler import Sampler, SamplingRow
+
+logger = logging.getLogger(__name__)
+
+GIB = 2**30
+CPU_KV_CACHE_GIB = 2.0
+# The heaviest sampling a request can ask for: every filter, a penalty and the most
+# logprobs the API allows (server/openai_models.py MAX_TOP_LOGPROBS).
+HEAVIEST_SAMPLING = SamplingParams(
+    temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1, logprobs=20
+)
+
+
+def kv_block_bytes(model_config: ModelConfig, block_size: int, kv_cache_dtype: torch.dtype) -> int:
+    """Bytes of one block (K and V) over all layers."""
+    element = torch.empty((), dtype=kv_cache_dtype).element_size()
+    per_layer = 2 * block_size * model_config.num_key_value_heads * model_config.head_dim
+    return per_layer * element * model_config.num_hidden_layers
+
+
+def blocks_in(num_bytes: int, block_bytes: int, useful_blocks: int) -> int:
+    """Blocks for the scheduler in `num_bytes`: one goes to the scratch block (CUDA-graph
+    padding writes there), and more than `useful_blocks` can never be used."""
+    return max(1, min(num_bytes // block_bytes - 1, useful_blocks))
+
+
+@dataclass(frozen=True)
+class DeviceMemoryUse:
+    """Bytes, read around the profiled step (`CudaMemoryProbe`)."""
+
+    total: int  # the device's memory
+    used_at_start: int  # in use by anyone before the weights loaded
+    torch_peak: int  # PyTorch's peak allocation: weights + the largest step
+    non_torch: int  # held by this process outside PyTorch's allocator since the start
+
+
+class MemoryBudgetError(ValueError):
+    """The settings leave no room for a KV cache on this device."""
+
+
+def check_free_at_start(total: int, used_at_start: int, utilization: float) -> None:
+    free = total - used_at_start
+    if free < utilization * total:
+        raise MemoryBudgetError(
+            f"gpu_memory_utilization={utilization} asks for {utilization * total / GIB:.1f} "
+            f"GiB of the device's {total / GIB:.1f} GiB, but only {free / GIB:.1f} GiB is "
+            "free (other processes hold the rest); lower --gpu-memory-utilization or set "
+            "--kv-cache-memory-gib"
+        )
+
+
+def kv_cache_bytes(use: DeviceMemoryUse, utilization: float, block_bytes: int) -> int:
+    """What `utilization x total` leaves for the KV cache; raises when not two blocks."""
+    budget = int(utilization * use.total)
+    left = budget - use.torch_peak - use.non_torch
+    if left < 2 * block_bytes:  # one block for requests, one scratch block
+        raise MemoryBudgetError(
+            f"gpu_memory_utilization={utilization} of the device's {use.total / GIB:.1f} GiB "
+            f"leaves no room for the KV cache: the weights and the largest step take "
+            f"{use.torch_peak / GIB:.2f} GiB, other CUDA allocations "
+            f"{use.non_torch / GIB:.2f} GiB; raise --gpu-memory-utilization, lower "
+            "--max-num-batched-tokens or --max-encoder-tokens-per-step, or set "
+            "--kv-cache-memory-gib"
+        )
+    return left
+
+
+class CudaMemoryProbe:
+    """Reads the device's memory before the weights load and after the profiled step."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        free, self.total = torch.cuda.mem_get_info(device)
+        self.used_at_start = self.total - free
+        # PyTorch's share of it (e.g. a backend's workspace made before the weights).
+        self.reserved_at_start = torch.cuda.memory_reserved(device)
+
+    def reset_peak(self) -> None:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def release_cached(self) -> None:
+        """Hands the profiled step's cached activations back, for the KV cache."""
+        torch.cuda.empty_cache()
+
+    def read(self) -> DeviceMemoryUse:
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        grown = (total - free) - self.used_at_start
+        torch_grown = torch.cuda.memory_reserved(self.device) - self.reserved_at_start
+        non_torch = max(0, grown - torch_grown)
+        return DeviceMemoryUse(
+            total=total,
+            used_at_start=self.used_at_start,
+            torch_peak=torch.cuda.max_memory_allocated(self.device),
+            non_torch=non_torch,
+        )
+
+
+def largest_frame_grid(image_config: ImageProcessorConfig) -> tuple[int, int, int]:
+    """grid_thw of the largest square frame the image processor makes (in patches)."""
+    factor = image_config.factor
+    side = max(factor, math.isqrt(image_config.max_pixels) // factor * factor)
+    patches = side // image_config.patch_size
+    return (1, patches, patches)
+
+
+@torch.inference_mode()
+def run_largest_step(
+    model,
+    config: EngineConfig,
+    image_config: ImageProcessorConfig,
+    *,
+    max_model_len: int,
+    kv_cache_dtype: torch.dtype,
+) -> None:
+    """Runs the most memory-hungry step the scheduler can build, against a scratch KV cache
+    that is dropped afterwards; the outputs are garbage (zero pixels, token 0).
+
+    * the vision tower on `max_encoder_tokens_per_step` tokens' worth of the largest
+      frames (at least one frame; the scheduler runs a larger item alone);
+    * one prompt of `max_num_batched_tokens` tokens (one sequence: the most attention
+      work for the token budget), its first rows taken from the encoder output, kept
+      alive as the encoder cache keeps it;
+    * logits and the sampler's heaviest path for `max_num_seqs` rows."""
+    mc: ModelConfig = model.config
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    vision = mc.vision
+    merge = vision.spatial_merge_size
+
+    t, h, w = largest_frame_grid(image_config)
+    tokens_per_frame = t * h * w // merge**2
+    num_frames = max(1, config.max_encoder_tokens_per_step // tokens_per_frame)
+    patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    pixels = torch.zeros(num_frames * t * h * w, patch_dim, dtype=dtype, device=device)
+    grid = torch.tensor([[t, h, w]] * num_frames, dtype=torch.long)
+    encoded = model.encode_images(pixels, grid)  # [num_frames * tokens_per_frame, hidden]
+    del pixels
+
+    num_tokens = max(1, min(config.max_num_batched_tokens, max_model_len))
+    num_blocks = -(-num_tokens // config.block_size)
+    cache_shape = (num_blocks, 2, config.block_size, mc.num_key_value_heads, mc.head_dim)
+    kv_caches = [
+        torch.zeros(cache_shape, dtype=kv_cache_dtype, device=device)
+        for _ in range(mc.num_hidden_layers)
+    ]
+    metadata = AttentionMetadata(
+        num_seqs=1,
+        query_lens=[num_tokens],
+        seq_lens=[num_tokens],
+        query_start_loc=to_device([0, num_tokens], torch.int32, device),
+        seq_lens_tensor=to_device([num_tokens], torch.int32, device),
+        block_tables=to_device([list(range(num_blocks))], torch.int32, device),
+        slot_mapping=torch.arange(num_tokens, dtype=torch.long, device=device),
+        is_decode_only=False,
+    )
+    media_rows = min(encoded.shape[0], num_tokens)
+    hidden = model.forward(
+        torch.zeros(num_tokens, dtype=torch.long, device=device),
+        torch.arange(num_tokens, device=device).expand(3, num_tokens),  # [3, T]
+        kv_caches,
+        metadata,
+        encoded[:media_rows],
+        torch.arange(media_rows, device=device),
+    )  # [T, hidden]
+    num_rows = min(config.max_num_seqs, num_tokens)
+    logits = model.compute_logits(hidden[-num_rows:])  # [S, vocab] float32
+    rows = [SamplingRow(HEAVIEST_SAMPLING, [0] * num_tokens, [0])] * num_rows
+    Sampler().sample(logits, rows).result()  # its own: the engine's draws stay untouched
+
+
+def profile_kv_cache_bytes(
+    probe: CudaMemoryProbe,
+    model,
+    config: EngineConfig,
+    *,
+    max_model_len: int,
+    kv_cache_dtype: torch.dtype,
+    block_bytes: int,
+) -> tuple[int, DeviceMemoryUse]:
+    """Steps 2 and 3 of the module docstring, once the weights are loaded: the bytes the
+    KV cache may take, and the readings they come from."""
+    probe.reset_peak()
+    image_config = ImageProcessorConfig.from_model_dir(config.model)
+    run_largest_step(
+        model, config, image_config, max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype
+    )
+    use = probe.read()
+    probe.release_cached()
+    return kv_cache_bytes(use, config.gpu_memory_utilization, block_bytes), use
+
+
+def log_sizing(num_blocks: int, block_bytes: int, block_size: int, source: str) -> None:
+    logger.info(
+        "KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens), %s",
+        num_blocks,
+        block_size,
+        (num_blocks + 1) * block_bytes / GIB,
+        num_blocks * block_size,
+        source,
+    )
