@@ -28,7 +28,6 @@ from engine.multimodal.image_processor import ImageProcessorConfig
 from engine.multimodal.prompt import PromptProcessor
 from server.admission import AdmissionController, ServerDraining, Ticket
 from server.auth import check_api_key
-from server.body_limit import BodyLimitMiddleware
 from server.chat import messages_as_dicts, prepare_chat_prompt
 from server.completions import chat_response, completion_response, prepare_completion_prompt
 from server.errors import error_body, install_error_handlers
@@ -44,6 +43,7 @@ from server.openai_models import (
     TokenizeRequest,
     dump,
 )
+from server.request_limits import RequestLimitMiddleware
 from server.request_log import RequestLogMiddleware, record_of
 from server.settings import ServerSettings
 from server.streaming import (
@@ -151,7 +151,11 @@ def build_app(settings: ServerSettings, engine: Any) -> FastAPI:
     async def _gone(_: Request, exc: ClientDisconnected) -> Response:
         return Response(status_code=499)  # nobody reads it; keeps the log and metrics honest
 
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes)
+    app.add_middleware(
+        RequestLimitMiddleware,
+        max_header_bytes=settings.max_header_bytes,
+        max_body_bytes=settings.max_request_body_bytes,
+    )
     # Outermost: logs, ids and counts every request, refusals included.
     app.add_middleware(
         RequestLogMiddleware,

@@ -121,8 +121,10 @@ async def run_server(settings: ServerSettings) -> int:
             build_app(settings, engine),
             host=settings.host,
             port=settings.port,
-            http="h11",  # so that the h11 header-size limit below applies
-            h11_max_incomplete_event_size=settings.max_header_bytes,
+            http="h11",  # so that the h11 header-size backstop below applies
+            # server/request_limits.py enforces max_header_bytes exactly (431); h11's
+            # limit bounds what is buffered until then (see that module's docstring).
+            h11_max_incomplete_event_size=2 * settings.max_header_bytes,
             timeout_keep_alive=settings.timeout_keep_alive_s,
             timeout_graceful_shutdown=max(1, round(settings.shutdown_timeout_s)),
             log_config=None,  # keep configure_logging's handlers and format

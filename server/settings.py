@@ -78,7 +78,7 @@ class ServerSettings:
     engine_inbox_address: str | None = None  # tcp://HOST:PORT; None = private ipc:// socket
     engine_outbox_address: str | None = None  # set together with engine_inbox_address
     timeout_keep_alive_s: int = 5  # idle HTTP keep-alive
-    max_header_bytes: int = 64 * 1024  # h11's limit on request line + headers
+    max_header_bytes: int = 64 * 1024  # request line + headers; over it: 431
     enable_feature_inputs: bool = False  # accept image_features / video_features parts
     allowed_feature_buckets: str | None = None  # comma-separated S3 buckets; None = any
     allowed_feature_url_prefixes: str | None = None  # comma-separated URL prefixes; None = any

@@ -256,6 +256,37 @@ def test_header_floods_are_refused(strict, api):
     assert_healthy(api)
 
 
+def status_of_raw_request(base_url: str, request: bytes) -> bytes:
+    host, port = base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(request)
+        reply = b""
+        while b"\r\n\r\n" not in reply:
+            data = sock.recv(65536)
+            if not data:
+                break
+            reply += data
+    return reply.split(b"\r\n", 1)[0]
+
+
+def test_header_blocks_over_max_header_bytes_are_431(strict, api):
+    """The limit is exact whatever the reads (h11's own limit let a 70 kB block through a
+    64 KiB limit when it arrived in one read)."""
+
+    def request(block_size: int) -> bytes:
+        head = b"GET /health HTTP/1.1\r\nHost: tessera\r\nX-Pad: "
+        pad = b"p" * (block_size - len(head) - 2)
+        return head + pad + b"\r\n\r\n"  # the block, then the empty line that ends it
+
+    limit = 64 * 1024  # the default --max-header-bytes
+    assert status_of_raw_request(strict[0], request(limit)) == b"HTTP/1.1 200 OK"
+    assert status_of_raw_request(strict[0], request(limit + 1)).startswith(b"HTTP/1.1 431")
+    response = api.get("/health", headers={"X-Pad": "p" * 70_000})
+    error = expect_error(response, 431)
+    assert error["code"] == "request_header_fields_too_large"
+    assert_healthy(api)
+
+
 # ---- auth -------------------------------------------------------------------------------------
 
 
