@@ -199,7 +199,7 @@ def run_largest_step(
     media_rows = min(encoded.shape[0], num_tokens)
     hidden = model.forward(
         torch.zeros(num_tokens, dtype=torch.long, device=device),
-        torch.arange(num_tokens, device=device).expand(3, num_tokens),  # [3, T]
+        torch.arange(num_tokens, device=device).expand(3, num_tokens).contiguous(),  # [3, T]
         kv_caches,
         metadata,
         encoded[:media_rows],
