@@ -116,6 +116,7 @@ def build_app(settings: ServerSettings, engine: Any) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         ready = await _ensure_started(engine)
+        metrics.on_engine_ready(ready)
         processor = await asyncio.to_thread(PromptProcessor.from_model_dir, settings.engine.model)
         fetcher = _make_fetcher(settings)
         with contextlib.suppress(AttributeError):

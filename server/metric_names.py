@@ -84,6 +84,10 @@ METRICS: tuple[MetricSpec, ...] = (
         "Requests waiting for their pre-encoded features to download.",
     ),
     _gauge("tessera:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1)."),
+    _gauge(
+        "tessera:kv_cache_capacity_tokens",
+        "Tokens the KV cache holds (blocks x block size), sized at start-up.",
+    ),
     _counter("tessera:num_preemptions_total", "Requests preempted (KV freed, recomputed later)."),
     # Tokens and finished requests.
     _counter("tessera:prompt_tokens_total", "Prompt tokens processed (prefill)."),

@@ -26,7 +26,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from engine.protocol import EngineStats
+from engine.protocol import EngineStats, Ready
 from server.metric_names import METRICS
 
 _KINDS = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
@@ -88,6 +88,12 @@ class ServerMetrics:
             self._labelled("tessera:feature_fetch_seconds").observe(seconds)
         for reason, count in stats.feature_fetch_failures.items():
             self._labelled("tessera:feature_fetch_failures_total", reason).inc(count)
+
+    def on_engine_ready(self, ready: Ready) -> None:
+        """Facts fixed at start-up (the KV cache's size: on a GPU it depends on the memory
+        the weights and the largest step left, engine/kv_cache_sizing.py)."""
+        capacity = ready.num_kv_blocks * ready.block_size
+        self._labelled("tessera:kv_cache_capacity_tokens").set(capacity)
 
     def on_http_request(self, route: str, status: int) -> None:
         self._labelled("tessera:http_requests_total", route, str(status)).inc()

@@ -172,6 +172,7 @@ def small_kv_server(model_dir, tmp_path_factory):
 def test_scheduler_gauges_and_preemptions_move(small_kv_server):
     http = small_kv_server
     before, _ = scrape(http)
+    assert before["tessera:kv_cache_capacity_tokens"] == 6 * 16  # --num-kv-blocks 6
     peaks: dict[str, float] = defaultdict(float)
     gauges = (
         "tessera:num_requests_running",
