@@ -187,6 +187,15 @@ class ModelRunner:
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.block_size = config.block_size
         self.num_kv_blocks = self._num_kv_blocks(memory_probe)
+        capacity = self.num_kv_blocks * self.block_size
+        if capacity < self.max_model_len:
+            logger.warning(
+                "the KV cache holds %d tokens, fewer than max_model_len=%d: requests that "
+                "could grow longer are refused; lower --max-model-len or give the cache "
+                "more memory (--gpu-memory-utilization, --kv-cache-memory-gib)",
+                capacity,
+                self.max_model_len,
+            )
         mc = self.model_config
         shape = (self.num_kv_blocks + 1, 2, self.block_size, mc.num_key_value_heads, mc.head_dim)
         # Zeros, not empty: a backend may gather whole blocks and mask the tail, and

@@ -187,3 +187,12 @@ def test_bad_memory_settings_are_usage_errors(flags):
     with pytest.raises(SettingsError, match=flags[0].removeprefix("--").replace("-", "_")):
         load_settings(["--model", "m", *flags], {})
     assert load_settings(["--model", "m", "--gpu-memory-utilization", "1"], {})
+
+
+def test_a_cache_shorter_than_the_context_is_a_start_up_warning(model_dir, caplog):
+    options = dict(model=str(model_dir), device="cpu", max_model_len=64)
+    with caplog.at_level("WARNING", logger="engine.model_runner"):
+        ModelRunner(EngineConfig(**options, num_kv_blocks=4))  # 64 tokens: enough
+        assert not caplog.records
+        ModelRunner(EngineConfig(**options, num_kv_blocks=3))
+    assert "holds 48 tokens, fewer than max_model_len=64" in caplog.text
