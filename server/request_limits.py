@@ -37,7 +37,7 @@ class RequestLimitMiddleware:
     def __init__(self, app: Any, *, max_header_bytes: int, max_body_bytes: int) -> None:
         self.app = app
         self.max_header_bytes = max_header_bytes
-        self.max_bytes = max_body_bytes
+        self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -47,7 +47,7 @@ class RequestLimitMiddleware:
             message = f"the request line and headers are over {self.max_header_bytes} bytes"
             await _refuse(send, 431, message, "request_header_fields_too_large")
             return
-        if _declared_length(scope) > self.max_bytes:
+        if _declared_length(scope) > self.max_body_bytes:
             await self._too_large(send)
             return
         received = 0
@@ -59,7 +59,7 @@ class RequestLimitMiddleware:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_bytes:
+                if received > self.max_body_bytes:
                     is_over = True
                     raise _BodyTooLarge
             return message
@@ -82,7 +82,7 @@ class RequestLimitMiddleware:
             await self._too_large(send)
 
     async def _too_large(self, send: Any) -> None:
-        message = f"the request body is over {self.max_bytes} bytes"
+        message = f"the request body is over {self.max_body_bytes} bytes"
         await _refuse(send, 413, message, "request_too_large")
 
 
