@@ -224,9 +224,17 @@ def profile_kv_cache_bytes(
     KV cache may take, and the readings they come from."""
     probe.reset_peak()
     image_config = ImageProcessorConfig.from_model_dir(config.model)
-    run_largest_step(
-        model, config, image_config, max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype
-    )
+    try:
+        run_largest_step(
+            model, config, image_config, max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype
+        )
+    except torch.OutOfMemoryError as exc:
+        raise MemoryBudgetError(
+            "the largest step the settings allow does not fit in the device's memory beside "
+            f"the weights (max_num_batched_tokens={config.max_num_batched_tokens}, "
+            f"max_encoder_tokens_per_step={config.max_encoder_tokens_per_step}, "
+            f"max_num_seqs={config.max_num_seqs}); lower them"
+        ) from exc
     use = probe.read()
     probe.release_cached()
     return kv_cache_bytes(use, config.gpu_memory_utilization, block_bytes), use

@@ -167,6 +167,24 @@ def test_profiling_reads_the_peak_around_the_largest_step(model_dir, monkeypatch
     assert (num_bytes, read) == (34 * GIB, use)
 
 
+def test_a_largest_step_that_runs_out_of_memory_names_the_settings(model_dir):
+    config = EngineConfig(model=str(model_dir), max_num_batched_tokens=64)
+    model = load_model(
+        str(model_dir), dtype=torch.float32, device=torch.device("cpu"),
+        attention=get_attention_backend("torch"),
+    )  # fmt: skip
+
+    def out_of_memory(*_):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+
+    model.model.register_forward_pre_hook(out_of_memory)  # as the device would, mid-step
+    probe = ScriptedProbe(DeviceMemoryUse(total=GIB, used_at_start=0, torch_peak=0, non_torch=0))
+    with pytest.raises(MemoryBudgetError, match="max_num_batched_tokens=64") as raised:
+        profile_kv_cache_bytes(probe, model, config, max_model_len=4096,
+                               kv_cache_dtype=torch.float32, block_bytes=1024)  # fmt: skip
+    assert isinstance(raised.value.__cause__, torch.OutOfMemoryError)
+
+
 def test_on_cpu_an_unset_size_is_two_gib_and_a_set_one_wins(model_dir):
     options = dict(model=str(model_dir), device="cpu", max_num_seqs=4096, dtype="float32")
     default = ModelRunner(EngineConfig(**options))
