@@ -15,6 +15,8 @@ what is left after the named phases is sampling, outputs and the step's bookkeep
   gather          step_inputs.gather_step_inputs (the flat batch on the host)
   forward         ModelRunner._forward (the model)
   update          Scheduler.update (tokens in, finished requests out)
+  host            step - forward: all the host work of a step (on CPU this includes the
+                  torch attention backend's plan, which FlashInfer's plan replaces on a GPU)
 """
 
 from __future__ import annotations
@@ -115,7 +117,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         torch.set_num_threads(threads)
     print(f"batch {args.batch}, prompt {args.prompt_len} tokens, {args.steps} decode steps:")
-    for label in ("step", "forward", "schedule", "allocate_slots", "gather", "update"):
+    per_step["host"] = per_step["step"] - per_step.get("forward", 0.0)
+    for label in ("step", "forward", "host", "schedule", "allocate_slots", "gather", "update"):
         print(f"  {label:15s} {per_step.get(label, 0.0):8.3f} ms/step")
     return 0
 

@@ -87,6 +87,8 @@ class KVCacheManager:
         `computed_block_ids` (from `get_computed_blocks`, for a request holding no
         blocks) are taken first; their tokens count as computed.
         """
+        if not computed_block_ids and self._fits_held_blocks(request, num_new_tokens):
+            return True
         computed = computed_block_ids or []
         num_computed = request.num_computed_tokens + len(computed) * self.block_size
         num_needed = self.num_blocks_for(num_computed + num_new_tokens)
@@ -104,6 +106,17 @@ class KVCacheManager:
         if self.enable_prefix_caching:
             self._register_full_blocks(request, num_computed + num_new_tokens)
         return True
+
+    def _fits_held_blocks(self, request: Request, num_new_tokens: int) -> bool:
+        """The common decode step: the new tokens fit the blocks the request holds and fill
+        no block that is not registered yet, so there is nothing to take or register."""
+        num_tokens = request.num_computed_tokens + num_new_tokens
+        if num_tokens > len(request.block_ids) * self.block_size:
+            return False
+        return (
+            not self.enable_prefix_caching
+            or num_tokens // self.block_size <= request.num_registered_blocks
+        )
 
     def free(self, request: Request, *, keep_cached: bool = True) -> None:
         """Returns a request's blocks. With `keep_cached=False` (its KV may be garbage,

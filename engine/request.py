@@ -86,6 +86,9 @@ class Request:
         self.output_token_ids: list[int] = []
         self.sampling = sampling
         self.media: list[MediaItem] = list(media or [])
+        # Media spans lie inside the prompt and never change: past this index no chunk
+        # touches media, which lets decode steps skip every per-item check.
+        self.media_end = max((item.end for item in self.media), default=0)
         self.arrival_time = arrival_time
         self.eos_token_ids = tuple(eos_token_ids)
         self.status = RequestStatus.WAITING
@@ -162,6 +165,8 @@ class Request:
 
     def media_overlapping(self, start: int, end: int) -> list[MediaItem]:
         """Media items whose span intersects sequence indices [start, end)."""
+        if start >= self.media_end:  # every decode step
+            return []
         return [m for m in self.media if m.offset < end and m.end > start]
 
     def __repr__(self) -> str:

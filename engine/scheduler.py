@@ -48,9 +48,10 @@ from engine.request import MediaItem, Request, RequestStatus
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: a frozen __init__ costs ~1.5 us, this one ~0.3 us
 class ScheduledChunk:
-    """Sequence indices [start, start + num_tokens) of `request` are computed this step."""
+    """Sequence indices [start, start + num_tokens) of `request` are computed this step.
+    Made once per running request per step; treat it as read-only."""
 
     request: Request
     start: int
@@ -194,9 +195,16 @@ class Scheduler:
             scheduled.add(request.request_id)
             budget -= num_tokens
 
-        running = [r for r in self.running if not self._pending_token_ends(r)]
-        decodes = [r for r in running if r.num_scheduled_tokens - r.num_computed_tokens == 1]
-        prefills = [r for r in running if r.num_scheduled_tokens - r.num_computed_tokens > 1]
+        decodes: list[Request] = []
+        prefills: list[Request] = []
+        for request in self.running:
+            if request.num_pending_tokens and self._pending_token_ends(request):
+                continue
+            num_left = request.num_scheduled_tokens - request.num_computed_tokens
+            if num_left == 1:
+                decodes.append(request)
+            elif num_left > 1:
+                prefills.append(request)
         for request in decodes + prefills:
             if budget <= 0:
                 break
@@ -244,6 +252,8 @@ class Scheduler:
     ) -> int:
         """How many tokens from `start` fit the budgets and the media rules (may be 0)."""
         end = min(start + budget, request.num_scheduled_tokens)
+        if start >= request.media_end:  # past every media span (every decode)
+            return end - start
         if not self.config.split_media:
             for media in request.media:
                 if media.offset < end < media.end and media.offset > start:
@@ -337,6 +347,7 @@ class Scheduler:
     ) -> list[RequestOutput]:
         """Appends sampled tokens, finishes requests that hit a stop condition."""
         outputs = []
+        logprobs = logprobs or {}
         for chunk in scheduler_output.chunks:
             request = chunk.request
             if chunk.samples:
@@ -348,13 +359,15 @@ class Scheduler:
                 self._finish(request, RequestStatus.FINISHED_ERROR)
                 outputs.append(self._output(request, []))
                 continue
-            self._release_media(request, everything=False)
+            if chunk.start < request.media_end:  # else an earlier update released them all
+                self._release_media(request, everything=False)
             if not chunk.samples:
                 continue  # mid-prefill: no token this step
             token_id = sampled_token_ids[request.request_id]
             request.output_token_ids.append(token_id)
-            request.first_token_time = request.first_token_time or time.monotonic()
-            token_logprob = (logprobs or {}).get(request.request_id)
+            if request.first_token_time is None:
+                request.first_token_time = time.monotonic()
+            token_logprob = logprobs.get(request.request_id)
             if request.logprobs is not None and token_logprob is not None:
                 request.logprobs.append(token_logprob)
             status = self._stop_status(request, token_id)
@@ -403,6 +416,14 @@ class Scheduler:
     def _output(
         request: Request, token_ids: list[int], logprobs: list[TokenLogprob] | None = None
     ) -> RequestOutput:
+        if not request.is_finished:  # every decode step of every request: the short form
+            return RequestOutput(
+                request_id=request.request_id,
+                new_token_ids=token_ids,
+                logprobs=logprobs,
+                num_prompt_tokens=request.num_prompt_tokens,
+                num_cached_tokens=request.num_cached_tokens,
+            )
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=token_ids,
@@ -411,5 +432,5 @@ class Scheduler:
             error=request.error,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
-            **(request.phase_seconds(time.monotonic()) if request.is_finished else {}),
+            **request.phase_seconds(time.monotonic()),
         )

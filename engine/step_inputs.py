@@ -67,34 +67,46 @@ def gather_step_inputs(
     pending_request_ids: list[str] = []
     for chunk in chunks:
         request = chunk.request
+        start = chunk.start
+        end = start + chunk.num_tokens
+        block_ids = request.block_ids
         base = len(input_ids)
-        input_ids += request.token_ids_between(chunk.start, chunk.end)
-        if chunk.end > request.num_tokens:  # the last row's token is in flight
+        if end - start == 1 and start >= request.media_end:  # a decode row: the hot path
+            num_tokens = request.num_tokens
+            if end > num_tokens:  # its token is in flight
+                pending_rows.append(base)
+                pending_request_ids.append(request.request_id)
+                input_ids.append(0)
+            else:
+                input_ids += request.token_ids_between(start, end)
+            if start < request.num_prompt_tokens:  # the prompt's last token
+                prompt_positions.append((base, request.positions[:, start:end]))
+            else:
+                later_rows.append(base)
+                later_positions.append(start + request.rope_delta)
+            slot_mapping.append(block_ids[start // block_size] * block_size + start % block_size)
+            continue
+        input_ids += request.token_ids_between(start, end)
+        if end > request.num_tokens:  # the last row's token is in flight
             pending_rows.append(len(input_ids))
             pending_request_ids.append(request.request_id)
             input_ids.append(0)
         num_prompt = request.num_prompt_tokens
-        if chunk.start < num_prompt:
-            prompt_end = min(chunk.end, num_prompt)
-            prompt_positions.append((base, request.positions[:, chunk.start : prompt_end]))
-        for index in range(max(chunk.start, num_prompt), chunk.end):
-            later_rows.append(base + index - chunk.start)
+        if start < num_prompt:
+            prompt_end = min(end, num_prompt)
+            prompt_positions.append((base, request.positions[:, start:prompt_end]))
+        for index in range(max(start, num_prompt), end):
+            later_rows.append(base + index - start)
             later_positions.append(index + request.rope_delta)
-        block_ids = request.block_ids
         slot_mapping += [
-            block_ids[i // block_size] * block_size + i % block_size
-            for i in range(chunk.start, chunk.end)
+            block_ids[i // block_size] * block_size + i % block_size for i in range(start, end)
         ]
-        for media in request.media_overlapping(chunk.start, chunk.end):
-            lo, hi = max(chunk.start, media.offset), min(chunk.end, media.end)
+        for media in request.media_overlapping(start, end):
+            lo, hi = max(start, media.offset), min(end, media.end)
             rows = encoder_cache.get(media.content_hash)
             embeds.append(rows[lo - media.offset : hi - media.offset])
-            embed_rows.extend(range(base + lo - chunk.start, base + hi - chunk.start))
-    positions = torch.empty(3, len(input_ids), dtype=torch.long)
-    for base, piece in prompt_positions:  # piece [3, n]
-        positions[:, base : base + piece.shape[1]] = piece
-    if later_rows:
-        positions[:, later_rows] = torch.tensor(later_positions, dtype=torch.long)
+            embed_rows.extend(range(base + lo - start, base + hi - start))
+    positions = _positions(len(input_ids), prompt_positions, later_rows, later_positions)
     return StepInputs(
         input_ids=input_ids,
         positions=positions,
@@ -107,6 +119,23 @@ def gather_step_inputs(
         pending_rows=pending_rows,
         pending_request_ids=pending_request_ids,
     )
+
+
+def _positions(
+    num_rows: int,
+    prompt_positions: list[tuple[int, torch.Tensor]],
+    later_rows: list[int],
+    later_positions: list[int],
+) -> torch.Tensor:  # [3, num_rows] int64
+    """The step's M-RoPE positions: prompt pieces copied in, later tokens on all three rows."""
+    if len(later_rows) == num_rows:  # decode-only: one tensor, no scatter
+        return torch.tensor(later_positions, dtype=torch.long).expand(3, num_rows).contiguous()
+    positions = torch.empty(3, num_rows, dtype=torch.long)
+    for base, piece in prompt_positions:  # piece [3, n]
+        positions[:, base : base + piece.shape[1]] = piece
+    if later_rows:
+        positions[:, later_rows] = torch.tensor(later_positions, dtype=torch.long)
+    return positions
 
 
 @dataclass(frozen=True)

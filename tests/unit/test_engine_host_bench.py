@@ -14,6 +14,6 @@ def test_engine_host_reports_phases_and_restores_methods(capsys):
     assert main(["--batch", "3", "--prompt-len", "20", "--steps", "4"]) == 0
     assert (Scheduler.schedule, Scheduler.update, KVCacheManager.allocate_slots) == originals
     report = capsys.readouterr().out
-    for label in ("step", "forward", "schedule", "allocate_slots", "gather", "update"):
+    for label in ("step", "forward", "host", "schedule", "allocate_slots", "gather", "update"):
         line = next(line for line in report.splitlines() if line.split()[:1] == [label])
         assert float(line.split()[1]) > 0, line

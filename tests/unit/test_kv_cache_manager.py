@@ -122,3 +122,25 @@ def test_decode_steps_register_only_new_full_blocks():
     assert num_cached == 44  # the block filled while decoding is in the cache too
     assert kv.allocate_slots(again, 1, blocks)
     assert again.num_registered_blocks == 11
+
+
+def test_a_block_filled_on_an_in_flight_token_is_registered_by_the_next_allocation():
+    # Overlap scheduling allocates index 7 while its token is still being sampled: block 1
+    # is full but cannot be hashed yet. The next decode fits the blocks it holds (the fast
+    # path), yet must still register block 1.
+    kv = KVCacheManager(16, 4)
+    request = make_request("a", list(range(100, 107)))  # 7 tokens: blocks 0 (full) and 1
+    assert kv.allocate_slots(request, 7)
+    request.num_computed_tokens = 7
+    assert request.num_registered_blocks == 1
+    assert kv.allocate_slots(request, 1)  # index 7: its token is in flight
+    request.num_computed_tokens = 8
+    assert request.num_registered_blocks == 1 and len(request.block_ids) == 2
+    request.output_token_ids.append(9)  # the token arrives
+    assert kv.allocate_slots(request, 1)  # index 8 takes block 2
+    request.num_computed_tokens = 9
+    assert request.num_registered_blocks == 2 and len(request.block_ids) == 3
+    assert kv.blocks[request.block_ids[1]].block_hash == request.block_hashes[1]
+    request.output_token_ids.append(10)
+    assert kv.allocate_slots(request, 1)  # index 9 fits block 2, nothing new to register
+    assert request.num_registered_blocks == 2 and len(request.block_ids) == 3
