@@ -32,50 +32,42 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.servers import REPO_ROOT, ServerSpec, cpu_seconds, engine_pid, free_port, started
+from bench.servers import REPO_ROOT, TINY_MODEL_NAME, cpu_seconds, engine_pid, tiny_server
 
-SERVED_MODEL_NAME = "bench"
 LOADS = {"text": ["--dataset", "text"], "image": ["--dataset", "image"]}
-
-
-def server_spec(name: str, repo: Path, model_dir: Path, port: int) -> ServerSpec:
-    command = [
-        sys.executable, "-m", "server.cli", "serve", "--model", str(model_dir),
-        "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_MODEL_NAME,
-        "--num-kv-blocks", "4096", "--max-model-len", "2048",
-    ]  # fmt: skip
-    # One engine thread: the engine's matmuls then leave the second core to the API
-    # process and the client, as a GPU engine would.
-    env = {"PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
-    return ServerSpec(name, command, env, cwd=repo)
+SERVER_FLAGS = ("--num-kv-blocks", "4096", "--max-model-len", "2048")
 
 
 def run_load(base_url: str, flags: list[str], out: Path) -> dict:
     from bench.serve import main as bench_main
 
     with contextlib.redirect_stdout(sys.stderr):  # its report; the table goes to stdout
-        code = bench_main(["--base-url", base_url, "--model", SERVED_MODEL_NAME, "--out",
+        code = bench_main(["--base-url", base_url, "--model", TINY_MODEL_NAME, "--out",
                            str(out), "--no-progress", *flags])  # fmt: skip
     if code != 0:
         raise RuntimeError(f"the load failed (exit {code}); see {out}")
     return json.loads(out.read_text())
 
 
-def measure(spec: ServerSpec, port: int, args: argparse.Namespace, work: Path) -> dict:
+def measure(name: str, repo: Path, model_dir: Path, args: argparse.Namespace, work: Path) -> dict:
     common = [
         "--num-requests", str(args.num_requests), "--concurrency", str(args.concurrency),
         "--max-tokens", str(args.max_tokens), "--ignore-eos", "--input-len",
         str(args.input_len), "--image-size", args.image_size, "--image-repeat-ratio", "0",
     ]  # fmt: skip
     results = {}
-    with started(spec, port, work, timeout_s=180) as (base_url, process):
+    # One engine thread: the engine's matmuls then leave the second core to the API
+    # process and the client, as a GPU engine would.
+    server = tiny_server(model_dir, work / f"{name}.log", *SERVER_FLAGS, engine_threads=1,
+                         repo=repo)  # fmt: skip
+    with server as (base_url, process):
         engine = engine_pid(process.pid)
         warmup = [*common[:1], "8", *common[2:], "--dataset", "image", "--seed", "999"]
-        run_load(base_url, warmup, work / f"{spec.name}-warmup.json")
+        run_load(base_url, warmup, work / f"{name}-warmup.json")
         for load in args.loads:
             api_before, engine_before = cpu_seconds(process.pid), cpu_seconds(engine)
             flags = [*common, *LOADS[load], "--seed", str(args.seed)]
-            summary = run_load(base_url, flags, work / f"{spec.name}-{load}.json")["summary"]
+            summary = run_load(base_url, flags, work / f"{name}-{load}.json")["summary"]
             api_s = cpu_seconds(process.pid) - api_before
             engine_s = cpu_seconds(engine) - engine_before
             tokens = summary["total_output_tokens"]
@@ -88,7 +80,7 @@ def measure(spec: ServerSpec, port: int, args: argparse.Namespace, work: Path) -
                 "output_throughput": summary["output_throughput"],
                 "p50_ttft_ms": summary["p50_ttft_ms"],
             }
-            print(f"[{spec.name}] {load}: {json.dumps(results[load])}", file=sys.stderr)
+            print(f"[{name}] {load}: {json.dumps(results[load])}", file=sys.stderr)
     return results
 
 
@@ -136,8 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             servers.insert(0, ("baseline", args.baseline_repo.resolve()))
         results = {}
         for name, repo in servers:
-            port = free_port()
-            results[name] = measure(server_spec(name, repo, model_dir, port), port, args, work)
+            results[name] = measure(name, repo, model_dir, args, work)
     print(table(results, args.loads))
     if args.out is not None:
         args.out.write_text(json.dumps(results, indent=2))

@@ -25,11 +25,12 @@ import httpx
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def repo_pythonpath() -> str:
-    """PYTHONPATH for a server started from this checkout: the repo first, then whatever
-    the caller had (on the offline GPU machine, the folder the wheel bundle went to)."""
+def repo_pythonpath(repo: Path = REPO_ROOT) -> str:
+    """PYTHONPATH for a server started from a checkout (this one by default): the repo
+    first, then whatever the caller had (on the offline GPU machine, the folder the wheel
+    bundle went to)."""
     inherited = os.environ.get("PYTHONPATH")
-    return os.pathsep.join([str(REPO_ROOT), inherited] if inherited else [str(REPO_ROOT)])
+    return os.pathsep.join([str(repo), inherited] if inherited else [str(repo)])
 
 
 HOST = "127.0.0.1"
@@ -121,20 +122,26 @@ TINY_SERVER_FLAGS = (
 
 @contextlib.contextmanager
 def tiny_server(
-    model_dir: Path, log: Path, *extra: str, engine_threads: int | None = None
+    model_dir: Path,
+    log: Path,
+    *extra: str,
+    engine_threads: int | None = None,
+    repo: Path = REPO_ROOT,
 ) -> Iterator[tuple[str, subprocess.Popen]]:
-    """`python -m server.cli serve` from this checkout on `model_dir` (served as
-    TINY_MODEL_NAME) on a free port with `extra` flags; yields (base URL, process).
-    `engine_threads` sets OMP_NUM_THREADS (one leaves the other core to the client)."""
+    """`python -m server.cli serve` from `repo` (this checkout by default; another one for
+    a baseline) on `model_dir` (served as TINY_MODEL_NAME) on a free port with `extra`
+    flags; yields (base URL, process). `engine_threads` sets OMP_NUM_THREADS (one leaves
+    the other core to the client)."""
     port = free_port()
     command = [
         sys.executable, "-m", "server.cli", "serve", "--model", str(model_dir),
         "--host", HOST, "--port", str(port), "--served-model-name", TINY_MODEL_NAME, *extra,
     ]  # fmt: skip
-    env = {"PYTHONPATH": repo_pythonpath()}
+    env = {"PYTHONPATH": repo_pythonpath(repo)}
     if engine_threads is not None:
         env["OMP_NUM_THREADS"] = str(engine_threads)
-    with started(ServerSpec(log.stem, command, env), port, log.parent, 180.0) as server:
+    spec = ServerSpec(log.stem, command, env, cwd=repo)
+    with started(spec, port, log.parent, 180.0) as server:
         yield server
 
 
