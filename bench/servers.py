@@ -61,7 +61,7 @@ def wait_healthy(base_url: str, process: subprocess.Popen, timeout_s: float, log
             with contextlib.suppress(httpx.HTTPError):
                 if http.get("/health").status_code == 200:
                     models = http.get("/v1/models")
-                    if models.status_code == 200:
+                    if models.status_code in (200, 401):  # 401: up, and keyed (--api-key)
                         return
             time.sleep(1.0)
     raise RuntimeError(f"server not healthy after {timeout_s:.0f} s; log: {log}")
@@ -130,14 +130,17 @@ def tiny_server(
 ) -> Iterator[tuple[str, subprocess.Popen]]:
     """`python -m server.cli serve` from `repo` (this checkout by default; another one for
     a baseline) on `model_dir` (served as TINY_MODEL_NAME) on a free port with `extra`
-    flags; yields (base URL, process). `engine_threads` sets OMP_NUM_THREADS (one leaves
-    the other core to the client)."""
+    flags, logging to `log` (a `.log` file); yields (base URL, process). `engine_threads`
+    sets OMP_NUM_THREADS (one leaves the other core to the client). It takes no API key
+    from the caller's environment (its clients send none); pass `--api-key` for one."""
+    if log.suffix != ".log":
+        raise ValueError(f"the server log must be a .log file, got {log}")
     port = free_port()
     command = [
         sys.executable, "-m", "server.cli", "serve", "--model", str(model_dir),
         "--host", HOST, "--port", str(port), "--served-model-name", TINY_MODEL_NAME, *extra,
     ]  # fmt: skip
-    env = {"PYTHONPATH": repo_pythonpath(repo)}
+    env = {"PYTHONPATH": repo_pythonpath(repo), "TESSERA_API_KEY": "none"}
     if engine_threads is not None:
         env["OMP_NUM_THREADS"] = str(engine_threads)
     spec = ServerSpec(log.stem, command, env, cwd=repo)

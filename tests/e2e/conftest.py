@@ -6,11 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import subprocess
-import sys
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
@@ -20,13 +17,11 @@ import httpx
 import pytest
 
 from bench.local_inputs import picture, png_bytes
-from bench.servers import TINY_MODEL_NAME, TINY_SERVER_FLAGS, free_port
+from bench.servers import TINY_MODEL_NAME, TINY_SERVER_FLAGS, tiny_server
 from engine.tiny_model import make_tiny_model
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_NAME = TINY_MODEL_NAME
 API_KEY = "test-key-123"
-STARTUP_TIMEOUT_S = 180.0
 
 
 @dataclass(frozen=True)
@@ -37,34 +32,25 @@ class ServerHandle:
     log_path: Path
 
     def log_tail(self, num_chars: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-num_chars:]
+        return _tail(self.log_path, num_chars)
+
+
+def _tail(log_path: Path, num_chars: int = 4000) -> str:
+    return log_path.read_text(errors="replace")[-num_chars:]
 
 
 @contextlib.contextmanager
 def run_server(model_dir: Path, log_path: Path, *extra: str) -> Iterator[ServerHandle]:
-    port = free_port()
-    command = [
-        sys.executable, "-m", "server.cli", "serve", "--model", str(model_dir),
-        "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL_NAME,
-        *TINY_SERVER_FLAGS, *extra,
-    ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
-    env.pop("TESSERA_API_KEY", None)
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
-        )
-    handle = ServerHandle(f"http://127.0.0.1:{port}", process, model_dir, log_path)
-    try:
-        _wait_healthy(handle)
-        yield handle
-    finally:
-        process.terminate()
+    """`bench.servers.tiny_server` with the e2e flags and one engine thread; a server that
+    does not come up fails the test with the tail of its log."""
+    with contextlib.ExitStack() as stack:
         try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
+            base_url, process = stack.enter_context(
+                tiny_server(model_dir, log_path, *TINY_SERVER_FLAGS, *extra, engine_threads=1)
+            )
+        except RuntimeError as exc:  # exited or never healthy
+            pytest.fail(f"{exc}:\n{_tail(log_path)}")
+        yield ServerHandle(base_url, process, model_dir, log_path)
 
 
 def is_gone(pid: int) -> bool:
@@ -74,18 +60,6 @@ def is_gone(pid: int) -> bool:
     except FileNotFoundError:
         return True
     return stat.rsplit(")", 1)[1].split()[0] == "Z"
-
-
-def _wait_healthy(handle: ServerHandle) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if handle.process.poll() is not None:
-            pytest.fail(f"server exited with {handle.process.returncode}:\n{handle.log_tail()}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(handle.base_url + "/health", timeout=2).status_code == 200:
-                return
-        time.sleep(0.25)
-    pytest.fail(f"server not healthy after {STARTUP_TIMEOUT_S} s:\n{handle.log_tail()}")
 
 
 @pytest.fixture(scope="session")

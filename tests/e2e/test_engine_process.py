@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from bench.servers import free_port
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 from engine.protocol import EngineRequest, FinishReason, Ready, SamplingParams, Shutdown
 from engine.tiny_model import make_tiny_model
 from server.engine_client import EngineClient
-from tests.e2e.conftest import free_port
 
 
 @pytest.fixture(scope="module")

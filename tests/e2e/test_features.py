@@ -26,7 +26,8 @@ from bench.local_inputs import (
     picture,
     png_bytes,
 )
-from tests.e2e.conftest import MODEL_NAME, free_port, run_server
+from bench.servers import free_port
+from tests.e2e.conftest import MODEL_NAME, run_server
 
 moto_server = pytest.importorskip("moto.server")
 boto3 = pytest.importorskip("boto3")

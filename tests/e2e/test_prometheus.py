@@ -20,7 +20,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.conftest import MODEL_NAME, free_port
+from bench.servers import free_port
+from tests.e2e.conftest import MODEL_NAME
 
 DEADLINE_S = 60.0
 NUM_REQUESTS = 3

@@ -22,7 +22,8 @@ import zmq
 from PIL import Image
 
 from bench.local_inputs import picture, png_bytes
-from tests.e2e.conftest import MODEL_NAME, free_port, run_server
+from bench.servers import free_port
+from tests.e2e.conftest import MODEL_NAME, run_server
 from tests.unit.test_url_safety import listener
 
 KEY = "sec-key-456"
