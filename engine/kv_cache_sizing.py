@@ -59,6 +59,21 @@ def kv_block_bytes(model_config: ModelConfig, block_size: int, kv_cache_dtype: t
     return per_layer * element * model_config.num_hidden_layers
 
 
+def allocate_kv_caches(
+    model_config: ModelConfig,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[torch.Tensor]:
+    """One [num_blocks, 2, block_size, KV heads, head dim] cache per layer: the layout
+    `kv_block_bytes` counts. Zeros, not empty: a backend may gather whole blocks and mask
+    the tail, and masked garbage (NaN/inf) would still poison the weighted sum."""
+    mc = model_config
+    shape = (num_blocks, 2, block_size, mc.num_key_value_heads, mc.head_dim)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(mc.num_hidden_layers)]
+
+
 def blocks_in(num_bytes: int, block_bytes: int, useful_blocks: int) -> int:
     """Blocks for the scheduler in `num_bytes`: one goes to the scratch block (CUDA-graph
     padding writes there), and more than `useful_blocks` can never be used."""
@@ -181,11 +196,7 @@ def run_largest_step(
 
     num_tokens = max(1, min(config.max_num_batched_tokens, max_model_len))
     num_blocks = -(-num_tokens // config.block_size)
-    cache_shape = (num_blocks, 2, config.block_size, mc.num_key_value_heads, mc.head_dim)
-    kv_caches = [
-        torch.zeros(cache_shape, dtype=kv_cache_dtype, device=device)
-        for _ in range(mc.num_hidden_layers)
-    ]
+    kv_caches = allocate_kv_caches(mc, num_blocks, config.block_size, kv_cache_dtype, device)
     metadata = AttentionMetadata(
         num_seqs=1,
         query_lens=[num_tokens],

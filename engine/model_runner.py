@@ -36,6 +36,7 @@ from engine.kv_cache_sizing import (
     CPU_KV_CACHE_GIB,
     GIB,
     CudaMemoryProbe,
+    allocate_kv_caches,
     blocks_in,
     check_free_at_start,
     kv_block_bytes,
@@ -196,14 +197,13 @@ class ModelRunner:
                 capacity,
                 self.max_model_len,
             )
-        mc = self.model_config
-        shape = (self.num_kv_blocks + 1, 2, self.block_size, mc.num_key_value_heads, mc.head_dim)
-        # Zeros, not empty: a backend may gather whole blocks and mask the tail, and
-        # masked garbage (NaN/inf) would still poison the weighted sum.
-        self.kv_caches = [
-            torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)  # [N+1, 2, B, Hkv, D]
-            for _ in range(mc.num_hidden_layers)
-        ]
+        self.kv_caches = allocate_kv_caches(  # per layer [N + 1, 2, B, Hkv, D]
+            self.model_config,
+            self.num_kv_blocks + 1,
+            self.block_size,
+            self.kv_cache_dtype,
+            self.device,
+        )
         self.encoder_cache = EncoderCache()
         self.sampler = Sampler(config.seed)
         self.decode_graphs: DecodeGraphRunner | None = None
