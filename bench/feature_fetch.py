@@ -126,14 +126,7 @@ def fetcher_cpu_per_download(store: ObjectServer, num_requests: int = 50) -> flo
         fetcher.close()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=4, help="quiet/busy ITL rounds")
-    args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="tessera-bench-"))
-    model_dir = make_tiny_model(work / "model")
-    store = ObjectServer()
-    threading.Thread(target=store.httpd.serve_forever, daemon=True).start()
+def report(model_dir: Path, store: ObjectServer, work: Path, rounds: int) -> None:
     parallel = ttft(model_dir, store, 8, work / "p8.log")
     serial = ttft(model_dir, store, 1, work / "p1.log")
     print(f"TTFT, {NUM_OBJECTS} objects x {LATENCY_S * 1000:.0f} ms latency:")
@@ -141,8 +134,8 @@ def main() -> None:
         f"  parallel 8: {parallel * 1000:.0f} ms   parallel 1: {serial * 1000:.0f} ms   "
         f"ratio {parallel / serial:.2f} (target <= 0.25)"
     )
-    quiet, busy, num_fetches = itl(model_dir, store, work / "itl.log", args.rounds)
-    print(f"ITL of 8 decoding requests ({args.rounds} rounds each):")
+    quiet, busy, num_fetches = itl(model_dir, store, work / "itl.log", rounds)
+    print(f"ITL of 8 decoding requests ({rounds} rounds each):")
     print(
         f"  without fetches: {quiet * 1000:.1f} ms   with fetches in flight: "
         f"{busy * 1000:.1f} ms   change {100 * (busy / quiet - 1):+.1f}% (target within 10%)"
@@ -150,7 +143,16 @@ def main() -> None:
     print(f"  ({num_fetches} requests of {NUM_OBJECTS} fetched objects completed meanwhile)")
     cpu = fetcher_cpu_per_download(store)
     print(f"Fetcher thread CPU per downloaded object: {cpu * 1000:.2f} ms")
-    store.httpd.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=4, help="quiet/busy ITL rounds")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="tessera-bench-"))
+    model_dir = make_tiny_model(work / "model")
+    with ObjectServer() as store:
+        report(model_dir, store, work, args.rounds)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import sys
 import tempfile
-import threading
 import time
 import timeit
 from collections.abc import Callable, Sequence
@@ -49,11 +48,8 @@ def best_ms(work: Callable[[], object], repeat: int, number: int = 20) -> float:
 def fetch_cpu_ms(image: Image.Image, repeat: int, number: int = 8) -> float:
     """CPU milliseconds of the fetching thread per GET, best of `repeat` rounds of
     `number` concurrent GETs (the object server runs in another thread)."""
-    store = ObjectServer()
-    threading.Thread(target=store.httpd.serve_forever, daemon=True).start()
-    urls = [store.put(f"{i}.png", png_bytes(image)) for i in range(number)]
 
-    async def rounds() -> float:
+    async def rounds(urls: list[str]) -> float:
         fetcher = MediaFetcher(MediaFetchConfig(allow_private_urls=True), ImageProcessorConfig())
         try:
             best = float("inf")
@@ -65,11 +61,8 @@ def fetch_cpu_ms(image: Image.Image, repeat: int, number: int = 8) -> float:
         finally:
             await fetcher.aclose()
 
-    try:
-        return asyncio.run(rounds())
-    finally:
-        store.httpd.shutdown()
-        store.httpd.server_close()
+    with ObjectServer() as store:
+        return asyncio.run(rounds([store.put(f"{i}.png", png_bytes(image)) for i in range(number)]))
 
 
 def measure(size: int, repeat: int) -> dict[str, float]:

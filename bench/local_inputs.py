@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -56,8 +57,9 @@ class _Listener(ThreadingHTTPServer):
 
 class ObjectServer:
     """HTTP objects by path on 127.0.0.1, each with an added latency and an optional error
-    status. Serve with `threading.Thread(target=store.httpd.serve_forever)`. Connections
-    are kept alive (HTTP/1.1), as object stores keep them."""
+    status. `with ObjectServer() as store:` serves them from a background thread and shuts
+    the server down on the way out. Connections are kept alive (HTTP/1.1), as object
+    stores keep them."""
 
     def __init__(self) -> None:
         self.objects: dict[str, tuple[bytes, float, int]] = {}
@@ -93,6 +95,14 @@ class ObjectServer:
 
         self.httpd = _Listener(("127.0.0.1", 0), Handler)
         self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def __enter__(self) -> ObjectServer:
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
 
     def put(self, name: str, data: bytes, *, delay: float = 0.0, status: int = 200) -> str:
         self.objects["/" + name] = (data, delay, status)

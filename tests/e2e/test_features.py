@@ -7,7 +7,6 @@ import os
 import pickle
 import random
 import re
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -99,12 +98,8 @@ def s3(s3_endpoint):
 
 @pytest.fixture(scope="module")
 def objects():
-    store = ObjectServer()
-    thread = threading.Thread(target=store.httpd.serve_forever, daemon=True)
-    thread.start()
-    yield store
-    store.httpd.shutdown()
-    store.httpd.server_close()
+    with ObjectServer() as store:
+        yield store
 
 
 @pytest.fixture(scope="module")
