@@ -183,12 +183,17 @@ def profile_steps(core: EngineCore, name: str, args: argparse.Namespace) -> None
     path = Path(args.profile_dir) / f"{Path(core.config.model).name}-{mode}-{name}.json.gz"
     path.parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(path))
+    print_top_ops(prof, f"{path.name}, {PROFILE_STEPS} steps")
+
+
+def print_top_ops(prof, label: str, limit: int = 15) -> None:
+    """The busiest ops by host and by device time of a finished torch.profiler run, to
+    stderr: total microseconds, calls, name."""
     # Ops and kernels only: with_stack also records every Python call as an event.
     ops = [e for e in prof.key_averages() if ".py(" not in e.key and "built-in" not in e.key]
     for field in ("self_cpu_time_total", "self_device_time_total"):
-        print(f"--- {path.name}: top {field} over {PROFILE_STEPS} steps (us, calls)",
-              file=sys.stderr)  # fmt: skip
-        for event in sorted(ops, key=lambda e: getattr(e, field), reverse=True)[:15]:
+        print(f"--- {label}: top {field} (us, calls)", file=sys.stderr)
+        for event in sorted(ops, key=lambda e: getattr(e, field), reverse=True)[:limit]:
             print(f"{getattr(event, field):10.0f} {event.count:6d}  {event.key[:90]}",
                   file=sys.stderr)  # fmt: skip
 

@@ -12,6 +12,9 @@
 #               scheduling; with a torch profile of batch 1 and 128 (profiles.tar: Chrome
 #               traces)
 #   decode-7b
+#   vision-2b   bench/gpu_vision.py: the vision tower at 1 / 8 / 32 images of 448x448 per
+#               call against its FLOP floor, PyTorch's SDPA kernels forced one by one, and
+#               transformers' tower; profiles of 1 and 32 images (added to profiles.tar)
 #   serving-2b  bench/gpu_serving.py: Tessera vs transformers on issue 8's load
 #   serving-7b
 #
@@ -65,6 +68,12 @@ run_decode() {  # $1: qwen2-vl-2b | qwen2-vl-7b; the 2B run also profiles batch 
     if [ -d /tmp/profiles ]; then tar -C /tmp -cf "$out/profiles.tar" profiles; fi
 }
 
+run_vision() {  # the 2B and 7B towers differ only in the merger's output width
+    python3 bench/gpu_vision.py --size qwen2-vl-2b --model-root "$models" --images 1 8 32 \
+        --out "$out/vision-2b.json" --profile-dir /tmp/profiles --profile-images 1 32 || return 1
+    tar -C /tmp -cf "$out/profiles.tar" profiles
+}
+
 run_serving() {  # $1: qwen2-vl-2b | qwen2-vl-7b
     python3 bench/gpu_serving.py --size "$1" --model-root "$models" \
         --log-dir "/tmp/serving-$1" --out "$out/serving-$1.json"
@@ -81,11 +90,12 @@ for step in "$@"; do
         tests) fn=run_tests ;;
         decode-2b) fn="run_decode qwen2-vl-2b" ;;
         decode-7b) fn="run_decode qwen2-vl-7b" ;;
+        vision-2b) fn=run_vision ;;
         serving-2b) fn="run_serving qwen2-vl-2b" ;;
         serving-7b) fn="run_serving qwen2-vl-7b" ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac
-    export -f prepare run_tests run_decode run_serving
+    export -f prepare run_tests run_decode run_vision run_serving
     export out models
     timeout "$step_timeout" bash -c "$fn" 2>&1 | tee "$out/$step.log"
     rc=${PIPESTATUS[0]}
