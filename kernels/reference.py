@@ -158,6 +158,11 @@ def add_rms_norm(
     return rms_norm(x, weight, eps), x
 
 
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """transformers' QuickGELUActivation (CLIP's, and Qwen2-VL's vision MLP)."""
+    return x * torch.sigmoid(1.702 * x)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up

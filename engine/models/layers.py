@@ -58,7 +58,13 @@ class SiluAndMul(nn.Module):
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.sigmoid(1.702 * x)
+    """x * sigmoid(1.702 x): one Triton kernel on CUDA instead of three torch ops, each
+    of which reads and writes the vision MLP's whole [rows, 4 x embed] activation."""
+    if use_triton(x):
+        from kernels.triton.quick_gelu import quick_gelu as triton_quick_gelu
+
+        return triton_quick_gelu(x)
+    return reference.quick_gelu(x)
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from torch import nn
 
 from engine.device_io import to_device
 from engine.model_config import VisionConfig
-from engine.models.layers import ACTIVATIONS, rope_inv_freq, rotary_tables
+from engine.models.layers import ACTIVATIONS, rope_inv_freq, rotary_tables, use_triton
 from kernels.reference import rotary_folded
 
 VISION_ROPE_THETA = 10000.0
@@ -124,10 +124,27 @@ class VisionRotary(nn.Module):
         return rotary_tables(emb.cos(), emb.sin())
 
 
-def _rotate_fp32(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotary in float32 like the reference; x [..., N, H, D], tables [N, 1, D] float32
-    (`rotary_tables`: roll with a signed sin equals rotate_half with sin exactly)."""
-    return rotary_folded(x.float(), cos, signed_sin).to(x.dtype)
+def rotate_qk(
+    qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k of a QKV projection [N, 3, H, D], rotated in float32 and rounded once to the
+    model dtype, as the reference rotates `q.float()`; tables [N, 1, D] float32
+    (`rotary_tables`: roll with a signed sin equals rotate_half with sin exactly).
+
+    q and k rotate together: one pass per layer, not two (the tower is launch-bound on a GPU
+    at one image per call). On CUDA one Triton kernel rotates them in place in the QKV
+    buffer (q and k come back as views of it); the torch path casts, rotates and casts
+    back in six kernels with three times the memory traffic."""
+    num_rows, _, num_heads, head_dim = qkv.shape
+    if use_triton(qkv):
+        from kernels.triton.rotary import rotary_folded_
+
+        rotary_folded_(qkv.view(num_rows, 3 * num_heads, head_dim)[:, : 2 * num_heads],
+                       cos, signed_sin)  # fmt: skip
+        return qkv[:, 0], qkv[:, 1]
+    qk = qkv[:, :2].transpose(0, 1)  # [2, N, H, D]
+    q, k = rotary_folded(qk.float(), cos, signed_sin).to(qkv.dtype).unbind(0)
+    return q, k
 
 
 class VisionAttention(nn.Module):
@@ -143,9 +160,7 @@ class VisionAttention(nn.Module):
     ) -> torch.Tensor:  # x [N, dim] -> [N, dim]
         num_rows = x.shape[0]
         qkv = self.qkv(x).view(num_rows, 3, self.num_heads, self.head_dim)
-        # q and k rotate together: one set of elementwise kernels per layer, not two (the
-        # tower is launch-bound on a GPU at one image per call).
-        q, k = _rotate_fp32(qkv[:, :2].transpose(0, 1), cos, sin).unbind(0)  # [N, H, D]
+        q, k = rotate_qk(qkv, cos, sin)  # [N, H, D] each
         v = qkv[:, 2]  # [N, H, D]
         groups = plan.groups
         if plan.cu_seqlens is not None:

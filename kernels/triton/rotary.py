@@ -4,10 +4,18 @@
     signed_sin [T, D] (rotate_half's sign folded in, `engine.models.layers.rotary_tables`)
     qk[t, n] <- qk[t, n] * cos[t] + roll(qk[t, n], D / 2) * signed_sin[t]
 
-Grid: (T, cdiv(N, BLOCK_HEADS)). Both products and the sum are rounded to the model dtype
-as the torch path's three ops are (it runs five kernels and a copy; this runs one, and
-writes back into the QKV buffer, so q, k and v stay views of it). Torch reference:
-`kernels.reference.rotary_folded`.
+Grid: (T, cdiv(N, BLOCK_HEADS)). The arithmetic happens in the tables' dtype:
+
+* tables in qk's dtype (the decoder): both products and the sum are rounded to it, as the
+  torch path's three ops are (it runs five kernels and a copy);
+* float32 tables with bf16 / fp16 qk (the vision tower, where transformers rotates
+  `q.float()`): float32 throughout, rounded once on the store. The torch path there casts
+  q and k to float32, rotates and casts back: six kernels and ~13 bytes of traffic per
+  element of q and k, against one kernel and 4 bytes here.
+
+Either way one kernel runs and writes back into the QKV buffer, so q, k and v stay views
+of it. FMA contraction is off, so every product and sum rounds as torch's separate ops do.
+Torch reference: `kernels.reference.rotary_folded` (on `x.float()` in the second case).
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ def _rotary_kernel(
     table_stride,
     num_heads,
     half,
+    ROUND_PRODUCTS: tl.constexpr,  # round each product to qk's dtype (tables in its dtype)
     BLOCK_HEADS: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
 ):
@@ -50,15 +59,19 @@ def _rotary_kernel(
     cos2 = tl.load(cos_ptr + table + half, mask=table_mask, other=0.0).to(tl.float32)[None, :]
     sin1 = tl.load(sin_ptr + table, mask=table_mask, other=0.0).to(tl.float32)[None, :]
     sin2 = tl.load(sin_ptr + table + half, mask=table_mask, other=0.0).to(tl.float32)[None, :]
-    out1 = (x1 * cos1).to(dtype).to(tl.float32) + (x2 * sin1).to(dtype).to(tl.float32)
-    out2 = (x2 * cos2).to(dtype).to(tl.float32) + (x1 * sin2).to(dtype).to(tl.float32)
+    if ROUND_PRODUCTS:
+        out1 = (x1 * cos1).to(dtype).to(tl.float32) + (x2 * sin1).to(dtype).to(tl.float32)
+        out2 = (x2 * cos2).to(dtype).to(tl.float32) + (x1 * sin2).to(dtype).to(tl.float32)
+    else:
+        out1 = x1 * cos1 + x2 * sin1
+        out2 = x2 * cos2 + x1 * sin2
     tl.store(first, out1.to(dtype), mask=mask)
     tl.store(first + half, out2.to(dtype), mask=mask)
 
 
 def rotary_folded_(
     qk: torch.Tensor,  # [T, N, D], D contiguous; rotated in place
-    cos: torch.Tensor,  # [T, D] or [T, 1, D]
+    cos: torch.Tensor,  # [T, D] or [T, 1, D], in qk's dtype or float32
     signed_sin: torch.Tensor,  # like cos
 ) -> torch.Tensor:  # qk
     require(qk.dim() == 3, f"qk must be [T, N, D], got {tuple(qk.shape)}")
@@ -70,9 +83,13 @@ def rotary_folded_(
     sin2d = signed_sin.reshape(signed_sin.shape[0], signed_sin.shape[-1])
     for name, table in (("cos", cos2d), ("signed_sin", sin2d)):
         require(table.shape == (num_tokens, head_dim), f"{name} must be [{num_tokens}, {head_dim}]")
-        require(table.dtype == qk.dtype, f"{name} dtype {table.dtype} != qk dtype {qk.dtype}")
+        require(
+            table.dtype in (qk.dtype, torch.float32),
+            f"{name} dtype {table.dtype} is neither qk's dtype {qk.dtype} nor float32",
+        )
         require(table.stride(1) == 1, f"{name} must be row-contiguous")
     require(cos2d.stride(0) == sin2d.stride(0), "cos and signed_sin must share a row stride")
+    require(cos2d.dtype == sin2d.dtype, "cos and signed_sin must share a dtype")
     require_same_device(qk=qk, cos=cos2d, signed_sin=sin2d)
     if num_tokens == 0 or num_heads == 0:
         return qk
@@ -80,7 +97,9 @@ def rotary_folded_(
     grid = (num_tokens, triton.cdiv(num_heads, BLOCK_HEADS))
     _rotary_kernel[grid](
         qk, cos2d, sin2d, qk.stride(0), qk.stride(1), cos2d.stride(0), num_heads, half,
+        ROUND_PRODUCTS=cos2d.dtype != torch.float32,
         BLOCK_HEADS=BLOCK_HEADS, BLOCK_HALF=triton.next_power_of_2(half),
+        enable_fp_fusion=False,
     )  # fmt: skip
     return qk
 

@@ -51,3 +51,34 @@ def test_scatter_and_gather_rows():
     reference.scatter_rows(expected, rows, src)
     assert torch.equal(dst, expected)
     assert torch.equal(gather_rows(dst, rows), src)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_vision_rotary_rounds_once_like_the_reference(dtype):
+    """The vision tower's q and k ([T, 3, H, D] QKV, Qwen2-VL's 16 heads of 80) rotated in
+    float32 and rounded once, bit for bit: the compiled kernel must neither contract the
+    products into FMAs nor round bf16 other than to nearest even."""
+    from engine.models.layers import rotary_tables
+    from kernels.triton.rotary import rotary_folded_
+
+    tokens, heads, head_dim = 2048, 16, 80
+    qkv = (torch.randn(tokens, 3, heads, head_dim, device=DEVICE) * 4).to(dtype)
+    angles = torch.randn(tokens, head_dim // 2, device=DEVICE) * 20
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = rotary_tables(emb.cos(), emb.sin())  # [T, 1, D] float32
+    expected = reference.rotary_folded(qkv[:, :2].float(), cos[:, None], sin[:, None]).to(dtype)
+    v_before = qkv[:, 2].clone()
+    rotary_folded_(qkv.view(tokens, 3 * heads, head_dim)[:, : 2 * heads], cos, sin)
+    assert torch.equal(qkv[:, :2], expected)
+    assert torch.equal(qkv[:, 2], v_before)
+
+
+def test_quick_gelu_matches_reference():
+    """The vision MLP's activation at its real width (4 x 1280); the kernel's exp is not
+    torch's to the last float32 bit, so a rare element may round the other way."""
+    from kernels.triton.quick_gelu import quick_gelu
+
+    x = torch.randn(4096, 5120, device=DEVICE).bfloat16() * 4
+    actual, expected = quick_gelu(x), reference.quick_gelu(x)
+    torch.testing.assert_close(actual, expected, atol=1e-2, rtol=2**-7)
+    assert (actual == expected).float().mean() > 0.999

@@ -19,6 +19,7 @@ from kernels import reference  # noqa: E402
 from kernels.triton.checks import KernelArgumentError  # noqa: E402
 from kernels.triton.embedding_scatter import scatter_rows  # noqa: E402
 from kernels.triton.kv_cache_write import write_kv_cache  # noqa: E402
+from kernels.triton.quick_gelu import quick_gelu  # noqa: E402
 from kernels.triton.rms_norm import add_rms_norm  # noqa: E402
 from kernels.triton.rotary import rotary_folded_  # noqa: E402
 from kernels.triton.silu_and_mul import silu_and_mul  # noqa: E402
@@ -274,6 +275,19 @@ def test_silu_and_mul_matches_reference(rows, inter, dtype):
     _close(silu_and_mul(x), reference.silu_and_mul(x))
 
 
+@pytest.mark.parametrize("shape", [(1, 8), (5, 96), (3, 1000), (2, 3, 1280)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_quick_gelu_matches_reference(shape, dtype):
+    generator = torch.Generator().manual_seed(shape[-1])
+    x = (torch.randn(shape, generator=generator) * 4).to(dtype)
+    _close(quick_gelu(x), reference.quick_gelu(x))
+
+
+def test_quick_gelu_rejects_a_strided_input():
+    with pytest.raises(KernelArgumentError, match="contiguous"):
+        quick_gelu(torch.randn(4, 8).t())
+
+
 def test_silu_and_mul_rejects_odd_width():
     with pytest.raises(KernelArgumentError, match="2I"):
         silu_and_mul(torch.randn(2, 7))
@@ -298,7 +312,61 @@ def test_rotary_in_place_on_a_qkv_view_matches_reference(tokens, heads, head_dim
     assert torch.equal(qkv[:, (heads + 1) * head_dim :], v_before)
 
 
+@pytest.mark.parametrize("tokens,heads,head_dim", [(1, 1, 8), (6, 3, 80), (4, 16, 80)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rotary_with_float32_tables_rounds_once_like_the_vision_reference(
+    tokens, heads, head_dim, dtype
+):
+    """The vision tower's layout ([T, 3, H, D] QKV, q and k rotated together) and numerics:
+    float32 math on `x.float()`, one rounding to the model dtype, bit for bit (the compiled
+    kernel rounds bf16 to nearest even, tests/gpu; the interpreter truncates)."""
+    from engine.models.layers import rotary_tables
+
+    generator = torch.Generator().manual_seed(head_dim + heads)
+    qkv = (torch.randn(tokens, 3, heads, head_dim, generator=generator) * 4).to(dtype)
+    angles = torch.randn(tokens, head_dim // 2, generator=generator) * 20
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = rotary_tables(emb.cos(), emb.sin())  # [T, 1, D] float32
+    rotated = reference.rotary_folded(qkv[:, :2].float(), cos[:, None], sin[:, None])
+    if dtype == torch.bfloat16:  # the interpreter's float32 -> bf16 drops the low 16 bits
+        rotated = (rotated.view(torch.int32) & -(1 << 16)).view(torch.float32)
+    expected = rotated.to(dtype)
+    v_before = qkv[:, 2].clone()
+    qk = qkv.view(tokens, 3 * heads, head_dim)[:, : 2 * heads]  # [T, 2H, D], a view
+    rotary_folded_(qk, cos, sin)
+    assert torch.equal(qkv[:, :2], expected)
+    assert torch.equal(qkv[:, 2], v_before)
+
+
 def test_rotary_rejects_mismatched_tables():
     qk = torch.randn(3, 2, 8)
     with pytest.raises(KernelArgumentError, match="cos"):
         rotary_folded_(qk, torch.randn(3, 6), torch.randn(3, 8))
+    with pytest.raises(KernelArgumentError, match="neither"):  # float16 tables for bf16 qk
+        rotary_folded_(qk.bfloat16(), torch.randn(3, 8).half(), torch.randn(3, 8).half())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_vision_tower_with_its_kernels_equals_the_torch_path(monkeypatch, tmp_path, dtype):
+    """The tower's Triton kernels (the CUDA path, here under the interpreter: q and k rotated
+    in place in the QKV buffer, the fused quick_gelu) give the torch path's encoder output."""
+    from engine.attention import get_attention_backend
+    from engine.models import layers, qwen2_vl_vision
+    from engine.models.loader import load_model
+    from engine.tiny_model import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "tiny", seed=3)
+    model = load_model(str(model_dir), dtype=dtype, device=torch.device("cpu"),
+                       attention=get_attention_backend("torch"))  # fmt: skip
+    vision = model.config.vision
+    grids = [(1, 4, 6), (2, 4, 4)]  # two frame lengths: the grouped attention path
+    patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    generator = torch.Generator().manual_seed(3)
+    pixels = torch.randn(sum(t * h * w for t, h, w in grids), patch_dim, generator=generator)
+    with torch.no_grad():
+        expected = model.encode_images(pixels, torch.tensor(grids))
+        for module in (layers, qwen2_vl_vision):
+            monkeypatch.setattr(module, "use_triton", lambda x: True)
+        actual = model.encode_images(pixels, torch.tensor(grids))
+    # Rounding apart: the kernels' sigmoid is not torch's to the last float32 bit.
+    _close(actual, expected)
