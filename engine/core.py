@@ -23,6 +23,7 @@ whose requests need their output history to sample (penalties) is not overlapped
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -253,6 +254,13 @@ class EngineCore:
             raise InvalidRequest(
                 f"prompt token ids must be in [0, {mc.vocab_size})", param="prompt"
             )
+        for token_id, bias in request.sampling.logit_bias:
+            # An id past the logits would fail the sampler's step for the whole batch.
+            if not 0 <= token_id < mc.vocab_size or not math.isfinite(bias):
+                raise InvalidRequest(
+                    f"logit_bias needs token ids in [0, {mc.vocab_size}) and finite biases",
+                    param="logit_bias",
+                )
         if len(prompt) >= max_len:
             raise ContextLengthExceeded(
                 f"the prompt has {len(prompt)} tokens but the model's context length is {max_len}",

@@ -45,11 +45,13 @@ logger = logging.getLogger(__name__)
 
 GIB = 2**30
 CPU_KV_CACHE_GIB = 2.0
-# The heaviest sampling a request can ask for: every filter, a penalty and the most
-# logprobs the API allows (server/openai_models.py MAX_TOP_LOGPROBS).
+# The heaviest sampling a request can ask for: every filter, a penalty, a logit bias (its
+# cost is a copy of the logits, whatever the number of tokens) and the most logprobs the
+# API allows (server/openai_models.py MAX_TOP_LOGPROBS).
 HEAVIEST_SAMPLING = SamplingParams(
-    temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1, logprobs=20
-)
+    temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1, logprobs=20,
+    logit_bias=((0, 1.0),),
+)  # fmt: skip
 
 
 def kv_block_bytes(model_config: ModelConfig, block_size: int, kv_cache_dtype: torch.dtype) -> int:

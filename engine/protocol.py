@@ -23,7 +23,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     `top_k == 0` and `top_p == 1.0` and `min_p == 0.0` mean "off". `logprobs is None`
     means no logprobs; `logprobs == k` returns the chosen token's logprob plus the
     top-k alternatives. A `seed` makes the sequence reproducible whatever else is
-    in the batch.
+    in the batch. `logit_bias` holds (token id, bias) pairs added to those tokens' logits
+    before any token is picked (OpenAI's `logit_bias`; ids distinct).
     """
 
     max_tokens: int = 16
@@ -38,6 +39,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def is_greedy(self) -> bool:

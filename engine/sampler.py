@@ -4,6 +4,7 @@ Order of operations per row (as HF / OpenAI define them):
     raw logits --log_softmax--> logprobs (reported)
     raw logits -> repetition penalty (prompt + output tokens, HF: divide positive,
                   multiply negative) -> presence / frequency penalties (output tokens)
+               -> logit_bias (added)
                -> greedy rows: argmax
                -> random rows: / temperature -> top-k -> top-p -> min-p -> softmax
                   -> exponential race: argmax(probs / E), E ~ Exp(1)
@@ -92,7 +93,7 @@ class Sampler:
         wants_logprobs = any(p.logprobs is not None for p in params)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None  # [S, V]
 
-        logits = apply_penalties(logits, rows)
+        logits = apply_logit_bias(apply_penalties(logits, rows), params)
         sampled = logits.argmax(dim=-1)  # [S]
         if not all(p.is_greedy for p in params):
             greedy = to_device([p.is_greedy for p in params], torch.bool, device)  # [S]
@@ -158,6 +159,22 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
         logits -= frequency.unsqueeze(1) * output_counts
         logits -= presence.unsqueeze(1) * (output_counts > 0).to(logits.dtype)
     return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Each row's `logit_bias` added to its tokens' logits; [S, V] -> a new [S, V] (the raw
+    logits stay as they were, for the reported logprobs)."""
+    if not any(p.logit_bias for p in params):
+        return logits
+    rows, token_ids, biases = [], [], []
+    for row, p in enumerate(params):
+        for token_id, bias in p.logit_bias:
+            rows.append(row)
+            token_ids.append(token_id)
+            biases.append(bias)
+    device = logits.device
+    index = (to_device(rows, torch.long, device), to_device(token_ids, torch.long, device))
+    return logits.index_put(index, to_device(biases, logits.dtype, device), accumulate=True)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

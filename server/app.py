@@ -337,6 +337,8 @@ async def _releasing(stream: Any, ticket: Ticket) -> Any:
 
 def _job(state: AppState, body: Any, prompt: Any, *, prefix: str) -> GenerationJob:
     check_token_ids(body.stop_token_ids or [], state.vocab_size, "stop_token_ids")
+    check_token_ids([token_id for token_id, _ in body.logit_bias_pairs], state.vocab_size,
+                    "logit_bias")  # fmt: skip
     sampling = build_sampling_params(
         body, num_prompt_tokens=len(prompt.token_ids), max_model_len=state.max_model_len
     )

@@ -129,6 +129,7 @@ def build_sampling_params(
         frequency_penalty=request.frequency_penalty or 0.0,
         repetition_penalty=request.repetition_penalty or 1.0,
         logprobs=num_logprobs,
+        logit_bias=request.logit_bias_pairs,
     )
 
 

@@ -1,7 +1,9 @@
 """Pydantic models of the OpenAI request and response bodies we accept and return.
 
 Requests are validated here (types, ranges); pydantic errors become 400s naming the field
-path in `server/errors.py`. Unknown request fields are ignored, like OpenAI does.
+path in `server/errors.py`. Unknown request fields are ignored, like OpenAI does; the
+OpenAI fields that ask for what Tessera does not do (a JSON `response_format`, tool calls)
+are refused.
 Responses are plain models whose `model_dump(exclude_none=...)` is the exact OpenAI JSON.
 """
 
@@ -10,7 +12,14 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 # Request limits (each violation is a 400 naming the field). Wide enough for real clients,
 # small enough that no single request can tie up the server.
@@ -20,6 +29,8 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 512
 MAX_STOP_TOKEN_IDS = 256
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # tokens per request, as OpenAI's API allows
+MAX_ABS_LOGIT_BIAS = 100.0
 MAX_INT64 = 2**63 - 1
 MAX_CHAT_TEMPLATE_CHARS = 64 * 1024
 
@@ -108,6 +119,29 @@ class SamplingFields(_Request):
     ignore_eos: bool = False
     user: str | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bounded_logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        if not bias:
+            return bias
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} tokens may be biased")
+        for key, value in bias.items():
+            if not (key.isascii() and key.isdigit() and len(key) <= 18):
+                raise ValueError(f"keys must be token ids, got {key[:40]!r}")
+            if not -MAX_ABS_LOGIT_BIAS <= value <= MAX_ABS_LOGIT_BIAS:
+                raise ValueError(
+                    f"biases must be in [-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}], got {value}"
+                )
+        return bias
+
+    @property
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """(token id, bias) by token id; "007" and "7" name one token, the last one wins."""
+        merged = {int(key): value for key, value in (self.logit_bias or {}).items()}
+        return tuple(sorted(merged.items()))
 
     @field_validator("stop")
     @classmethod
@@ -130,13 +164,43 @@ class SamplingFields(_Request):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+class ResponseFormat(_Request):
+    type: str
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    # Taken only where they ask for nothing Tessera lacks: a 400 beats an answer that
+    # silently ignores them (no constrained decoding, no tool-call parsing).
+    response_format: ResponseFormat | None = None
+    tool_choice: str | dict[str, Any] | None = None  # before `tools`, which checks it
+    tools: list[dict[str, Any]] | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     # Refused unless the server runs with --trust-request-chat-template (server/app.py).
     chat_template: str | None = Field(default=None, max_length=MAX_CHAT_TEMPLATE_CHARS)
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, response_format: ResponseFormat | None) -> ResponseFormat | None:
+        if response_format is not None and response_format.type != "text":
+            raise ValueError(
+                f"response_format {response_format.type!r} is not supported (this server has "
+                "no constrained decoding); leave it out or use 'text'"
+            )
+        return response_format
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tool_calls(
+        cls, tools: list[dict[str, Any]] | None, info: ValidationInfo
+    ) -> list[dict[str, Any]] | None:
+        if tools and info.data.get("tool_choice") != "none":
+            raise ValueError(
+                "tool calling is not supported; leave tools out or set tool_choice to 'none'"
+            )
+        return tools
 
     @property
     def requested_max_tokens(self) -> int | None:

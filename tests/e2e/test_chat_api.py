@@ -8,6 +8,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import openai
 import pytest
 from tokenizers import Tokenizer
 
@@ -123,6 +124,23 @@ def test_logprobs_shape(client):
         # greedy: the chosen token is the best alternative
         assert entry.top_logprobs[0].token == entry.token
         assert bytes(entry.bytes).decode("utf-8", "replace") == entry.token
+
+
+def test_logit_bias_forces_a_token_and_refused_fields_are_400(client, http):
+    forced = http.post("/tokenize", json={"model": MODEL_NAME, "prompt": "hello"}).json()
+    forced = forced["tokens"][0]
+    expected = http.post("/detokenize", json={"model": MODEL_NAME, "tokens": [forced] * 4})
+    response = client.chat.completions.create(
+        model=MODEL_NAME, messages=user("Hi"), max_tokens=4, logit_bias={str(forced): 100},
+        **GREEDY)
+    assert response.choices[0].message.content == expected.json()["prompt"]
+    for field, value in [("response_format", {"type": "json_object"}),
+                         ("tools", [{"type": "function", "function": {"name": "f"}}]),
+                         ("logit_bias", {"99999999": 5})]:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=MODEL_NAME, messages=user("Hi"), max_tokens=2,
+                                           **{field: value})
+        assert info.value.status_code == 400 and info.value.body["param"] == field
 
 
 def test_seed_reproducible(client):

@@ -240,3 +240,27 @@ def test_encoder_failure_fails_only_its_request(reference, prompts, monkeypatch)
     results = llm.generate([prompts[1], prompts[5], prompts[0]], GREEDY)
     assert results[1].finish_reason == "error" and results[1].error.status == 500
     check([results[0], results[2]], reference, prompts, [1, 0])
+
+
+def test_logit_bias_matches_transformers_sequence_bias(reference, prompts):
+    """OpenAI's logit_bias against transformers' single-token `sequence_bias` (added to the
+    logits before the greedy pick): banning a token the model would pick changes the rest
+    of the output the same way; an out-of-vocabulary id fails its request alone."""
+    _, tokens, _ = reference.get(0, prompts[0])
+    banned = tokens[0]
+    with torch.no_grad():
+        out = reference.model.generate(
+            **reference.inputs(prompts[0]), max_new_tokens=NUM_NEW, do_sample=False,
+            sequence_bias={(banned,): -100.0},
+        )  # fmt: skip
+    expected = out[0, -NUM_NEW:].tolist()
+    assert banned not in expected
+    llm = LLM(str(reference.model_dir), num_kv_blocks=256)
+    vocab = llm.engine.model_config.vocab_size
+    biased = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True,
+                            logit_bias=((banned, -100.0),))  # fmt: skip
+    out_of_vocab = SamplingParams(max_tokens=4, logit_bias=((vocab, 1.0),))
+    results = llm.generate([prompts[0], prompts[1], prompts[0]], [biased, out_of_vocab, GREEDY])
+    assert results[0].token_ids == expected
+    assert results[1].error.param == "logit_bias" and results[1].token_ids == []
+    check(results[2:], reference, prompts, [0])

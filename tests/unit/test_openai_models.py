@@ -72,3 +72,43 @@ def test_sampling_params_defaults_and_context():
 def test_completion_logprobs_int():
     request = CompletionRequest.model_validate({"model": "m", "prompt": [1, 2], "logprobs": 3})
     assert request.num_logprobs == 3
+
+
+def test_logit_bias_becomes_sorted_pairs():
+    request = ChatCompletionRequest.model_validate(
+        {**BASE, "logit_bias": {"42": -100, "7": 2.5, "007": 3}})
+    params = build_sampling_params(request, num_prompt_tokens=10, max_model_len=100)
+    assert params.logit_bias == ((7, 3.0), (42, -100.0))  # "007" names token 7 too
+    completion = CompletionRequest.model_validate(
+        {"model": "m", "prompt": "x", "logit_bias": {"5": 1}})
+    assert completion.logit_bias_pairs == ((5, 1.0),)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"logit_bias": {"abc": 1}}, "token ids"),
+        ({"logit_bias": {"-3": 1}}, "token ids"),
+        ({"logit_bias": {"\u0661": 1}}, "token ids"),  # a non-ASCII digit
+        ({"logit_bias": {"9" * 5000: 1}}, "token ids"),
+        ({"logit_bias": {"3": 101}}, "[-100, 100]"),
+        ({"logit_bias": {"3": "nan"}}, "[-100, 100]"),
+        ({"logit_bias": {str(i): 1 for i in range(301)}}, "at most 300"),
+        ({"response_format": {"type": "json_object"}}, "not supported"),
+        ({"response_format": {"type": "json_schema", "json_schema": {}}}, "not supported"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "not supported"),
+        ({"tools": [{"type": "function"}], "tool_choice": "auto"}, "not supported"),
+    ],
+)
+def test_fields_tessera_cannot_honour_are_400_naming_them(fields, message):
+    error = invalid({**BASE, **fields})
+    assert error.status == 400 and error.param == next(iter(fields))
+    assert message in error.message
+
+
+def test_plain_text_format_and_tools_that_are_never_called_are_accepted():
+    request = ChatCompletionRequest.model_validate({
+        **BASE, "response_format": {"type": "text"},
+        "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none",
+    })
+    assert request.response_format.type == "text"

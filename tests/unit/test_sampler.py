@@ -85,3 +85,19 @@ def test_temperature_sampling_follows_distribution():
     out = Sampler(seed=0)(logits, [row(temperature=1.0)] * 4000)
     share = sum(1 for t in out.token_ids if t == 0) / 4000
     assert 0.66 < share < 0.74
+
+
+def test_logit_bias_steers_greedy_and_random_rows_of_its_request_only():
+    logits = torch.tensor([[0.25, 2.0, -1.0, 0.5]]).repeat(4, 1)
+    rows = [
+        row(temperature=0.0, logit_bias=((2, 100.0),)),  # forces token 2
+        row(temperature=0.0, logit_bias=((1, -100.0),)),  # bans the argmax: token 3 next
+        row(temperature=1.0, logit_bias=((0, 100.0), (1, -100.0))),
+        row(temperature=0.0),  # no bias: the batch's biases do not reach it
+    ]
+    assert Sampler(seed=5)(logits, rows).token_ids == [2, 3, 0, 1]
+    # The logprobs stay those of the raw logits, as for the penalties.
+    out = Sampler()(logits[:1], [row(temperature=0.0, logprobs=0, logit_bias=((2, 100.0),))])
+    expected = torch.log_softmax(logits[0], -1)[2].item()
+    assert out.token_ids == [2] and math.isclose(out.logprobs[0].logprob, expected, rel_tol=1e-6)
+    assert logits[0].tolist() == [0.25, 2.0, -1.0, 0.5]  # not modified in place
