@@ -97,9 +97,8 @@ def tower_flops(vision: VisionConfig, grids: Sequence[tuple[int, int, int]]) -> 
     left out (memory-bound, small)."""
     embed = vision.embed_dim
     hidden = int(embed * vision.mlp_ratio)
-    patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
     rows = sum(t * h * w for t, h, w in grids)
-    per_row = patch_dim * embed + vision.depth * (4 * embed * embed + 2 * embed * hidden)
+    per_row = vision.patch_dim * embed + vision.depth * (4 * embed * embed + 2 * embed * hidden)
     attention = vision.depth * sum(t * 2 * (h * w) ** 2 * embed for t, h, w in grids)
     merge = vision.spatial_merge_size**2
     merged_dim = embed * merge
@@ -215,13 +214,12 @@ def run(args: argparse.Namespace) -> tuple[list[VisionResult], dict]:
         )
     gemm_rate = measure_gemm_rate(device, dtype)
     grid = frame_grid(vision, args.image_size)
-    patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
     gen = torch.Generator(device=device).manual_seed(0)
     results, agreement = [], {}
     for num_images in args.images:
         grids = [grid] * num_images
         rows = num_images * grid[0] * grid[1] * grid[2]
-        pixels = torch.randn(rows, patch_dim, generator=gen, device=device, dtype=dtype)
+        pixels = torch.randn(rows, vision.patch_dim, generator=gen, device=device, dtype=dtype)
         grid_thw = torch.tensor(grids, dtype=torch.long)
         flops = tower_flops(vision, grids)
         floor_ms = flops / gemm_rate * 1000

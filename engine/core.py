@@ -310,7 +310,7 @@ class EngineCore:
             if not 0 <= ref.frame < len(tensors):
                 raise MediaError("pixel values frame is missing", param=param)
             pixel_values = tensors[ref.frame]
-            patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+            patch_dim = vision.patch_dim
             if tuple(pixel_values.shape) != (t * h * w, patch_dim):
                 raise MediaError(
                     f"pixel values of shape {tuple(pixel_values.shape)} do not match grid_thw "

@@ -190,8 +190,7 @@ def run_largest_step(
     t, h, w = largest_frame_grid(image_config)
     tokens_per_frame = t * h * w // merge**2
     num_frames = max(1, config.max_encoder_tokens_per_step // tokens_per_frame)
-    patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
-    pixels = torch.zeros(num_frames * t * h * w, patch_dim, dtype=dtype, device=device)
+    pixels = torch.zeros(num_frames * t * h * w, vision.patch_dim, dtype=dtype, device=device)
     grid = torch.tensor([[t, h, w]] * num_frames, dtype=torch.long)
     encoded = model.encode_images(pixels, grid)  # [num_frames * tokens_per_frame, hidden]
     del pixels

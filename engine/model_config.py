@@ -27,6 +27,11 @@ class VisionConfig:
     spatial_merge_size: int
     out_hidden_size: int  # = the decoder's hidden size (patch merger output)
 
+    @property
+    def patch_dim(self) -> int:
+        """Values per patch row of the vision tower's input: C x T_patch x P x P."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
 
 @dataclass(frozen=True)
 class ModelConfig:

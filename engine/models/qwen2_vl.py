@@ -59,7 +59,7 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         grid_thw [num_items, 3] int64. Works for images and videos alike.
         """
         vision = self.config.vision
-        patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+        patch_dim = vision.patch_dim
         grids = grid_thw.tolist()
         merge = vision.spatial_merge_size
         if any(h % merge or w % merge or min(t, h, w) <= 0 for t, h, w in grids):

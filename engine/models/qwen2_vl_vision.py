@@ -237,9 +237,8 @@ class Qwen2VisionTransformer(nn.Module):
     def __init__(self, config: VisionConfig, act: str = "quick_gelu") -> None:
         super().__init__()
         self.config = config
-        patch_dim = config.in_channels * config.temporal_patch_size * config.patch_size**2
         # The reference's Conv3d has kernel == stride == the whole patch: a plain matmul.
-        self.patch_embed = nn.Linear(patch_dim, config.embed_dim, bias=False)
+        self.patch_embed = nn.Linear(config.patch_dim, config.embed_dim, bias=False)
         self.rotary = VisionRotary(config.embed_dim // config.num_heads)
         self.blocks = nn.ModuleList([VisionBlock(config, act) for _ in range(config.depth)])
         self.merger = PatchMerger(config)

@@ -34,8 +34,7 @@ def test_tower_flops_equal_what_torch_counts(model):
     # kernel attention is matmuls too. Frames of two lengths and a two-frame video.
     vision = model.config.vision
     grids = [(1, 4, 4), (1, 4, 6), (2, 4, 4)]
-    patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
-    pixels = torch.randn(sum(t * h * w for t, h, w in grids), patch_dim)
+    pixels = torch.randn(sum(t * h * w for t, h, w in grids), vision.patch_dim)
     with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as count:
         model.encode_images(pixels, torch.tensor(grids))
     assert gpu_vision.tower_flops(vision, grids) == count.get_total_flops()

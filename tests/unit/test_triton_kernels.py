@@ -360,9 +360,8 @@ def test_vision_tower_with_its_kernels_equals_the_torch_path(monkeypatch, tmp_pa
                        attention=get_attention_backend("torch"))  # fmt: skip
     vision = model.config.vision
     grids = [(1, 4, 6), (2, 4, 4)]  # two frame lengths: the grouped attention path
-    patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
     generator = torch.Generator().manual_seed(3)
-    pixels = torch.randn(sum(t * h * w for t, h, w in grids), patch_dim, generator=generator)
+    pixels = torch.randn(sum(t * h * w for t, h, w in grids), vision.patch_dim, generator=generator)
     with torch.no_grad():
         expected = model.encode_images(pixels, torch.tensor(grids))
         for module in (layers, qwen2_vl_vision):
