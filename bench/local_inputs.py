@@ -1,5 +1,5 @@
-"""Inputs made and served on this machine for the tiny checkpoint: pattern images, feature
-files, and an HTTP object server with per-object latency and failures.
+"""Inputs made and served on this machine for the tiny checkpoint: pattern images, videos,
+feature files, and an HTTP object server with per-object latency and failures.
 
 Shared by the small benchmarks (bench/multimodal_serving.py, bench/feature_fetch.py) and
 the e2e tests; it lives under bench/ because the image ships bench/ and not tests/.
@@ -32,6 +32,32 @@ def png_bytes(image: Image.Image) -> bytes:
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
     return buffer.getvalue()
+
+
+def video_bytes(
+    frames: list[Image.Image], *, fps: int = 4, container: str = "mp4", codec: str = "mpeg4"
+) -> bytes:
+    """The frames encoded as a video file (PyAV; mp4 + mpeg4 by default, lossy)."""
+    import av
+
+    buffer = io.BytesIO()
+    with av.open(buffer, mode="w", format=container) as output:
+        stream = output.add_stream(codec, rate=fps)
+        stream.width, stream.height = frames[0].size
+        stream.pix_fmt = "yuv420p"
+        for image in frames:
+            frame = av.VideoFrame.from_image(image)
+            output.mux(stream.encode(frame))
+        output.mux(stream.encode())  # flush
+    return buffer.getvalue()
+
+
+def moving_pictures(width: int, height: int, count: int, salt: int = 0) -> list[Image.Image]:
+    """`count` frames of a deterministic pattern that shifts from frame to frame."""
+    base = np.asarray(picture(width + count * 4, height, salt))
+    return [
+        Image.fromarray(np.ascontiguousarray(base[:, 4 * i : 4 * i + width])) for i in range(count)
+    ]
 
 
 def features(

@@ -2,7 +2,9 @@
 
 A prompt is a str (raw text, tokenized as is, no chat template), a list[int]
 (token ids), or {"messages": [...]} (OpenAI-style chat; content parts
-{"type": "text", "text"} and {"type": "image", "image": PIL.Image | bytes}).
+{"type": "text", "text"}, {"type": "image", "image": PIL.Image | bytes} and
+{"type": "video", "video": bytes (a video file) | list of PIL.Image / [H, W, 3] uint8 frames
+(taken as sampled already)}).
 Bad input for one prompt gives that prompt a result with `error` set (or raises
 `InvalidRequest` when `raise_on_error=True`); the others still complete.
 """
@@ -14,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine.config import EngineConfig
@@ -52,10 +55,12 @@ class LLM:
     def __init__(self, model: str, **engine_options: Any) -> None:
         from engine.multimodal.image_processor import ImageProcessorConfig
         from engine.multimodal.prompt import PromptProcessor
+        from engine.multimodal.video import VideoConfig
 
         self.engine = EngineCore(EngineConfig(model=model, **engine_options))
         self.prompt_processor = PromptProcessor.from_model_dir(model)
         self.image_config = ImageProcessorConfig.from_model_dir(model)
+        self.video_config = VideoConfig.from_model_dir(model)
         self._ids = itertools.count()
         self.last_stats: list = []  # EngineStats of the last generate() call, one per step
 
@@ -154,36 +159,29 @@ class LLM:
     def _chat_request(
         self, request_id: str, messages: list[dict], sampling: SamplingParams
     ) -> tuple[EngineRequest, list[torch.Tensor]]:
-        from engine.multimodal.image_processor import process_image
-        from engine.multimodal.media import decode_image
-
-        images = []
+        items = []  # (modality, ProcessedImage) of every image and video, in prompt order
         for message_index, message in enumerate(messages):
             content = message.get("content")
             if not isinstance(content, list):
                 continue
             for part_index, part in enumerate(content):
-                if part.get("type") != "image":
-                    continue
-                image = part.get("image")
-                if isinstance(image, (bytes, bytearray)):
+                if part.get("type") in ("image", "video"):
                     param = f"messages[{message_index}].content[{part_index}]"
-                    image = decode_image(bytes(image), param=param)
-                images.append(process_image(image, self.image_config))
+                    items.append((part["type"], self._process_media(part, param)))
         processed = self.prompt_processor.process_chat(
-            messages, media_token_counts=[("image", image.num_tokens) for image in images]
+            messages, media_token_counts=[(kind, item.num_tokens) for kind, item in items]
         )
         media = [
             MediaInput(
                 modality=Modality(span.modality),
-                content_hash=image.content_hash,
+                content_hash=item.content_hash,
                 offset=span.offset,
                 num_tokens=span.num_tokens,
-                grid_thw=tuple(image.grid_thw),
-                pixel_values=TensorRef(index, "uint8", tuple(image.pixel_levels.shape)),
-                normalization=image.normalization,
+                grid_thw=tuple(item.grid_thw),
+                pixel_values=TensorRef(index, "uint8", tuple(item.pixel_levels.shape)),
+                normalization=item.normalization,
             )
-            for index, (span, image) in enumerate(zip(processed.spans, images, strict=True))
+            for index, (span, (_, item)) in enumerate(zip(processed.spans, items, strict=True))
         ]
         request = EngineRequest(
             request_id=request_id,
@@ -191,4 +189,25 @@ class LLM:
             sampling=sampling,
             media=media,
         )
-        return request, [image.pixel_levels for image in images]
+        return request, [item.pixel_levels for _, item in items]
+
+    def _process_media(self, part: dict, param: str):
+        """ProcessedImage of an {"type": "image"} or {"type": "video"} content part."""
+        from engine.multimodal.image_processor import process_image
+        from engine.multimodal.media import decode_image
+        from engine.multimodal.video import decode_video, process_video
+
+        if part["type"] == "image":
+            image = part.get("image")
+            if isinstance(image, (bytes, bytearray)):
+                image = decode_image(bytes(image), param=param)
+            return process_image(image, self.image_config)
+        video = part.get("video")
+        if isinstance(video, (bytes, bytearray)):
+            frames, _ = decode_video(bytes(video), self.video_config, param=param)
+        else:  # frames, sampled by the caller
+            frames = [
+                np.array(frame.convert("RGB") if hasattr(frame, "convert") else frame)
+                for frame in video
+            ]
+        return process_video(frames, self.video_config)

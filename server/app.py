@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from engine.errors import EngineDeadError, InvalidRequest, ModelNotFound, ServerOverloaded
 from engine.multimodal.image_processor import ImageProcessorConfig
 from engine.multimodal.prompt import PromptProcessor
+from engine.multimodal.video import VideoConfig
 from server.admission import AdmissionController, ServerDraining, Ticket
 from server.auth import check_api_key
 from server.chat import messages_as_dicts, prepare_chat_prompt
@@ -91,8 +92,14 @@ def _make_fetcher(settings: ServerSettings) -> MediaFetcher | None:
         max_redirects=settings.media_fetch_max_redirects,
         allowed_domains=settings.allowed_media_domains,
         allowed_local_path=settings.allowed_local_media_path,
+        max_video_bytes=settings.max_video_bytes,
+        video_fps=settings.video_fps,
+        max_video_frames=settings.max_video_frames,
     )
-    return MediaFetcher(config, ImageProcessorConfig.from_model_dir(model_dir))
+    video_config = VideoConfig.from_model_dir(
+        model_dir, fps=settings.video_fps, max_frames=settings.max_video_frames
+    )
+    return MediaFetcher(config, ImageProcessorConfig.from_model_dir(model_dir), video_config)
 
 
 async def _ensure_started(engine: Any) -> Any:

@@ -2,9 +2,10 @@
 
 Media parts, in prompt order, are one of:
 
-* `image_url` — fetched and preprocessed concurrently (media_fetch). With a client `uuid`
+* `image_url` / `video_url` — fetched, decoded and preprocessed concurrently (media_fetch;
+  a video's frames are sampled first, engine/multimodal/video.py). With a client `uuid`
   the engine caches the encoding under `uuid:<uuid>`; a later part with the same uuid and
-  no URL reuses it (the server remembers the uuid's grid, the engine its rows).
+  no URL reuses it (the server remembers the uuid's modality and grid, the engine its rows).
 * `image_features` / `video_features` — pre-encoded features the engine's FeatureFetcher
   downloads (only with `--enable-feature-inputs`, URL checked against the allowlists here).
   The token count comes from `grid_thw`; `content_hash` is a hash of the URL for now (the
@@ -39,6 +40,7 @@ from server.openai_models import (
     ImageFeaturesPart,
     ImagePart,
     VideoFeaturesPart,
+    VideoPart,
 )
 
 MAX_REMEMBERED_UUIDS = 16384
@@ -61,7 +63,7 @@ class MediaPart:
 
     param: str  # "messages[i].content[j]"
     modality: Modality
-    url: str | None  # image URL or feature URL; None = a uuid-only image
+    url: str | None  # image, video or feature URL; None = a uuid-only image or video
     uuid: str | None = None
     grid_thw: tuple[int, int, int] | None = None  # feature parts only
     is_feature: bool = False
@@ -74,11 +76,14 @@ def media_parts(messages: list[ChatMessage]) -> list[MediaPart]:
             continue
         for j, part in enumerate(message.content):
             param = f"messages[{i}].content[{j}]"
-            if isinstance(part, ImagePart):
-                url = part.image_url.url
+            if isinstance(part, ImagePart | VideoPart):
+                url = part.url
                 if not url and not part.uuid:
-                    raise InvalidRequest("an image_url part needs a url or a uuid", param=param)
-                found.append(MediaPart(param, Modality.IMAGE, url or None, part.uuid))
+                    raise InvalidRequest(
+                        f"an {part.url_field} part needs a url or a uuid", param=param
+                    )
+                modality = Modality.IMAGE if isinstance(part, ImagePart) else Modality.VIDEO
+                found.append(MediaPart(param, modality, url or None, part.uuid))
             elif isinstance(part, ImageFeaturesPart | VideoFeaturesPart):
                 is_image = isinstance(part, ImageFeaturesPart)
                 ref = part.image_features if is_image else part.video_features
@@ -90,13 +95,6 @@ def media_parts(messages: list[ChatMessage]) -> list[MediaPart]:
                 modality = Modality.IMAGE if is_image else Modality.VIDEO
                 found.append(MediaPart(param, modality, ref.url, None, tuple(grid), True))
     return found
-
-
-def image_parts(messages: list[ChatMessage]) -> list[tuple[str, str]]:
-    """(param path, url) of every image part with a URL, in prompt order."""
-    return [
-        (p.param, p.url) for p in media_parts(messages) if not p.is_feature and p.url is not None
-    ]
 
 
 def messages_as_dicts(messages: list[ChatMessage]) -> list[dict]:
@@ -176,32 +174,43 @@ def _policy(enabled: bool, buckets: str | None, prefixes: str | None, model: str
 
 
 class UuidRegistry:
-    """uuid -> (grid_thw, num_tokens) of images sent with a client uuid (bounded LRU)."""
+    """uuid -> (modality, grid_thw, num_tokens) of media sent with a client uuid (bounded
+    LRU)."""
 
     def __init__(self, capacity: int = MAX_REMEMBERED_UUIDS) -> None:
         self.capacity = capacity
-        self._grids: collections.OrderedDict[str, tuple[tuple[int, int, int], int]] = (
+        self._grids: collections.OrderedDict[str, tuple[Modality, tuple[int, int, int], int]] = (
             collections.OrderedDict()
         )
         self._lock = threading.Lock()
 
-    def remember(self, uuid: str, grid_thw: tuple[int, int, int], num_tokens: int) -> None:
+    def remember(
+        self, uuid: str, modality: Modality, grid_thw: tuple[int, int, int], num_tokens: int
+    ) -> None:
         with self._lock:
-            self._grids[uuid] = (grid_thw, num_tokens)
+            self._grids[uuid] = (modality, grid_thw, num_tokens)
             self._grids.move_to_end(uuid)
             while len(self._grids) > self.capacity:
                 self._grids.popitem(last=False)
 
-    def lookup(self, uuid: str, *, param: str) -> tuple[tuple[int, int, int], int]:
+    def lookup(
+        self, uuid: str, modality: Modality, *, param: str
+    ) -> tuple[tuple[int, int, int], int]:
         with self._lock:
-            grid = self._grids.get(uuid)
-        if grid is None:
+            entry = self._grids.get(uuid)
+        if entry is None:
             raise MediaError(
-                f"unknown media uuid {uuid!r}: send the image with its uuid first",
+                f"unknown media uuid {uuid!r}: send the {modality.value} with its uuid first",
                 param=param,
                 code="unknown_media_uuid",
             )
-        return grid
+        known_modality, grid, num_tokens = entry
+        if known_modality is not modality:
+            raise MediaError(
+                f"media uuid {uuid!r} names {known_modality.value}, not {modality.value}",
+                param=param,
+            )
+        return grid, num_tokens
 
 
 UUIDS = UuidRegistry()
@@ -215,21 +224,25 @@ async def prepare_chat_prompt(
     max_images: int,
     settings: Any = None,
 ) -> PreparedPrompt:
-    """Fetch + process images, check feature parts, and tokenise the rendered chat."""
+    """Fetch + process images and videos, check feature parts, and tokenise the rendered
+    chat."""
     parts = media_parts(request.messages)
-    images = [p for p in parts if not p.is_feature]
+    pixel_parts = [p for p in parts if not p.is_feature]
     if len(parts) > max_images:
         raise InvalidRequest(
             f"the request has {len(parts)} media items; at most {max_images} are allowed",
             param="messages",
         )
-    if images and fetcher is None:
-        raise InvalidRequest("this model does not accept images", param=images[0].param)
+    if pixel_parts and fetcher is None:
+        first = pixel_parts[0]
+        raise InvalidRequest(
+            f"this model does not accept {first.modality.value}s", param=first.param
+        )
     features = [p for p in parts if p.is_feature]
     policy = FeaturePolicy.from_settings(settings) if features else None
     for part in features:
         policy.check(part)  # type: ignore[union-attr]
-    processed = await _load_images(images, fetcher)
+    processed = await _load_media(pixel_parts, fetcher)
     media, tensors, counts = [], [], []
     for part in parts:
         if part.is_feature:
@@ -244,7 +257,7 @@ async def prepare_chat_prompt(
                 feature=FeatureSource(part.url),  # type: ignore[arg-type]
             )
         else:
-            item = _image_input(part, processed.get(part.param), tensors)
+            item = _pixel_input(part, processed.get(part.param), tensors)
         media.append(item)
         counts.append((item.modality.value, item.num_tokens))
     prompt = await asyncio.to_thread(
@@ -259,14 +272,19 @@ async def prepare_chat_prompt(
     return PreparedPrompt(token_ids=prompt.token_ids, media=media, tensors=tensors)
 
 
-async def _load_images(
-    images: list[MediaPart], fetcher: MediaFetcher | None
+async def _load_media(
+    parts: list[MediaPart], fetcher: MediaFetcher | None
 ) -> dict[str, ProcessedImage]:
-    with_url = [p for p in images if p.url is not None]
+    with_url = [p for p in parts if p.url is not None]
     if not with_url:
         return {}
     tasks = [
-        asyncio.create_task(fetcher.load_image(p.url, param=p.param))  # type: ignore[union-attr, arg-type]
+        asyncio.create_task(
+            (fetcher.load_image if p.modality is Modality.IMAGE else fetcher.load_video)(  # type: ignore[union-attr]
+                p.url,  # type: ignore[arg-type]
+                param=p.param,
+            )
+        )
         for p in with_url
     ]
     try:
@@ -277,11 +295,12 @@ async def _load_images(
     return {p.param: image for p, image in zip(with_url, results, strict=True)}
 
 
-def _image_input(part: MediaPart, image: ProcessedImage | None, tensors: list[Any]) -> MediaInput:
+def _pixel_input(part: MediaPart, image: ProcessedImage | None, tensors: list[Any]) -> MediaInput:
+    """MediaInput of a processed image or video (`image`), or of a uuid-only part (None)."""
     if image is None:  # uuid only: the engine must hold the encoding already
-        grid, num_tokens = UUIDS.lookup(part.uuid, param=part.param)  # type: ignore[arg-type]
+        grid, num_tokens = UUIDS.lookup(part.uuid, part.modality, param=part.param)  # type: ignore[arg-type]
         return MediaInput(
-            modality=Modality.IMAGE,
+            modality=part.modality,
             content_hash="uuid:" + part.uuid,  # type: ignore[operator]
             offset=0,
             num_tokens=num_tokens,
@@ -290,9 +309,9 @@ def _image_input(part: MediaPart, image: ProcessedImage | None, tensors: list[An
     content_hash = image.content_hash
     if part.uuid is not None:
         content_hash = "uuid:" + part.uuid
-        UUIDS.remember(part.uuid, tuple(image.grid_thw), image.num_tokens)
+        UUIDS.remember(part.uuid, part.modality, tuple(image.grid_thw), image.num_tokens)
     item = MediaInput(
-        modality=Modality.IMAGE,
+        modality=part.modality,
         content_hash=content_hash,
         offset=0,
         num_tokens=image.num_tokens,

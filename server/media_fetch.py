@@ -1,4 +1,5 @@
-"""Fetch `image_url`s (http, https, data, file) and turn them into processed images.
+"""Fetch `image_url`s and `video_url`s (http, https, data, file) and turn them into
+processed images and videos (sampled frames as one item, engine/multimodal/video.py).
 
 One pooled, SSRF-guarded aiohttp session per app (engine/url_safety.py: every
 connection resolves, checks and dials the checked address; env proxies are ignored; no
@@ -8,6 +9,7 @@ redirects included), the byte cap is enforced while the body streams in, every r
 hop is re-checked and their number bounded. `file://` reads only under
 `--allowed-local-media-path`. Decoding and preprocessing (CPU work) run in a small thread
 pool, off the event loop, and repeats of the same bytes come from a `ProcessedImageCache`.
+Images and videos have their own byte caps.
 `fetch_url_bytes` is the ONE network fetch function.
 """
 
@@ -16,12 +18,14 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Literal
 
 import aiohttp
 
 from engine.errors import MediaError
 from engine.multimodal.image_processor import ImageProcessorConfig, ProcessedImage, process_image
 from engine.multimodal.media import decode_data_url, decode_image
+from engine.multimodal.video import VideoConfig, VideoLimits, decode_video, process_video
 from engine.url_safety import (
     BodyTooLargeError,
     RedirectError,
@@ -32,6 +36,8 @@ from engine.url_safety import (
     read_capped,
 )
 from server.image_cache import ProcessedImageCache, bytes_key
+
+MediaKind = Literal["image", "video"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,9 @@ class MediaFetchConfig:
     processed_image_cache_bytes: int = 256 * 1024 * 1024  # 0 = no cache
     allowed_domains: str | None = None  # comma-separated host allowlist; None = any
     allowed_local_path: str | None = None  # file:// only under this folder; None = off
+    max_video_bytes: int = 64 * 1024 * 1024
+    video_fps: float = 2.0  # frames sampled per second of video
+    max_video_frames: int = 32  # frames sampled per video, at most
 
     @property
     def url_policy(self) -> UrlPolicy:
@@ -58,11 +67,21 @@ class MediaFetchConfig:
 
 
 class MediaFetcher:
-    """Fetches and preprocesses images for the server. Call `aclose()` at shutdown."""
+    """Fetches and preprocesses images and videos for the server. Call `aclose()` at
+    shutdown."""
 
-    def __init__(self, config: MediaFetchConfig, image_config: ImageProcessorConfig):
+    def __init__(
+        self,
+        config: MediaFetchConfig,
+        image_config: ImageProcessorConfig,
+        video_config: VideoConfig | None = None,
+    ):
         self.config = config
         self.image_config = image_config
+        self.video_config = video_config or VideoConfig(
+            image_config, fps=config.video_fps, max_frames=config.max_video_frames
+        )
+        self.video_limits = VideoLimits(max_frame_pixels=config.max_image_pixels)
         self.policy = config.url_policy
         self._session: aiohttp.ClientSession | None = None
         self._pool = ThreadPoolExecutor(
@@ -77,46 +96,62 @@ class MediaFetcher:
 
     async def load_image(self, url: str, *, param: str) -> ProcessedImage:
         """Fetch (or decode a data: URL), decode and preprocess one image."""
+        return await self._load(url, "image", param)
+
+    async def load_video(self, url: str, *, param: str) -> ProcessedImage:
+        """Fetch (or decode a data: URL), decode, sample and preprocess one video."""
+        return await self._load(url, "video", param)
+
+    async def _load(self, url: str, kind: MediaKind, param: str) -> ProcessedImage:
         loop = asyncio.get_running_loop()
         if url.startswith("data:"):
             # base64 of a large image is milliseconds of CPU: off the event loop too.
-            return await loop.run_in_executor(self._pool, self._process_data_url, url, param)
+            return await loop.run_in_executor(self._pool, self._process_data_url, url, kind, param)
         if url[:7].lower() == "file://":
-            data = await asyncio.to_thread(self._read_local, url, param)
+            data = await asyncio.to_thread(self._read_local, url, kind, param)
         else:
-            data = await self.fetch_url_bytes(url, param=param)
-        return await loop.run_in_executor(self._pool, self._decode_and_process, data, param)
+            data = await self.fetch_url_bytes(url, param=param, kind=kind)
+        return await loop.run_in_executor(self._pool, self._decode_and_process, data, kind, param)
 
-    def _process_data_url(self, url: str, param: str) -> ProcessedImage:
-        data = decode_data_url(url, max_bytes=self.config.max_image_bytes, param=param)
-        return self._decode_and_process(data, param)
+    def _max_bytes(self, kind: MediaKind) -> int:
+        return self.config.max_image_bytes if kind == "image" else self.config.max_video_bytes
 
-    def _decode_and_process(self, data: bytes, param: str) -> ProcessedImage:
-        key = bytes_key(data)
+    def _process_data_url(self, url: str, kind: MediaKind, param: str) -> ProcessedImage:
+        data = decode_data_url(url, max_bytes=self._max_bytes(kind), param=param)
+        return self._decode_and_process(data, kind, param)
+
+    def _decode_and_process(self, data: bytes, kind: MediaKind, param: str) -> ProcessedImage:
+        # The same bytes sent as image_url and as video_url give different results.
+        key = bytes_key(data) + ("" if kind == "image" else ":video")
         processed = self.processed.get(key)
         if processed is None:
-            image = decode_image(data, max_pixels=self.config.max_image_pixels, param=param)
-            processed = process_image(image, self.image_config)
+            if kind == "image":
+                image = decode_image(data, max_pixels=self.config.max_image_pixels, param=param)
+                processed = process_image(image, self.image_config)
+            else:
+                frames, _ = decode_video(data, self.video_config, self.video_limits, param=param)
+                processed = process_video(frames, self.video_config)
             self.processed.put(key, processed)
         return processed
 
-    def _read_local(self, url: str, param: str) -> bytes:
+    def _read_local(self, url: str, kind: MediaKind, param: str) -> bytes:
         try:
             path = self.policy.resolve_local_path(url)
         except UnsafeUrlError as exc:
             raise MediaError(str(exc), param=param) from None
-        cap = self.config.max_image_bytes
+        cap = self._max_bytes(kind)
         with path.open("rb") as file:
             data = file.read(cap + 1)
         if len(data) > cap:
-            raise MediaError(f"the image is over {cap} bytes", param=param)
+            raise MediaError(f"the {kind} is over {cap} bytes", param=param)
         return data
 
-    async def fetch_url_bytes(self, url: str, *, param: str) -> bytes:
-        """GET an http(s) URL under a total deadline and a byte cap, following at most
-        `max_redirects` redirects (each hop re-checked)."""
+    async def fetch_url_bytes(self, url: str, *, param: str, kind: MediaKind = "image") -> bytes:
+        """GET an http(s) URL under a total deadline and the byte cap of `kind`, following
+        at most `max_redirects` redirects (each hop re-checked)."""
         if self._session is None:
             self._session = guarded_session(self.policy, timeout_s=self.config.timeout_s)
+        cap = self._max_bytes(kind)
         try:
             async with (
                 asyncio.timeout(self.config.timeout_s),
@@ -130,22 +165,18 @@ class MediaFetcher:
             ):
                 if response.status != 200:
                     raise MediaError(
-                        f"fetching the image returned HTTP {response.status}", param=param
+                        f"fetching the {kind} returned HTTP {response.status}", param=param
                     )
                 return await read_capped(
-                    response.content.iter_any(),
-                    self.config.max_image_bytes,
-                    declared_length=response.content_length,
+                    response.content.iter_any(), cap, declared_length=response.content_length
                 )
         except BodyTooLargeError:
-            raise MediaError(
-                f"the image is over {self.config.max_image_bytes} bytes", param=param
-            ) from None
+            raise MediaError(f"the {kind} is over {cap} bytes", param=param) from None
         except TimeoutError as exc:
             raise MediaError(
-                f"fetching the image took longer than {self.config.timeout_s:g} s", param=param
+                f"fetching the {kind} took longer than {self.config.timeout_s:g} s", param=param
             ) from exc
         except (UnsafeUrlError, RedirectError) as exc:
             raise MediaError(str(exc), param=param) from None
         except aiohttp.ClientError as exc:
-            raise MediaError("the image URL could not be fetched", param=param) from exc
+            raise MediaError(f"the {kind} URL could not be fetched", param=param) from exc

@@ -10,7 +10,7 @@ Responses are plain models whose `model_dump(exclude_none=...)` is the exact Ope
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -51,17 +51,41 @@ class TextPart(_Request):
     text: str
 
 
-class ImagePart(_Request):
-    type: Literal["image_url"]
-    image_url: ImageUrl  # url "" (or image_url omitted) when `uuid` names a cached image
+class _UrlPart(_Request):
+    """A media part fetched from a URL. With a client `uuid` the engine caches the encoding
+    under it, and a later part may carry the uuid alone (its URL object omitted or "")."""
+
+    url_field: ClassVar[str]
     uuid: str | None = Field(default=None, min_length=1, max_length=256)  # client's own id
 
     @model_validator(mode="before")
     @classmethod
     def _uuid_only(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("uuid") and data.get("image_url") is None:
-            return {**data, "image_url": {"url": ""}}
+        if isinstance(data, dict) and data.get("uuid") and data.get(cls.url_field) is None:
+            return {**data, cls.url_field: {"url": ""}}
         return data
+
+    @property
+    def url(self) -> str:
+        return getattr(self, self.url_field).url
+
+
+class ImagePart(_UrlPart):
+    url_field: ClassVar[str] = "image_url"
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+class VideoUrl(_Request):
+    url: str
+
+
+class VideoPart(_UrlPart):
+    """A video to decode and sample (`http(s)`, `data:` or allowed `file://` URL)."""
+
+    url_field: ClassVar[str] = "video_url"
+    type: Literal["video_url"]
+    video_url: VideoUrl
 
 
 class FeatureRef(_Request):
@@ -84,7 +108,8 @@ class VideoFeaturesPart(_Request):
 
 
 ContentPart = Annotated[
-    TextPart | ImagePart | ImageFeaturesPart | VideoFeaturesPart, Field(discriminator="type")
+    TextPart | ImagePart | VideoPart | ImageFeaturesPart | VideoFeaturesPart,
+    Field(discriminator="type"),
 ]
 
 

@@ -62,8 +62,11 @@ class ServerSettings:
     log_format: str = "text"  # "text" | "json" (one JSON object per line)
     max_request_body_bytes: int = 64 * 1024 * 1024  # larger bodies get 413
     max_image_bytes: int = 20 * 1024 * 1024  # per fetched / data: image
-    max_images_per_request: int = 16  # image parts in one request
+    max_images_per_request: int = 16  # media parts (images, videos, features) in one request
     max_image_pixels: int = 64_000_000  # checked before decoding (decompression bombs)
+    max_video_bytes: int = 64 * 1024 * 1024  # per fetched / data: video
+    video_fps: float = 2.0  # video frames sampled per second (as transformers' `fps`)
+    max_video_frames: int = 32  # frames sampled per video, at most (2 frames = 1 grid step)
     image_cache_mb: int = 256  # processed images kept for repeats of the same bytes; 0 = off
     media_fetch_timeout_s: float = 10.0  # total deadline per media URL
     media_fetch_max_redirects: int = 3  # each hop re-checked by the URL guard
@@ -90,9 +93,17 @@ class ServerSettings:
             raise SettingsError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         if not 0 <= self.port <= 65535:
             raise SettingsError(f"port must be in 0..65535, got {self.port}")
-        for name in ("max_request_body_bytes", "max_image_bytes", "max_header_bytes"):
+        for name in (
+            "max_request_body_bytes",
+            "max_image_bytes",
+            "max_video_bytes",
+            "max_header_bytes",
+            "max_video_frames",
+        ):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{name} must be positive")
+        if not self.video_fps > 0:
+            raise SettingsError("video_fps must be positive")
         if self.media_fetch_timeout_s <= 0:
             raise SettingsError("media_fetch_timeout_s must be positive")
         if (self.engine_inbox_address is None) != (self.engine_outbox_address is None):

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.local_inputs import picture, png_bytes
+from bench.local_inputs import moving_pictures, picture, png_bytes, video_bytes
 from bench.servers import TINY_MODEL_NAME, TINY_SERVER_FLAGS, tiny_server
 from engine.tiny_model import make_tiny_model
 
@@ -100,9 +100,11 @@ class _QuietHandler(SimpleHTTPRequestHandler):
 
 @pytest.fixture(scope="session")
 def image_server(tmp_path_factory) -> Iterator[str]:
-    """A local HTTP server on 127.0.0.1 serving test images; yields its base URL."""
+    """A local HTTP server on 127.0.0.1 serving test images and videos; yields its base
+    URL."""
     root = tmp_path_factory.mktemp("images")
     (root / "picture.png").write_bytes(png_bytes(picture(112, 84, 1)))
+    (root / "clip.mp4").write_bytes(video_bytes(moving_pictures(160, 120, 12, salt=1), fps=4))
     (root / "not_an_image.png").write_bytes(b"hello, this is text")
     handler = functools.partial(_QuietHandler, directory=str(root))
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)

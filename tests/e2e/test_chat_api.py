@@ -27,6 +27,18 @@ def image_message(url: str, text: str = "What is in this picture?") -> list[dict
     return [{"role": "user", "content": content}]
 
 
+TEXT_PART = {"type": "text", "text": "What happens in this clip?"}
+
+
+def video_message(url: str, text: str = "What happens in this clip?") -> list[dict]:
+    content = [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": text}]
+    return [{"role": "user", "content": content}]
+
+
+def fetch(url: str) -> bytes:
+    return httpx.get(url).content
+
+
 def user(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
@@ -274,56 +286,55 @@ def test_http_route_label_is_template(http):
 
 
 
-class HFReference:
-    """transformers' greedy continuation (Qwen2VLForConditionalGeneration). AutoProcessor
-    needs torchvision (not installed), so the prompt is built from the tokenizer and the PIL
-    image processor the way Qwen2VLProcessor does it."""
-
-    def __init__(self, model_dir):
-        import torch
-        import transformers
-
-        self.torch = torch
-        self.model = transformers.Qwen2VLForConditionalGeneration.from_pretrained(
-            model_dir, dtype=torch.float32).eval()
-        self.model.generation_config.eos_token_id = None  # ignore EOS, like ignore_eos
-        self.tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-        self.image_processor = transformers.AutoImageProcessor.from_pretrained(model_dir)
-
-    def generate(self, messages: list[dict], images: list, num_tokens: int) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=True)
-        inputs = dict(self.tokenizer(text, return_tensors="pt"))
-        if images:
-            pixels = self.image_processor(images=images, return_tensors="pt")
-            merge = self.image_processor.merge_size
-            pieces = text.split("<|image_pad|>")
-            expanded = pieces[0]
-            for grid, piece in zip(pixels["image_grid_thw"], pieces[1:], strict=True):
-                expanded += "<|image_pad|>" * (int(grid.prod()) // merge**2) + piece
-            inputs = dict(self.tokenizer(expanded, return_tensors="pt"))
-            image_id = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
-            inputs.update(pixels, mm_token_type_ids=(inputs["input_ids"] == image_id).int())
-        with self.torch.no_grad():
-            out = self.model.generate(**inputs, max_new_tokens=num_tokens, do_sample=False)
-        return out[0, inputs["input_ids"].shape[1]:].tolist()
-
-
 def test_greedy_text_matches_transformers(client, model_dir, image_server):
     pytest.importorskip("transformers")
-    reference = HFReference(model_dir)
+    from engine.multimodal.video import VideoConfig, decode_video, process_video
+    from tests.hf_reference import HFGreedy
+
+    reference = HFGreedy(model_dir)
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     image = picture(112, 84, 1)
+    config = VideoConfig.from_model_dir(model_dir)  # the server's defaults: 2 fps, 32 frames
+    clip = process_video(decode_video(fetch(image_server + "/clip.mp4"), config)[0], config)
     cases = [
-        (user("Describe a dog in the park."), user("Describe a dog in the park."), []),
+        (user("Describe a dog in the park."), user("Describe a dog in the park."), [], []),
         (image_message(image_server + "/picture.png", "What is this?"),
          [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}],
-         [image]),
+         [image], []),
+        (video_message(image_server + "/clip.mp4", "What happens?"),
+         [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What happens?"}]}],
+         [], [clip]),
     ]
-    for api_messages, hf_messages, images in cases:
-        hf_ids = reference.generate(hf_messages, images, 16)
-        assert len(hf_ids) == 16
+    for api_messages, hf_messages, images, videos in cases:
+        inputs = reference.inputs(hf_messages, images=images, videos=videos)
+        hf_ids = reference.generate(inputs, 16)
         response = client.chat.completions.create(
             model=MODEL_NAME, messages=api_messages, max_tokens=16, **GREEDY)
+        assert response.usage.prompt_tokens == inputs["input_ids"].shape[1]
         assert response.usage.completion_tokens == 16
         assert response.choices[0].message.content == tokenizer.decode(hf_ids)
+
+
+def test_video_by_data_url_http_and_uuid_agree(client, http, image_server):
+    data = fetch(image_server + "/clip.mp4")
+    by_http = client.chat.completions.create(
+        model=MODEL_NAME, messages=video_message(image_server + "/clip.mp4"), max_tokens=8, **GREEDY)
+    as_data_url = "data:video/mp4;base64," + base64.b64encode(data).decode()
+    part = {"type": "video_url", "video_url": {"url": as_data_url}, "uuid": "clip-1"}
+    by_data = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": [part, TEXT_PART]}], max_tokens=8,
+        **GREEDY)
+    by_uuid = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": [
+            {"type": "video_url", "uuid": "clip-1"}, TEXT_PART]}], max_tokens=8, **GREEDY)
+    text_only = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": [TEXT_PART]}], max_tokens=8, **GREEDY)
+    assert by_http.choices[0].message.content == by_data.choices[0].message.content
+    assert by_uuid.choices[0].message.content == by_data.choices[0].message.content
+    # 12 frames at 4 fps: 3 s -> 6 frames -> grid (3, 8, 12) -> 72 tokens, plus two markers.
+    assert by_http.usage.prompt_tokens == text_only.usage.prompt_tokens + 72 + 2
+    wrong_kind = http.post("/v1/chat/completions", json={
+        "model": MODEL_NAME, "max_tokens": 2,
+        "messages": [{"role": "user", "content": [{"type": "image_url", "uuid": "clip-1"}]}]})
+    assert wrong_kind.status_code == 400
+    assert "names video, not image" in wrong_kind.json()["error"]["message"]

@@ -107,6 +107,24 @@ def test_bad_images_name_the_part(http, image_server):
         )
 
 
+def test_bad_videos_name_the_part(http, image_server):
+    def video(url):
+        return [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}}]}]
+
+    cases = [
+        "data:video/mp4;base64," + base64.b64encode(b"not a video").decode(),
+        "data:video/mp4;base64," + base64.b64encode(b"#EXTM3U\nfile:///etc/passwd\n").decode(),
+        image_server + "/missing.mp4",
+        image_server + "/picture.png",  # an image is not a video
+        image_server + "/clip.mp4?ignored",  # fine: the control case below
+    ]
+    for url in cases[:-1]:
+        assert_error(
+            post(http, chat(messages=video(url))), 400, "invalid_media", "messages[0].content[0]"
+        )
+    assert post(http, chat(messages=video(cases[-1]))).status_code == 200
+
+
 def test_unknown_route_and_method(http):
     assert_error(http.get("/v1/nothing-here"), 404)
     assert_error(http.get("/v1/chat/completions"), 405)

@@ -1,0 +1,85 @@
+"""What one `video_url` costs the API process: decode (PyAV, sampled frames only), then
+resize + temporal patches + content hash, per clip, against the whole clip decoded.
+
+    PYTHONPATH=. .venv/bin/python bench/video_path.py [--repeats 3]
+
+Clips are H.264 (libx264, ultrafast) of a smooth moving gradient, made here: 5 s of
+640x360, 10 s of 1280x720 and 30 s of 854x480, all at 30 fps. Each line prints the median
+of `--repeats` runs: the sampled frames' decode, their processing, Tessera's total, and
+the time to decode and convert every frame of the clip (what a loader that samples after
+decoding pays), side by side in one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import statistics
+import time
+
+import numpy as np
+
+from engine.multimodal.image_processor import ImageProcessorConfig
+from engine.multimodal.video import VideoConfig, decode_video, process_video
+
+CLIPS = [("5 s 640x360", 640, 360, 150), ("10 s 1280x720", 1280, 720, 300),
+         ("30 s 854x480", 854, 480, 900)]
+# Qwen2-VL-2B-Instruct's preprocessor_config.json bounds (transformers applies them to
+# video frames too when the folder has no video_preprocessor_config.json).
+REAL_FRAME = ImageProcessorConfig(min_pixels=3136, max_pixels=12845056)
+
+
+def h264_clip(width: int, height: int, num_frames: int, fps: int = 30) -> bytes:
+    import av
+
+    y, x = np.mgrid[0:height, 0:width]
+    buffer = io.BytesIO()
+    with av.open(buffer, mode="w", format="mp4") as output:
+        stream = output.add_stream("libx264", rate=fps, options={"preset": "ultrafast"})
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for index in range(num_frames):
+            shift = 3 * index
+            frame = np.stack(
+                [(x + shift) % 256, (y + shift) % 256, (x + y + 2 * shift) % 256], axis=-1
+            ).astype(np.uint8)
+            output.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        output.mux(stream.encode())
+    return buffer.getvalue()
+
+
+def decode_everything(data: bytes) -> int:
+    import av
+
+    with av.open(io.BytesIO(data), format="mov") as container:
+        return sum(1 for frame in container.decode(video=0) if frame.to_ndarray(format="rgb24").size)
+
+
+def timed(function, repeats: int) -> tuple[float, object]:
+    times, result = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = function()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3, result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    config = VideoConfig(REAL_FRAME, fps=2.0, max_frames=32)
+    print(f"{'clip':<16}{'MB':>6}{'frames':>8}{'grid':>14}{'tokens':>8}"
+          f"{'decode ms':>11}{'process ms':>12}{'total ms':>10}{'all frames ms':>15}")
+    for name, width, height, num_frames in CLIPS:
+        data = h264_clip(width, height, num_frames)
+        decode_ms, (frames, _) = timed(lambda: decode_video(data, config), args.repeats)
+        process_ms, video = timed(lambda: process_video(frames, config), args.repeats)
+        everything_ms, _ = timed(lambda: decode_everything(data), args.repeats)
+        grid = "x".join(str(v) for v in video.grid_thw)
+        print(f"{name:<16}{len(data) / 1e6:>6.1f}{len(frames):>8}{grid:>14}{video.num_tokens:>8}"
+              f"{decode_ms:>11.1f}{process_ms:>12.1f}{decode_ms + process_ms:>10.1f}"
+              f"{everything_ms:>15.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,250 @@
+"""Video inputs: decode untrusted bytes with PyAV, sample frames, preprocess like Qwen2-VL.
+
+The result is what `transformers`' `Qwen2VLVideoProcessor` gives for the same frames with
+`do_sample_frames=True, fps=..., max_frames=...`:
+
+* **Sampling** (`sample_frame_indices`): `fps` frames per second of video, at least
+  `min_frames`, at most `max_frames` and the video's own frame count, rounded down to a
+  multiple of the temporal patch size; indices `arange(0, total, total / n)`, truncated.
+* **Resize**: every frame to the `smart_resize` size of the first (bounds from the model's
+  video config), bicubic with antialiasing on uint8 through `torch.nn.functional.interpolate`
+  (the kernel torchvision's uint8 resize runs on CPU, so the levels are identical).
+* **Patches**: consecutive frames pair up along the temporal patch (T = 2): row layout
+  [C, T, P, P], rows ordered (t, gh/M, gw/M, M, M); an odd frame count repeats the last.
+
+Levels stay uint8 (`ProcessedImage.pixel_levels`); the engine normalises them with the
+image path's table. transformers' video processor normalises with a fused float32 formula,
+so its values can differ from ours in the last bit; the levels are equal.
+
+Only a few containers are opened, each with its own demuxer named explicitly (MP4/MOV,
+Matroska/WebM, AVI, GIF): letting FFmpeg probe the format would also admit demuxers such as
+HLS or concat that read further files or URLs named inside the data.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.errors import MediaError, ModelLoadError
+from engine.multimodal.hashing import video_content_hash
+from engine.multimodal.image_processor import ImageProcessorConfig, ProcessedImage, smart_resize
+
+# transformers' Qwen2VLVideoProcessor defaults (used when the model folder says nothing).
+DEFAULT_MIN_FRAMES = 4
+SUPPORTED_CONTAINERS = "MP4/MOV, WebM/Matroska, AVI, GIF"
+
+
+@dataclass(frozen=True)
+class VideoConfig:
+    """How a video becomes encoder input: frame sampling plus the per-frame image settings.
+
+    `frame` carries patch geometry, normalisation and the per-frame pixel bounds: the
+    model's `video_preprocessor_config.json` if it has one, else its image settings (what
+    `transformers.AutoVideoProcessor` reads too).
+    """
+
+    frame: ImageProcessorConfig
+    fps: float = 2.0  # frames sampled per second of video
+    min_frames: int = DEFAULT_MIN_FRAMES
+    max_frames: int = 32
+
+    def __post_init__(self) -> None:
+        if not self.fps > 0:
+            raise ValueError(f"fps must be positive, got {self.fps}")
+        if not 1 <= self.min_frames <= self.max_frames:
+            raise ValueError(
+                f"need 1 <= min_frames <= max_frames, got {self.min_frames}, {self.max_frames}"
+            )
+
+    @classmethod
+    def from_model_dir(
+        cls, model_dir: str | Path, *, fps: float = 2.0, max_frames: int = 32
+    ) -> VideoConfig:
+        """The model's video settings; `fps` and `max_frames` are the server's."""
+        image_config = ImageProcessorConfig.from_model_dir(model_dir)
+        path = Path(model_dir) / "video_preprocessor_config.json"
+        if not path.is_file():
+            return cls(image_config, fps=fps, max_frames=max_frames)
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            frame = ImageProcessorConfig.from_dict(data)
+            min_frames = min(int(data.get("min_frames", DEFAULT_MIN_FRAMES)), max_frames)
+            return cls(frame, fps=fps, min_frames=min_frames, max_frames=max_frames)
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise ModelLoadError(f"video_preprocessor_config.json is invalid: {exc}") from exc
+
+
+def sample_frame_indices(
+    total_frames: int, video_fps: float | None, config: VideoConfig
+) -> list[int]:
+    """Which frames to keep, as transformers' `Qwen2VLVideoProcessor.sample_frames` picks
+    them with `fps`. Without a frame rate, `max_frames` frames spread evenly. A video
+    shorter than one temporal patch keeps all its frames (the last is repeated later)."""
+    patch = config.frame.temporal_patch_size
+    if total_frames <= 0:
+        return []
+    max_frames = math.floor(min(config.max_frames, total_frames) / patch) * patch
+    if video_fps is not None and video_fps > 0:
+        wanted = total_frames / video_fps * config.fps
+    else:
+        wanted = config.max_frames
+    num_frames = min(max(wanted, config.min_frames), max_frames, total_frames)
+    num_frames = math.floor(num_frames / patch) * patch
+    if num_frames <= 0:
+        return list(range(min(total_frames, config.max_frames)))
+    # The same float arithmetic as transformers (float32 arange, truncated to int).
+    indices = torch.arange(0, total_frames, total_frames / num_frames).int().tolist()
+    return indices[:num_frames]
+
+
+@dataclass(frozen=True)
+class VideoLimits:
+    """Checks on untrusted video data before and while it is decoded."""
+
+    max_frame_pixels: int = 64_000_000  # width x height of the coded frames
+    max_source_frames: int = 100_000  # frames in the container (decode cost)
+
+
+def decode_video(
+    data: bytes,
+    config: VideoConfig,
+    limits: VideoLimits = VideoLimits(),
+    *,
+    param: str | None = None,
+) -> tuple[list[np.ndarray], float | None]:
+    """Decode the sampled frames of a video: ([H, W, 3] uint8 RGB frames, the video's fps).
+
+    Raises `MediaError` naming `param` for data that is not a supported container, has no
+    video stream, is corrupt, is over the limits or has frames of changing size.
+    """
+    import av  # PyAV: imported here so that an image-only process does not load FFmpeg
+
+    container_format = sniff_container(data)
+    if container_format is None:
+        raise MediaError(
+            f"the data is not a supported video; supported containers are {SUPPORTED_CONTAINERS}",
+            param=param,
+        )
+    try:
+        with av.open(io.BytesIO(data), mode="r", format=container_format) as container:
+            if not container.streams.video:
+                raise MediaError("the video has no video stream", param=param)
+            stream = container.streams.video[0]
+            width, height = stream.codec_context.width, stream.codec_context.height
+            if width * height > limits.max_frame_pixels:
+                raise MediaError(
+                    f"the video's frames are {width}x{height} = {width * height} pixels; "
+                    f"the limit is {limits.max_frame_pixels}",
+                    param=param,
+                )
+            total = stream.frames or _count_packets(data, container_format)
+            if total > limits.max_source_frames:
+                raise MediaError(
+                    f"the video has {total} frames; the limit is {limits.max_source_frames}",
+                    param=param,
+                )
+            rate = stream.average_rate or stream.guessed_rate
+            video_fps = float(rate) if rate else None
+            wanted = sample_frame_indices(total, video_fps, config)
+            frames = _decode_frames(container, stream, set(wanted), wanted[-1] if wanted else -1)
+    except MediaError:
+        raise
+    except (av.FFmpegError, ValueError, OSError, EOFError, ZeroDivisionError) as exc:
+        raise MediaError("the video data is truncated or corrupt", param=param) from exc
+    if not frames:
+        raise MediaError("the video has no decodable frames", param=param)
+    if any(frame.shape != frames[0].shape for frame in frames):
+        raise MediaError("the video's frames change size; that is not supported", param=param)
+    return frames, video_fps
+
+
+def _decode_frames(container, stream, wanted: set[int], last: int) -> list[np.ndarray]:
+    frames = []
+    for index, frame in enumerate(container.decode(stream)):
+        if index in wanted:
+            frames.append(frame.to_ndarray(format="rgb24"))  # [H, W, 3] uint8
+        if index >= last:
+            break
+    return frames
+
+
+def _count_packets(data: bytes, container_format: str) -> int:
+    """Frame count of a container that does not state it: one packet per frame."""
+    import av
+
+    with av.open(io.BytesIO(data), mode="r", format=container_format) as container:
+        stream = container.streams.video[0]
+        return sum(1 for packet in container.demux(stream) if packet.size)
+
+
+def sniff_container(data: bytes) -> str | None:
+    """FFmpeg demuxer name for the container these bytes start with, or None."""
+    head = data[:16]
+    if head[4:8] in (b"ftyp", b"moov", b"mdat", b"wide", b"free", b"skip"):
+        return "mov"  # MP4, MOV, 3GP, M4V: one demuxer
+    if head[:4] == b"\x1a\x45\xdf\xa3":
+        return "matroska"  # MKV and WebM
+    if head[:4] == b"RIFF" and head[8:12] == b"AVI ":
+        return "avi"
+    if head[:6] in (b"GIF87a", b"GIF89a"):
+        return "gif"
+    return None
+
+
+def process_video(frames: list[np.ndarray], config: VideoConfig) -> ProcessedImage:
+    """Resize, patchify and hash decoded RGB frames ([H, W, 3] uint8, all one size)."""
+    frame_config = config.frame
+    height, width = frames[0].shape[:2]
+    resized_height, resized_width = smart_resize(
+        height,
+        width,
+        factor=frame_config.factor,
+        min_pixels=frame_config.min_pixels,
+        max_pixels=frame_config.max_pixels,
+    )
+    resized = [_resize(frame, resized_height, resized_width) for frame in frames]
+    levels, grid_thw = patchify_frames(np.stack(resized), frame_config)
+    merge = frame_config.merge_size
+    return ProcessedImage(
+        pixel_levels=levels,
+        normalization=frame_config.normalization,
+        grid_thw=grid_thw,
+        num_tokens=grid_thw[0] * grid_thw[1] * grid_thw[2] // merge**2,
+        content_hash=video_content_hash(levels, grid_thw, frame_config),
+    )
+
+
+def _resize(frame: np.ndarray, height: int, width: int) -> np.ndarray:
+    """[H, W, 3] uint8 -> [3, height, width] uint8, bicubic with antialiasing (uint8 kernel)."""
+    pixels = torch.from_numpy(frame).permute(2, 0, 1).unsqueeze(0)  # [1, 3, H, W]
+    resized = torch.nn.functional.interpolate(
+        pixels, size=(height, width), mode="bicubic", antialias=True, align_corners=False
+    )
+    return resized[0].numpy()
+
+
+def patchify_frames(
+    frames: np.ndarray, config: ImageProcessorConfig
+) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """[N, C, H, W] uint8 -> (levels [grid_t * grid_h * grid_w, C * T * P * P], grid_thw).
+
+    N is padded to a multiple of T by repeating the last frame."""
+    patch, merge, temporal = config.patch_size, config.merge_size, config.temporal_patch_size
+    if pad := -len(frames) % temporal:
+        frames = np.concatenate([frames, np.repeat(frames[-1:], pad, axis=0)])
+    num_frames, channels, height, width = frames.shape
+    grid_t, grid_h, grid_w = num_frames // temporal, height // patch, width // patch
+    blocks = frames.reshape(
+        grid_t, temporal, channels, grid_h // merge, merge, patch, grid_w // merge, merge, patch
+    )
+    # [gt, T, C, gh/M, M, P, gw/M, M, P] -> [gt, gh/M, gw/M, M, M, C, T, P, P]
+    blocks = blocks.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    rows = np.ascontiguousarray(blocks).reshape(grid_t * grid_h * grid_w, -1)
+    return torch.from_numpy(rows), (grid_t, grid_h, grid_w)

@@ -1,0 +1,62 @@
+"""transformers' greedy continuation of a chat with images and videos: the oracle that the
+parity and e2e tests hold Tessera to.
+
+`Qwen2VLProcessor` cannot be built here (transformers 5's video processor imports
+torchvision, which is not installed), so its one job is done by hand: the chat template
+from the tokenizer, each `<|image_pad|>` / `<|video_pad|>` widened to the item's token
+count, `mm_token_type_ids` (1 image, 2 video) for M-RoPE. Images go through transformers'
+own PIL image processor. Videos come as Tessera's processed frames (`ProcessedImage` from
+engine/multimodal/video.py), whose levels equal what `Qwen2VLVideoProcessor` makes of the
+same frames (checked against it in tests/unit/test_video.py where torchvision exists, and
+in docs/multimodal.md), so the model is what is compared.
+"""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+
+class HFGreedy:
+    def __init__(self, model_dir) -> None:
+        self.model = transformers.Qwen2VLForConditionalGeneration.from_pretrained(
+            model_dir, dtype=torch.float32
+        ).eval()
+        self.model.generation_config.eos_token_id = None  # a fixed length, like ignore_eos
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+        self.image_processor = transformers.AutoImageProcessor.from_pretrained(model_dir)
+
+    def inputs(self, messages: list[dict], images=(), videos=()) -> dict:
+        """`messages` use {"type": "image"} / {"type": "video"} parts, one per item of
+        `images` (PIL) / `videos` (processed videos), in order."""
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        merge = self.image_processor.merge_size
+        extra: dict = {}
+        counts = {"<|image_pad|>": [], "<|video_pad|>": []}
+        if images:
+            pixels = self.image_processor(images=list(images), return_tensors="pt")
+            extra.update(pixels)
+            counts["<|image_pad|>"] = [int(g.prod()) // merge**2 for g in pixels["image_grid_thw"]]
+        if videos:
+            extra["pixel_values_videos"] = torch.cat([v.pixel_values for v in videos])
+            extra["video_grid_thw"] = torch.tensor([list(v.grid_thw) for v in videos])
+            counts["<|video_pad|>"] = [v.num_tokens for v in videos]
+        for pad, numbers in counts.items():
+            pieces = text.split(pad)
+            text = pieces[0] + "".join(
+                pad * n + piece for n, piece in zip(numbers, pieces[1:], strict=True)
+            )
+        inputs = dict(self.tokenizer(text, return_tensors="pt"))
+        ids = inputs["input_ids"]
+        image_id, video_id = self.tokenizer.convert_tokens_to_ids(list(counts))
+        inputs["mm_token_type_ids"] = (ids == image_id).int() + 2 * (ids == video_id).int()
+        return {**inputs, **extra}
+
+    def generate(self, inputs: dict, num_tokens: int) -> list[int]:
+        with torch.no_grad():
+            out = self.model.generate(
+                **inputs, max_new_tokens=num_tokens, min_new_tokens=num_tokens, do_sample=False
+            )
+        return out[0, inputs["input_ids"].shape[1] :].tolist()

@@ -1,0 +1,245 @@
+"""engine/multimodal/video.py: frame sampling, decoding untrusted bytes, patch layout, hashes."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import sys
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+pytest.importorskip("av")
+
+from bench.local_inputs import moving_pictures, picture, video_bytes  # noqa: E402
+from engine.errors import MediaError  # noqa: E402
+from engine.multimodal.image_processor import ImageProcessorConfig, process_image  # noqa: E402
+from engine.multimodal.video import (  # noqa: E402
+    VideoConfig,
+    VideoLimits,
+    decode_video,
+    process_video,
+    sample_frame_indices,
+    sniff_container,
+)
+
+FRAME = ImageProcessorConfig(min_pixels=56 * 56, max_pixels=448 * 448)
+CONFIG = VideoConfig(FRAME, fps=2.0, max_frames=32)
+
+
+@pytest.mark.parametrize(
+    ("total", "video_fps", "max_frames", "expected"),
+    [
+        # transformers' Qwen2VLVideoProcessor.sample_frames(fps=2) gives the same lists:
+        (10, 4.0, 32, [0, 2, 5, 7]),  # 2.5 s -> 5 frames -> 4 (a multiple of 2)
+        (9, 5.0, 32, [0, 2, 4, 6]),  # 1.8 s -> 3.6 -> min_frames 4
+        (40, 30.0, 8, [0, 10, 20, 30]),  # 1.3 s -> 2.7 -> min_frames 4
+        (300, 30.0, 32, list(range(0, 300, 15))),  # 10 s -> 20 frames
+        (3000, 30.0, 32, [round(i * 93.75 - 0.49) for i in range(32)]),  # capped at 32
+        (3, 2.0, 32, [0, 1]),  # rounded down to one temporal patch
+        (32, 2.0, 32, list(range(32))),
+        (12, None, 8, [0, 1, 3, 4, 6, 7, 9, 10]),  # no frame rate: max_frames, spread evenly
+    ],
+)
+def test_sampling_follows_transformers(total, video_fps, max_frames, expected):
+    config = VideoConfig(FRAME, fps=2.0, max_frames=max_frames)
+    assert sample_frame_indices(total, video_fps, config) == expected
+
+
+def test_a_video_shorter_than_a_temporal_patch_keeps_its_frames():
+    assert sample_frame_indices(1, 30.0, CONFIG) == [0]
+    assert sample_frame_indices(0, 30.0, CONFIG) == []
+
+
+@pytest.mark.parametrize(
+    ("container", "codec"),
+    [
+        ("mp4", "mpeg4"),
+        ("mp4", "libx264"),
+        ("webm", "libvpx"),
+        ("avi", "mpeg4"),
+        ("matroska", "mpeg4"),
+    ],
+)
+def test_decodes_the_sampled_frames(container, codec):
+    frames = moving_pictures(96, 64, 10, salt=2)
+    data = video_bytes(frames, fps=4, container=container, codec=codec)
+    decoded, video_fps = decode_video(data, CONFIG)
+    assert video_fps == pytest.approx(4.0)
+    assert len(decoded) == 4  # 2.5 s at 2 fps -> 5 -> 4
+    assert all(frame.shape == (64, 96, 3) and frame.dtype == np.uint8 for frame in decoded)
+    # The kept frames are frames 0, 2, 5 and 7: each decoded frame is closest to that
+    # original (the codecs are lossy, so no equality).
+    for got, index in zip(decoded, [0, 2, 5, 7], strict=True):
+        distances = [np.abs(np.asarray(f).astype(int) - got).mean() for f in frames]
+        assert int(np.argmin(distances)) == index, (index, distances)
+
+
+def test_an_animated_gif_is_a_video():
+    frames = moving_pictures(64, 48, 6, salt=1)
+    buffer = io.BytesIO()
+    frames[0].save(buffer, format="GIF", save_all=True, append_images=frames[1:], duration=250)
+    decoded, video_fps = decode_video(buffer.getvalue(), CONFIG)
+    assert len(decoded) == 4 and decoded[0].shape == (48, 64, 3)
+
+
+def hls_playlist() -> bytes:
+    return b"#EXTM3U\n#EXT-X-TARGETDURATION:1\n#EXTINF:1,\nfile:///etc/passwd\n#EXT-X-ENDLIST\n"
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (b"", "not a supported video"),
+        (b"hello, this is text, not a video at all", "not a supported video"),
+        (hls_playlist(), "not a supported video"),  # never handed to a probing demuxer
+        (b"ffconcat version 1.0\nfile /etc/passwd\n", "not a supported video"),
+        (b"\x00\x00\x00\x18ftypmp42" + b"\x00" * 64, "truncated or corrupt"),
+    ],
+)
+def test_bad_bytes_are_media_errors(data, message):
+    with pytest.raises(MediaError, match=message) as info:
+        decode_video(data, CONFIG, param="messages[0].content[1]")
+    assert info.value.param == "messages[0].content[1]"
+
+
+def test_a_truncated_video_is_a_media_error_or_shorter():
+    data = video_bytes(moving_pictures(96, 64, 10), fps=4)
+    with pytest.raises(MediaError, match="truncated or corrupt|no decodable frames"):
+        decode_video(data[: len(data) // 3], CONFIG)
+
+
+def test_limits_are_checked_before_decoding():
+    data = video_bytes(moving_pictures(96, 64, 10), fps=4)
+    with pytest.raises(MediaError, match="96x64 = 6144 pixels; the limit is 6000"):
+        decode_video(data, CONFIG, VideoLimits(max_frame_pixels=6000))
+    with pytest.raises(MediaError, match="10 frames; the limit is 9"):
+        decode_video(data, CONFIG, VideoLimits(max_source_frames=9))
+
+
+def test_sniffing_names_one_demuxer_per_container():
+    assert sniff_container(b"\x00\x00\x00\x20ftypisom") == "mov"
+    assert sniff_container(b"\x1a\x45\xdf\xa3\x01") == "matroska"
+    assert sniff_container(b"RIFF\x00\x00\x00\x00AVI LIST") == "avi"
+    assert sniff_container(b"GIF89a") == "gif"
+    assert sniff_container(b"RIFF\x00\x00\x00\x00WEBPVP8 ") is None  # a still image
+
+
+def frames_of(*images: Image.Image) -> list[np.ndarray]:
+    return [np.array(image) for image in images]
+
+
+def test_a_still_video_has_the_image_path_patches():
+    """Two equal frames of a size that needs no resize make exactly the image's patches:
+    the image path (checked against transformers' image processor) repeats one frame
+    along the temporal patch."""
+    image = picture(84, 56, 3)
+    video = process_video(frames_of(image, image), CONFIG)
+    still = process_image(image, FRAME)
+    assert video.grid_thw == still.grid_thw == (1, 4, 6)
+    assert torch.equal(video.pixel_levels, still.pixel_levels)
+    assert video.num_tokens == still.num_tokens == 6
+    assert video.content_hash != still.content_hash  # kinds never share encoder rows
+
+
+def test_consecutive_frames_pair_along_the_temporal_patch():
+    a, b, c = picture(84, 56, 1), picture(84, 56, 2), picture(84, 56, 3)
+    video = process_video(frames_of(a, b, c), CONFIG)
+    assert video.grid_thw == (2, 4, 6)  # three frames padded to four with the last
+    rows = video.pixel_levels.view(2, 24, 3, 2, 14 * 14)  # [t, rows, C, T, P*P]
+    patches = {
+        name: process_image(image, FRAME).pixel_levels.view(24, 3, 2, 14 * 14)[:, :, 0]
+        for name, image in (("a", a), ("b", b), ("c", c))
+    }
+    assert torch.equal(rows[0, :, :, 0], patches["a"]) and torch.equal(
+        rows[0, :, :, 1], patches["b"]
+    )
+    assert torch.equal(rows[1, :, :, 0], patches["c"]) and torch.equal(
+        rows[1, :, :, 1], patches["c"]
+    )
+
+
+def test_frames_are_resized_like_transformers_video_processor():
+    """The resize is torch's uint8 bicubic antialias kernel, which torchvision's resize
+    runs for uint8 on CPU. Against PIL's bicubic (the image path) it may differ by a level."""
+    image = picture(300, 200, 4)
+    video = process_video(frames_of(image, image), CONFIG)
+    expected = torch.nn.functional.interpolate(
+        torch.from_numpy(np.array(image)).permute(2, 0, 1)[None],
+        size=(196, 308),
+        mode="bicubic",
+        antialias=True,
+        align_corners=False,
+    )
+    assert video.grid_thw == (1, 14, 22)
+    # Undo the patch layout of frame 0 and compare with the resized frame.
+    rows = video.pixel_levels.view(7, 11, 2, 2, 3, 2, 14, 14)[..., 0, :, :]  # T=0
+    frame = rows.permute(4, 0, 2, 5, 1, 3, 6).reshape(3, 196, 308)
+    assert torch.equal(frame, expected[0])
+
+
+def test_content_hash_follows_the_frames_and_the_settings():
+    frames = frames_of(*moving_pictures(84, 56, 4))
+    first = process_video(frames, CONFIG)
+    assert process_video(frames, CONFIG).content_hash == first.content_hash
+    assert process_video(frames[::-1], CONFIG).content_hash != first.content_hash
+    other = VideoConfig(ImageProcessorConfig(min_pixels=56 * 56, max_pixels=56 * 84), fps=2.0)
+    assert process_video(frames, other).content_hash != first.content_hash
+
+
+def test_model_folder_video_config(tmp_path):
+    (tmp_path / "preprocessor_config.json").write_text('{"min_pixels": 3136, "max_pixels": 200704}')
+    config = VideoConfig.from_model_dir(tmp_path, fps=1.0, max_frames=8)
+    assert (config.frame.max_pixels, config.fps, config.max_frames) == (200704, 1.0, 8)
+    (tmp_path / "video_preprocessor_config.json").write_text(
+        '{"size": {"shortest_edge": 100352, "longest_edge": 602112}, "min_frames": 2}'
+    )
+    config = VideoConfig.from_model_dir(tmp_path, max_frames=8)
+    assert (config.frame.min_pixels, config.frame.max_pixels) == (100352, 602112)
+    assert config.min_frames == 2
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("torchvision") is None,
+    reason="transformers' video processor needs torchvision",
+)
+def test_matches_transformers_video_processor(tmp_path):
+    """Where torchvision is importable: the same levels as Qwen2VLVideoProcessor with
+    do_sample_frames=True, fps=2 (normalised values within one float32 ulp)."""
+    from bench.hf_baseline import patch_broken_torchvision
+
+    patch_broken_torchvision()
+    transformers = pytest.importorskip("transformers")
+    from transformers.video_utils import VideoMetadata
+
+    from engine.tiny_model import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "m")
+    processor = transformers.AutoVideoProcessor.from_pretrained(model_dir)
+    config = VideoConfig.from_model_dir(model_dir)
+    for width, height, count, fps in [(160, 120, 10, 4), (200, 90, 9, 5), (320, 240, 40, 30)]:
+        data = video_bytes(moving_pictures(width, height, count, salt=count), fps=fps)
+        frames, video_fps = decode_video(data, config)
+        ours = process_video(frames, config)
+        import av
+
+        with av.open(io.BytesIO(data)) as container:
+            everything = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+        video = torch.from_numpy(np.stack(everything)).permute(0, 3, 1, 2)
+        metadata = VideoMetadata(
+            total_num_frames=len(everything), fps=video_fps, width=width, height=height
+        )
+        out = processor(
+            videos=[video],
+            video_metadata=[metadata],
+            do_sample_frames=True,
+            fps=2.0,
+            max_frames=32,
+            cap_pixels_per_frame=False,
+            return_tensors="pt",
+        )
+        assert out["video_grid_thw"].tolist() == [list(ours.grid_thw)]
+        assert torch.allclose(ours.pixel_values, out["pixel_values_videos"], rtol=0, atol=1e-6)
+    assert "torchvision" in sys.modules
