@@ -1,13 +1,16 @@
-"""`tessera encode-features`: run a model's own vision tower over images, write features.
+"""`tessera encode-features`: run a model's own vision tower over images and videos, write
+features.
 
-    tessera encode-features --model DIR --output OUT IMAGE [IMAGE ...]
+    tessera encode-features --model DIR --output OUT FILE [FILE ...]
 
-Each image is decoded and preprocessed exactly as the server does, encoded by the
-model's vision tower (patch merger included), and written as `<OUT>/<image stem>.safetensors`
-with tensors `embeds` [num_tokens, hidden_size] and `grid_thw` [3] (int64). OUT is a local
-folder or `s3://bucket/prefix` (aioboto3; `--s3-endpoint-url` or the standard AWS env).
-One JSON line per image goes to stdout: {"image", "url", "grid_thw", "num_tokens"}, what
-a chat request's `image_features` part needs. Video is not supported yet.
+Each file is decoded and preprocessed exactly as the server does (a video file — MP4/MOV,
+WebM/Matroska, AVI — is sampled at `--video-fps`, at most `--max-video-frames` frames, as
+the server's defaults; anything else is an image), encoded by the model's vision tower
+(patch merger included), and written as `<OUT>/<file stem>.safetensors` with tensors
+`embeds` [num_tokens, hidden_size] and `grid_thw` [3] (int64). OUT is a local folder or
+`s3://bucket/prefix` (aioboto3; `--s3-endpoint-url` or the standard AWS env). One JSON line
+per file goes to stdout: {"image" or "video", "url", "grid_thw", "num_tokens"}, what a chat
+request's `image_features` / `video_features` part needs.
 """
 
 from __future__ import annotations
@@ -26,31 +29,46 @@ from engine.attention import get_attention_backend
 from engine.models.loader import load_model
 from engine.multimodal.image_processor import ImageProcessorConfig, process_image
 from engine.multimodal.media import decode_image
+from engine.multimodal.video import VideoConfig, decode_video, process_video, sniff_container
+
+VIDEO_CONTAINERS = ("mov", "matroska", "avi")  # an animated GIF stays an image, as on the server
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tessera encode-features",
-        description="Encode images with a model's vision tower into safetensors feature files.",
+        description="Encode images and videos with a model's vision tower into safetensors "
+        "feature files.",
     )
-    parser.add_argument("images", nargs="+", help="image files")
+    parser.add_argument("images", nargs="+", metavar="FILE", help="image or video files")
     parser.add_argument("--model", required=True, help="local Hugging Face checkpoint folder")
     parser.add_argument("--output", required=True, help="folder or s3://bucket/prefix")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--s3-endpoint-url", default=None)
+    parser.add_argument("--video-fps", type=float, default=2.0, help="video frames per second")
+    parser.add_argument("--max-video-frames", type=int, default=32, help="frames per video")
     return parser
 
 
 @torch.inference_mode()
-def encode_image_file(model, config: ImageProcessorConfig, path: Path, device) -> tuple:
-    """(embeds [num_tokens, hidden] float32 on host, grid_thw) of one image file."""
-    image = process_image(decode_image(path.read_bytes()), config)
+def encode_file(
+    model, image_config: ImageProcessorConfig, video_config: VideoConfig, path: Path, device
+) -> tuple:
+    """(embeds [num_tokens, hidden] float32 on host, grid_thw, "image" | "video") of one
+    image or video file."""
+    data = path.read_bytes()
+    if sniff_container(data) in VIDEO_CONTAINERS:
+        kind = "video"
+        image = process_video(decode_video(data, video_config)[0], video_config)
+    else:
+        kind = "image"
+        image = process_image(decode_image(data), image_config)
     model_dtype = next(model.parameters()).dtype
     pixel_values = image.pixel_values.to(device=device, dtype=model_dtype)  # [P, C*T*P*P]
     grid = torch.tensor([image.grid_thw], dtype=torch.long, device=device)  # [1, 3]
     embeds = model.encode_images(pixel_values, grid)  # [num_tokens, hidden]
-    return embeds.float().cpu(), tuple(image.grid_thw)
+    return embeds.float().cpu(), tuple(image.grid_thw), kind
 
 
 def feature_file_bytes(embeds: torch.Tensor, grid_thw: tuple[int, int, int], dtype: str) -> bytes:
@@ -79,14 +97,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.model, dtype=dtype, device=device, attention=get_attention_backend("torch")
     )
     config = ImageProcessorConfig.from_model_dir(args.model)
+    video_config = VideoConfig.from_model_dir(
+        args.model, fps=args.video_fps, max_frames=args.max_video_frames
+    )
     output = args.output.rstrip("/")
     files: dict[str, bytes] = {}
     for name in args.images:
         path = Path(name)
-        embeds, grid_thw = encode_image_file(model, config, path, device)
+        embeds, grid_thw, kind = encode_file(model, config, video_config, path, device)
         url = f"{output}/{path.stem}.safetensors"
         files[url] = feature_file_bytes(embeds, grid_thw, args.dtype)
-        line = {"image": name, "url": url, "grid_thw": list(grid_thw)}
+        line = {kind: name, "url": url, "grid_thw": list(grid_thw)}
         print(json.dumps({**line, "num_tokens": embeds.shape[0]}))
     if output.startswith("s3://"):
         asyncio.run(_upload(files, args.s3_endpoint_url))

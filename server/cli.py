@@ -216,7 +216,7 @@ COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "make-tiny-model": (make_tiny_model_main, "write a small random-weight Qwen2-VL checkpoint"),
     "encode-features": (
         encode_features_main,
-        "encode images with the model's vision tower into feature files",
+        "encode images and videos with the model's vision tower into feature files",
     ),
     "bench": (bench_main, "bench serve: load-test an OpenAI-compatible server"),
 }

@@ -3,6 +3,7 @@ server mode on 127.0.0.1) and a local HTTP server with per-object latency and fa
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import random
@@ -22,8 +23,10 @@ from bench.local_inputs import (
     ObjectServer,
     feature_part,
     features,
+    moving_pictures,
     picture,
     png_bytes,
+    video_bytes,
 )
 from bench.servers import free_port
 from tests.e2e.conftest import MODEL_NAME, run_server
@@ -139,6 +142,24 @@ def test_encode_features_gives_the_same_completion_as_the_image(
     assert text_of(chat(fhttp, [part], max_tokens=8)) == with_image
     mixed = text_of(chat(fhttp, [image_part, part], max_tokens=8))
     assert mixed  # features and an image in one request
+
+
+def test_encode_features_of_a_video_give_the_same_completion_as_the_video(
+    fhttp, model_dir, tmp_path, s3_endpoint, capsys
+):
+    from engine.encode_features import main as encode_main
+
+    clip = tmp_path / "clip.mp4"
+    clip.write_bytes(video_bytes(moving_pictures(160, 120, 12, salt=4), fps=4))
+    argv = ["--model", str(model_dir), "--output", f"s3://{BUCKET}/encoded",
+            "--s3-endpoint-url", s3_endpoint]  # fmt: skip
+    assert encode_main([*argv, str(clip)]) == 0
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (line["video"], line["grid_thw"], line["num_tokens"]) == (str(clip), [3, 8, 12], 72)
+    video_part = {"type": "video_url", "video_url": {"url": data_url(clip.read_bytes())}}
+    with_video = text_of(chat(fhttp, [video_part], max_tokens=8))
+    part = feature_part(line["url"], grid=(3, 8, 12), kind="video_features")
+    assert text_of(chat(fhttp, [part], max_tokens=8)) == with_video
 
 
 def test_order_holds_under_random_latency(fhttp, objects):
