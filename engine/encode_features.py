@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--s3-endpoint-url", default=None)
     parser.add_argument("--video-fps", type=float, default=2.0, help="video frames per second")
     parser.add_argument("--max-video-frames", type=int, default=32, help="frames per video")
+    parser.add_argument("--max-video-tokens", type=int, default=16384, help="tokens per video")
     return parser
 
 
@@ -98,7 +99,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     config = ImageProcessorConfig.from_model_dir(args.model)
     video_config = VideoConfig.from_model_dir(
-        args.model, fps=args.video_fps, max_frames=args.max_video_frames
+        args.model,
+        fps=args.video_fps,
+        max_frames=args.max_video_frames,
+        max_tokens=args.max_video_tokens,
     )
     output = args.output.rstrip("/")
     files: dict[str, bytes] = {}

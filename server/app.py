@@ -95,9 +95,13 @@ def _make_fetcher(settings: ServerSettings) -> MediaFetcher | None:
         max_video_bytes=settings.max_video_bytes,
         video_fps=settings.video_fps,
         max_video_frames=settings.max_video_frames,
+        max_video_tokens=settings.max_video_tokens,
     )
     video_config = VideoConfig.from_model_dir(
-        model_dir, fps=settings.video_fps, max_frames=settings.max_video_frames
+        model_dir,
+        fps=settings.video_fps,
+        max_frames=settings.max_video_frames,
+        max_tokens=settings.max_video_tokens,
     )
     return MediaFetcher(config, ImageProcessorConfig.from_model_dir(model_dir), video_config)
 

@@ -56,6 +56,7 @@ class MediaFetchConfig:
     max_video_bytes: int = 64 * 1024 * 1024
     video_fps: float = 2.0  # frames sampled per second of video
     max_video_frames: int = 32  # frames sampled per video, at most
+    max_video_tokens: int = 16384  # a video's frames shrink to fit ~90% of this many tokens
 
     @property
     def url_policy(self) -> UrlPolicy:
@@ -79,7 +80,10 @@ class MediaFetcher:
         self.config = config
         self.image_config = image_config
         self.video_config = video_config or VideoConfig(
-            image_config, fps=config.video_fps, max_frames=config.max_video_frames
+            image_config,
+            fps=config.video_fps,
+            max_frames=config.max_video_frames,
+            max_tokens=config.max_video_tokens,
         )
         self.video_limits = VideoLimits(max_frame_pixels=config.max_image_pixels)
         self.policy = config.url_policy

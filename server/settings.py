@@ -67,6 +67,7 @@ class ServerSettings:
     max_video_bytes: int = 64 * 1024 * 1024  # per fetched / data: video
     video_fps: float = 2.0  # video frames sampled per second (as transformers' `fps`)
     max_video_frames: int = 32  # frames sampled per video, at most (2 frames = 1 grid step)
+    max_video_tokens: int = 16384  # frames shrink so that one video takes at most ~0.9x this many tokens
     image_cache_mb: int = 256  # processed images kept for repeats of the same bytes; 0 = off
     media_fetch_timeout_s: float = 10.0  # total deadline per media URL
     media_fetch_max_redirects: int = 3  # each hop re-checked by the URL guard
@@ -99,6 +100,7 @@ class ServerSettings:
             "max_video_bytes",
             "max_header_bytes",
             "max_video_frames",
+            "max_video_tokens",
         ):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{name} must be positive")

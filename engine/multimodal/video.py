@@ -1,13 +1,15 @@
 """Video inputs: decode untrusted bytes with PyAV, sample frames, preprocess like Qwen2-VL.
 
 The result is what `transformers`' `Qwen2VLVideoProcessor` gives for the same frames with
-`do_sample_frames=True, fps=..., max_frames=...`:
+`do_sample_frames=True, fps=..., max_frames=..., cap_pixels_per_frame=True,
+max_video_tokens=...`:
 
 * **Sampling** (`sample_frame_indices`): `fps` frames per second of video, at least
   `min_frames`, at most `max_frames` and the video's own frame count, rounded down to a
   multiple of the temporal patch size; indices `arange(0, total, total / n)`, truncated.
 * **Resize**: every frame to the `smart_resize` size of the first (bounds from the model's
-  video config), bicubic with antialiasing on uint8 through `torch.nn.functional.interpolate`
+  video config, the upper one shared out of a whole-video token budget as transformers'
+  `cap_pixels_per_frame=True, max_video_tokens=...` does), bicubic with antialiasing on uint8 through `torch.nn.functional.interpolate`
   (the kernel torchvision's uint8 resize runs on CPU, so the levels are identical).
 * **Patches**: consecutive frames pair up along the temporal patch (T = 2): row layout
   [C, T, P, P], rows ordered (t, gh/M, gw/M, M, M); an odd frame count repeats the last.
@@ -54,10 +56,13 @@ class VideoConfig:
     fps: float = 2.0  # frames sampled per second of video
     min_frames: int = DEFAULT_MIN_FRAMES
     max_frames: int = 32
+    max_tokens: int | None = 16384  # a whole video's budget; None = only the per-frame bound
 
     def __post_init__(self) -> None:
         if not self.fps > 0:
             raise ValueError(f"fps must be positive, got {self.fps}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be positive, got {self.max_tokens}")
         if not 1 <= self.min_frames <= self.max_frames:
             raise ValueError(
                 f"need 1 <= min_frames <= max_frames, got {self.min_frames}, {self.max_frames}"
@@ -65,20 +70,41 @@ class VideoConfig:
 
     @classmethod
     def from_model_dir(
-        cls, model_dir: str | Path, *, fps: float = 2.0, max_frames: int = 32
+        cls,
+        model_dir: str | Path,
+        *,
+        fps: float = 2.0,
+        max_frames: int = 32,
+        max_tokens: int | None = 16384,
     ) -> VideoConfig:
-        """The model's video settings; `fps` and `max_frames` are the server's."""
+        """The model's video settings; `fps`, `max_frames` and `max_tokens` are the server's."""
         image_config = ImageProcessorConfig.from_model_dir(model_dir)
+        limits = {"fps": fps, "max_frames": max_frames, "max_tokens": max_tokens}
         path = Path(model_dir) / "video_preprocessor_config.json"
         if not path.is_file():
-            return cls(image_config, fps=fps, max_frames=max_frames)
+            return cls(image_config, **limits)
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
             frame = ImageProcessorConfig.from_dict(data)
             min_frames = min(int(data.get("min_frames", DEFAULT_MIN_FRAMES)), max_frames)
-            return cls(frame, fps=fps, min_frames=min_frames, max_frames=max_frames)
+            return cls(frame, min_frames=min_frames, **limits)
         except (ValueError, TypeError, AttributeError) as exc:
             raise ModelLoadError(f"video_preprocessor_config.json is invalid: {exc}") from exc
+
+    def frame_max_pixels(self, num_frames: int) -> int:
+        """Per-frame pixel bound for a video of `num_frames` sampled frames.
+
+        With `max_tokens`, each frame gets an even share of 90% of that many tokens' pixels
+        (two frames share a token), never less than 1.05 x `min_pixels`: transformers'
+        `cap_pixels_per_frame=True, max_video_tokens=max_tokens` (qwen-vl-utils' rule).
+        It bounds what one request can cost: without it a 32-frame 4K clip is ~800 MB of
+        levels and ~250k tokens before the context check refuses it."""
+        frame = self.frame
+        if self.max_tokens is None:
+            return frame.max_pixels
+        total_pixels = int(self.max_tokens * frame.factor * frame.factor * 0.9)
+        share = total_pixels * frame.temporal_patch_size // max(num_frames, 1)
+        return max(min(frame.max_pixels, share), int(frame.min_pixels * 1.05))
 
 
 def sample_frame_indices(
@@ -207,7 +233,7 @@ def process_video(frames: list[np.ndarray], config: VideoConfig) -> ProcessedIma
         width,
         factor=frame_config.factor,
         min_pixels=frame_config.min_pixels,
-        max_pixels=frame_config.max_pixels,
+        max_pixels=config.frame_max_pixels(len(frames)),
     )
     resized = [_resize(frame, resized_height, resized_width) for frame in frames]
     levels, grid_thw = patchify_frames(np.stack(resized), frame_config)

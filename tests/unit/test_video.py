@@ -180,6 +180,19 @@ def test_frames_are_resized_like_transformers_video_processor():
     assert torch.equal(frame, expected[0])
 
 
+def test_a_token_budget_shrinks_the_frames_as_transformers_cap_does():
+    frames = frames_of(*moving_pictures(640, 480, 4))
+    uncapped = process_video(frames, VideoConfig(FRAME, max_tokens=None))
+    assert uncapped.grid_thw == (2, 26, 36) and uncapped.num_tokens == 468  # 448x448 bound
+    config = VideoConfig(FRAME, max_tokens=64)
+    # 90% of 64 tokens of 28x28 px, times 2 frames per token, over 4 frames: 22579 px.
+    assert config.frame_max_pixels(4) == 22579
+    capped = process_video(frames, config)
+    assert capped.grid_thw == (2, 8, 12) and capped.num_tokens == 48
+    # Never below 1.05 x min_pixels, however many frames share the budget.
+    assert config.frame_max_pixels(10_000) == int(56 * 56 * 1.05)
+
+
 def test_content_hash_follows_the_frames_and_the_settings():
     frames = frames_of(*moving_pictures(84, 56, 4))
     first = process_video(frames, CONFIG)
@@ -207,39 +220,44 @@ def test_model_folder_video_config(tmp_path):
 )
 def test_matches_transformers_video_processor(tmp_path):
     """Where torchvision is importable: the same levels as Qwen2VLVideoProcessor with
-    do_sample_frames=True, fps=2 (normalised values within one float32 ulp)."""
+    do_sample_frames=True, fps=2, with and without its whole-video token cap (normalised
+    values within one float32 ulp)."""
     from bench.hf_baseline import patch_broken_torchvision
 
     patch_broken_torchvision()
     transformers = pytest.importorskip("transformers")
+    import av
     from transformers.video_utils import VideoMetadata
 
     from engine.tiny_model import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path / "m")
     processor = transformers.AutoVideoProcessor.from_pretrained(model_dir)
-    config = VideoConfig.from_model_dir(model_dir)
-    for width, height, count, fps in [(160, 120, 10, 4), (200, 90, 9, 5), (320, 240, 40, 30)]:
-        data = video_bytes(moving_pictures(width, height, count, salt=count), fps=fps)
-        frames, video_fps = decode_video(data, config)
-        ours = process_video(frames, config)
-        import av
-
-        with av.open(io.BytesIO(data)) as container:
-            everything = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
-        video = torch.from_numpy(np.stack(everything)).permute(0, 3, 1, 2)
-        metadata = VideoMetadata(
-            total_num_frames=len(everything), fps=video_fps, width=width, height=height
-        )
-        out = processor(
-            videos=[video],
-            video_metadata=[metadata],
-            do_sample_frames=True,
-            fps=2.0,
-            max_frames=32,
-            cap_pixels_per_frame=False,
-            return_tensors="pt",
-        )
-        assert out["video_grid_thw"].tolist() == [list(ours.grid_thw)]
-        assert torch.allclose(ours.pixel_values, out["pixel_values_videos"], rtol=0, atol=1e-6)
+    clips = [(160, 120, 10, 4), (200, 90, 9, 5), (320, 240, 40, 30)]
+    for max_tokens in (None, 64):
+        config = VideoConfig.from_model_dir(model_dir, max_tokens=max_tokens)
+        cap = {"cap_pixels_per_frame": max_tokens is not None}
+        processor.max_video_tokens = max_tokens or 0  # read from the processor, not the call
+        for width, height, count, fps in clips:
+            data = video_bytes(moving_pictures(width, height, count, salt=count), fps=fps)
+            frames, video_fps = decode_video(data, config)
+            ours = process_video(frames, config)
+            with av.open(io.BytesIO(data)) as container:
+                everything = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+            video = torch.from_numpy(np.stack(everything)).permute(0, 3, 1, 2)
+            metadata = VideoMetadata(
+                total_num_frames=len(everything), fps=video_fps, width=width, height=height
+            )
+            out = processor(
+                videos=[video],
+                video_metadata=[metadata],
+                do_sample_frames=True,
+                fps=2.0,
+                max_frames=32,
+                return_tensors="pt",
+                **cap,
+            )
+            assert out["video_grid_thw"].tolist() == [list(ours.grid_thw)], (max_tokens, width)
+            expected = out["pixel_values_videos"]
+            assert torch.allclose(ours.pixel_values, expected, rtol=0, atol=1e-6)
     assert "torchvision" in sys.modules
