@@ -29,7 +29,7 @@ from engine.attention import get_attention_backend
 from engine.models.loader import load_model
 from engine.multimodal.image_processor import ImageProcessorConfig, process_image
 from engine.multimodal.media import decode_image
-from engine.multimodal.video import VideoConfig, decode_video, process_video, sniff_container
+from engine.multimodal.video import VideoConfig, load_video, sniff_container
 
 VIDEO_CONTAINERS = ("mov", "matroska", "avi")  # an animated GIF stays an image, as on the server
 
@@ -61,7 +61,7 @@ def encode_file(
     data = path.read_bytes()
     if sniff_container(data) in VIDEO_CONTAINERS:
         kind = "video"
-        image = process_video(decode_video(data, video_config)[0], video_config)
+        image = load_video(data, video_config)
     else:
         kind = "image"
         image = process_image(decode_image(data), image_config)

@@ -195,7 +195,7 @@ class LLM:
         """ProcessedImage of an {"type": "image"} or {"type": "video"} content part."""
         from engine.multimodal.image_processor import process_image
         from engine.multimodal.media import decode_image
-        from engine.multimodal.video import decode_video, process_video
+        from engine.multimodal.video import load_video, process_video
 
         if part["type"] == "image":
             image = part.get("image")
@@ -204,10 +204,9 @@ class LLM:
             return process_image(image, self.image_config)
         video = part.get("video")
         if isinstance(video, (bytes, bytearray)):
-            frames, _ = decode_video(bytes(video), self.video_config, param=param)
-        else:  # frames, sampled by the caller
-            frames = [
-                np.array(frame.convert("RGB") if hasattr(frame, "convert") else frame)
-                for frame in video
-            ]
+            return load_video(bytes(video), self.video_config, param=param)
+        frames = [  # sampled by the caller
+            np.array(frame.convert("RGB") if hasattr(frame, "convert") else frame)
+            for frame in video
+        ]
         return process_video(frames, self.video_config)

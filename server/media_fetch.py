@@ -25,7 +25,7 @@ import aiohttp
 from engine.errors import MediaError
 from engine.multimodal.image_processor import ImageProcessorConfig, ProcessedImage, process_image
 from engine.multimodal.media import decode_data_url, decode_image
-from engine.multimodal.video import VideoConfig, VideoLimits, decode_video, process_video
+from engine.multimodal.video import VideoConfig, VideoLimits, load_video
 from engine.url_safety import (
     BodyTooLargeError,
     RedirectError,
@@ -133,8 +133,7 @@ class MediaFetcher:
                 image = decode_image(data, max_pixels=self.config.max_image_pixels, param=param)
                 processed = process_image(image, self.image_config)
             else:
-                frames, _ = decode_video(data, self.video_config, self.video_limits, param=param)
-                processed = process_video(frames, self.video_config)
+                processed = load_video(data, self.video_config, self.video_limits, param=param)
             self.processed.put(key, processed)
         return processed
 

@@ -147,6 +147,10 @@ def decode_video(
 ) -> tuple[list[np.ndarray], float | None]:
     """Decode the sampled frames of a video: ([H, W, 3] uint8 RGB frames, the video's fps).
 
+    Each sampled frame is resized to its final size as soon as it is decoded, so memory
+    holds one source frame and the (budgeted) resized ones, never 32 source frames of a
+    4K video. `load_video` turns them into encoder input.
+
     Raises `MediaError` naming `param` for data that is not a supported container, has no
     video stream, is corrupt, is over the limits or has frames of changing size.
     """
@@ -179,23 +183,36 @@ def decode_video(
             rate = stream.average_rate or stream.guessed_rate
             video_fps = float(rate) if rate else None
             wanted = sample_frame_indices(total, video_fps, config)
-            frames = _decode_frames(container, stream, set(wanted), wanted[-1] if wanted else -1)
+            frames = _decode_frames(container, stream, wanted, config, param)
     except MediaError:
         raise
-    except (av.FFmpegError, ValueError, OSError, EOFError, ZeroDivisionError) as exc:
+    except Exception as exc:  # noqa: BLE001 - any decoder failure is the client's data
         raise MediaError("the video data is truncated or corrupt", param=param) from exc
     if not frames:
         raise MediaError("the video has no decodable frames", param=param)
-    if any(frame.shape != frames[0].shape for frame in frames):
-        raise MediaError("the video's frames change size; that is not supported", param=param)
     return frames, video_fps
 
 
-def _decode_frames(container, stream, wanted: set[int], last: int) -> list[np.ndarray]:
-    frames = []
+def _decode_frames(
+    container, stream, wanted: list[int], config: VideoConfig, param: str | None
+) -> list[np.ndarray]:
+    """The `wanted` frames, in order, each resized to the video's final frame size."""
+    frames: list[np.ndarray] = []
+    if not wanted:
+        return frames
+    wanted_set, last = set(wanted), wanted[-1]
+    source_shape, size = None, None
     for index, frame in enumerate(container.decode(stream)):
-        if index in wanted:
-            frames.append(frame.to_ndarray(format="rgb24"))  # [H, W, 3] uint8
+        if index in wanted_set:
+            rgb = frame.to_ndarray(format="rgb24")  # [H, W, 3] uint8
+            if source_shape is None:
+                source_shape = rgb.shape
+                size = frame_size(rgb.shape[0], rgb.shape[1], len(wanted), config)
+            elif rgb.shape != source_shape:
+                raise MediaError(
+                    "the video's frames change size; that is not supported", param=param
+                )
+            frames.append(resize_frame(rgb, *size))  # type: ignore[misc]
         if index >= last:
             break
     return frames
@@ -224,19 +241,43 @@ def sniff_container(data: bytes) -> str | None:
     return None
 
 
-def process_video(frames: list[np.ndarray], config: VideoConfig) -> ProcessedImage:
-    """Resize, patchify and hash decoded RGB frames ([H, W, 3] uint8, all one size)."""
-    frame_config = config.frame
-    height, width = frames[0].shape[:2]
-    resized_height, resized_width = smart_resize(
+def frame_size(height: int, width: int, num_frames: int, config: VideoConfig) -> tuple[int, int]:
+    """(height, width) every frame of a `num_frames`-frame video of this size is resized to.
+    Apply it to source sizes only: where the pixel bounds are close (a tight token budget),
+    `smart_resize` of its own output can move again."""
+    frame = config.frame
+    return smart_resize(
         height,
         width,
-        factor=frame_config.factor,
-        min_pixels=frame_config.min_pixels,
-        max_pixels=config.frame_max_pixels(len(frames)),
+        factor=frame.factor,
+        min_pixels=frame.min_pixels,
+        max_pixels=config.frame_max_pixels(num_frames),
     )
-    resized = [_resize(frame, resized_height, resized_width) for frame in frames]
-    levels, grid_thw = patchify_frames(np.stack(resized), frame_config)
+
+
+def load_video(
+    data: bytes,
+    config: VideoConfig,
+    limits: VideoLimits = VideoLimits(),
+    *,
+    param: str | None = None,
+) -> ProcessedImage:
+    """Video file bytes -> encoder input: `decode_video` (sampled, resized frames), then
+    temporal patches and the content hash."""
+    frames, _ = decode_video(data, config, limits, param=param)
+    return _from_resized(np.stack(frames), config)
+
+
+def process_video(frames: list[np.ndarray], config: VideoConfig) -> ProcessedImage:
+    """Sampled full-size RGB frames ([H, W, 3] uint8, all one size) -> encoder input."""
+    size = frame_size(frames[0].shape[0], frames[0].shape[1], len(frames), config)
+    return _from_resized(np.stack([resize_frame(frame, *size) for frame in frames]), config)
+
+
+def _from_resized(frames: np.ndarray, config: VideoConfig) -> ProcessedImage:
+    """[N, H, W, C] uint8 frames at their final size -> ProcessedImage."""
+    frame_config = config.frame
+    levels, grid_thw = patchify_frames(frames.transpose(0, 3, 1, 2), frame_config)
     merge = frame_config.merge_size
     return ProcessedImage(
         pixel_levels=levels,
@@ -247,13 +288,17 @@ def process_video(frames: list[np.ndarray], config: VideoConfig) -> ProcessedIma
     )
 
 
-def _resize(frame: np.ndarray, height: int, width: int) -> np.ndarray:
-    """[H, W, 3] uint8 -> [3, height, width] uint8, bicubic with antialiasing (uint8 kernel)."""
+def resize_frame(frame: np.ndarray, height: int, width: int) -> np.ndarray:
+    """[H, W, 3] uint8 -> [height, width, 3] uint8, bicubic with antialiasing (torch's uint8
+    kernel, what torchvision runs). A frame already at that size is returned as is (the
+    kernel would return it unchanged)."""
+    if frame.shape[:2] == (height, width):
+        return frame
     pixels = torch.from_numpy(frame).permute(2, 0, 1).unsqueeze(0)  # [1, 3, H, W]
     resized = torch.nn.functional.interpolate(
         pixels, size=(height, width), mode="bicubic", antialias=True, align_corners=False
     )
-    return resized[0].numpy()
+    return resized[0].permute(1, 2, 0).numpy()  # a view of [3, height, width]
 
 
 def patchify_frames(

@@ -288,14 +288,14 @@ def test_http_route_label_is_template(http):
 
 def test_greedy_text_matches_transformers(client, model_dir, image_server):
     pytest.importorskip("transformers")
-    from engine.multimodal.video import VideoConfig, decode_video, process_video
+    from engine.multimodal.video import VideoConfig, load_video
     from tests.hf_reference import HFGreedy
 
     reference = HFGreedy(model_dir)
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     image = picture(112, 84, 1)
     config = VideoConfig.from_model_dir(model_dir)  # the server's defaults: 2 fps, 32 frames
-    clip = process_video(decode_video(fetch(image_server + "/clip.mp4"), config)[0], config)
+    clip = load_video(fetch(image_server + "/clip.mp4"), config)
     cases = [
         (user("Describe a dog in the park."), user("Describe a dog in the park."), [], []),
         (image_message(image_server + "/picture.png", "What is this?"),

@@ -15,7 +15,7 @@ pytest.importorskip("av")
 
 from bench.local_inputs import moving_pictures, picture, video_bytes  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.multimodal.video import VideoConfig, decode_video, process_video  # noqa: E402
+from engine.multimodal.video import VideoConfig, load_video  # noqa: E402
 from engine.tiny_model import make_tiny_model  # noqa: E402
 from tests.hf_reference import HFGreedy  # noqa: E402
 
@@ -62,8 +62,7 @@ def video_chat(data: bytes, text: str, image=None) -> tuple[dict, list[dict]]:
 
 def reference(hf, model_dir, data: bytes, messages: list[dict], images=()) -> tuple:
     config = VideoConfig.from_model_dir(model_dir)
-    frames, _ = decode_video(data, config)
-    video = process_video(frames, config)
+    video = load_video(data, config)
     inputs = hf.inputs(messages, images=images, videos=[video])
     return inputs["input_ids"][0].tolist(), hf.generate(inputs, NUM_NEW), video.grid_thw
 

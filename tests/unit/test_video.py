@@ -20,7 +20,10 @@ from engine.multimodal.video import (  # noqa: E402
     VideoConfig,
     VideoLimits,
     decode_video,
+    frame_size,
+    load_video,
     process_video,
+    resize_frame,
     sample_frame_indices,
     sniff_container,
 )
@@ -69,12 +72,36 @@ def test_decodes_the_sampled_frames(container, codec):
     decoded, video_fps = decode_video(data, CONFIG)
     assert video_fps == pytest.approx(4.0)
     assert len(decoded) == 4  # 2.5 s at 2 fps -> 5 -> 4
-    assert all(frame.shape == (64, 96, 3) and frame.dtype == np.uint8 for frame in decoded)
-    # The kept frames are frames 0, 2, 5 and 7: each decoded frame is closest to that
-    # original (the codecs are lossy, so no equality).
+    assert all(frame.shape == (56, 84, 3) and frame.dtype == np.uint8 for frame in decoded)
+    # The kept frames are frames 0, 2, 5 and 7: each decoded (and resized) frame is closest
+    # to that original, resized (the codecs are lossy, so no equality).
+    originals = [resize_frame(np.array(f), 56, 84).astype(int) for f in frames]
     for got, index in zip(decoded, [0, 2, 5, 7], strict=True):
-        distances = [np.abs(np.asarray(f).astype(int) - got).mean() for f in frames]
+        distances = [np.abs(original - got).mean() for original in originals]
         assert int(np.argmin(distances)) == index, (index, distances)
+
+
+@pytest.mark.parametrize(
+    ("width", "height", "count", "fps", "max_tokens"),
+    [(640, 480, 8, 4, 16384), (28, 20, 64, 2, 64)],  # the second: min and max pixels close
+)
+def test_frames_are_resized_while_decoding(width, height, count, fps, max_tokens):
+    """Only resized frames are kept (32 source frames of a 4K video would be ~800 MB), and
+    the result equals processing the sampled full-size frames."""
+    import av
+
+    config = VideoConfig(FRAME, max_tokens=max_tokens)
+    data = video_bytes(moving_pictures(width, height, count, salt=5), fps=fps, codec="libx264")
+    decoded, _ = decode_video(data, config)
+    size = frame_size(height, width, len(decoded), config)
+    assert [frame.shape for frame in decoded] == [(*size, 3)] * len(decoded)
+    with av.open(io.BytesIO(data)) as container:
+        everything = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    full_size = [everything[i] for i in sample_frame_indices(count, float(fps), config)]
+    expected = process_video(full_size, config)
+    got = load_video(data, config)
+    assert got.grid_thw == expected.grid_thw
+    assert torch.equal(got.pixel_levels, expected.pixel_levels)
 
 
 def test_an_animated_gif_is_a_video():
@@ -82,7 +109,7 @@ def test_an_animated_gif_is_a_video():
     buffer = io.BytesIO()
     frames[0].save(buffer, format="GIF", save_all=True, append_images=frames[1:], duration=250)
     decoded, video_fps = decode_video(buffer.getvalue(), CONFIG)
-    assert len(decoded) == 4 and decoded[0].shape == (48, 64, 3)
+    assert len(decoded) == 4 and decoded[0].shape == (56, 56, 3)  # resized to the bounds
 
 
 def hls_playlist() -> bytes:
@@ -240,8 +267,8 @@ def test_matches_transformers_video_processor(tmp_path):
         processor.max_video_tokens = max_tokens or 0  # read from the processor, not the call
         for width, height, count, fps in clips:
             data = video_bytes(moving_pictures(width, height, count, salt=count), fps=fps)
-            frames, video_fps = decode_video(data, config)
-            ours = process_video(frames, config)
+            ours = load_video(data, config)
+            video_fps = decode_video(data, config)[1]
             with av.open(io.BytesIO(data)) as container:
                 everything = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
             video = torch.from_numpy(np.stack(everything)).permute(0, 3, 1, 2)
