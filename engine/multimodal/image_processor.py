@@ -205,7 +205,7 @@ def process_image(image: Image.Image, config: ImageProcessorConfig) -> Processed
         max_pixels=config.max_pixels,
     )
     resized = rgb.resize((resized_width, resized_height), resample=config.resample)
-    patches, grid_h, grid_w = _patchify(np.asarray(resized), config)  # uint8 [rows, C, P*P]
+    patches, grid_h, grid_w = frame_patches(np.asarray(resized), config)  # [rows, C, P*P]
     # A still image fills every temporal slot with the same patch: [rows, C, T, P*P].
     levels = np.repeat(patches[:, :, None], config.temporal_patch_size, axis=2)
     return ProcessedImage(
@@ -262,8 +262,9 @@ def normalize_pixels(levels: torch.Tensor, normalization: PixelNormalization) ->
     return torch.index_select(table, 0, indices.view(-1)).view(levels.shape)
 
 
-def _patchify(image: np.ndarray, config: ImageProcessorConfig) -> tuple[np.ndarray, int, int]:
-    """[H, W, C] -> [grid_h * grid_w, C, P * P] in merge order (dtype kept)."""
+def frame_patches(image: np.ndarray, config: ImageProcessorConfig) -> tuple[np.ndarray, int, int]:
+    """[H, W, C] -> ([grid_h * grid_w, C, P * P] in merge order, grid_h, grid_w), dtype kept:
+    the spatial layout of one frame, shared by images and video frames."""
     height, width, channels = image.shape
     patch, merge = config.patch_size, config.merge_size
     grid_h, grid_w = height // patch, width // patch

@@ -9,10 +9,12 @@ max_video_tokens=...`:
   multiple of the temporal patch size; indices `arange(0, total, total / n)`, truncated.
 * **Resize**: every frame to the `smart_resize` size of the first (bounds from the model's
   video config, the upper one shared out of a whole-video token budget as transformers'
-  `cap_pixels_per_frame=True, max_video_tokens=...` does), bicubic with antialiasing on uint8 through `torch.nn.functional.interpolate`
-  (the kernel torchvision's uint8 resize runs on CPU, so the levels are identical).
-* **Patches**: consecutive frames pair up along the temporal patch (T = 2): row layout
-  [C, T, P, P], rows ordered (t, gh/M, gw/M, M, M); an odd frame count repeats the last.
+  `cap_pixels_per_frame=True, max_video_tokens=...` does), bicubic with antialiasing on
+  uint8 through `torch.nn.functional.interpolate` (the kernel torchvision's uint8 resize
+  runs on CPU, so the levels are identical).
+* **Patches**: each frame cut as an image is (`frame_patches`), then consecutive frames
+  pair up along the temporal patch (T = 2): row layout [C, T, P, P], rows ordered
+  (t, gh/M, gw/M, M, M); an odd frame count repeats the last.
 
 Levels stay uint8 (`ProcessedImage.pixel_levels`); the engine normalises them with the
 image path's table. transformers' video processor normalises with a fused float32 formula,
@@ -36,7 +38,12 @@ import torch
 
 from engine.errors import MediaError, ModelLoadError
 from engine.multimodal.hashing import video_content_hash
-from engine.multimodal.image_processor import ImageProcessorConfig, ProcessedImage, smart_resize
+from engine.multimodal.image_processor import (
+    ImageProcessorConfig,
+    ProcessedImage,
+    frame_patches,
+    smart_resize,
+)
 
 # transformers' Qwen2VLVideoProcessor defaults (used when the model folder says nothing).
 DEFAULT_MIN_FRAMES = 4
@@ -277,7 +284,7 @@ def process_video(frames: list[np.ndarray], config: VideoConfig) -> ProcessedIma
 def _from_resized(frames: np.ndarray, config: VideoConfig) -> ProcessedImage:
     """[N, H, W, C] uint8 frames at their final size -> ProcessedImage."""
     frame_config = config.frame
-    levels, grid_thw = patchify_frames(frames.transpose(0, 3, 1, 2), frame_config)
+    levels, grid_thw = patchify_frames(frames, frame_config)
     merge = frame_config.merge_size
     return ProcessedImage(
         pixel_levels=levels,
@@ -304,18 +311,17 @@ def resize_frame(frame: np.ndarray, height: int, width: int) -> np.ndarray:
 def patchify_frames(
     frames: np.ndarray, config: ImageProcessorConfig
 ) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """[N, C, H, W] uint8 -> (levels [grid_t * grid_h * grid_w, C * T * P * P], grid_thw).
+    """[N, H, W, C] uint8 -> (levels [grid_t * grid_h * grid_w, C * T * P * P], grid_thw).
 
-    N is padded to a multiple of T by repeating the last frame."""
-    patch, merge, temporal = config.patch_size, config.merge_size, config.temporal_patch_size
-    if pad := -len(frames) % temporal:
-        frames = np.concatenate([frames, np.repeat(frames[-1:], pad, axis=0)])
-    num_frames, channels, height, width = frames.shape
-    grid_t, grid_h, grid_w = num_frames // temporal, height // patch, width // patch
-    blocks = frames.reshape(
-        grid_t, temporal, channels, grid_h // merge, merge, patch, grid_w // merge, merge, patch
-    )
-    # [gt, T, C, gh/M, M, P, gw/M, M, P] -> [gt, gh/M, gw/M, M, M, C, T, P, P]
-    blocks = blocks.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
-    rows = np.ascontiguousarray(blocks).reshape(grid_t * grid_h * grid_w, -1)
-    return torch.from_numpy(rows), (grid_t, grid_h, grid_w)
+    Each frame is cut by the image path's `frame_patches` and written into its temporal
+    slot: T consecutive frames fill a row's slots. N is padded to a multiple of T by
+    repeating the last frame."""
+    temporal, patch = config.temporal_patch_size, config.patch_size
+    num_frames, height, width, channels = frames.shape
+    grid_t, grid_h, grid_w = -(-num_frames // temporal), height // patch, width // patch
+    shape = (grid_t, grid_h * grid_w, channels, temporal, patch * patch)
+    levels = np.empty(shape, dtype=frames.dtype)  # written in place: one copy per frame
+    for index in range(grid_t * temporal):
+        frame = frames[min(index, num_frames - 1)]
+        levels[index // temporal, :, :, index % temporal] = frame_patches(frame, config)[0]
+    return torch.from_numpy(levels.reshape(grid_t * grid_h * grid_w, -1)), (grid_t, grid_h, grid_w)
