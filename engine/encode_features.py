@@ -29,7 +29,14 @@ from engine.attention import get_attention_backend
 from engine.models.loader import load_model
 from engine.multimodal.image_processor import ImageProcessorConfig, process_image
 from engine.multimodal.media import decode_image
-from engine.multimodal.video import VideoConfig, load_video, sniff_container
+from engine.multimodal.video import (
+    DEFAULT_FPS,
+    DEFAULT_MAX_FRAMES,
+    DEFAULT_MAX_TOKENS,
+    VideoConfig,
+    load_video,
+    sniff_container,
+)
 
 VIDEO_CONTAINERS = ("mov", "matroska", "avi")  # an animated GIF stays an image, as on the server
 
@@ -46,9 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--s3-endpoint-url", default=None)
-    parser.add_argument("--video-fps", type=float, default=2.0, help="video frames per second")
-    parser.add_argument("--max-video-frames", type=int, default=32, help="frames per video")
-    parser.add_argument("--max-video-tokens", type=int, default=16384, help="tokens per video")
+    parser.add_argument("--video-fps", type=float, default=DEFAULT_FPS, help="frames per second")
+    parser.add_argument("--max-video-frames", type=int, default=DEFAULT_MAX_FRAMES)
+    parser.add_argument("--max-video-tokens", type=int, default=DEFAULT_MAX_TOKENS)
     return parser
 
 

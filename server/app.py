@@ -93,9 +93,6 @@ def _make_fetcher(settings: ServerSettings) -> MediaFetcher | None:
         allowed_domains=settings.allowed_media_domains,
         allowed_local_path=settings.allowed_local_media_path,
         max_video_bytes=settings.max_video_bytes,
-        video_fps=settings.video_fps,
-        max_video_frames=settings.max_video_frames,
-        max_video_tokens=settings.max_video_tokens,
     )
     video_config = VideoConfig.from_model_dir(
         model_dir,

@@ -279,12 +279,7 @@ async def _load_media(
     if not with_url:
         return {}
     tasks = [
-        asyncio.create_task(
-            (fetcher.load_image if p.modality is Modality.IMAGE else fetcher.load_video)(  # type: ignore[union-attr]
-                p.url,  # type: ignore[arg-type]
-                param=p.param,
-            )
-        )
+        asyncio.create_task(fetcher.load(p.url, p.modality.value, param=p.param))  # type: ignore[union-attr, arg-type]
         for p in with_url
     ]
     try:

@@ -54,9 +54,6 @@ class MediaFetchConfig:
     allowed_domains: str | None = None  # comma-separated host allowlist; None = any
     allowed_local_path: str | None = None  # file:// only under this folder; None = off
     max_video_bytes: int = 64 * 1024 * 1024
-    video_fps: float = 2.0  # frames sampled per second of video
-    max_video_frames: int = 32  # frames sampled per video, at most
-    max_video_tokens: int = 16384  # a video's frames shrink to fit ~90% of this many tokens
 
     @property
     def url_policy(self) -> UrlPolicy:
@@ -79,12 +76,7 @@ class MediaFetcher:
     ):
         self.config = config
         self.image_config = image_config
-        self.video_config = video_config or VideoConfig(
-            image_config,
-            fps=config.video_fps,
-            max_frames=config.max_video_frames,
-            max_tokens=config.max_video_tokens,
-        )
+        self.video_config = video_config or VideoConfig(image_config)
         self.video_limits = VideoLimits(max_frame_pixels=config.max_image_pixels)
         self.policy = config.url_policy
         self._session: aiohttp.ClientSession | None = None
@@ -100,13 +92,11 @@ class MediaFetcher:
 
     async def load_image(self, url: str, *, param: str) -> ProcessedImage:
         """Fetch (or decode a data: URL), decode and preprocess one image."""
-        return await self._load(url, "image", param)
+        return await self.load(url, "image", param=param)
 
-    async def load_video(self, url: str, *, param: str) -> ProcessedImage:
-        """Fetch (or decode a data: URL), decode, sample and preprocess one video."""
-        return await self._load(url, "video", param)
-
-    async def _load(self, url: str, kind: MediaKind, param: str) -> ProcessedImage:
+    async def load(self, url: str, kind: MediaKind, *, param: str) -> ProcessedImage:
+        """Fetch (or decode a data: URL), decode and preprocess one image or video (its
+        frames sampled)."""
         loop = asyncio.get_running_loop()
         if url.startswith("data:"):
             # base64 of a large image is milliseconds of CPU: off the event loop too.

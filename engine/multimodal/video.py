@@ -45,8 +45,12 @@ from engine.multimodal.image_processor import (
     smart_resize,
 )
 
-# transformers' Qwen2VLVideoProcessor defaults (used when the model folder says nothing).
+# transformers' Qwen2VLVideoProcessor default (used when the model folder says nothing).
 DEFAULT_MIN_FRAMES = 4
+# The server's defaults (--video-fps, --max-video-frames, --max-video-tokens).
+DEFAULT_FPS = 2.0
+DEFAULT_MAX_FRAMES = 32
+DEFAULT_MAX_TOKENS = 16384
 SUPPORTED_CONTAINERS = "MP4/MOV, WebM/Matroska, AVI, GIF"
 
 
@@ -60,10 +64,10 @@ class VideoConfig:
     """
 
     frame: ImageProcessorConfig
-    fps: float = 2.0  # frames sampled per second of video
+    fps: float = DEFAULT_FPS  # frames sampled per second of video
     min_frames: int = DEFAULT_MIN_FRAMES
-    max_frames: int = 32
-    max_tokens: int | None = 16384  # a whole video's budget; None = only the per-frame bound
+    max_frames: int = DEFAULT_MAX_FRAMES
+    max_tokens: int | None = DEFAULT_MAX_TOKENS  # a whole video's budget; None = no budget
 
     def __post_init__(self) -> None:
         if not self.fps > 0:
@@ -80,9 +84,9 @@ class VideoConfig:
         cls,
         model_dir: str | Path,
         *,
-        fps: float = 2.0,
-        max_frames: int = 32,
-        max_tokens: int | None = 16384,
+        fps: float = DEFAULT_FPS,
+        max_frames: int = DEFAULT_MAX_FRAMES,
+        max_tokens: int | None = DEFAULT_MAX_TOKENS,
     ) -> VideoConfig:
         """The model's video settings; `fps`, `max_frames` and `max_tokens` are the server's."""
         image_config = ImageProcessorConfig.from_model_dir(model_dir)
