@@ -304,6 +304,12 @@ class EngineCore:
                 f"{media.num_tokens} placeholders do not match grid_thw {tuple(media.grid_thw)}",
                 param=param,
             )
+        cache_key = media.content_hash
+        if cache_key.startswith("uuid:"):
+            # A client may send one uuid with pictures of different sizes: rows cached for
+            # one grid must never be spliced into another's placeholders (the step would
+            # fail for every request in it), so a uuid names its rows per grid.
+            cache_key = f"{cache_key}@{t}x{h}x{w}"
         pixel_values = None
         if media.pixel_values is not None:
             ref = media.pixel_values
@@ -321,18 +327,18 @@ class EngineCore:
         elif media.feature is not None:
             pass  # fetched by the FeatureFetcher before the request is scheduled
         elif media.content_hash.startswith("uuid:"):
-            if media.content_hash not in self.runner.encoder_cache:
+            if cache_key not in self.runner.encoder_cache:
                 raise MediaError(
                     f"unknown media uuid {media.content_hash.removeprefix('uuid:')!r}: send the "
                     "media with its uuid first (it may also have been evicted)",
                     param=param,
                     code="unknown_media_uuid",
                 )
-        elif media.content_hash not in self.runner.encoder_cache:
+        elif cache_key not in self.runner.encoder_cache:
             raise MediaError("media item has no pixel values and is not cached", param=param)
         return MediaItem(
             media.modality.value,
-            media.content_hash,
+            cache_key,
             media.offset,
             media.num_tokens,
             tuple(media.grid_thw),

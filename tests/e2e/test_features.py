@@ -296,6 +296,22 @@ def test_client_uuid_reuses_the_cached_image(fhttp):
     assert "unknown media uuid" in response.json()["error"]["message"]
 
 
+def test_a_uuid_resent_with_another_size_is_encoded_again(fhttp):
+    # Rows cached for a uuid's 56x56 picture were once spliced into the placeholders of
+    # its 112x168 picture: the step failed (500, and for every request in that step).
+    def part(width, height, uuid=None):
+        url = data_url(png_bytes(picture(width, height, 9)))
+        return {"type": "image_url", "image_url": {"url": url}, **({"uuid": uuid} if uuid else {})}
+
+    assert text_of(chat(fhttp, [part(56, 56, "client-img-2")]))
+    plain = chat(fhttp, [part(112, 168)])
+    resent = chat(fhttp, [part(112, 168, "client-img-2")])
+    assert resent.status_code == 200, resent.text
+    assert text_of(resent) == text_of(plain)
+    by_uuid = chat(fhttp, [{"type": "image_url", "uuid": "client-img-2"}])  # the latest size
+    assert text_of(by_uuid) == text_of(plain)
+
+
 def test_feature_parts_are_refused_when_disabled(http):
     response = chat(http, [feature_part(data_url(features(1)))])
     assert response.status_code == 400
