@@ -3,7 +3,8 @@
 Media parts, in prompt order, are one of:
 
 * `image_url` / `video_url` — fetched, decoded and preprocessed concurrently (media_fetch;
-  a video's frames are sampled first, engine/multimodal/video.py). With a client `uuid`
+  a video's frames are sampled first, engine/multimodal/video.py), under the server's
+  settings or those the request's `mm_processor_kwargs` narrow them to. With a client `uuid`
   the engine caches the encoding under `uuid:<uuid>`; a later part with the same uuid and
   no URL reuses it (the server remembers the uuid's modality and grid, the engine its rows).
 * `image_features` / `video_features` — pre-encoded features the engine's FeatureFetcher
@@ -33,7 +34,7 @@ from engine.multimodal.image_processor import ImageProcessorConfig, ProcessedIma
 from engine.multimodal.prompt import PromptProcessor
 from engine.protocol import FeatureSource, MediaInput, Modality, TensorRef
 from server.generation import PreparedPrompt
-from server.media_fetch import MediaFetcher
+from server.media_fetch import MediaFetcher, MediaProcessing
 from server.openai_models import (
     ChatCompletionRequest,
     ChatMessage,
@@ -242,7 +243,8 @@ async def prepare_chat_prompt(
     policy = FeaturePolicy.from_settings(settings) if features else None
     for part in features:
         policy.check(part)  # type: ignore[union-attr]
-    processed = await _load_media(pixel_parts, fetcher)
+    processing = fetcher.processing_for(request.mm_processor_kwargs) if pixel_parts else None
+    processed = await _load_media(pixel_parts, fetcher, processing)  # type: ignore[arg-type]
     media, tensors, counts = [], [], []
     for part in parts:
         if part.is_feature:
@@ -273,13 +275,15 @@ async def prepare_chat_prompt(
 
 
 async def _load_media(
-    parts: list[MediaPart], fetcher: MediaFetcher | None
+    parts: list[MediaPart], fetcher: MediaFetcher, processing: MediaProcessing
 ) -> dict[str, ProcessedImage]:
     with_url = [p for p in parts if p.url is not None]
     if not with_url:
         return {}
     tasks = [
-        asyncio.create_task(fetcher.load(p.url, p.modality.value, param=p.param))  # type: ignore[union-attr, arg-type]
+        asyncio.create_task(
+            fetcher.load(p.url, p.modality.value, param=p.param, processing=processing)  # type: ignore[arg-type]
+        )
         for p in with_url
     ]
     try:

@@ -1,11 +1,11 @@
-"""An LRU of processed images keyed by the blake3 of the fetched bytes.
+"""An LRU of processed images and videos keyed by the blake3 of the fetched bytes (and,
+in server/media_fetch.py, the kind and the preprocessing settings they were processed under).
 
 Decoding a PNG and resizing / normalising it into patches costs tens of milliseconds
 of CPU per image, on the same cores the engine computes on. Clients often send the
 same image again (a system image, a retried or multi-turn request); with this cache
-a repeat costs one hash of its bytes. Byte-identical input under one server's fixed
-image-processor config gives an identical `ProcessedImage`, so reuse cannot change
-an answer. Entries are immutable and shared; the budget counts their pixel bytes
+a repeat costs one hash of its bytes. Byte-identical input under identical settings
+gives an identical `ProcessedImage`, so reuse cannot change an answer. Entries are immutable and shared; the budget counts their pixel bytes
 (uint8 levels: a 448x448 image takes 1.2 MB).
 """
 

@@ -9,7 +9,8 @@ redirects included), the byte cap is enforced while the body streams in, every r
 hop is re-checked and their number bounded. `file://` reads only under
 `--allowed-local-media-path`. Decoding and preprocessing (CPU work) run in a small thread
 pool, off the event loop, and repeats of the same bytes come from a `ProcessedImageCache`.
-Images and videos have their own byte caps.
+Images and videos have their own byte caps. A request's `mm_processor_kwargs` narrow the
+preprocessing (`MediaFetcher.processing_for`); the cache keys by the settings used.
 `fetch_url_bytes` is the ONE network fetch function.
 """
 
@@ -17,12 +18,12 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Literal
 
 import aiohttp
 
-from engine.errors import MediaError
+from engine.errors import InvalidRequest, MediaError
 from engine.multimodal.image_processor import ImageProcessorConfig, ProcessedImage, process_image
 from engine.multimodal.media import decode_data_url, decode_image
 from engine.multimodal.video import VideoConfig, VideoLimits, load_video
@@ -36,6 +37,9 @@ from engine.url_safety import (
     read_capped,
 )
 from server.image_cache import ProcessedImageCache, bytes_key
+
+if TYPE_CHECKING:
+    from server.openai_models import MediaProcessingOptions
 
 MediaKind = Literal["image", "video"]
 
@@ -64,6 +68,28 @@ class MediaFetchConfig:
         )
 
 
+@dataclass(frozen=True)
+class MediaProcessing:
+    """How one request's images and videos are preprocessed: the server's settings, or
+    those narrowed by the request's `mm_processor_kwargs`."""
+
+    image: ImageProcessorConfig
+    video: VideoConfig
+
+    def cache_tag(self, kind: MediaKind) -> str:
+        """Names the settings a `kind` item is processed under, for the processed cache."""
+        return repr(self.image if kind == "image" else self.video)
+
+
+def _pixel_bounds(
+    config: ImageProcessorConfig, min_pixels: int | None, max_pixels: int | None
+) -> ImageProcessorConfig:
+    """`config` with a request's area bounds: never above its own `max_pixels`."""
+    upper = min(max_pixels or config.max_pixels, config.max_pixels)
+    lower = min(min_pixels or config.min_pixels, upper)
+    return replace(config, min_pixels=lower, max_pixels=upper)
+
+
 class MediaFetcher:
     """Fetches and preprocesses images and videos for the server. Call `aclose()` at
     shutdown."""
@@ -84,6 +110,41 @@ class MediaFetcher:
             max_workers=config.num_decode_threads, thread_name_prefix="media-decode"
         )
         self.processed = ProcessedImageCache(config.processed_image_cache_bytes)
+        self.default_processing = MediaProcessing(image_config, self.video_config)
+
+    def processing_for(self, options: MediaProcessingOptions | None) -> MediaProcessing:
+        """The preprocessing a request's `mm_processor_kwargs` ask for. They may lower the
+        bounds, not raise them: `max_frames` above `--max-video-frames` or `max_pixels`
+        above the model's image bound is a 400; video frames also keep the model's own
+        (often lower) video bound, and `--max-video-tokens` still shares out the pixels."""
+        if options is None:
+            return self.default_processing
+        image, video = self.image_config, self.video_config
+        param = "mm_processor_kwargs"
+        if options.max_frames is not None and options.max_frames > video.max_frames:
+            raise InvalidRequest(
+                f"max_frames {options.max_frames} is over this server's limit of "
+                f"{video.max_frames} (--max-video-frames)",
+                param=f"{param}.max_frames",
+            )
+        for name in ("max_pixels", "min_pixels"):
+            value = getattr(options, name)
+            if value is not None and value > image.max_pixels:
+                raise InvalidRequest(
+                    f"{name} {value} is over the model's max_pixels of {image.max_pixels}",
+                    param=f"{param}.{name}",
+                )
+        max_frames = options.max_frames or video.max_frames
+        return MediaProcessing(
+            _pixel_bounds(image, options.min_pixels, options.max_pixels),
+            replace(
+                video,
+                frame=_pixel_bounds(video.frame, options.min_pixels, options.max_pixels),
+                fps=options.fps or video.fps,
+                max_frames=max_frames,
+                min_frames=min(video.min_frames, max_frames),
+            ),
+        )
 
     async def aclose(self) -> None:
         if self._session is not None:
@@ -94,36 +155,52 @@ class MediaFetcher:
         """Fetch (or decode a data: URL), decode and preprocess one image."""
         return await self.load(url, "image", param=param)
 
-    async def load(self, url: str, kind: MediaKind, *, param: str) -> ProcessedImage:
+    async def load(
+        self,
+        url: str,
+        kind: MediaKind,
+        *,
+        param: str,
+        processing: MediaProcessing | None = None,
+    ) -> ProcessedImage:
         """Fetch (or decode a data: URL), decode and preprocess one image or video (its
-        frames sampled)."""
+        frames sampled) under `processing` (default: the server's settings)."""
+        processing = processing or self.default_processing
         loop = asyncio.get_running_loop()
         if url.startswith("data:"):
             # base64 of a large image is milliseconds of CPU: off the event loop too.
-            return await loop.run_in_executor(self._pool, self._process_data_url, url, kind, param)
+            return await loop.run_in_executor(
+                self._pool, self._process_data_url, url, kind, param, processing
+            )
         if url[:7].lower() == "file://":
             data = await asyncio.to_thread(self._read_local, url, kind, param)
         else:
             data = await self.fetch_url_bytes(url, param=param, kind=kind)
-        return await loop.run_in_executor(self._pool, self._decode_and_process, data, kind, param)
+        return await loop.run_in_executor(
+            self._pool, self._decode_and_process, data, kind, param, processing
+        )
 
     def _max_bytes(self, kind: MediaKind) -> int:
         return self.config.max_image_bytes if kind == "image" else self.config.max_video_bytes
 
-    def _process_data_url(self, url: str, kind: MediaKind, param: str) -> ProcessedImage:
+    def _process_data_url(
+        self, url: str, kind: MediaKind, param: str, processing: MediaProcessing
+    ) -> ProcessedImage:
         data = decode_data_url(url, max_bytes=self._max_bytes(kind), param=param)
-        return self._decode_and_process(data, kind, param)
+        return self._decode_and_process(data, kind, param, processing)
 
-    def _decode_and_process(self, data: bytes, kind: MediaKind, param: str) -> ProcessedImage:
-        # The same bytes sent as image_url and as video_url give different results.
-        key = bytes_key(data) + ("" if kind == "image" else ":video")
+    def _decode_and_process(
+        self, data: bytes, kind: MediaKind, param: str, processing: MediaProcessing
+    ) -> ProcessedImage:
+        # The same bytes as image_url and as video_url, or under other settings, differ.
+        key = f"{bytes_key(data)}:{kind}:{processing.cache_tag(kind)}"
         processed = self.processed.get(key)
         if processed is None:
             if kind == "image":
                 image = decode_image(data, max_pixels=self.config.max_image_pixels, param=param)
-                processed = process_image(image, self.image_config)
+                processed = process_image(image, processing.image)
             else:
-                processed = load_video(data, self.video_config, self.video_limits, param=param)
+                processed = load_video(data, processing.video, self.video_limits, param=param)
             self.processed.put(key, processed)
         return processed
 

@@ -26,9 +26,10 @@ class HFGreedy:
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
         self.image_processor = transformers.AutoImageProcessor.from_pretrained(model_dir)
 
-    def inputs(self, messages: list[dict], images=(), videos=()) -> dict:
+    def inputs(self, messages: list[dict], images=(), videos=(), image_size=None) -> dict:
         """`messages` use {"type": "image"} / {"type": "video"} parts, one per item of
-        `images` (PIL) / `videos` (processed videos), in order."""
+        `images` (PIL) / `videos` (processed videos), in order. `image_size` overrides the
+        image processor's pixel bounds ({"shortest_edge": min, "longest_edge": max})."""
         text = self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True
         )
@@ -36,7 +37,8 @@ class HFGreedy:
         extra: dict = {}
         counts = {"<|image_pad|>": [], "<|video_pad|>": []}
         if images:
-            pixels = self.image_processor(images=list(images), return_tensors="pt")
+            sizing = {"size": image_size} if image_size else {}
+            pixels = self.image_processor(images=list(images), return_tensors="pt", **sizing)
             extra.update(pixels)
             counts["<|image_pad|>"] = [int(g.prod()) // merge**2 for g in pixels["image_grid_thw"]]
         if videos:

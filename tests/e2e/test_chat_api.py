@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -312,6 +313,46 @@ def test_greedy_text_matches_transformers(client, model_dir, image_server):
             model=MODEL_NAME, messages=api_messages, max_tokens=16, **GREEDY)
         assert response.usage.prompt_tokens == inputs["input_ids"].shape[1]
         assert response.usage.completion_tokens == 16
+        assert response.choices[0].message.content == tokenizer.decode(hf_ids)
+
+
+def test_mm_processor_kwargs_match_transformers(client, model_dir, image_server):
+    # Per-request preprocessing (vLLM's mm_processor_kwargs): fewer pixels for an image,
+    # a lower frame rate and fewer frames for a video; the answers equal transformers' on
+    # inputs processed with the same settings. Each is sent first without options, so a
+    # processed-media cache keyed by the bytes alone would answer from the default entry.
+    pytest.importorskip("transformers")
+    from engine.multimodal.video import VideoConfig, load_video
+    from tests.hf_reference import HFGreedy
+
+    reference = HFGreedy(model_dir)
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    config = VideoConfig.from_model_dir(model_dir)
+    few_frames = dataclasses.replace(config, fps=1.0, max_frames=2, min_frames=2)
+    clip = load_video(fetch(image_server + "/clip.mp4"), few_frames)
+    default_clip = load_video(fetch(image_server + "/clip.mp4"), config)
+    assert clip.grid_thw[0] < default_clip.grid_thw[0]
+    small = {"shortest_edge": 28 * 28, "longest_edge": 56 * 56}
+    cases = [
+        (image_message(image_server + "/picture.png", "What is this?"),
+         {"min_pixels": 28 * 28, "max_pixels": 56 * 56},
+         reference.inputs([{"role": "user", "content": [{"type": "image"},
+                           {"type": "text", "text": "What is this?"}]}],
+                          images=[picture(112, 84, 1)], image_size=small)),
+        (video_message(image_server + "/clip.mp4", "What happens?"),
+         {"fps": 1.0, "max_frames": 2},
+         reference.inputs([{"role": "user", "content": [{"type": "video"},
+                           {"type": "text", "text": "What happens?"}]}], videos=[clip])),
+    ]
+    for api_messages, options, inputs in cases:
+        default = client.chat.completions.create(
+            model=MODEL_NAME, messages=api_messages, max_tokens=1, **GREEDY)
+        response = client.chat.completions.create(
+            model=MODEL_NAME, messages=api_messages, max_tokens=16, temperature=0,
+            extra_body={**GREEDY["extra_body"], "mm_processor_kwargs": options})
+        assert response.usage.prompt_tokens == inputs["input_ids"].shape[1]
+        assert response.usage.prompt_tokens < default.usage.prompt_tokens
+        hf_ids = reference.generate(inputs, 16)
         assert response.choices[0].message.content == tokenizer.decode(hf_ids)
 
 

@@ -64,6 +64,11 @@ def test_unknown_model(http):
             "messages[0].content[0]",
         ),
         ({"stop_token_ids": [10**9]}, "stop_token_ids"),
+        ({"mm_processor_kwargs": {"fps": 0}}, "mm_processor_kwargs.fps"),
+        ({"mm_processor_kwargs": {"max_frames": 0}}, "mm_processor_kwargs.max_frames"),
+        ({"mm_processor_kwargs": {"num_frames": 8}}, "mm_processor_kwargs"),
+        ({"mm_processor_kwargs": {"min_pixels": 9000, "max_pixels": 3000}}, "mm_processor_kwargs"),
+        ({"mm_processor_kwargs": "fast"}, "mm_processor_kwargs"),
     ],
 )
 def test_invalid_values_are_400_with_param(http, fields, param):
@@ -123,6 +128,23 @@ def test_bad_videos_name_the_part(http, image_server):
             post(http, chat(messages=video(url))), 400, "invalid_media", "messages[0].content[0]"
         )
     assert post(http, chat(messages=video(cases[-1]))).status_code == 200
+
+
+def test_media_processing_over_the_server_bounds(http, image_server):
+    # A request may narrow the preprocessing, never widen it (one request, one bound).
+    clip = [{"type": "video_url", "video_url": {"url": image_server + "/clip.mp4"}}]
+    messages = [{"role": "user", "content": clip}]
+    for options, param in [
+        ({"max_frames": 33}, "mm_processor_kwargs.max_frames"),  # --max-video-frames 32
+        ({"max_pixels": 10**12}, "mm_processor_kwargs.max_pixels"),
+        ({"min_pixels": 10**12}, "mm_processor_kwargs.min_pixels"),
+    ]:
+        error = assert_error(
+            post(http, chat(messages=messages, mm_processor_kwargs=options)), 400, param=param
+        )
+        assert "over" in error["message"]
+    ok = post(http, chat(messages=messages, mm_processor_kwargs={"max_frames": 32}))
+    assert ok.status_code == 200, ok.text
 
 
 def test_unknown_route_and_method(http):
