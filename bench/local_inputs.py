@@ -35,14 +35,20 @@ def png_bytes(image: Image.Image) -> bytes:
 
 
 def video_bytes(
-    frames: list[Image.Image], *, fps: int = 4, container: str = "mp4", codec: str = "mpeg4"
+    frames: list[Image.Image],
+    *,
+    fps: int = 4,
+    container: str = "mp4",
+    codec: str = "mpeg4",
+    options: dict[str, str] | None = None,
 ) -> bytes:
-    """The frames encoded as a video file (PyAV; mp4 + mpeg4 by default, lossy)."""
+    """The frames encoded as a video file (PyAV; mp4 + mpeg4 by default, lossy). `options`
+    go to the encoder, e.g. {"g": "8", "bf": "2"}: a keyframe every 8 frames, B-frames."""
     import av
 
     buffer = io.BytesIO()
     with av.open(buffer, mode="w", format=container) as output:
-        stream = output.add_stream(codec, rate=fps)
+        stream = output.add_stream(codec, rate=fps, options=options or {})
         stream.width, stream.height = frames[0].size
         stream.pix_fmt = "yuv420p"
         for image in frames:

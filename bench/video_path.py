@@ -1,15 +1,18 @@
 """What one `video_url` costs the API process: decode (PyAV) with the sampled frames
 converted and resized as they come, then temporal patches + content hash, per clip,
-against decoding and converting every frame of the clip.
+against decoding in order (no seeking) and decoding and converting every frame.
 
     PYTHONPATH=. .venv/bin/python bench/video_path.py [--repeats 3]
 
 Clips are H.264 (libx264, ultrafast) of a smooth moving gradient, made here: 5 s of
-640x360, 10 s of 1280x720 and 30 s of 854x480, all at 30 fps. Each line prints the median
-of `--repeats` runs: `decode_video` (decode + the sampled frames' RGB conversion and
-resize), `load_video` (that plus patches and hash: Tessera's whole cost), and the time to
-decode and convert every frame of the clip (what a loader that samples after converting
-pays), side by side in one run.
+640x360, 10 s of 1280x720 and 30 s of 854x480 (x264's default keyframe interval, 250
+frames), and 2 min of 854x480 with a keyframe every 2 s, all at 30 fps. Each line prints
+the median of `--repeats` runs: `decode_video` (decode, jumping between keyframes where
+that skips frames, + the sampled frames' RGB conversion and resize), the same with
+`seek=False` (every frame up to the last sampled one is decoded), `load_video` (seeking
+decode plus patches and hash: Tessera's whole cost), and the time to decode and convert
+every frame of the clip (what a loader that samples after converting pays), side by side
+in one run.
 """
 
 from __future__ import annotations
@@ -25,23 +28,27 @@ import numpy as np
 from engine.multimodal.image_processor import ImageProcessorConfig
 from engine.multimodal.video import VideoConfig, decode_video, load_video
 
-CLIPS = [
-    ("5 s 640x360", 640, 360, 150),
-    ("10 s 1280x720", 1280, 720, 300),
-    ("30 s 854x480", 854, 480, 900),
+CLIPS = [  # name, width, height, frames, keyframe interval (None: x264's 250)
+    ("5 s 640x360", 640, 360, 150, None),
+    ("10 s 1280x720", 1280, 720, 300, None),
+    ("30 s 854x480", 854, 480, 900, None),
+    ("2 min 854x480 g60", 854, 480, 3600, 60),
 ]
 # Qwen2-VL-2B-Instruct's preprocessor_config.json bounds (transformers applies them to
 # video frames too when the folder has no video_preprocessor_config.json).
 REAL_FRAME = ImageProcessorConfig(min_pixels=3136, max_pixels=12845056)
 
 
-def h264_clip(width: int, height: int, num_frames: int, fps: int = 30) -> bytes:
+def h264_clip(
+    width: int, height: int, num_frames: int, keyint: int | None = None, fps: int = 30
+) -> bytes:
     import av
 
     y, x = np.mgrid[0:height, 0:width]
     buffer = io.BytesIO()
+    options = {"preset": "ultrafast", **({"g": str(keyint)} if keyint else {})}
     with av.open(buffer, mode="w", format="mp4") as output:
-        stream = output.add_stream("libx264", rate=fps, options={"preset": "ultrafast"})
+        stream = output.add_stream("libx264", rate=fps, options=options)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         for index in range(num_frames):
             shift = 3 * index
@@ -77,18 +84,22 @@ def main() -> None:
     args = parser.parse_args()
     config = VideoConfig(REAL_FRAME, fps=2.0, max_frames=32)
     print(
-        f"{'clip':<16}{'MB':>6}{'frames':>8}{'grid':>14}{'tokens':>8}"
-        f"{'decode+resize ms':>18}{'total ms':>10}{'every frame ms':>16}"
+        f"{'clip':<20}{'MB':>6}{'frames':>8}{'grid':>12}{'tokens':>8}"
+        f"{'decode+resize ms':>18}{'in order ms':>13}{'total ms':>10}{'every frame ms':>16}"
     )
-    for name, width, height, num_frames in CLIPS:
-        data = h264_clip(width, height, num_frames)
+    for name, width, height, num_frames, keyint in CLIPS:
+        data = h264_clip(width, height, num_frames, keyint)
         decode_ms, (frames, _) = timed(partial(decode_video, data, config), args.repeats)
+        in_order_ms, (ordered, _) = timed(
+            partial(decode_video, data, config, seek=False), args.repeats
+        )
+        assert all(np.array_equal(a, b) for a, b in zip(frames, ordered, strict=True))
         total_ms, video = timed(partial(load_video, data, config), args.repeats)
         everything_ms, _ = timed(partial(decode_everything, data), args.repeats)
         grid = "x".join(str(v) for v in video.grid_thw)
         print(
-            f"{name:<16}{len(data) / 1e6:>6.1f}{len(frames):>8}{grid:>14}{video.num_tokens:>8}"
-            f"{decode_ms:>18.1f}{total_ms:>10.1f}{everything_ms:>16.1f}"
+            f"{name:<20}{len(data) / 1e6:>6.1f}{len(frames):>8}{grid:>12}{video.num_tokens:>8}"
+            f"{decode_ms:>18.1f}{in_order_ms:>13.1f}{total_ms:>10.1f}{everything_ms:>16.1f}"
         )
 
 

@@ -27,7 +27,9 @@ HLS or concat that read further files or URLs named inside the data.
 
 from __future__ import annotations
 
+import bisect
 import io
+import itertools
 import json
 import math
 from dataclasses import dataclass
@@ -155,6 +157,7 @@ def decode_video(
     limits: VideoLimits = VideoLimits(),
     *,
     param: str | None = None,
+    seek: bool = True,
 ) -> tuple[list[np.ndarray], float | None]:
     """Decode the sampled frames of a video: ([H, W, 3] uint8 RGB frames, the video's fps).
 
@@ -162,11 +165,16 @@ def decode_video(
     holds one source frame and the (budgeted) resized ones, never 32 source frames of a
     4K video. `load_video` turns them into encoder input.
 
+    Frame `i` is the i-th frame the decoder outputs, as for transformers' loaders. With
+    `seek` (MP4/MOV and Matroska/WebM whose packets all carry distinct timestamps),
+    decoding jumps to the last keyframe before a sampled frame whenever that keyframe lies
+    past what was decoded already, instead of decoding every frame in between: 32 frames
+    of a 10-minute clip then cost a few GOPs each, not the whole clip. A seek that does not
+    land on the planned frame falls back to decoding in order, so both give the same frames.
+
     Raises `MediaError` naming `param` for data that is not a supported container, has no
     video stream, is corrupt, is over the limits or has frames of changing size.
     """
-    import av  # PyAV: imported here so that an image-only process does not load FFmpeg
-
     container_format = sniff_container(data)
     if container_format is None:
         raise MediaError(
@@ -174,27 +182,35 @@ def decode_video(
             param=param,
         )
     try:
-        with av.open(io.BytesIO(data), mode="r", format=container_format) as container:
+        with _open(data, container_format) as container:
             if not container.streams.video:
                 raise MediaError("the video has no video stream", param=param)
             stream = container.streams.video[0]
             width, height = stream.codec_context.width, stream.codec_context.height
-            if width * height > limits.max_frame_pixels:
-                raise MediaError(
-                    f"the video's frames are {width}x{height} = {width * height} pixels; "
-                    f"the limit is {limits.max_frame_pixels}",
-                    param=param,
-                )
-            total = stream.frames or _count_packets(data, container_format)
-            if total > limits.max_source_frames:
-                raise MediaError(
-                    f"the video has {total} frames; the limit is {limits.max_source_frames}",
-                    param=param,
-                )
+            declared_frames = stream.frames
             rate = stream.average_rate or stream.guessed_rate
-            video_fps = float(rate) if rate else None
-            wanted = sample_frame_indices(total, video_fps, config)
-            frames = _decode_frames(container, stream, wanted, config, param)
+        if width * height > limits.max_frame_pixels:
+            raise MediaError(
+                f"the video's frames are {width}x{height} = {width * height} pixels; "
+                f"the limit is {limits.max_frame_pixels}",
+                param=param,
+            )
+        index = None
+        if not declared_frames or (seek and container_format in SEEKABLE_CONTAINERS):
+            index = _index_packets(data, container_format)
+        total = declared_frames or len(index.pts)  # type: ignore[union-attr]
+        if total > limits.max_source_frames:
+            raise MediaError(
+                f"the video has {total} frames; the limit is {limits.max_source_frames}",
+                param=param,
+            )
+        video_fps = float(rate) if rate else None
+        wanted = sample_frame_indices(total, video_fps, config)
+        frames = None
+        if seek and index is not None and index.can_seek(total):
+            frames = _decode_by_seeking(data, container_format, index, wanted, config, param)
+        if frames is None:
+            frames = _decode_in_order(data, container_format, wanted, config, param)
     except MediaError:
         raise
     except Exception as exc:  # noqa: BLE001 - any decoder failure is the client's data
@@ -204,38 +220,120 @@ def decode_video(
     return frames, video_fps
 
 
-def _decode_frames(
-    container, stream, wanted: list[int], config: VideoConfig, param: str | None
+# Containers whose demuxers give every packet its presentation timestamp and seek by it
+# through an index. AVI and GIF decode in order (no reliable timestamps; a GIF frame
+# draws over the previous one).
+SEEKABLE_CONTAINERS = ("mov", "matroska")
+
+
+def _open(data: bytes, container_format: str):
+    import av  # PyAV: imported here so that an image-only process does not load FFmpeg
+
+    return av.open(io.BytesIO(data), mode="r", format=container_format)
+
+
+@dataclass(frozen=True)
+class _PacketIndex:
+    """The video stream's frames, one per packet: presentation timestamps in presentation
+    order (entry i is frame i), and the timestamps decoding can start from (keyframes)."""
+
+    pts: list[int | None]
+    keyframe_pts: list[int]
+
+    def can_seek(self, total_frames: int) -> bool:
+        """Whether frame i can be named by timestamp: one distinct timestamp per frame."""
+        if len(self.pts) != total_frames or not self.keyframe_pts or None in self.pts:
+            return False
+        return all(a < b for a, b in itertools.pairwise(self.pts))  # type: ignore[operator]
+
+
+def _index_packets(data: bytes, container_format: str) -> _PacketIndex:
+    """Demux (no decoding) the first video stream's packets."""
+    pts: list[int | None] = []
+    keyframes: list[int] = []
+    with _open(data, container_format) as container:
+        for packet in container.demux(container.streams.video[0]):
+            if packet.size:  # the demuxer's final empty packet is not a frame
+                pts.append(packet.pts)
+                if packet.is_keyframe and packet.pts is not None:
+                    keyframes.append(packet.pts)
+    if None not in pts:
+        pts.sort()  # decode order -> presentation order (B-frames)
+    return _PacketIndex(pts, sorted(keyframes))
+
+
+def _decode_in_order(
+    data: bytes, container_format: str, wanted: list[int], config: VideoConfig, param: str | None
 ) -> list[np.ndarray]:
-    """The `wanted` frames, in order, each resized to the video's final frame size."""
-    frames: list[np.ndarray] = []
-    if not wanted:
-        return frames
-    wanted_set, last = set(wanted), wanted[-1]
-    source_shape, size = None, None
-    for index, frame in enumerate(container.decode(stream)):
-        if index in wanted_set:
-            rgb = frame.to_ndarray(format="rgb24")  # [H, W, 3] uint8
-            if source_shape is None:
-                source_shape = rgb.shape
-                size = frame_size(rgb.shape[0], rgb.shape[1], len(wanted), config)
-            elif rgb.shape != source_shape:
-                raise MediaError(
-                    "the video's frames change size; that is not supported", param=param
-                )
-            frames.append(resize_frame(rgb, *size))  # type: ignore[misc]
-        if index >= last:
-            break
-    return frames
+    """The `wanted` frames, decoding every frame up to the last of them."""
+
+    def picked(container):
+        if not wanted:
+            return
+        wanted_set, last = set(wanted), wanted[-1]
+        for index, frame in enumerate(container.decode(container.streams.video[0])):
+            if index in wanted_set:
+                yield frame
+            if index >= last:
+                break
+
+    with _open(data, container_format) as container:
+        return _resized_frames(picked(container), len(wanted), config, param)
 
 
-def _count_packets(data: bytes, container_format: str) -> int:
-    """Frame count of a container that does not state it: one packet per frame."""
-    import av
+class _MissedFrame(Exception):
+    """A seek did not bring the planned frame: decode in order instead."""
 
-    with av.open(io.BytesIO(data), mode="r", format=container_format) as container:
+
+def _decode_by_seeking(
+    data: bytes,
+    container_format: str,
+    index: _PacketIndex,
+    wanted: list[int],
+    config: VideoConfig,
+    param: str | None,
+) -> list[np.ndarray] | None:
+    """The `wanted` frames, jumping to a keyframe where one lies between the last frame
+    decoded and the next frame wanted; None where a seek misses (then decode in order)."""
+
+    def picked(container):
         stream = container.streams.video[0]
-        return sum(1 for packet in container.demux(stream) if packet.size)
+        frames, position = None, None  # the decoding iterator; the last timestamp it gave
+        for target in (index.pts[i] for i in wanted):
+            start = index.keyframe_pts[bisect.bisect_right(index.keyframe_pts, target) - 1]
+            if frames is None or start > position:
+                if start > index.pts[0] or frames is not None:
+                    container.seek(start, stream=stream, backward=True, any_frame=False)
+                frames = container.decode(stream)
+            for frame in frames:
+                position = frame.pts
+                if position is None or position >= target:
+                    break
+            if position != target:
+                raise _MissedFrame
+            yield frame
+
+    try:
+        with _open(data, container_format) as container:
+            return _resized_frames(picked(container), len(wanted), config, param)
+    except _MissedFrame:
+        return None
+
+
+def _resized_frames(frames, num_frames: int, config: VideoConfig, param: str | None):
+    """Decoded frames (PyAV) -> [H, W, 3] uint8 RGB, each resized to the video's final
+    frame size (from the first frame's size and the number of frames)."""
+    resized: list[np.ndarray] = []
+    source_shape, size = None, None
+    for frame in frames:
+        rgb = frame.to_ndarray(format="rgb24")  # [H, W, 3] uint8
+        if source_shape is None:
+            source_shape = rgb.shape
+            size = frame_size(rgb.shape[0], rgb.shape[1], num_frames, config)
+        elif rgb.shape != source_shape:
+            raise MediaError("the video's frames change size; that is not supported", param=param)
+        resized.append(resize_frame(rgb, *size))  # type: ignore[misc]
+    return resized
 
 
 def sniff_container(data: bytes) -> str | None:

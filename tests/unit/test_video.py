@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import io
 import sys
@@ -102,6 +103,56 @@ def test_frames_are_resized_while_decoding(width, height, count, fps, max_tokens
     got = load_video(data, config)
     assert got.grid_thw == expected.grid_thw
     assert torch.equal(got.pixel_levels, expected.pixel_levels)
+
+
+@pytest.mark.parametrize(
+    ("container", "codec", "options"),
+    [
+        ("mp4", "libx264", {"g": "8", "bf": "3"}),  # B-frames: decode order != display order
+        ("mp4", "libx264", {"g": "8", "bf": "2", "x264-params": "open-gop=1"}),
+        ("mp4", "mpeg4", {"g": "6", "bf": "2"}),
+        ("webm", "libvpx-vp9", {"g": "8"}),
+        ("matroska", "libx264", {"g": "5"}),
+    ],
+)
+def test_seeking_gives_the_frames_decoding_in_order_gives(container, codec, options):
+    """Sampled frames lie GOPs apart (90 frames, 8 sampled, a keyframe every 5-8): decoding
+    jumps between keyframes and must still give frame i = the decoder's i-th output."""
+    import av
+
+    from engine.multimodal.video import _decode_by_seeking, _index_packets, sniff_container
+
+    data = video_bytes(
+        moving_pictures(96, 64, 90, salt=3), fps=10, container=container, codec=codec,
+        options=options,
+    )
+    config = VideoConfig(FRAME, fps=1.0, max_frames=8)
+    container_format = sniff_container(data)
+    index = _index_packets(data, container_format)
+    assert index.can_seek(90) and len(index.keyframe_pts) >= 10
+    wanted = sample_frame_indices(90, 10.0, config)
+    assert len(wanted) == 8 and wanted[-1] - wanted[0] > 70
+    # No seek missed its frame (a miss would fall back to decoding in order).
+    assert _decode_by_seeking(data, container_format, index, wanted, config, None) is not None
+    by_seeking, _ = decode_video(data, config)
+    in_order, _ = decode_video(data, config, seek=False)
+    with av.open(io.BytesIO(data)) as container_file:
+        everything = [f.to_ndarray(format="rgb24") for f in container_file.decode(video=0)]
+    size = by_seeking[0].shape[:2]
+    expected = [resize_frame(everything[i], *size) for i in wanted]
+    for got, ordered, want in zip(by_seeking, in_order, expected, strict=True):
+        assert np.array_equal(got, want) and np.array_equal(ordered, want)
+
+
+def test_a_seek_that_misses_its_frame_falls_back_to_decoding_in_order():
+    from engine.multimodal.video import _decode_by_seeking, _index_packets
+
+    data = video_bytes(moving_pictures(96, 64, 40, salt=4), fps=10, options={"g": "4"})
+    index = _index_packets(data, "mov")
+    wanted = [0, 1, 20, 21]
+    assert _decode_by_seeking(data, "mov", index, wanted, CONFIG, None) is not None
+    shifted = dataclasses.replace(index, pts=[pts + 1 for pts in index.pts])  # lands nowhere
+    assert _decode_by_seeking(data, "mov", shifted, wanted, CONFIG, None) is None
 
 
 def test_an_animated_gif_is_a_video():
