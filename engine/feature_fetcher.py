@@ -128,7 +128,8 @@ class FeatureFetcher:
         self.config = config
         self._done: queue.SimpleQueue[FetchResult] = queue.SimpleQueue()
         self._tasks: dict[str, asyncio.Task] = {}  # touched on the loop thread only
-        self._versions: dict[str, tuple[str, str]] = {}  # url -> (etag/last-modified, hash)
+        # url -> (etag / last-modified, blake3 of the bytes, the spec they passed)
+        self._versions: dict[str, tuple[str, str, FeatureSpec]] = {}
         self._stats = FetchStats()
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
@@ -247,7 +248,10 @@ class FeatureFetcher:
 
     async def _download_and_check(self, job: FeatureJob, force: bool) -> FetchedFeature:
         known = self._versions.get(job.url)
-        if known is not None and not force:
+        # Reused only for the span it was checked against: the same URL with another
+        # grid_thw is downloaded and checked again (cached rows of another length would
+        # fail the model step for every request in it).
+        if known is not None and known[2] == job.spec and not force:
             version = await self._with_retries(self._version_of, job.url)
             if version is not None and version == known[0]:
                 return FetchedFeature(job.url, known[1], None)
@@ -257,7 +261,7 @@ class FeatureFetcher:
         embeds = await asyncio.to_thread(validate_features, data, job.spec)
         content_hash = blake3.blake3(data).hexdigest()
         if version is not None:
-            self._versions[job.url] = (version, content_hash)
+            self._versions[job.url] = (version, content_hash, job.spec)
         return FetchedFeature(job.url, content_hash, embeds)
 
     async def _with_retries(self, operation, url: str):

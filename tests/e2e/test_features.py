@@ -256,6 +256,18 @@ def test_changed_s3_object_is_fetched_again_unchanged_is_not(fhttp, s3):
     assert metric(fhttp, "tessera:feature_fetch_bytes_total") - after_first == len(second)
 
 
+def test_an_unchanged_object_sent_with_another_grid_is_checked_again(fhttp, s3):
+    # The unchanged object's cached 4 rows were once reused for an 8-token grid: the model
+    # step failed (500, and for every request in that step).
+    key, url = "regrid/obj.safetensors", f"s3://{BUCKET}/regrid/obj.safetensors"
+    s3.put_object(Bucket=BUCKET, Key=key, Body=features(7))  # grid_thw (1, 4, 4)
+    assert text_of(chat(fhttp, [feature_part(url)]))
+    other_grid = chat(fhttp, [feature_part(url, grid=(1, 4, 8))])
+    assert other_grid.status_code == 400, other_grid.text
+    assert "grid_thw" in other_grid.json()["error"]["message"]
+    assert text_of(chat(fhttp, [feature_part(url)]))  # the first grid still works
+
+
 def test_num_requests_fetching_rises_while_features_are_delayed(fhttp, objects):
     def fetching() -> float:
         return metric(fhttp, "tessera:num_requests_fetching")
