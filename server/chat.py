@@ -4,9 +4,10 @@ Media parts, in prompt order, are one of:
 
 * `image_url` / `video_url` — fetched, decoded and preprocessed concurrently (media_fetch;
   a video's frames are sampled first, engine/multimodal/video.py), under the server's
-  settings or those the request's `mm_processor_kwargs` narrow them to. With a client `uuid`
-  the engine caches the encoding under `uuid:<uuid>`; a later part with the same uuid and
-  no URL reuses it (the server remembers the uuid's modality and grid, the engine its rows).
+  settings or those the request's `mm_processor_kwargs` narrow them to. With a client
+  `uuid` the engine caches the encoding under `uuid:<uuid>` (per grid); a later part with
+  the same uuid and no URL reuses it (the server remembers the uuid's modality and grid,
+  the engine its rows).
 * `image_features` / `video_features` — pre-encoded features the engine's FeatureFetcher
   downloads (only with `--enable-feature-inputs`, URL checked against the allowlists here).
   The token count comes from `grid_thw`; `content_hash` is a hash of the URL for now (the
@@ -244,7 +245,7 @@ async def prepare_chat_prompt(
     for part in features:
         policy.check(part)  # type: ignore[union-attr]
     processing = fetcher.processing_for(request.mm_processor_kwargs) if pixel_parts else None
-    processed = await _load_media(pixel_parts, fetcher, processing)  # type: ignore[arg-type]
+    processed = await _load_media(pixel_parts, fetcher, processing)
     media, tensors, counts = [], [], []
     for part in parts:
         if part.is_feature:
@@ -275,14 +276,14 @@ async def prepare_chat_prompt(
 
 
 async def _load_media(
-    parts: list[MediaPart], fetcher: MediaFetcher, processing: MediaProcessing
+    parts: list[MediaPart], fetcher: MediaFetcher | None, processing: MediaProcessing | None
 ) -> dict[str, ProcessedImage]:
     with_url = [p for p in parts if p.url is not None]
     if not with_url:
         return {}
     tasks = [
         asyncio.create_task(
-            fetcher.load(p.url, p.modality.value, param=p.param, processing=processing)  # type: ignore[arg-type]
+            fetcher.load(p.url, p.modality.value, param=p.param, processing=processing)  # type: ignore[union-attr, arg-type]
         )
         for p in with_url
     ]

@@ -5,8 +5,9 @@ Decoding a PNG and resizing / normalising it into patches costs tens of millisec
 of CPU per image, on the same cores the engine computes on. Clients often send the
 same image again (a system image, a retried or multi-turn request); with this cache
 a repeat costs one hash of its bytes. Byte-identical input under identical settings
-gives an identical `ProcessedImage`, so reuse cannot change an answer. Entries are immutable and shared; the budget counts their pixel bytes
-(uint8 levels: a 448x448 image takes 1.2 MB).
+gives an identical `ProcessedImage`, so reuse cannot change an answer. Entries are
+immutable and shared; the budget counts their pixel bytes (uint8 levels: a 448x448 image
+takes 1.2 MB).
 """
 
 from __future__ import annotations
