@@ -7,8 +7,10 @@ cookie jar). It is created on the first fetch, on the event loop that uses it.
 Every fetch runs under a TOTAL deadline (`asyncio.timeout` around the whole fetch,
 redirects included), the byte cap is enforced while the body streams in, every redirect
 hop is re-checked and their number bounded. `file://` reads only under
-`--allowed-local-media-path`. Decoding and preprocessing (CPU work) run in a small thread
-pool, off the event loop, and repeats of the same bytes come from a `ProcessedImageCache`.
+`--allowed-local-media-path`. Decoding and preprocessing (CPU work) run in small thread
+pools off the event loop, one for images and one for videos (decoding a long video takes
+hundreds of milliseconds: an image must not queue behind it), and repeats of the same
+bytes come from a `ProcessedImageCache`.
 Images and videos have their own byte caps. A request's `mm_processor_kwargs` narrow the
 preprocessing (`MediaFetcher.processing_for`); the cache keys by the settings used.
 `fetch_url_bytes` is the ONE network fetch function.
@@ -53,7 +55,8 @@ class MediaFetchConfig:
     allow_private_urls: bool = False
     max_image_pixels: int = 64_000_000
     max_redirects: int = 3
-    num_decode_threads: int = 2
+    num_decode_threads: int = 2  # images
+    num_video_decode_threads: int = 2
     processed_image_cache_bytes: int = 256 * 1024 * 1024  # 0 = no cache
     allowed_domains: str | None = None  # comma-separated host allowlist; None = any
     allowed_local_path: str | None = None  # file:// only under this folder; None = off
@@ -106,9 +109,14 @@ class MediaFetcher:
         self.video_limits = VideoLimits(max_frame_pixels=config.max_image_pixels)
         self.policy = config.url_policy
         self._session: aiohttp.ClientSession | None = None
-        self._pool = ThreadPoolExecutor(
-            max_workers=config.num_decode_threads, thread_name_prefix="media-decode"
-        )
+        self._pools = {
+            "image": ThreadPoolExecutor(
+                max_workers=config.num_decode_threads, thread_name_prefix="image-decode"
+            ),
+            "video": ThreadPoolExecutor(
+                max_workers=config.num_video_decode_threads, thread_name_prefix="video-decode"
+            ),
+        }
         self.processed = ProcessedImageCache(config.processed_image_cache_bytes)
         self.default_processing = MediaProcessing(image_config, self.video_config)
 
@@ -149,7 +157,8 @@ class MediaFetcher:
     async def aclose(self) -> None:
         if self._session is not None:
             await self._session.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in self._pools.values():
+            pool.shutdown(wait=False, cancel_futures=True)
 
     async def load_image(self, url: str, *, param: str) -> ProcessedImage:
         """Fetch (or decode a data: URL), decode and preprocess one image."""
@@ -166,18 +175,18 @@ class MediaFetcher:
         """Fetch (or decode a data: URL), decode and preprocess one image or video (its
         frames sampled) under `processing` (default: the server's settings)."""
         processing = processing or self.default_processing
-        loop = asyncio.get_running_loop()
+        loop, pool = asyncio.get_running_loop(), self._pools[kind]
         if url.startswith("data:"):
             # base64 of a large image is milliseconds of CPU: off the event loop too.
             return await loop.run_in_executor(
-                self._pool, self._process_data_url, url, kind, param, processing
+                pool, self._process_data_url, url, kind, param, processing
             )
         if url[:7].lower() == "file://":
             data = await asyncio.to_thread(self._read_local, url, kind, param)
         else:
             data = await self.fetch_url_bytes(url, param=param, kind=kind)
         return await loop.run_in_executor(
-            self._pool, self._decode_and_process, data, kind, param, processing
+            pool, self._decode_and_process, data, kind, param, processing
         )
 
     def _max_bytes(self, kind: MediaKind) -> int:

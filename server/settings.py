@@ -69,6 +69,8 @@ class ServerSettings:
     max_video_frames: int = 32  # frames sampled per video, at most (2 frames = 1 grid step)
     max_video_tokens: int = 16384  # frames shrink so that one video takes at most ~0.9x this many tokens
     image_cache_mb: int = 256  # processed images kept for repeats of the same bytes; 0 = off
+    image_decode_threads: int = 2  # threads that decode and preprocess images
+    video_decode_threads: int = 2  # their own threads for videos: an image never waits behind one
     media_fetch_timeout_s: float = 10.0  # total deadline per media URL
     media_fetch_max_redirects: int = 3  # each hop re-checked by the URL guard
     allow_private_media_urls: bool = False  # allow image URLs on loopback / private networks
@@ -101,6 +103,8 @@ class ServerSettings:
             "max_header_bytes",
             "max_video_frames",
             "max_video_tokens",
+            "image_decode_threads",
+            "video_decode_threads",
         ):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{name} must be positive")

@@ -7,7 +7,6 @@ import base64
 import io
 
 import numpy as np
-import pytest
 import torch
 from PIL import Image
 
@@ -76,26 +75,3 @@ def test_fetcher_without_cache_still_gives_equal_images():
     assert torch.equal(again.pixel_values, first.pixel_values)
     assert again.content_hash == first.content_hash
 
-
-def test_request_processing_narrows_the_server_bounds():
-    from engine.errors import InvalidRequest
-    from engine.multimodal.video import VideoConfig
-    from server.openai_models import MediaProcessingOptions
-
-    image = ImageProcessorConfig(min_pixels=3136, max_pixels=1_000_000)
-    frame = ImageProcessorConfig(min_pixels=3136, max_pixels=200_000)  # a lower video bound
-    fetcher = MediaFetcher(MediaFetchConfig(), image, VideoConfig(frame, max_frames=16))
-    assert fetcher.processing_for(None) is fetcher.default_processing
-    options = MediaProcessingOptions(fps=0.5, max_frames=2, min_pixels=300_000)
-    chosen = fetcher.processing_for(options)
-    assert (chosen.image.min_pixels, chosen.image.max_pixels) == (300_000, 1_000_000)
-    # Video frames keep the model's video bound; min_frames follows max_frames down.
-    video = chosen.video
-    assert (video.frame.min_pixels, video.frame.max_pixels) == (200_000, 200_000)
-    assert (video.fps, video.max_frames, video.min_frames) == (0.5, 2, 2)
-    assert chosen.cache_tag("image") != fetcher.default_processing.cache_tag("image")
-    assert fetcher.processing_for(MediaProcessingOptions(fps=1.0)).image == image
-    for too_much in ({"max_frames": 17}, {"max_pixels": 1_000_001}, {"min_pixels": 2_000_000}):
-        with pytest.raises(InvalidRequest) as error:
-            fetcher.processing_for(MediaProcessingOptions(**too_much))
-        assert error.value.param == "mm_processor_kwargs." + next(iter(too_much))
