@@ -22,7 +22,9 @@ so its values can differ from ours in the last bit; the levels are equal.
 
 Only a few containers are opened, each with its own demuxer named explicitly (MP4/MOV,
 Matroska/WebM, AVI, GIF): letting FFmpeg probe the format would also admit demuxers such as
-HLS or concat that read further files or URLs named inside the data.
+HLS or concat that read further files or URLs named inside the data. Decoding jumps from
+keyframe to keyframe where that skips frames (`decode_video`); the frames are those a
+decode of every frame gives.
 """
 
 from __future__ import annotations
@@ -54,6 +56,10 @@ DEFAULT_FPS = 2.0
 DEFAULT_MAX_FRAMES = 32
 DEFAULT_MAX_TOKENS = 16384
 SUPPORTED_CONTAINERS = "MP4/MOV, WebM/Matroska, AVI, GIF"
+# Demuxers that give every packet its presentation timestamp and seek by it through an
+# index. AVI and GIF decode in order (no reliable timestamps; a GIF frame draws over the
+# previous one).
+SEEKABLE_CONTAINERS = ("mov", "matroska")
 
 
 @dataclass(frozen=True)
@@ -218,12 +224,6 @@ def decode_video(
     if not frames:
         raise MediaError("the video has no decodable frames", param=param)
     return frames, video_fps
-
-
-# Containers whose demuxers give every packet its presentation timestamp and seek by it
-# through an index. AVI and GIF decode in order (no reliable timestamps; a GIF frame
-# draws over the previous one).
-SEEKABLE_CONTAINERS = ("mov", "matroska")
 
 
 def _open(data: bytes, container_format: str):
