@@ -79,7 +79,7 @@ class AppState:
             raise ModelNotFound(f"the model {model!r} does not exist", param="model")
 
 
-def _make_fetcher(settings: ServerSettings) -> MediaFetcher | None:
+def _make_fetcher(settings: ServerSettings, metrics: ServerMetrics) -> MediaFetcher | None:
     model_dir = Path(settings.engine.model)
     if not (model_dir / "preprocessor_config.json").is_file():
         return None
@@ -102,7 +102,12 @@ def _make_fetcher(settings: ServerSettings) -> MediaFetcher | None:
         max_frames=settings.max_video_frames,
         max_tokens=settings.max_video_tokens,
     )
-    return MediaFetcher(config, ImageProcessorConfig.from_model_dir(model_dir), video_config)
+    return MediaFetcher(
+        config,
+        ImageProcessorConfig.from_model_dir(model_dir),
+        video_config,
+        on_processed=metrics.on_media_preprocessed,
+    )
 
 
 async def _ensure_started(engine: Any) -> Any:
@@ -128,7 +133,7 @@ def build_app(settings: ServerSettings, engine: Any) -> FastAPI:
         ready = await _ensure_started(engine)
         metrics.on_engine_ready(ready)
         processor = await asyncio.to_thread(PromptProcessor.from_model_dir, settings.engine.model)
-        fetcher = _make_fetcher(settings)
+        fetcher = _make_fetcher(settings, metrics)
         with contextlib.suppress(AttributeError):
             engine.add_stats_listener(metrics.on_engine_stats)
         app.state.tessera = AppState(

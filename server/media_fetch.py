@@ -19,6 +19,8 @@ preprocessing (`MediaFetcher.processing_for`); the cache keys by the settings us
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
@@ -102,8 +104,12 @@ class MediaFetcher:
         config: MediaFetchConfig,
         image_config: ImageProcessorConfig,
         video_config: VideoConfig | None = None,
+        *,
+        on_processed: Callable[[MediaKind, float], None] | None = None,
     ):
+        """`on_processed(kind, seconds)` hears of every successful `load` (a metric)."""
         self.config = config
+        self.on_processed = on_processed
         self.image_config = image_config
         self.video_config = video_config or VideoConfig(image_config)
         self.video_limits = VideoLimits(max_frame_pixels=config.max_image_pixels)
@@ -174,7 +180,15 @@ class MediaFetcher:
     ) -> ProcessedImage:
         """Fetch (or decode a data: URL), decode and preprocess one image or video (its
         frames sampled) under `processing` (default: the server's settings)."""
-        processing = processing or self.default_processing
+        started = time.perf_counter()
+        processed = await self._load(url, kind, param, processing or self.default_processing)
+        if self.on_processed is not None:
+            self.on_processed(kind, time.perf_counter() - started)
+        return processed
+
+    async def _load(
+        self, url: str, kind: MediaKind, param: str, processing: MediaProcessing
+    ) -> ProcessedImage:
         loop, pool = asyncio.get_running_loop(), self._pools[kind]
         if url.startswith("data:"):
             # base64 of a large image is milliseconds of CPU: off the event loop too.

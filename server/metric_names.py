@@ -71,8 +71,8 @@ def _gauge(name: str, help: str) -> MetricSpec:
     return MetricSpec(name, "gauge", help)
 
 
-def _histogram(name: str, help: str, buckets: tuple[float, ...]) -> MetricSpec:
-    return MetricSpec(name, "histogram", help, (MODEL_LABEL,), buckets)
+def _histogram(name: str, help: str, buckets: tuple[float, ...], *labels: str) -> MetricSpec:
+    return MetricSpec(name, "histogram", help, (MODEL_LABEL, *labels), buckets)
 
 
 METRICS: tuple[MetricSpec, ...] = (
@@ -139,6 +139,14 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
     _histogram("tessera:iteration_tokens", "Tokens scheduled in one engine step.", TOKEN_BUCKETS),
     _histogram("tessera:engine_step_seconds", "Wall time of one engine step.", LATENCY_BUCKETS),
+    # Media preprocessing in the API process (before the engine sees the request).
+    _histogram(
+        "tessera:media_preprocess_seconds",
+        "Time to fetch, decode and preprocess one image_url or video_url part in the API "
+        "process, by modality (image, video); repeats served from its cache included.",
+        LATENCY_BUCKETS,
+        "modality",
+    ),
     # Vision encoder and encoder cache.
     _histogram(
         "tessera:vision_encoder_seconds",

@@ -95,6 +95,10 @@ class ServerMetrics:
         capacity = ready.num_kv_blocks * ready.block_size
         self._labelled("tessera:kv_cache_capacity_tokens").set(capacity)
 
+    def on_media_preprocessed(self, modality: str, seconds: float) -> None:
+        """One image_url / video_url part fetched, decoded and preprocessed."""
+        self._labelled("tessera:media_preprocess_seconds", modality).observe(seconds)
+
     def on_http_request(self, route: str, status: int) -> None:
         self._labelled("tessera:http_requests_total", route, str(status)).inc()
 

@@ -92,3 +92,29 @@ def test_multimodal_counters_move(http):
     assert moved["tessera:vision_encoder_items_total"] == 0
     assert moved["tessera:encoder_cache_queries_total"] == 1
     assert moved["tessera:encoder_cache_hits_total"] == 1
+
+
+def preprocess_counts(http) -> dict[str, float]:
+    counts = {"image": 0.0, "video": 0.0}
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith("tessera:media_preprocess_seconds_count{"):
+            modality = line.split('modality="', 1)[1].split('"', 1)[0]
+            counts[modality] = float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def test_media_preprocessing_is_timed_by_modality(http, image_server):
+    before = preprocess_counts(http)
+    content = [
+        {"type": "image_url", "image_url": {"url": image_server + "/picture.png"}},
+        {"type": "image_url", "image_url": {"url": image_server + "/picture.png"}},
+        {"type": "video_url", "video_url": {"url": image_server + "/clip.mp4"}},
+    ]
+    response = http.post(
+        "/v1/chat/completions",
+        json={"model": MODEL_NAME, "messages": [{"role": "user", "content": content}],
+              "max_tokens": 1},
+    )  # fmt: skip
+    assert response.status_code == 200, response.text
+    after = preprocess_counts(http)  # recorded before the engine runs: no wait needed
+    assert (after["image"] - before["image"], after["video"] - before["video"]) == (2, 1)

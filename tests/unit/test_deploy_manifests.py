@@ -246,6 +246,7 @@ def test_dashboard_covers_the_key_signals():
         "feature_fetch_seconds",
     ):
         assert f"histogram_quantile(0.99, sum by (le) (rate(tessera:{histogram}_bucket" in exprs
+    assert "sum by (le, modality) (rate(tessera:media_preprocess_seconds_bucket" in exprs
     for series in (
         "tessera:prompt_tokens_total",
         "tessera:generation_tokens_total",
