@@ -7,12 +7,12 @@ cookie jar). It is created on the first fetch, on the event loop that uses it.
 Every fetch runs under a TOTAL deadline (`asyncio.timeout` around the whole fetch,
 redirects included), the byte cap is enforced while the body streams in, every redirect
 hop is re-checked and their number bounded. `file://` reads only under
-`--allowed-local-media-path`. Decoding and preprocessing (CPU work) run in small thread
-pools off the event loop, one for images and one for videos (decoding a long video takes
-hundreds of milliseconds: an image must not queue behind it), and repeats of the same
-bytes come from a `ProcessedImageCache`.
-Images and videos have their own byte caps. A request's `mm_processor_kwargs` narrow the
-preprocessing (`MediaFetcher.processing_for`); the cache keys by the settings used.
+`--allowed-local-media-path`. Images and videos have their own byte caps. Decoding and
+preprocessing (CPU work) run in small thread pools off the event loop, one for images and
+one for videos (decoding a long video takes hundreds of milliseconds: an image must not
+queue behind it), and repeats of the same bytes come from a `ProcessedImageCache`. A
+request's `mm_processor_kwargs` narrow the preprocessing (`MediaFetcher.processing_for`);
+the cache keys by the settings used.
 `fetch_url_bytes` is the ONE network fetch function.
 """
 
@@ -57,7 +57,7 @@ class MediaFetchConfig:
     allow_private_urls: bool = False
     max_image_pixels: int = 64_000_000
     max_redirects: int = 3
-    num_decode_threads: int = 2  # images
+    num_image_decode_threads: int = 2
     num_video_decode_threads: int = 2
     processed_image_cache_bytes: int = 256 * 1024 * 1024  # 0 = no cache
     allowed_domains: str | None = None  # comma-separated host allowlist; None = any
@@ -117,7 +117,7 @@ class MediaFetcher:
         self._session: aiohttp.ClientSession | None = None
         self._pools = {
             "image": ThreadPoolExecutor(
-                max_workers=config.num_decode_threads, thread_name_prefix="image-decode"
+                max_workers=config.num_image_decode_threads, thread_name_prefix="image-decode"
             ),
             "video": ThreadPoolExecutor(
                 max_workers=config.num_video_decode_threads, thread_name_prefix="video-decode"

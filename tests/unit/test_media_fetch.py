@@ -56,7 +56,7 @@ def test_an_image_does_not_wait_behind_decoding_videos(monkeypatch):
     image = "data:image/png;base64," + base64.b64encode(png_bytes(picture(56, 56, 1))).decode()
 
     async def scenario() -> None:
-        config = MediaFetchConfig(num_decode_threads=1, num_video_decode_threads=2)
+        config = MediaFetchConfig(num_image_decode_threads=1, num_video_decode_threads=2)
         fetcher = MediaFetcher(config, ImageProcessorConfig())
         try:
             videos = [
