@@ -4,7 +4,8 @@ A prompt is a str (raw text, tokenized as is, no chat template), a list[int]
 (token ids), or {"messages": [...]} (OpenAI-style chat; content parts
 {"type": "text", "text"}, {"type": "image", "image": PIL.Image | bytes} and
 {"type": "video", "video": bytes (a video file) | list of PIL.Image / [H, W, 3] uint8 frames
-(taken as sampled already)}).
+(taken as sampled already)}), and optionally "mm_processor_kwargs" (as on the HTTP API:
+`fps`, `max_frames`, `min_pixels`, `max_pixels`, engine/multimodal/processing.py).
 Bad input for one prompt gives that prompt a result with `error` set (or raises
 `InvalidRequest` when `raise_on_error=True`); the others still complete.
 """
@@ -63,6 +64,14 @@ class LLM:
         self.video_config = VideoConfig.from_model_dir(model)
         self._ids = itertools.count()
         self.last_stats: list = []  # EngineStats of the last generate() call, one per step
+
+    @property
+    def processing(self):
+        """The media settings of a prompt without `mm_processor_kwargs` (a MediaProcessing
+        of `image_config` and `video_config`, which may be replaced)."""
+        from engine.multimodal.processing import MediaProcessing
+
+        return MediaProcessing(self.image_config, self.video_config)
 
     def generate(
         self,
@@ -151,13 +160,14 @@ class LLM:
                 request_id=request_id, prompt_token_ids=list(prompt), sampling=sampling
             ), []
         if isinstance(prompt, dict) and "messages" in prompt:
-            return self._chat_request(request_id, prompt["messages"], sampling)
+            processing = self.processing.narrowed(prompt.get("mm_processor_kwargs"))
+            return self._chat_request(request_id, prompt["messages"], sampling, processing)
         raise InvalidRequest(
             "a prompt is a str, a list of token ids or {'messages': [...]}", param="prompts"
         )
 
     def _chat_request(
-        self, request_id: str, messages: list[dict], sampling: SamplingParams
+        self, request_id: str, messages: list[dict], sampling: SamplingParams, processing
     ) -> tuple[EngineRequest, list[torch.Tensor]]:
         items = []  # (modality, ProcessedImage) of every image and video, in prompt order
         for message_index, message in enumerate(messages):
@@ -167,7 +177,7 @@ class LLM:
             for part_index, part in enumerate(content):
                 if part.get("type") in ("image", "video"):
                     param = f"messages[{message_index}].content[{part_index}]"
-                    items.append((part["type"], self._process_media(part, param)))
+                    items.append((part["type"], self._process_media(part, param, processing)))
         processed = self.prompt_processor.process_chat(
             messages, media_token_counts=[(kind, item.num_tokens) for kind, item in items]
         )
@@ -191,8 +201,9 @@ class LLM:
         )
         return request, [item.pixel_levels for _, item in items]
 
-    def _process_media(self, part: dict, param: str):
-        """ProcessedImage of an {"type": "image"} or {"type": "video"} content part."""
+    def _process_media(self, part: dict, param: str, processing):
+        """ProcessedImage of an {"type": "image"} or {"type": "video"} content part under
+        `processing` (a MediaProcessing)."""
         from engine.multimodal.image_processor import process_image
         from engine.multimodal.media import decode_image
         from engine.multimodal.video import load_video, process_video
@@ -201,12 +212,12 @@ class LLM:
             image = part.get("image")
             if isinstance(image, (bytes, bytearray)):
                 image = decode_image(bytes(image), param=param)
-            return process_image(image, self.image_config)
+            return process_image(image, processing.image)
         video = part.get("video")
         if isinstance(video, (bytes, bytearray)):
-            return load_video(bytes(video), self.video_config, param=param)
+            return load_video(bytes(video), processing.video, param=param)
         frames = [  # sampled by the caller
             np.array(frame.convert("RGB") if hasattr(frame, "convert") else frame)
             for frame in video
         ]
-        return process_video(frames, self.video_config)
+        return process_video(frames, processing.video)

@@ -22,14 +22,15 @@ import asyncio
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import aiohttp
 
-from engine.errors import InvalidRequest, MediaError
+from engine.errors import MediaError
 from engine.multimodal.image_processor import ImageProcessorConfig, ProcessedImage, process_image
 from engine.multimodal.media import decode_data_url, decode_image
+from engine.multimodal.processing import MediaKind, MediaProcessing
 from engine.multimodal.video import VideoConfig, VideoLimits, load_video
 from engine.url_safety import (
     BodyTooLargeError,
@@ -44,8 +45,6 @@ from server.image_cache import ProcessedImageCache, bytes_key
 
 if TYPE_CHECKING:
     from server.openai_models import MediaProcessingOptions
-
-MediaKind = Literal["image", "video"]
 
 
 @dataclass(frozen=True)
@@ -71,28 +70,6 @@ class MediaFetchConfig:
             allowed_domains=self.allowed_domains,
             allowed_local_path=self.allowed_local_path,
         )
-
-
-@dataclass(frozen=True)
-class MediaProcessing:
-    """How one request's images and videos are preprocessed: the server's settings, or
-    those narrowed by the request's `mm_processor_kwargs`."""
-
-    image: ImageProcessorConfig
-    video: VideoConfig
-
-    def cache_tag(self, kind: MediaKind) -> str:
-        """Names the settings a `kind` item is processed under, for the processed cache."""
-        return repr(self.image if kind == "image" else self.video)
-
-
-def _pixel_bounds(
-    config: ImageProcessorConfig, min_pixels: int | None, max_pixels: int | None
-) -> ImageProcessorConfig:
-    """`config` with a request's area bounds: never above its own `max_pixels`."""
-    upper = min(max_pixels or config.max_pixels, config.max_pixels)
-    lower = min(min_pixels or config.min_pixels, upper)
-    return replace(config, min_pixels=lower, max_pixels=upper)
 
 
 class MediaFetcher:
@@ -127,38 +104,11 @@ class MediaFetcher:
         self.default_processing = MediaProcessing(image_config, self.video_config)
 
     def processing_for(self, options: MediaProcessingOptions | None) -> MediaProcessing:
-        """The preprocessing a request's `mm_processor_kwargs` ask for. They may lower the
-        bounds, not raise them: `max_frames` above `--max-video-frames` or `max_pixels`
-        above the model's image bound is a 400; video frames also keep the model's own
-        (often lower) video bound, and `--max-video-tokens` still shares out the pixels."""
+        """The preprocessing a request's `mm_processor_kwargs` ask for (they may narrow the
+        server's settings, never widen them: engine/multimodal/processing.py)."""
         if options is None:
             return self.default_processing
-        image, video = self.image_config, self.video_config
-        param = "mm_processor_kwargs"
-        if options.max_frames is not None and options.max_frames > video.max_frames:
-            raise InvalidRequest(
-                f"max_frames {options.max_frames} is over this server's limit of "
-                f"{video.max_frames} (--max-video-frames)",
-                param=f"{param}.max_frames",
-            )
-        for name in ("max_pixels", "min_pixels"):
-            value = getattr(options, name)
-            if value is not None and value > image.max_pixels:
-                raise InvalidRequest(
-                    f"{name} {value} is over the model's max_pixels of {image.max_pixels}",
-                    param=f"{param}.{name}",
-                )
-        max_frames = options.max_frames or video.max_frames
-        return MediaProcessing(
-            _pixel_bounds(image, options.min_pixels, options.max_pixels),
-            replace(
-                video,
-                frame=_pixel_bounds(video.frame, options.min_pixels, options.max_pixels),
-                fps=options.fps or video.fps,
-                max_frames=max_frames,
-                min_frames=min(video.min_frames, max_frames),
-            ),
-        )
+        return self.default_processing.narrowed(options.model_dump(exclude_none=True))
 
     async def aclose(self) -> None:
         if self._session is not None:

@@ -200,6 +200,7 @@ class MediaProcessingOptions(BaseModel):
     (checked against the model's and the server's settings in server/media_fetch.py)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # = engine/multimodal/processing.py's SUPPORTED_KWARGS (not imported: that loads torch)
     SUPPORTED: ClassVar[tuple[str, ...]] = ("fps", "max_frames", "min_pixels", "max_pixels")
 
     fps: float | None = Field(default=None, gt=0.0)  # video frames sampled per second

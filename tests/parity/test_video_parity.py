@@ -94,3 +94,32 @@ def test_video_beside_an_image_and_across_prefill_chunks(model_dir, hf, clips):
         assert result.error is None, result.error
         assert result.prompt_token_ids == ids
         assert result.token_ids == tokens, f"budget {budget}"
+
+
+def test_mm_processor_kwargs_in_an_offline_prompt(model_dir, hf, clips):
+    # The prompt's own mm_processor_kwargs (as on the HTTP API): 1 fps and at most 2
+    # frames, and the image held to 56x56 pixels; transformers gets inputs processed alike.
+    import dataclasses
+
+    image = picture(112, 84, 7)
+    plain, messages = video_chat(clips[0], "Compare the picture and the clip.", image=image)
+    prompt = {**plain, "mm_processor_kwargs": {"fps": 1, "max_frames": 2, "max_pixels": 3136}}
+    config = VideoConfig.from_model_dir(model_dir)
+    video_config = dataclasses.replace(
+        config,
+        fps=1.0,
+        max_frames=2,
+        min_frames=2,
+        frame=dataclasses.replace(config.frame, max_pixels=56 * 56),
+    )
+    video = load_video(clips[0], video_config)
+    size = {"shortest_edge": 56 * 56, "longest_edge": 56 * 56}
+    inputs = hf.inputs(messages, images=[image], videos=[video], image_size=size)
+    llm = LLM(str(model_dir), num_kv_blocks=256)
+    [result, default] = llm.generate([prompt, plain], GREEDY)
+    assert result.error is None, result.error
+    assert result.prompt_token_ids == inputs["input_ids"][0].tolist()
+    assert result.token_ids == hf.generate(inputs, NUM_NEW)
+    assert len(result.prompt_token_ids) < len(default.prompt_token_ids)
+    [bad] = llm.generate([{**plain, "mm_processor_kwargs": {"max_frames": 0}}], GREEDY)
+    assert bad.error is not None and bad.error.param == "mm_processor_kwargs.max_frames"
