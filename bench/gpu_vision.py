@@ -96,7 +96,7 @@ def tower_flops(vision: VisionConfig, grids: Sequence[tuple[int, int, int]]) -> 
     (QK^T and PV within each frame), the merger's two GEMMs. Norms and elementwise ops are
     left out (memory-bound, small)."""
     embed = vision.embed_dim
-    hidden = int(embed * vision.mlp_ratio)
+    hidden = vision.intermediate_size  # Qwen2-VL's two-layer MLP (this bench is Qwen2-VL's)
     rows = sum(t * h * w for t, h, w in grids)
     per_row = vision.patch_dim * embed + vision.depth * (4 * embed * embed + 2 * embed * hidden)
     attention = vision.depth * sum(t * 2 * (h * w) ** 2 * embed for t, h, w in grids)

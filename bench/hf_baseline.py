@@ -203,7 +203,7 @@ def load_model(config: BaselineConfig) -> torch.nn.Module:
 
     dtype = config.dtype if config.dtype == "auto" else getattr(torch, config.dtype)
     kwargs = {"attn_implementation": config.attn_implementation}
-    model = transformers.Qwen2VLForConditionalGeneration.from_pretrained(
+    model = transformers.AutoModelForImageTextToText.from_pretrained(  # Qwen2-VL or 2.5-VL
         config.model_dir, dtype=dtype, **{k: v for k, v in kwargs.items() if v}
     )
     return model.to(config.device).eval()

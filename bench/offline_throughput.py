@@ -127,7 +127,7 @@ def main() -> None:
             hf = None
             if not args.skip_hf:
                 hf = (
-                    transformers.Qwen2VLForConditionalGeneration.from_pretrained(
+                    transformers.AutoModelForImageTextToText.from_pretrained(
                         model_dir, dtype=dtype
                     )
                     .to(device)

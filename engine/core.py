@@ -274,10 +274,15 @@ class EngineCore:
             )
         media = [self._media_item(m, i, tensors) for i, m in enumerate(request.media)]
         self._check_placeholders(prompt, media)
+        for index, item in enumerate(request.media):
+            if not (math.isfinite(item.second_per_grid_t) and item.second_per_grid_t > 0):
+                raise MediaError("second_per_grid_t must be positive", param=f"media[{index}]")
         positions, rope_delta = mrope_positions(
             prompt,
             [(m.offset, m.num_tokens, m.grid_thw, m.modality) for m in media],
             spatial_merge_size=mc.vision.spatial_merge_size,
+            tokens_per_second=mc.vision.tokens_per_second,
+            second_per_grid_ts=[m.second_per_grid_t for m in request.media],
         )
         result = Request(
             request.request_id,
@@ -336,6 +341,7 @@ class EngineCore:
                 )
         elif cache_key not in self.runner.encoder_cache:
             raise MediaError("media item has no pixel values and is not cached", param=param)
+        is_timed = vision.tokens_per_second is not None and media.modality is Modality.VIDEO
         return MediaItem(
             media.modality.value,
             cache_key,
@@ -344,6 +350,7 @@ class EngineCore:
             tuple(media.grid_thw),
             pixel_values,
             media.normalization if pixel_values is not None else None,
+            second_per_grid_t=media.second_per_grid_t if is_timed else None,
         )
 
     def _check_placeholders(self, prompt: list[int], media: list[MediaItem]) -> None:

@@ -9,8 +9,9 @@ the server's defaults; anything else is an image), encoded by the model's vision
 (patch merger included), and written as `<OUT>/<file stem>.safetensors` with tensors
 `embeds` [num_tokens, hidden_size] and `grid_thw` [3] (int64). OUT is a local folder or
 `s3://bucket/prefix` (aioboto3; `--s3-endpoint-url` or the standard AWS env). One JSON line
-per file goes to stdout: {"image" or "video", "url", "grid_thw", "num_tokens"}, what a chat
-request's `image_features` / `video_features` part needs.
+per file goes to stdout: {"image" or "video", "url", "grid_thw", "num_tokens"} and, for a
+video, "second_per_grid_t" (the seconds one temporal patch spans, by which Qwen2.5-VL spaces
+video positions): what a chat request's `image_features` / `video_features` part needs.
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
 def encode_file(
     model, image_config: ImageProcessorConfig, video_config: VideoConfig, path: Path, device
 ) -> tuple:
-    """(embeds [num_tokens, hidden] float32 on host, grid_thw, "image" | "video") of one
-    image or video file."""
+    """(embeds [num_tokens, hidden] float32 on host, the ProcessedImage, "image" | "video")
+    of one image or video file."""
     data = path.read_bytes()
     if sniff_container(data) in VIDEO_CONTAINERS:
         kind = "video"
@@ -76,7 +77,7 @@ def encode_file(
     pixel_values = image.pixel_values.to(device=device, dtype=model_dtype)  # [P, C*T*P*P]
     grid = torch.tensor([image.grid_thw], dtype=torch.long, device=device)  # [1, 3]
     embeds = model.encode_images(pixel_values, grid)  # [num_tokens, hidden]
-    return embeds.float().cpu(), tuple(image.grid_thw), kind
+    return embeds.float().cpu(), image, kind
 
 
 def feature_file_bytes(embeds: torch.Tensor, grid_thw: tuple[int, int, int], dtype: str) -> bytes:
@@ -115,11 +116,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     files: dict[str, bytes] = {}
     for name in args.images:
         path = Path(name)
-        embeds, grid_thw, kind = encode_file(model, config, video_config, path, device)
+        embeds, image, kind = encode_file(model, config, video_config, path, device)
         url = f"{output}/{path.stem}.safetensors"
-        files[url] = feature_file_bytes(embeds, grid_thw, args.dtype)
-        line = {kind: name, "url": url, "grid_thw": list(grid_thw)}
-        print(json.dumps({**line, "num_tokens": embeds.shape[0]}))
+        files[url] = feature_file_bytes(embeds, tuple(image.grid_thw), args.dtype)
+        line = {kind: name, "url": url, "grid_thw": list(image.grid_thw)}
+        line["num_tokens"] = embeds.shape[0]
+        if kind == "video":
+            line["second_per_grid_t"] = image.second_per_grid_t
+        print(json.dumps(line))
     if output.startswith("s3://"):
         asyncio.run(_upload(files, args.s3_endpoint_url))
     else:

@@ -177,4 +177,6 @@ class KVCacheManager:
                 hasher.update(token_id.to_bytes(4, "little", signed=True))
             for media in request.media_overlapping(start, end):
                 hasher.update(f"|{media.content_hash}@{media.offset}".encode())
+                if media.second_per_grid_t is not None:  # moves the span's positions
+                    hasher.update(f"/{media.second_per_grid_t!r}".encode())
             request.block_hashes.append(hasher.digest())

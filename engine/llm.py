@@ -190,6 +190,7 @@ class LLM:
                 grid_thw=tuple(item.grid_thw),
                 pixel_values=TensorRef(index, "uint8", tuple(item.pixel_levels.shape)),
                 normalization=item.normalization,
+                second_per_grid_t=item.second_per_grid_t,
             )
             for index, (span, (_, item)) in enumerate(zip(processed.spans, items, strict=True))
         ]

@@ -1,7 +1,12 @@
 """What the engine needs to know about a checkpoint, parsed from its config.json.
 
-Handles both the flat layout of hub Qwen2-VL checkpoints and the nested
-`text_config` layout newer `transformers` versions write.
+Two architectures of one family: Qwen2-VL and Qwen2.5-VL. Their decoders are the same
+Qwen2 decoder with M-RoPE; their vision towers differ (`VisionConfig.variant`), and so do
+the names in `vision_config`: Qwen2-VL's `embed_dim` / `hidden_size` (tower width / merger
+output) are Qwen2.5-VL's `hidden_size` / `out_hidden_size`.
+
+Handles both the flat layout of hub checkpoints and the nested `text_config` layout newer
+`transformers` versions write.
 """
 
 from __future__ import annotations
@@ -9,23 +14,43 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from engine.errors import ModelLoadError
 
-SUPPORTED_ARCHITECTURES = ("Qwen2VLForConditionalGeneration",)
+VisionVariant = Literal["qwen2_vl", "qwen2_5_vl"]
+# architecture -> the vision tower it carries
+SUPPORTED_ARCHITECTURES: dict[str, VisionVariant] = {
+    "Qwen2VLForConditionalGeneration": "qwen2_vl",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+}
 
 
 @dataclass(frozen=True)
 class VisionConfig:
+    """The vision tower's shape.
+
+    `qwen2_vl`: LayerNorm blocks, a 2-layer MLP (`hidden_act`, quick_gelu), every block
+    attends within whole frames. `qwen2_5_vl`: RMSNorm blocks, a gated MLP (silu) with
+    biases, and window attention: blocks attend within windows of `window_size` pixels
+    square except those in `fullatt_block_indexes`; video positions in M-RoPE are spaced
+    by `tokens_per_second` x the seconds one temporal patch spans.
+    """
+
     depth: int
-    embed_dim: int
+    embed_dim: int  # the tower's width
     num_heads: int
-    mlp_ratio: float
+    intermediate_size: int  # the blocks' MLP width
     in_channels: int
     patch_size: int
     temporal_patch_size: int
     spatial_merge_size: int
     out_hidden_size: int  # = the decoder's hidden size (patch merger output)
+    variant: VisionVariant = "qwen2_vl"
+    hidden_act: str = "quick_gelu"
+    window_size: int = 0  # pixels; 0 = no window attention
+    fullatt_block_indexes: tuple[int, ...] = ()
+    tokens_per_second: float | None = None  # None = temporal positions step by 1
 
     @property
     def patch_dim(self) -> int:
@@ -71,7 +96,8 @@ class ModelConfig:
     def from_dict(cls, raw: dict) -> ModelConfig:
         architectures = raw.get("architectures") or []
         architecture = architectures[0] if architectures else raw.get("model_type", "?")
-        if architecture not in SUPPORTED_ARCHITECTURES:
+        variant = SUPPORTED_ARCHITECTURES.get(architecture)
+        if variant is None:
             raise ModelLoadError(
                 f"unsupported architecture {architecture!r}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
@@ -106,19 +132,41 @@ class ModelConfig:
                 vision_start_token_id=raw.get(
                     "vision_start_token_id", text.get("vision_start_token_id")
                 ),
-                vision=VisionConfig(
-                    depth=vision["depth"],
-                    embed_dim=vision["embed_dim"],
-                    num_heads=vision["num_heads"],
-                    mlp_ratio=vision.get("mlp_ratio", 4),
-                    in_channels=vision.get("in_chans", vision.get("in_channels", 3)),
-                    patch_size=vision.get("patch_size", 14),
-                    temporal_patch_size=vision.get("temporal_patch_size", 2),
-                    spatial_merge_size=vision.get("spatial_merge_size", 2),
-                    out_hidden_size=vision.get("hidden_size", hidden),
-                ),
+                vision=_vision_config(variant, vision, hidden),
                 torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
                 extra=raw,
             )
         except (KeyError, TypeError) as exc:
             raise ModelLoadError(f"config.json lacks or mis-types field {exc}") from exc
+
+
+def _vision_config(variant: VisionVariant, vision: dict, decoder_hidden: int) -> VisionConfig:
+    """`vision_config` of a Qwen2-VL or Qwen2.5-VL config.json (transformers' defaults)."""
+    common = {
+        "depth": vision["depth"],
+        "num_heads": vision["num_heads"],
+        "in_channels": vision.get("in_chans", vision.get("in_channels", 3)),
+        "patch_size": vision.get("patch_size", 14),
+        "temporal_patch_size": vision.get("temporal_patch_size", 2),
+        "spatial_merge_size": vision.get("spatial_merge_size", 2),
+        "variant": variant,
+    }
+    if variant == "qwen2_vl":
+        embed_dim = vision["embed_dim"]
+        return VisionConfig(
+            **common,
+            embed_dim=embed_dim,
+            intermediate_size=int(embed_dim * vision.get("mlp_ratio", 4)),
+            out_hidden_size=vision.get("hidden_size", decoder_hidden),
+            hidden_act=vision.get("hidden_act", "quick_gelu"),
+        )
+    return VisionConfig(
+        **common,
+        embed_dim=vision["hidden_size"],
+        intermediate_size=vision["intermediate_size"],
+        out_hidden_size=vision.get("out_hidden_size", decoder_hidden),
+        hidden_act=vision.get("hidden_act", "silu"),
+        window_size=vision.get("window_size", 112),
+        fullatt_block_indexes=tuple(vision.get("fullatt_block_indexes", (7, 15, 23, 31))),
+        tokens_per_second=float(vision.get("tokens_per_second", 4)),
+    )

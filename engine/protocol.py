@@ -95,6 +95,10 @@ class MediaInput(msgspec.Struct, frozen=True, kw_only=True):
     `pixel_values` are either uint8 levels with a `normalization` (what the server sends:
     a quarter of float32's bytes, normalised on the engine's device) or floating-point
     values already normalised (`normalization` None).
+
+    `second_per_grid_t` is, for a video, the seconds of video one temporal patch spans
+    (temporal_patch_size / the sampled frame rate): Qwen2.5-VL spaces the video's M-RoPE
+    temporal positions by it. 1.0 (transformers' default) where unknown; images ignore it.
     """
 
     modality: Modality
@@ -105,6 +109,7 @@ class MediaInput(msgspec.Struct, frozen=True, kw_only=True):
     pixel_values: TensorRef | None = None  # [num_patches, C * T_patch * P * P]
     normalization: PixelNormalization | None = None  # set iff pixel_values are uint8
     feature: FeatureSource | None = None
+    second_per_grid_t: float = 1.0
 
 
 class EngineRequest(msgspec.Struct, frozen=True, kw_only=True, tag=True):

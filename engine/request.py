@@ -62,6 +62,9 @@ class MediaItem:
     # Fetched pre-encoded features: the request's own copy of its encoder rows, put back
     # into the encoder cache if they were evicted (e.g. while the request was preempted).
     embeds: torch.Tensor | None = None  # [num_tokens, hidden], host
+    # Set where it moves the span's positions (a Qwen2.5-VL video): the same content at
+    # another time spacing has other KV, so the prefix-cache key includes it.
+    second_per_grid_t: float | None = None
 
     @property
     def end(self) -> int:

@@ -1,4 +1,4 @@
-"""Write small random-weight Qwen2-VL checkpoints in Hugging Face format.
+"""Write small random-weight Qwen2-VL and Qwen2.5-VL checkpoints in Hugging Face format.
 
 `tessera make-tiny-model OUT_DIR [--seed N] [--size SIZE] [--device cpu|cuda]` writes a
 folder that both Tessera and `transformers` load: config.json (flat hub layout),
@@ -8,8 +8,10 @@ template and the image processor config. No network, no hub.
 
 Sizes: `tiny` and `tiny2` for tests, `small` (a ~0.5B decoder) for CPU benchmarks, and
 `qwen2-vl-2b` / `qwen2-vl-7b`, the real Qwen2-VL shapes (parameter for parameter) for GPU
-benchmarks. Every size keeps a small trained tokenizer; the big ones only pad the
-embedding / lm_head rows up to the real vocabulary size.
+benchmarks. Qwen2.5-VL (`architecture="qwen2_5_vl"`): `tiny-qwen2.5-vl` for tests (windows of
+2 x 2 merged tokens, so small pictures span several, edge windows included) and the real
+`qwen2.5-vl-3b` / `qwen2.5-vl-7b` shapes. Every size keeps a small trained tokenizer; the
+big ones only pad the embedding / lm_head rows up to the real vocabulary size.
 
 Everything is a pure function of (size, seed, device): the same arguments give
 byte-identical files. The CPU and CUDA generators draw different numbers from one seed; a
@@ -98,10 +100,19 @@ class TinyModelSpec:
     min_pixels: int = 56 * 56
     vocab_size: int | None = None
     tie_word_embeddings: bool = False
+    architecture: str = "qwen2_vl"  # or "qwen2_5_vl"
+    vision_intermediate_size: int = 0  # qwen2_5_vl
+    window_size: int = 112  # qwen2_5_vl
+    fullatt_block_indexes: tuple[int, ...] = ()  # qwen2_5_vl
+    tokens_per_second: int = 2  # qwen2_5_vl (Qwen2.5-VL-3B/7B's value)
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def is_qwen2_5_vl(self) -> bool:
+        return self.architecture == "qwen2_5_vl"
 
 
 SIZES: dict[str, TinyModelSpec] = {
@@ -136,6 +147,27 @@ SIZES: dict[str, TinyModelSpec] = {
         vision_num_heads=3,
         max_pixels=336 * 336,
         dtype=torch.float32,
+    ),
+    # Qwen2.5-VL: windows of 56 pixels = 2 x 2 merged tokens, block 1 of 3 attends whole
+    # frames; an intermediate size that is no multiple of the width, as the real 3420.
+    "tiny-qwen2.5-vl": TinyModelSpec(
+        bpe_vocab_size=1536,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        mrope_section=(4, 6, 6),
+        max_position_embeddings=4096,
+        vision_depth=3,
+        vision_embed_dim=64,
+        vision_num_heads=4,
+        max_pixels=448 * 448,
+        dtype=torch.float32,
+        architecture="qwen2_5_vl",
+        vision_intermediate_size=172,
+        window_size=56,
+        fullatt_block_indexes=(1,),
     ),
     # FlashInfer's head dim (128, as Qwen2-VL-2B/7B), small otherwise: the GPU tests run
     # FlashInfer on it, which JIT-compiles one kernel module per head dim and dtype.
@@ -204,13 +236,54 @@ SIZES: dict[str, TinyModelSpec] = {
         dtype=torch.bfloat16,
         vocab_size=152064,
     ),
+    # The real Qwen2.5-VL-3B / 7B shapes (3,754,622,976 and 8,292,166,656 parameters, as the
+    # hub checkpoints), with the small tokenizer.
+    "qwen2.5-vl-3b": TinyModelSpec(
+        bpe_vocab_size=8192,
+        hidden_size=2048,
+        intermediate_size=11008,
+        num_hidden_layers=36,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        mrope_section=(16, 24, 24),  # head_dim 128
+        max_position_embeddings=128000,
+        vision_depth=32,
+        vision_embed_dim=1280,
+        vision_num_heads=16,
+        max_pixels=12845056,
+        dtype=torch.bfloat16,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        architecture="qwen2_5_vl",
+        vision_intermediate_size=3420,
+        fullatt_block_indexes=(7, 15, 23, 31),
+    ),
+    "qwen2.5-vl-7b": TinyModelSpec(
+        bpe_vocab_size=8192,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        mrope_section=(16, 24, 24),  # head_dim 128
+        max_position_embeddings=128000,
+        vision_depth=32,
+        vision_embed_dim=1280,
+        vision_num_heads=16,
+        max_pixels=12845056,
+        dtype=torch.bfloat16,
+        vocab_size=152064,
+        architecture="qwen2_5_vl",
+        vision_intermediate_size=3420,
+        fullatt_block_indexes=(7, 15, 23, 31),
+    ),
 }
 
 
 def make_tiny_model(
     out_dir: str | Path, *, seed: int = 0, size: str = "tiny", device: str = "cpu"
 ) -> Path:
-    """Write a complete random-weight Qwen2-VL checkpoint folder of a named size and return
+    """Write a complete random-weight checkpoint folder of a named size and return
     its path. `device` draws the weights there (e.g. "cuda": fast, other numbers than CPU)."""
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
@@ -267,6 +340,14 @@ def _check_spec(spec: TinyModelSpec) -> None:
         raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
     if spec.vision_embed_dim % spec.vision_num_heads:
         raise ValueError("vision_embed_dim must be a multiple of vision_num_heads")
+    if spec.architecture not in ("qwen2_vl", "qwen2_5_vl"):
+        raise ValueError(f"unknown architecture {spec.architecture!r}")
+    merged_pixels = spec.patch_size * spec.spatial_merge_size
+    if spec.is_qwen2_5_vl and (
+        spec.vision_intermediate_size <= 0 or spec.window_size % merged_pixels
+    ):
+        raise ValueError("qwen2_5_vl needs vision_intermediate_size and a window_size that is "
+                         "a multiple of patch_size x spatial_merge_size")  # fmt: skip
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -335,9 +416,14 @@ def read_chat_template() -> str:
 def model_config_dict(spec: TinyModelSpec, token_ids: dict[str, int], vocab_size: int) -> dict:
     """config.json in the flat hub layout that both transformers 4.x and 5.x read."""
     dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[spec.dtype]
+    architecture, model_type = (
+        ("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl")
+        if spec.is_qwen2_5_vl
+        else ("Qwen2VLForConditionalGeneration", "qwen2_vl")
+    )
     return {
-        "architectures": ["Qwen2VLForConditionalGeneration"],
-        "model_type": "qwen2_vl",
+        "architectures": [architecture],
+        "model_type": model_type,
         "attention_dropout": 0.0,
         "bos_token_id": token_ids["<|endoftext|>"],
         "eos_token_id": token_ids["<|im_end|>"],
@@ -365,19 +451,40 @@ def model_config_dict(spec: TinyModelSpec, token_ids: dict[str, int], vocab_size
         "torch_dtype": dtype,
         "use_cache": True,
         "vocab_size": vocab_size,
-        "vision_config": {
+        "vision_config": _vision_config_dict(spec),
+    }
+
+
+def _vision_config_dict(spec: TinyModelSpec) -> dict:
+    if spec.is_qwen2_5_vl:  # as in the hub's Qwen2.5-VL config.json
+        return {
             "depth": spec.vision_depth,
-            "embed_dim": spec.vision_embed_dim,
-            "hidden_size": spec.hidden_size,  # merger output = decoder hidden size
-            "hidden_act": "quick_gelu",
-            "mlp_ratio": spec.vision_mlp_ratio,
+            "hidden_act": "silu",
+            "hidden_size": spec.vision_embed_dim,
+            "intermediate_size": spec.vision_intermediate_size,
             "num_heads": spec.vision_num_heads,
-            "in_channels": 3,
             "in_chans": 3,
+            "out_hidden_size": spec.hidden_size,
             "patch_size": spec.patch_size,
             "spatial_merge_size": spec.spatial_merge_size,
+            "spatial_patch_size": spec.patch_size,
+            "window_size": spec.window_size,
+            "fullatt_block_indexes": list(spec.fullatt_block_indexes),
+            "tokens_per_second": spec.tokens_per_second,
             "temporal_patch_size": spec.temporal_patch_size,
-        },
+        }
+    return {
+        "depth": spec.vision_depth,
+        "embed_dim": spec.vision_embed_dim,
+        "hidden_size": spec.hidden_size,  # merger output = decoder hidden size
+        "hidden_act": "quick_gelu",
+        "mlp_ratio": spec.vision_mlp_ratio,
+        "num_heads": spec.vision_num_heads,
+        "in_channels": 3,
+        "in_chans": 3,
+        "patch_size": spec.patch_size,
+        "spatial_merge_size": spec.spatial_merge_size,
+        "temporal_patch_size": spec.temporal_patch_size,
     }
 
 
@@ -422,7 +529,7 @@ def _tokenizer_config(token_ids: dict[str, int], chat_template: str) -> dict:
 def _preprocessor_config(spec: TinyModelSpec) -> dict:
     return {
         "image_processor_type": "Qwen2VLImageProcessor",
-        "processor_class": "Qwen2VLProcessor",
+        "processor_class": "Qwen2_5_VLProcessor" if spec.is_qwen2_5_vl else "Qwen2VLProcessor",
         "do_resize": True,
         "do_rescale": True,
         "do_normalize": True,
@@ -452,7 +559,8 @@ def _write_json(path: Path, data: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="tessera make-tiny-model",
-        description="Write a random-weight Qwen2-VL checkpoint (weights, tokenizer, processor).",
+        description="Write a random-weight Qwen2-VL or Qwen2.5-VL checkpoint (weights, "
+        "tokenizer, processor).",
     )
     parser.add_argument("out_dir", metavar="OUT_DIR")
     parser.add_argument("--seed", type=int, default=0)
@@ -465,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     path = make_tiny_model(args.out_dir, seed=args.seed, size=args.size, device=args.device)
-    print(f"wrote {args.size} Qwen2-VL checkpoint (seed {args.seed}, {args.device}) to {path}")
+    print(f"wrote {args.size} checkpoint (seed {args.seed}, {args.device}) to {path}")
     return 0
 
 

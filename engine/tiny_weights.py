@@ -56,6 +56,8 @@ def weight_shapes(spec: TinyModelSpec, vocab_size: int) -> list[tuple[str, tuple
     embed = spec.vision_embed_dim
     patch = (embed, 3, spec.temporal_patch_size, spec.patch_size, spec.patch_size)
     shapes.append(("visual.patch_embed.proj.weight", patch))  # Conv3d, no bias
+    if spec.is_qwen2_5_vl:
+        return shapes + _qwen2_5_vision_shapes(spec)
     mlp = embed * spec.vision_mlp_ratio
     for i in range(spec.vision_depth):
         p = f"visual.blocks.{i}."
@@ -83,6 +85,36 @@ def weight_shapes(spec: TinyModelSpec, vocab_size: int) -> list[tuple[str, tuple
         ("visual.merger.mlp.2.bias", (hidden,)),
     ]
     return shapes
+
+
+def _qwen2_5_vision_shapes(spec: TinyModelSpec) -> list[tuple[str, tuple[int, ...]]]:
+    """Qwen2.5-VL's vision blocks and merger: RMSNorms (no bias), a gated MLP with biases."""
+    embed, mlp = spec.vision_embed_dim, spec.vision_intermediate_size
+    shapes: list[tuple[str, tuple[int, ...]]] = []
+    for i in range(spec.vision_depth):
+        p = f"visual.blocks.{i}."
+        shapes += [
+            (p + "norm1.weight", (embed,)),
+            (p + "attn.qkv.weight", (3 * embed, embed)),
+            (p + "attn.qkv.bias", (3 * embed,)),
+            (p + "attn.proj.weight", (embed, embed)),
+            (p + "attn.proj.bias", (embed,)),
+            (p + "norm2.weight", (embed,)),
+            (p + "mlp.gate_proj.weight", (mlp, embed)),
+            (p + "mlp.gate_proj.bias", (mlp,)),
+            (p + "mlp.up_proj.weight", (mlp, embed)),
+            (p + "mlp.up_proj.bias", (mlp,)),
+            (p + "mlp.down_proj.weight", (embed, mlp)),
+            (p + "mlp.down_proj.bias", (embed,)),
+        ]
+    merged = embed * spec.spatial_merge_size**2
+    return shapes + [
+        ("visual.merger.ln_q.weight", (embed,)),
+        ("visual.merger.mlp.0.weight", (merged, merged)),
+        ("visual.merger.mlp.0.bias", (merged,)),
+        ("visual.merger.mlp.2.weight", (spec.hidden_size, merged)),
+        ("visual.merger.mlp.2.bias", (spec.hidden_size,)),
+    ]
 
 
 def random_weights(

@@ -26,7 +26,7 @@ import hashlib
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -69,6 +69,7 @@ class MediaPart:
     uuid: str | None = None
     grid_thw: tuple[int, int, int] | None = None  # feature parts only
     is_feature: bool = False
+    second_per_grid_t: float | None = None  # video feature parts only, None = the default
 
 
 def media_parts(messages: list[ChatMessage]) -> list[MediaPart]:
@@ -95,7 +96,11 @@ def media_parts(messages: list[ChatMessage]) -> list[MediaPart]:
                         "grid_thw must be 3 positive integers [t, h, w]", param=param + ".grid_thw"
                     )
                 modality = Modality.IMAGE if is_image else Modality.VIDEO
-                found.append(MediaPart(param, modality, ref.url, None, tuple(grid), True))
+                found.append(
+                    MediaPart(
+                        param, modality, ref.url, None, tuple(grid), True, ref.second_per_grid_t
+                    )
+                )
     return found
 
 
@@ -105,12 +110,15 @@ def messages_as_dicts(messages: list[ChatMessage]) -> list[dict]:
 
 @dataclass(frozen=True)
 class FeaturePolicy:
-    """Whether feature parts are accepted, from where, and the model's merge size."""
+    """Whether feature parts are accepted, from where, the model's merge size, and the
+    seconds per temporal patch of a video sampled by this server (temporal_patch_size /
+    --video-fps: a video_features part's default)."""
 
     is_enabled: bool
     buckets: frozenset[str] | None
     url_prefixes: tuple[str, ...] | None
     merge_size: int
+    default_second_per_grid_t: float = 1.0
 
     @classmethod
     def from_settings(cls, settings: Any) -> FeaturePolicy:
@@ -119,6 +127,7 @@ class FeaturePolicy:
             getattr(settings, "allowed_feature_buckets", None),
             getattr(settings, "allowed_feature_url_prefixes", None),
             settings.engine.model,
+            float(getattr(settings, "video_fps", 2.0)),
         )
 
     def check(self, part: MediaPart) -> None:
@@ -165,54 +174,66 @@ def _split(value: str | None) -> tuple[str, ...] | None:
 
 
 @functools.lru_cache(maxsize=8)
-def _policy(enabled: bool, buckets: str | None, prefixes: str | None, model: str):
-    merge = 2
+def _policy(enabled: bool, buckets: str | None, prefixes: str | None, model: str, fps: float):
+    merge, temporal_patch = 2, 2
     if (Path(model) / "preprocessor_config.json").is_file():
-        merge = ImageProcessorConfig.from_model_dir(model).merge_size
+        config = ImageProcessorConfig.from_model_dir(model)
+        merge, temporal_patch = config.merge_size, config.temporal_patch_size
     bucket_list = _split(buckets)
     return FeaturePolicy(
-        enabled, None if bucket_list is None else frozenset(bucket_list), _split(prefixes), merge
+        enabled,
+        None if bucket_list is None else frozenset(bucket_list),
+        _split(prefixes),
+        merge,
+        temporal_patch / fps,
     )
 
 
 class UuidRegistry:
-    """uuid -> (modality, grid_thw, num_tokens) of media sent with a client uuid (bounded
-    LRU)."""
+    """uuid -> (modality, the latest ProcessedImage's facts) of media sent with a client
+    uuid (bounded LRU)."""
 
     def __init__(self, capacity: int = MAX_REMEMBERED_UUIDS) -> None:
         self.capacity = capacity
-        self._grids: collections.OrderedDict[str, tuple[Modality, tuple[int, int, int], int]] = (
+        self._items: collections.OrderedDict[str, tuple[Modality, RememberedMedia]] = (
             collections.OrderedDict()
         )
         self._lock = threading.Lock()
 
-    def remember(
-        self, uuid: str, modality: Modality, grid_thw: tuple[int, int, int], num_tokens: int
-    ) -> None:
+    def remember(self, uuid: str, modality: Modality, image: ProcessedImage) -> None:
+        facts = RememberedMedia(
+            tuple(image.grid_thw), image.num_tokens, image.second_per_grid_t
+        )  # fmt: skip
         with self._lock:
-            self._grids[uuid] = (modality, grid_thw, num_tokens)
-            self._grids.move_to_end(uuid)
-            while len(self._grids) > self.capacity:
-                self._grids.popitem(last=False)
+            self._items[uuid] = (modality, facts)
+            self._items.move_to_end(uuid)
+            while len(self._items) > self.capacity:
+                self._items.popitem(last=False)
 
-    def lookup(
-        self, uuid: str, modality: Modality, *, param: str
-    ) -> tuple[tuple[int, int, int], int]:
+    def lookup(self, uuid: str, modality: Modality, *, param: str) -> RememberedMedia:
         with self._lock:
-            entry = self._grids.get(uuid)
+            entry = self._items.get(uuid)
         if entry is None:
             raise MediaError(
                 f"unknown media uuid {uuid!r}: send the {modality.value} with its uuid first",
                 param=param,
                 code="unknown_media_uuid",
             )
-        known_modality, grid, num_tokens = entry
+        known_modality, facts = entry
         if known_modality is not modality:
             raise MediaError(
                 f"media uuid {uuid!r} names {known_modality.value}, not {modality.value}",
                 param=param,
             )
-        return grid, num_tokens
+        return facts
+
+
+class RememberedMedia(NamedTuple):
+    """What a uuid-only part needs of the media last sent under its uuid."""
+
+    grid_thw: tuple[int, int, int]
+    num_tokens: int
+    second_per_grid_t: float
 
 
 UUIDS = UuidRegistry()
@@ -258,6 +279,7 @@ async def prepare_chat_prompt(
                 num_tokens=policy.num_tokens(grid),  # type: ignore[union-attr, arg-type]
                 grid_thw=grid,  # type: ignore[arg-type]
                 feature=FeatureSource(part.url),  # type: ignore[arg-type]
+                second_per_grid_t=part.second_per_grid_t or policy.default_second_per_grid_t,  # type: ignore[union-attr]
             )
         else:
             item = _pixel_input(part, processed.get(part.param), tensors)
@@ -298,18 +320,19 @@ async def _load_media(
 def _pixel_input(part: MediaPart, image: ProcessedImage | None, tensors: list[Any]) -> MediaInput:
     """MediaInput of a processed image or video (`image`), or of a uuid-only part (None)."""
     if image is None:  # uuid only: the engine must hold the encoding already
-        grid, num_tokens = UUIDS.lookup(part.uuid, part.modality, param=part.param)  # type: ignore[arg-type]
+        known = UUIDS.lookup(part.uuid, part.modality, param=part.param)  # type: ignore[arg-type]
         return MediaInput(
             modality=part.modality,
             content_hash="uuid:" + part.uuid,  # type: ignore[operator]
             offset=0,
-            num_tokens=num_tokens,
-            grid_thw=grid,
+            num_tokens=known.num_tokens,
+            grid_thw=known.grid_thw,
+            second_per_grid_t=known.second_per_grid_t,
         )
     content_hash = image.content_hash
     if part.uuid is not None:
         content_hash = "uuid:" + part.uuid
-        UUIDS.remember(part.uuid, part.modality, tuple(image.grid_thw), image.num_tokens)
+        UUIDS.remember(part.uuid, part.modality, image)
     item = MediaInput(
         modality=part.modality,
         content_hash=content_hash,
@@ -318,6 +341,7 @@ def _pixel_input(part: MediaPart, image: ProcessedImage | None, tensors: list[An
         grid_thw=tuple(image.grid_thw),
         pixel_values=tensor_ref(len(tensors), image.pixel_levels),
         normalization=image.normalization,
+        second_per_grid_t=image.second_per_grid_t,
     )
     tensors.append(image.pixel_levels)  # [num_patches, C * T * P * P] uint8
     return item

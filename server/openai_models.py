@@ -91,6 +91,10 @@ class VideoPart(_UrlPart):
 class FeatureRef(_Request):
     url: str
     grid_thw: list[int]
+    # Videos: seconds of video one temporal patch spans (vLLM's second_per_grid_ts; what
+    # `tessera encode-features` prints). Qwen2.5-VL spaces video positions by it; default
+    # temporal_patch_size / --video-fps, as for a video_url sampled by this server.
+    second_per_grid_t: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
 
 
 class ImageFeaturesPart(_Request):

@@ -8,10 +8,14 @@ count, `mm_token_type_ids` (1 image, 2 video) for M-RoPE. Images go through tran
 own PIL image processor. Videos come as Tessera's processed frames (`ProcessedImage` from
 engine/multimodal/video.py), whose levels equal what `Qwen2VLVideoProcessor` makes of the
 same frames (checked against it in tests/unit/test_video.py where torchvision exists, and
-in docs/multimodal.md), so the model is what is compared.
+in docs/multimodal.md), so the model is what is compared. For Qwen2.5-VL each video also
+carries its `second_per_grid_ts` (what Qwen2_5_VLProcessor computes from the sampled fps).
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import torch
 import transformers
@@ -19,9 +23,11 @@ import transformers
 
 class HFGreedy:
     def __init__(self, model_dir) -> None:
-        self.model = transformers.Qwen2VLForConditionalGeneration.from_pretrained(
-            model_dir, dtype=torch.float32
-        ).eval()
+        # The checkpoint's own class: Qwen2VLForConditionalGeneration or Qwen2_5_VL...
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        self.architecture = config["architectures"][0]
+        model_class = getattr(transformers, self.architecture)
+        self.model = model_class.from_pretrained(model_dir, dtype=torch.float32).eval()
         self.model.generation_config.eos_token_id = None  # a fixed length, like ignore_eos
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
         self.image_processor = transformers.AutoImageProcessor.from_pretrained(model_dir)
@@ -45,6 +51,10 @@ class HFGreedy:
             extra["pixel_values_videos"] = torch.cat([v.pixel_values for v in videos])
             extra["video_grid_thw"] = torch.tensor([list(v.grid_thw) for v in videos])
             counts["<|video_pad|>"] = [v.num_tokens for v in videos]
+            if self.architecture == "Qwen2_5_VLForConditionalGeneration":
+                # float32, as the processor's BatchFeature makes of its list of floats
+                seconds = [v.second_per_grid_t for v in videos]
+                extra["second_per_grid_ts"] = torch.tensor(seconds, dtype=torch.float32)
         for pad, numbers in counts.items():
             pieces = text.split(pad)
             text = pieces[0] + "".join(

@@ -10,6 +10,8 @@ Checkpoint names are first normalised to the hub layout:
 then each expected hub name maps to (our parameter, row range, how to reshape):
     model.layers.N.self_attn.{q,k,v}_proj.*  -> rows of model.layers.N.self_attn.qkv_proj.*
     model.layers.N.mlp.{gate,up}_proj.weight -> rows of model.layers.N.mlp.gate_up_proj.weight
+    visual.blocks.N.mlp.{gate,up}_proj.*     -> rows of visual.blocks.N.mlp.gate_up_proj.*
+                                                (Qwen2.5-VL)
     visual.patch_embed.proj.weight [E,C,T,P,P] -> visual.patch_embed.weight [E, C*T*P*P]
     visual.merger.mlp.{0,2}.*                -> visual.merger.{fc1,fc2}.*
 Everything else keeps its name. Missing, mis-shaped or unexpected tensors raise
@@ -50,7 +52,8 @@ def load_model(
     device: torch.device,
     attention: AttentionBackend,
 ) -> Qwen2VLForConditionalGeneration:
-    """Loads a Qwen2-VL checkpoint folder; raises `ModelLoadError` on any mismatch."""
+    """Loads a Qwen2-VL or Qwen2.5-VL checkpoint folder; raises `ModelLoadError` on any
+    mismatch."""
     config = ModelConfig.from_model_dir(model_dir)
     with torch.device("meta"):
         model = Qwen2VLForConditionalGeneration(config, attention)
@@ -139,6 +142,12 @@ def expected_tensors(
         ],
     }
     vision = config.vision
+    vision_fused = {  # Qwen2.5-VL's gated vision MLP
+        "mlp.gate_up_proj": [
+            ("mlp.gate_proj", vision.intermediate_size),
+            ("mlp.up_proj", vision.intermediate_size),
+        ]
+    }
     for param_name, param in params.items():
         shape = tuple(param.shape)
         if param_name == "visual.patch_embed.weight":
@@ -155,12 +164,13 @@ def expected_tensors(
             hf_name = param_name.replace("merger.fc1.", "merger.mlp.0.")
             targets[hf_name.replace("merger.fc2.", "merger.mlp.2.")] = _Target(param_name, 0, shape)
             continue
-        fused_key = next((key for key in fused if f".{key}." in param_name), None)
+        parts = vision_fused if param_name.startswith("visual.") else fused
+        fused_key = next((key for key in parts if f".{key}." in param_name), None)
         if fused_key is None:
             targets[param_name] = _Target(param_name, 0, shape)
             continue
         start = 0
-        for hf_part, rows in fused[fused_key]:
+        for hf_part, rows in parts[fused_key]:
             hf_name = param_name.replace(fused_key, hf_part)
             targets[hf_name] = _Target(param_name, start, (rows, *shape[1:]))
             start += rows

@@ -1,4 +1,5 @@
-"""Qwen2-VL: the vision tower and the Qwen2 decoder behind one module.
+"""Qwen2-VL and Qwen2.5-VL: a vision tower and the Qwen2 decoder behind one module (the two
+architectures share the decoder, the M-RoPE and the merger's output; their towers differ).
 
 The model runner calls, per step:
     rows = model.encode_images(pixel_values, grid_thw)      # uncached media, all at once
@@ -18,12 +19,14 @@ from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.errors import MediaError
 from engine.model_config import ModelConfig
 from engine.models.layers import scatter_rows
+from engine.models.qwen2_5_vl_vision import Qwen25VisionTransformer
 from engine.models.qwen2_decoder import Qwen2Decoder
 from engine.models.qwen2_vl_vision import Qwen2VisionTransformer
 
 
 class Qwen2VLForConditionalGeneration(nn.Module):
-    """Qwen2-VL over a paged KV cache. Inputs are flat over all sequences of a step.
+    """Qwen2-VL or Qwen2.5-VL (by `config.vision.variant`) over a paged KV cache. Inputs
+    are flat over all sequences of a step.
 
     Parameter names mirror the hub checkpoint ("model.layers.N...", "visual.blocks.N...")
     except the fused projections (`qkv_proj`, `gate_up_proj`), the patch embedding
@@ -34,8 +37,10 @@ class Qwen2VLForConditionalGeneration(nn.Module):
     def __init__(self, config: ModelConfig, attention: AttentionBackend) -> None:
         super().__init__()
         self.config = config
-        vision_act = (config.extra.get("vision_config") or {}).get("hidden_act", "quick_gelu")
-        self.visual = Qwen2VisionTransformer(config.vision, act=vision_act)
+        if config.vision.variant == "qwen2_5_vl":
+            self.visual: nn.Module = Qwen25VisionTransformer(config.vision)
+        else:
+            self.visual = Qwen2VisionTransformer(config.vision)
         self.model = Qwen2Decoder(config, attention)
         self.lm_head = (
             None

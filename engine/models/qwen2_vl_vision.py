@@ -1,11 +1,12 @@
 """The Qwen2-VL vision tower: patch embedding, ViT blocks with 2D rotary, patch merger.
+Its attention and rotary serve the Qwen2.5-VL tower too (qwen2_5_vl_vision.py).
 
 All items (images and videos) of one call are concatenated row-wise, no padding.
-Attention is block-diagonal: every frame (`h * w` patches) attends only within
-itself, exactly like the reference. Frames of equal length are attended in one
-batched SDPA call, so a call costs one SDPA per distinct frame size. On CUDA in
-float16 / bfloat16, frames of several sizes go through one variable-length flash
-attention call instead (`torch.nn.attention.varlen`, frame boundaries as cu_seqlens).
+Attention is block-diagonal over segments: in Qwen2-VL every frame (`h * w` patches)
+attends only within itself, exactly like the reference. Segments of equal length are
+attended in one batched SDPA call, so a call costs one SDPA per distinct segment length.
+On CUDA in float16 / bfloat16, segments of several lengths go through one variable-length
+flash attention call instead (`torch.nn.attention.varlen`, boundaries as cu_seqlens).
 
 Patch rows arrive in the order the Qwen2-VL image processor writes them:
 per frame, `merge x merge` blocks of neighbouring patches are consecutive, so
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,54 +33,58 @@ VISION_ROPE_THETA = 10000.0
 
 
 @dataclass(frozen=True)
-class FrameGroup:
-    """Frames of one length `length`; `rows` [num_frames, length] indexes the patch rows
-    (None when the group covers all rows in order, so a plain view suffices)."""
+class SegmentGroup:
+    """Attention segments (frames, or windows of frames) of one length `length`; `rows`
+    [num_segments, length] indexes their rows (None when the group covers all rows in
+    order, so a plain view suffices)."""
 
     length: int
     rows: torch.Tensor | None
 
 
-def plan_frame_groups(
-    grid_thw: Sequence[tuple[int, int, int]], device: torch.device
-) -> list[FrameGroup]:
-    """Groups the frames of all items by length, for batched block-diagonal attention."""
+def frame_lengths(grid_thw: Sequence[tuple[int, int, int]]) -> list[int]:
+    """Rows of every frame of every item, in order: the segments of full attention."""
+    return [h * w for t, h, w in grid_thw for _ in range(t)]
+
+
+def plan_segment_groups(lengths: Sequence[int], device: torch.device) -> list[SegmentGroup]:
+    """Groups consecutive segments of `lengths` rows by length, for batched
+    block-diagonal attention."""
     starts_by_length: dict[int, list[int]] = {}
     start = 0
-    for t, h, w in grid_thw:
-        for _ in range(t):
-            starts_by_length.setdefault(h * w, []).append(start)
-            start += h * w
+    for length in lengths:
+        starts_by_length.setdefault(length, []).append(start)
+        start += length
     if len(starts_by_length) == 1:
         (length,) = starts_by_length
-        return [FrameGroup(length, None)]
+        return [SegmentGroup(length, None)]
     groups = []
     for length, starts in starts_by_length.items():
-        starts_tensor = torch.tensor(starts, dtype=torch.long).unsqueeze(1)  # [F, 1]
-        rows = to_device(starts_tensor + torch.arange(length), torch.long, device)  # [F, L]
-        groups.append(FrameGroup(length, rows))
+        starts_tensor = torch.tensor(starts, dtype=torch.long).unsqueeze(1)  # [S, 1]
+        rows = to_device(starts_tensor + torch.arange(length), torch.long, device)  # [S, L]
+        groups.append(SegmentGroup(length, rows))
     return groups
 
 
 @dataclass(frozen=True)
 class VisionAttentionPlan:
-    """How one call's frames attend: `groups` for batched SDPA, or, when set, one varlen
-    kernel call over frame boundaries `cu_seqlens` [num_frames + 1] int32 (device), and then
-    no groups."""
+    """How one call's segments attend: `groups` for batched SDPA, or, when set, one varlen
+    kernel call over segment boundaries `cu_seqlens` [num_segments + 1] int32 (device), and
+    then no groups."""
 
-    groups: list[FrameGroup]
+    groups: list[SegmentGroup]
     cu_seqlens: torch.Tensor | None = None
-    max_frame_len: int = 0
+    max_segment_len: int = 0
 
 
 def plan_vision_attention(
-    grid_thw: Sequence[tuple[int, int, int]], device: torch.device, dtype: torch.dtype
+    lengths: Sequence[int], device: torch.device, dtype: torch.dtype
 ) -> VisionAttentionPlan:
-    frame_lens = [h * w for t, h, w in grid_thw for _ in range(t)]
-    if len(set(frame_lens)) <= 1 or not _can_use_varlen(device, dtype):
-        return VisionAttentionPlan(plan_frame_groups(grid_thw, device))
-    cu_seqlens = to_device([0, *itertools.accumulate(frame_lens)], torch.int32, device)
-    return VisionAttentionPlan([], cu_seqlens, max(frame_lens))
+    """Attention within each of the consecutive segments of `lengths` rows."""
+    if len(set(lengths)) <= 1 or not _can_use_varlen(device, dtype):
+        return VisionAttentionPlan(plan_segment_groups(lengths, device))
+    cu_seqlens = to_device([0, *itertools.accumulate(lengths)], torch.int32, device)
+    return VisionAttentionPlan([], cu_seqlens, max(lengths))
 
 
 def _can_use_varlen(device: torch.device, dtype: torch.dtype) -> bool:
@@ -166,7 +171,7 @@ class VisionAttention(nn.Module):
         if plan.cu_seqlens is not None:
             from torch.nn.attention.varlen import varlen_attn
 
-            cu, longest = plan.cu_seqlens, plan.max_frame_len
+            cu, longest = plan.cu_seqlens, plan.max_segment_len
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
             out = varlen_attn(q, k, v, cu, cu, longest, longest)  # [N, H, D]
             out = out.reshape(num_rows, -1)
@@ -182,11 +187,11 @@ class VisionAttention(nn.Module):
 
     def _attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int
-    ) -> torch.Tensor:  # [F * L, H, D] -> [F * L, H, D], attention within each frame
-        def frames(t: torch.Tensor) -> torch.Tensor:
-            return t.view(-1, length, self.num_heads, self.head_dim).transpose(1, 2)  # [F, H, L, D]
+    ) -> torch.Tensor:  # [S * L, H, D] -> [S * L, H, D], attention within each segment
+        def segments(t: torch.Tensor) -> torch.Tensor:
+            return t.view(-1, length, self.num_heads, self.head_dim).transpose(1, 2)  # [S, H, L, D]
 
-        out = F.scaled_dot_product_attention(frames(q), frames(k), frames(v))  # [F, H, L, D]
+        out = F.scaled_dot_product_attention(segments(q), segments(k), segments(v))
         return out.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)
 
 
@@ -202,12 +207,15 @@ class VisionMLP(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, config: VisionConfig, act: str) -> None:
+    """Pre-norm ViT block. `norm` makes its two norms (LayerNorm in Qwen2-VL, RMSNorm in
+    Qwen2.5-VL), `mlp` is its MLP (VisionMLP, or Qwen2.5-VL's gated one)."""
+
+    def __init__(self, config: VisionConfig, norm: Callable[..., nn.Module], mlp: nn.Module):
         super().__init__()
-        self.norm1 = nn.LayerNorm(config.embed_dim, eps=1e-6)
+        self.norm1 = norm(config.embed_dim, eps=1e-6)
         self.attn = VisionAttention(config.embed_dim, config.num_heads)
-        self.norm2 = nn.LayerNorm(config.embed_dim, eps=1e-6)
-        self.mlp = VisionMLP(config.embed_dim, int(config.embed_dim * config.mlp_ratio), act)
+        self.norm2 = norm(config.embed_dim, eps=1e-6)
+        self.mlp = mlp
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: VisionAttentionPlan
@@ -217,12 +225,13 @@ class VisionBlock(nn.Module):
 
 
 class PatchMerger(nn.Module):
-    """LayerNorm, fold `merge**2` neighbouring rows into one, 2-layer GELU MLP to the LLM width."""
+    """Norm (`norm`: LayerNorm for Qwen2-VL, RMSNorm for Qwen2.5-VL), fold `merge**2`
+    neighbouring rows into one, 2-layer GELU MLP to the LLM width."""
 
-    def __init__(self, config: VisionConfig) -> None:
+    def __init__(self, config: VisionConfig, norm: nn.Module) -> None:
         super().__init__()
         self.merged_dim = config.embed_dim * config.spatial_merge_size**2
-        self.ln_q = nn.LayerNorm(config.embed_dim, eps=1e-6)
+        self.ln_q = norm
         self.fc1 = nn.Linear(self.merged_dim, self.merged_dim)
         self.fc2 = nn.Linear(self.merged_dim, config.out_hidden_size)
 
@@ -234,25 +243,38 @@ class PatchMerger(nn.Module):
 class Qwen2VisionTransformer(nn.Module):
     """Encodes concatenated patch rows of several items in one call."""
 
-    def __init__(self, config: VisionConfig, act: str = "quick_gelu") -> None:
+    def __init__(self, config: VisionConfig) -> None:
         super().__init__()
         self.config = config
         # The reference's Conv3d has kernel == stride == the whole patch: a plain matmul.
         self.patch_embed = nn.Linear(config.patch_dim, config.embed_dim, bias=False)
         self.rotary = VisionRotary(config.embed_dim // config.num_heads)
-        self.blocks = nn.ModuleList([VisionBlock(config, act) for _ in range(config.depth)])
-        self.merger = PatchMerger(config)
+        self.blocks = nn.ModuleList(
+            VisionBlock(config, nn.LayerNorm, VisionMLP(config.embed_dim, config.intermediate_size,
+                                                        config.hidden_act))
+            for _ in range(config.depth)
+        )  # fmt: skip
+        self.merger = PatchMerger(config, nn.LayerNorm(config.embed_dim, eps=1e-6))
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         # pixel_values [N, C * T_patch * P * P]; grid_thw [num_items, 3] -> [N / merge**2, out]
         grids = [tuple(int(v) for v in row) for row in grid_thw.tolist()]
-        # The merger's LayerNorm is never prepacked (see engine/models/cpu_prepack.py).
-        device, dtype = self.merger.ln_q.weight.device, self.merger.ln_q.weight.dtype
-        x = self.patch_embed(pixel_values.to(device=device, dtype=dtype))
-        merge = self.config.spatial_merge_size
-        positions = to_device(vision_rotary_positions(grids, merge), torch.long, device)
-        cos, sin = self.rotary(positions)  # [N, 1, D] each, float32 (sin signed)
-        plan = plan_vision_attention(grids, device, dtype)
+        x, cos, sin = embed_patches(self, pixel_values, grids)
+        plan = plan_vision_attention(frame_lengths(grids), x.device, x.dtype)
         for block in self.blocks:
             x = block(x, cos, sin, plan)
         return self.merger(x)
+
+
+def embed_patches(
+    tower: nn.Module, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The patch embeddings [N, embed] of a tower (on its device, in its dtype) and the
+    rotary tables cos, signed sin [N, 1, head_dim] float32 of their rows, processor order."""
+    # The merger's norm is never prepacked (see engine/models/cpu_prepack.py).
+    device, dtype = tower.merger.ln_q.weight.device, tower.merger.ln_q.weight.dtype
+    x = tower.patch_embed(pixel_values.to(device=device, dtype=dtype))
+    merge = tower.config.spatial_merge_size
+    positions = to_device(vision_rotary_positions(grids, merge), torch.long, device)
+    cos, sin = tower.rotary(positions)
+    return x, cos, sin

@@ -174,6 +174,8 @@ class ProcessedImage:
     grid_thw: tuple[int, int, int]
     num_tokens: int
     content_hash: str
+    # Videos: seconds of video one temporal patch spans (Qwen2.5-VL's M-RoPE spacing).
+    second_per_grid_t: float = 1.0
 
     @property
     def pixel_values(self) -> torch.Tensor:

@@ -36,6 +36,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -149,6 +150,25 @@ def sample_frame_indices(
     return indices[:num_frames]
 
 
+class DecodedVideo(NamedTuple):
+    frames: list[np.ndarray]  # the sampled frames, resized, [H, W, 3] uint8 RGB
+    fps: float | None  # the file's frame rate, None when it declares none
+    total_frames: int  # frames in the file
+
+
+def second_per_grid_t(
+    num_sampled: int, total_frames: int, video_fps: float | None, config: VideoConfig
+) -> float:
+    """Seconds of video one temporal patch spans: transformers' `temporal_patch_size /
+    VideoMetadata.sampled_fps` (sampled frames / total frames x the file's frame rate),
+    which Qwen2.5-VL's processor hands its model as `second_per_grid_ts`. Without a frame
+    rate the frames count as sampled at `config.fps`."""
+    sampled_fps = config.fps
+    if video_fps and total_frames > 0 and num_sampled > 0:
+        sampled_fps = num_sampled / total_frames * video_fps
+    return config.frame.temporal_patch_size / sampled_fps
+
+
 @dataclass(frozen=True)
 class VideoLimits:
     """Checks on untrusted video data before and while it is decoded."""
@@ -164,8 +184,8 @@ def decode_video(
     *,
     param: str | None = None,
     seek: bool = True,
-) -> tuple[list[np.ndarray], float | None]:
-    """Decode the sampled frames of a video: ([H, W, 3] uint8 RGB frames, the video's fps).
+) -> DecodedVideo:
+    """Decode the sampled frames of a video (resized), with the file's fps and frame count.
 
     Each sampled frame is resized to its final size as soon as it is decoded, so memory
     holds one source frame and the (budgeted) resized ones, never 32 source frames of a
@@ -223,7 +243,7 @@ def decode_video(
         raise MediaError("the video data is truncated or corrupt", param=param) from exc
     if not frames:
         raise MediaError("the video has no decodable frames", param=param)
-    return frames, video_fps
+    return DecodedVideo(frames, video_fps, total)
 
 
 def _open(data: bytes, container_format: str):
@@ -373,18 +393,22 @@ def load_video(
 ) -> ProcessedImage:
     """Video file bytes -> encoder input: `decode_video` (sampled, resized frames), then
     temporal patches and the content hash."""
-    frames, _ = decode_video(data, config, limits, param=param)
-    return _from_resized(np.stack(frames), config)
+    video = decode_video(data, config, limits, param=param)
+    seconds = second_per_grid_t(len(video.frames), video.total_frames, video.fps, config)
+    return _from_resized(np.stack(video.frames), config, seconds)
 
 
 def process_video(frames: list[np.ndarray], config: VideoConfig) -> ProcessedImage:
-    """Sampled full-size RGB frames ([H, W, 3] uint8, all one size) -> encoder input."""
+    """Sampled full-size RGB frames ([H, W, 3] uint8, all one size) -> encoder input. The
+    frames count as sampled at `config.fps`."""
     size = frame_size(frames[0].shape[0], frames[0].shape[1], len(frames), config)
-    return _from_resized(np.stack([resize_frame(frame, *size) for frame in frames]), config)
+    resized = np.stack([resize_frame(frame, *size) for frame in frames])
+    return _from_resized(resized, config, second_per_grid_t(0, 0, None, config))
 
 
-def _from_resized(frames: np.ndarray, config: VideoConfig) -> ProcessedImage:
-    """[N, H, W, C] uint8 frames at their final size -> ProcessedImage."""
+def _from_resized(frames: np.ndarray, config: VideoConfig, seconds: float) -> ProcessedImage:
+    """[N, H, W, C] uint8 frames at their final size -> ProcessedImage (`seconds` of video
+    per temporal patch)."""
     frame_config = config.frame
     levels, grid_thw = patchify_frames(frames, frame_config)
     merge = frame_config.merge_size
@@ -394,6 +418,7 @@ def _from_resized(frames: np.ndarray, config: VideoConfig) -> ProcessedImage:
         grid_thw=grid_thw,
         num_tokens=grid_thw[0] * grid_thw[1] * grid_thw[2] // merge**2,
         content_hash=video_content_hash(levels, grid_thw, frame_config),
+        second_per_grid_t=seconds,
     )
 
 

@@ -186,7 +186,9 @@ def test_vision_varlen_matches_grouped_sdpa(model_dir, monkeypatch):
     with torch.inference_mode():
         varlen = model.encode_images(pixels, grid)
         plan = qwen2_vl_vision.plan_vision_attention(
-            [tuple(g) for g in grid.tolist()], torch.device("cuda"), torch.bfloat16
+            qwen2_vl_vision.frame_lengths([tuple(g) for g in grid.tolist()]),
+            torch.device("cuda"),
+            torch.bfloat16,
         )
         assert plan.cu_seqlens is not None, "varlen attention is not available here"
         monkeypatch.setattr(qwen2_vl_vision, "_can_use_varlen", lambda device, dtype: False)

@@ -59,6 +59,19 @@ def test_second_shape_loads_too(tmp_path):
     assert not info["mismatched_keys"]
 
 
+def test_qwen2_5_vl_shape_loads_too(tmp_path):
+    path = make_tiny_model(tmp_path, seed=2, size="tiny-qwen2.5-vl")
+    model, info = transformers.AutoModelForImageTextToText.from_pretrained(
+        path, output_loading_info=True
+    )
+    assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert not info["mismatched_keys"]
+    vision = model.config.vision_config
+    assert (vision.hidden_size, vision.intermediate_size, vision.window_size) == (64, 172, 56)
+    assert list(vision.fullatt_block_indexes) == [1]
+
+
 def test_transformers_reads_the_flat_config(hf_model, hf_tokenizer):
     config = hf_model[0].config
     spec = SIZES["tiny"]

@@ -96,6 +96,21 @@ def test_video_beside_an_image_and_across_prefill_chunks(model_dir, hf, clips):
         assert result.token_ids == tokens, f"budget {budget}"
 
 
+def test_decoding_after_a_video_longer_in_time_than_in_space(model_dir, hf):
+    # 32 frames of 56x56: 16 temporal patches of 2 x 2 merged tokens, then two words. The
+    # video's temporal row reaches p + 15, the text after it restarts at p + 2 and ends
+    # below that, so decoding must step on from the last prompt token, as transformers'
+    # generate() does, not from the largest position (which diverged from token 2 on).
+    data = video_bytes(moving_pictures(56, 56, 40, salt=9), fps=2)
+    prompt, messages = video_chat(data, "Why?")
+    ids, tokens, grid = reference(hf, model_dir, data, messages)
+    assert grid == (16, 4, 4)
+    [result] = LLM(str(model_dir), num_kv_blocks=256).generate([prompt], GREEDY)
+    assert result.error is None, result.error
+    assert result.prompt_token_ids == ids
+    assert result.token_ids == tokens
+
+
 def test_mm_processor_kwargs_in_an_offline_prompt(model_dir, hf, clips):
     # The prompt's own mm_processor_kwargs (as on the HTTP API): 1 fps and at most 2
     # frames, and the image held to 56x56 pixels; transformers gets inputs processed alike.

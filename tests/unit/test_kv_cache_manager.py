@@ -69,6 +69,21 @@ def test_different_media_same_tokens_do_not_share():
     assert kv.get_computed_blocks(same)[1] == 8
 
 
+def test_a_video_at_another_time_spacing_does_not_share():
+    # Qwen2.5-VL: the same frames at another second_per_grid_t sit at other positions.
+    kv = KVCacheManager(16, 4)
+    tokens = [7] * 12
+
+    def video(seconds: float) -> MediaItem:
+        return MediaItem("video", "hash-v", 0, 8, (2, 4, 4), second_per_grid_t=seconds)
+
+    first = make_request("a", tokens, [video(1.25)])
+    kv.get_computed_blocks(first)
+    assert kv.allocate_slots(first, 12)
+    assert kv.get_computed_blocks(make_request("b", tokens, [video(1.0)])) == ([], 0)
+    assert kv.get_computed_blocks(make_request("c", tokens, [video(1.25)]))[1] == 8
+
+
 def test_prefix_hit_never_splits_a_media_span():
     kv = KVCacheManager(16, 4)
     tokens = list(range(20))

@@ -42,6 +42,23 @@ def test_video_frames_advance_temporal_row():
     assert delta == 3 - 9
 
 
+def test_qwen2_5_spaces_video_frames_by_time_and_not_images():
+    # 3 temporal patches of 7/6 s at 2 tokens per second: floor(i x 2.33) = 0, 2, 4; the
+    # image after it and the text keep Qwen2-VL's rules.
+    ids = [0] + [9] * 3 + [8] * 4 + [1]
+    media = [(1, 3, (3, 2, 2), "video"), (4, 4, (1, 4, 4), "image")]
+    positions, delta = mrope_positions(
+        ids, media, spatial_merge_size=2, tokens_per_second=2, second_per_grid_ts=[7 / 6, 5.0]
+    )
+    assert positions[0].tolist() == [0, 1, 3, 5, 2, 2, 2, 2, 4]
+    assert positions[1].tolist() == [0, 1, 1, 1, 2, 2, 3, 3, 4]
+    # Decoding steps on from the last token (4), not from the video's position 5.
+    assert delta == 5 - 9
+    assert decode_positions(9, 1, delta)[:, 0].tolist() == [5, 5, 5]
+    plain, _ = mrope_positions(ids, media, spatial_merge_size=2)  # Qwen2-VL: steps of 1
+    assert plain[0].tolist()[:4] == [0, 1, 2, 3]
+
+
 def test_two_adjacent_media_and_trailing_media():
     ids = [9] * 4 + [8] * 4
     media = [(0, 4, (1, 4, 4), "image"), (4, 4, (1, 4, 4), "image")]

@@ -43,7 +43,8 @@ def picture(seed: int) -> Image.Image:
 def image_request(llm: LLM, request_id: str, seed: int = 0):
     """An EngineRequest (uint8 levels, as the server sends it) and its tensors."""
     content = [{"type": "image", "image": picture(seed)}, {"type": "text", "text": "What?"}]
-    return llm._chat_request(request_id, [{"role": "user", "content": content}], GREEDY)
+    messages = [{"role": "user", "content": content}]
+    return llm._chat_request(request_id, messages, GREEDY, llm.processing)
 
 
 def with_pixels(request, pixels: torch.Tensor, normalization: PixelNormalization | None):

@@ -70,7 +70,7 @@ def test_a_video_shorter_than_a_temporal_patch_keeps_its_frames():
 def test_decodes_the_sampled_frames(container, codec):
     frames = moving_pictures(96, 64, 10, salt=2)
     data = video_bytes(frames, fps=4, container=container, codec=codec)
-    decoded, video_fps = decode_video(data, CONFIG)
+    decoded, video_fps, _ = decode_video(data, CONFIG)
     assert video_fps == pytest.approx(4.0)
     assert len(decoded) == 4  # 2.5 s at 2 fps -> 5 -> 4
     assert all(frame.shape == (56, 84, 3) and frame.dtype == np.uint8 for frame in decoded)
@@ -93,7 +93,7 @@ def test_frames_are_resized_while_decoding(width, height, count, fps, max_tokens
 
     config = VideoConfig(FRAME, max_tokens=max_tokens)
     data = video_bytes(moving_pictures(width, height, count, salt=5), fps=fps, codec="libx264")
-    decoded, _ = decode_video(data, config)
+    decoded = decode_video(data, config).frames
     size = frame_size(height, width, len(decoded), config)
     assert [frame.shape for frame in decoded] == [(*size, 3)] * len(decoded)
     with av.open(io.BytesIO(data)) as container:
@@ -134,8 +134,8 @@ def test_seeking_gives_the_frames_decoding_in_order_gives(container, codec, opti
     assert len(wanted) == 8 and wanted[-1] - wanted[0] > 70
     # No seek missed its frame (a miss would fall back to decoding in order).
     assert _decode_by_seeking(data, container_format, index, wanted, config, None) is not None
-    by_seeking, _ = decode_video(data, config)
-    in_order, _ = decode_video(data, config, seek=False)
+    by_seeking = decode_video(data, config).frames
+    in_order = decode_video(data, config, seek=False).frames
     with av.open(io.BytesIO(data)) as container_file:
         everything = [f.to_ndarray(format="rgb24") for f in container_file.decode(video=0)]
     size = by_seeking[0].shape[:2]
@@ -159,7 +159,7 @@ def test_an_animated_gif_is_a_video():
     frames = moving_pictures(64, 48, 6, salt=1)
     buffer = io.BytesIO()
     frames[0].save(buffer, format="GIF", save_all=True, append_images=frames[1:], duration=250)
-    decoded, video_fps = decode_video(buffer.getvalue(), CONFIG)
+    decoded = decode_video(buffer.getvalue(), CONFIG).frames
     assert len(decoded) == 4 and decoded[0].shape == (56, 56, 3)  # resized to the bounds
 
 
@@ -319,7 +319,7 @@ def test_matches_transformers_video_processor(tmp_path):
         for width, height, count, fps in clips:
             data = video_bytes(moving_pictures(width, height, count, salt=count), fps=fps)
             ours = load_video(data, config)
-            video_fps = decode_video(data, config)[1]
+            video_fps = decode_video(data, config).fps
             with av.open(io.BytesIO(data)) as container:
                 everything = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
             video = torch.from_numpy(np.stack(everything)).permute(0, 3, 1, 2)

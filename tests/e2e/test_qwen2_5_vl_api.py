@@ -1,0 +1,127 @@
+"""A Qwen2.5-VL checkpoint served over HTTP answers as transformers'
+Qwen2_5_VLForConditionalGeneration does, for every way a video's timing reaches the engine:
+a `video_url` (seconds per temporal patch from the decoded file), a uuid-only part (from
+what the server remembers of the uuid), and `video_features` (the part's
+`second_per_grid_t`, or the server's default). The clip is 20 s long and --max-video-frames
+(32) keeps 32 of its 40 frames: 1.25 s per temporal patch puts its 16 temporal patches at
+positions 0, 2, 5, 7, ..., 37 (1 s: 0, 2, ..., 30), so a wrong or missing value changes
+the tokens."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+pytest.importorskip("transformers")
+openai = pytest.importorskip("openai")
+
+import torch  # noqa: E402
+from tokenizers import Tokenizer  # noqa: E402
+
+from bench.datasets import data_url  # noqa: E402
+from bench.local_inputs import moving_pictures, picture, png_bytes, video_bytes  # noqa: E402
+from engine.attention import get_attention_backend  # noqa: E402
+from engine.encode_features import feature_file_bytes  # noqa: E402
+from engine.models.loader import load_model  # noqa: E402
+from engine.multimodal.video import VideoConfig, load_video  # noqa: E402
+from engine.tiny_model import make_tiny_model  # noqa: E402
+from tests.e2e.conftest import MODEL_NAME, run_server  # noqa: E402
+from tests.hf_reference import HFGreedy  # noqa: E402
+
+NUM_NEW = 12
+GREEDY = {"temperature": 0, "max_tokens": NUM_NEW, "extra_body": {"ignore_eos": True}}
+QUESTION = {"type": "text", "text": "What happens here?"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("q25_http"), size="tiny-qwen2.5-vl", seed=8)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("q25_http_log") / "server.log"
+    with run_server(model_dir, log, "--enable-feature-inputs") as handle:
+        yield handle
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def answer(client, content: list[dict]):
+    response = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": content}], **GREEDY
+    )
+    return response.usage.prompt_tokens, response.choices[0].message.content
+
+
+def logprobs(client, content: list[dict]) -> list[float]:
+    """The chosen tokens' logprobs, rounded to 4 decimals (runs may differ in the last
+    bits: the feature path takes rows in another dtype round trip)."""
+    response = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": content}], logprobs=True, **GREEDY
+    )
+    return [round(item.logprob, 4) for item in response.choices[0].logprobs.content]
+
+
+def video_features_url(model_dir, video) -> str:
+    model = load_model(str(model_dir), dtype=torch.float32, device=torch.device("cpu"),
+                       attention=get_attention_backend("torch"))  # fmt: skip
+    with torch.no_grad():
+        embeds = model.encode_images(video.pixel_values, torch.tensor([video.grid_thw]))
+    return data_url(feature_file_bytes(embeds, tuple(video.grid_thw), "float32"))
+
+
+def test_pictures_and_timed_videos_match_transformers(client, model_dir):
+    reference = HFGreedy(model_dir)
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    image = picture(196, 140, 4)
+    clip = video_bytes(moving_pictures(56, 56, 40, salt=3), fps=2)  # 32 frames at 1.6 fps
+    video = load_video(clip, VideoConfig.from_model_dir(model_dir))
+    assert (video.grid_thw[0], video.second_per_grid_t) == (16, pytest.approx(1.25))
+
+    def expected(kinds: list[str], images=(), videos=()) -> tuple[int, str]:
+        content = [{"type": kind} for kind in kinds] + [QUESTION]
+        inputs = reference.inputs([{"role": "user", "content": content}], images, videos)
+        tokens = reference.generate(inputs, NUM_NEW)
+        return inputs["input_ids"].shape[1], tokenizer.decode(tokens)
+
+    image_part = {"type": "image_url", "image_url": {"url": data_url(png_bytes(image), "image/png")}}
+    video_part = {"type": "video_url", "video_url": {"url": data_url(clip, "video/mp4")}}
+    assert answer(client, [image_part, QUESTION]) == expected(["image"], images=[image])
+    want = expected(["video"], videos=[video])
+    assert answer(client, [{**video_part, "uuid": "clip-7"}, QUESTION]) == want
+    assert answer(client, [{"type": "video_url", "uuid": "clip-7"}, QUESTION]) == want
+    features = {"url": video_features_url(model_dir, video), "grid_thw": list(video.grid_thw)}
+    timed = {**features, "second_per_grid_t": video.second_per_grid_t}
+    assert answer(client, [{"type": "video_features", "video_features": timed}, QUESTION]) == want
+    # Without the field a feature part counts as sampled at --video-fps (2): 1 s per patch.
+    # (This random model picks the same tokens either way; its logprobs tell them apart.)
+    untimed_part = {"type": "video_features", "video_features": features}
+    one_second = dataclasses.replace(video, second_per_grid_t=1.0)
+    assert answer(client, [untimed_part, QUESTION]) == expected(["video"], videos=[one_second])
+    timed_part = {"type": "video_features", "video_features": timed}
+    untimed_logprobs = logprobs(client, [untimed_part, QUESTION])
+    assert logprobs(client, [video_part, QUESTION]) == logprobs(client, [timed_part, QUESTION])
+    assert logprobs(client, [timed_part, QUESTION]) != untimed_logprobs
+
+
+def test_a_bad_second_per_grid_t_is_a_400(server):
+    import httpx
+
+    features = {"url": "data:application/octet-stream;base64,AAAA", "grid_thw": [2, 4, 4]}
+    for bad in (0, -1.5, "soon"):
+        body = {
+            "model": MODEL_NAME,
+            "messages": [{"role": "user", "content": [
+                {"type": "video_features", "video_features": {**features, "second_per_grid_t": bad}},
+                QUESTION,
+            ]}],  # fmt: skip
+        }
+        response = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=30)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert "second_per_grid_t" in (error["param"] or "") + error["message"]
