@@ -15,7 +15,8 @@ H100 rates. This script says where that goes, in one short run on the device:
   `tessera-torch-ops` runs the torch ops the Triton kernels replace (the CPU path's, for
   the kernels' gain in the same run); `tessera-flash`, `tessera-efficient` and
   `tessera-cudnn` force one SDPA kernel, to see whether PyTorch's pick is the fastest
-  (these four CUDA only); `transformers` is Qwen2VisionTransformerPretrainedModel with
+  (these four CUDA only); `transformers` is Qwen2VisionTransformerPretrainedModel (or
+  Qwen2_5_VisionTransformerPretrainedModel for a Qwen2.5-VL size) with
   attn_implementation="sdpa", the same weights;
 * the floor is the call's FLOPs (every GEMM and the attention products) over the rate of
   one large bf16 GEMM measured here;
@@ -47,6 +48,7 @@ from engine.device_io import DeviceTimer
 from engine.model_config import VisionConfig
 from engine.models import layers, qwen2_vl_vision
 from engine.models.loader import checkpoint_files, load_model
+from engine.models.qwen2_5_vl_vision import window_order
 
 IMPLS = (
     "tessera",
@@ -92,14 +94,27 @@ def frame_grid(vision: VisionConfig, image_size: int) -> tuple[int, int, int]:
 
 
 def tower_flops(vision: VisionConfig, grids: Sequence[tuple[int, int, int]]) -> float:
-    """FLOPs of one call: patch embedding, every block's four GEMMs and attention products
-    (QK^T and PV within each frame), the merger's two GEMMs. Norms and elementwise ops are
-    left out (memory-bound, small)."""
-    embed = vision.embed_dim
-    hidden = vision.intermediate_size  # Qwen2-VL's two-layer MLP (this bench is Qwen2-VL's)
+    """FLOPs of one call: patch embedding, every block's GEMMs (QKV, output, the MLP's two
+    or, gated in Qwen2.5-VL, three) and attention products (QK^T and PV within each frame,
+    or each window in Qwen2.5-VL's window blocks), the merger's two GEMMs. Norms and
+    elementwise ops are left out (memory-bound, small)."""
+    embed, hidden = vision.embed_dim, vision.intermediate_size
+    is_gated = vision.variant == "qwen2_5_vl"
     rows = sum(t * h * w for t, h, w in grids)
-    per_row = vision.patch_dim * embed + vision.depth * (4 * embed * embed + 2 * embed * hidden)
-    attention = vision.depth * sum(t * 2 * (h * w) ** 2 * embed for t, h, w in grids)
+    mlp = (3 if is_gated else 2) * embed * hidden
+    per_row = vision.patch_dim * embed + vision.depth * (4 * embed * embed + mlp)
+    frames = qwen2_vl_vision.frame_lengths(grids)
+    full_blocks, window_blocks = vision.depth, 0
+    windows: list[int] = []
+    if is_gated:
+        merged_pixels = vision.patch_size * vision.spatial_merge_size
+        merge = vision.spatial_merge_size
+        _, windows = window_order(grids, merge, vision.window_size // merged_pixels)
+        full_blocks = len([i for i in vision.fullatt_block_indexes if i < vision.depth])
+        window_blocks = vision.depth - full_blocks
+    attention = 2 * embed * (
+        full_blocks * sum(n * n for n in frames) + window_blocks * sum(n * n for n in windows)
+    )
     merge = vision.spatial_merge_size**2
     merged_dim = embed * merge
     merger = rows // merge * (merged_dim * merged_dim + merged_dim * vision.out_hidden_size)
@@ -122,17 +137,27 @@ def measure_gemm_rate(device: torch.device, dtype: torch.dtype) -> float:
 
 
 def load_transformers_tower(model_dir: Path, dtype: torch.dtype, device: torch.device):
-    """transformers' Qwen2-VL vision tower (SDPA attention) with the checkpoint's weights."""
+    """transformers' Qwen2-VL or Qwen2.5-VL vision tower (SDPA attention) with the
+    checkpoint's weights."""
     from bench.hf_baseline import patch_broken_torchvision
 
     patch_broken_torchvision()
     from transformers import AutoConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+        Qwen2_5_VisionTransformerPretrainedModel,
+    )
     from transformers.models.qwen2_vl.modeling_qwen2_vl import (
         Qwen2VisionTransformerPretrainedModel,
     )
 
-    config = AutoConfig.from_pretrained(model_dir).vision_config
-    tower = Qwen2VisionTransformerPretrainedModel._from_config(
+    config = AutoConfig.from_pretrained(model_dir)
+    tower_class = (
+        Qwen2_5_VisionTransformerPretrainedModel
+        if config.model_type == "qwen2_5_vl"
+        else Qwen2VisionTransformerPretrainedModel
+    )
+    config = config.vision_config
+    tower = tower_class._from_config(
         config, attn_implementation="sdpa", dtype=dtype
     )
     state = {}

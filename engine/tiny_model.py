@@ -201,6 +201,26 @@ SIZES: dict[str, TinyModelSpec] = {
         max_pixels=1280 * 28 * 28,
         dtype=torch.bfloat16,
     ),
+    # `small` with Qwen2.5-VL's vision tower (a quarter of the real width, the real ratio of
+    # MLP to width, windows of 112 pixels, every fourth block full): CPU benchmarks.
+    "small-qwen2.5-vl": TinyModelSpec(
+        bpe_vocab_size=8192,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        mrope_section=(8, 12, 12),
+        max_position_embeddings=32768,
+        vision_depth=4,
+        vision_embed_dim=320,
+        vision_num_heads=4,
+        max_pixels=1280 * 28 * 28,
+        dtype=torch.bfloat16,
+        architecture="qwen2_5_vl",
+        vision_intermediate_size=855,
+        fullatt_block_indexes=(3,),
+    ),
     # The real Qwen2-VL-2B / 7B shapes (2,208,985,600 and 8,291,375,616 parameters, as the
     # hub checkpoints), with the small tokenizer: only the embedding rows have the real count.
     "qwen2-vl-2b": TinyModelSpec(

@@ -196,6 +196,27 @@ def test_vision_varlen_matches_grouped_sdpa(model_dir, monkeypatch):
     torch.testing.assert_close(varlen.float(), grouped.float(), atol=5e-2, rtol=5e-2)
 
 
+def test_qwen2_5_windows_attend_through_varlen_as_through_grouped_sdpa(tmp_path, monkeypatch):
+    # Qwen2.5-VL's windows have several lengths (edge windows are smaller), so its window
+    # blocks go through varlen attention on CUDA in bf16; grouped SDPA is the reference.
+    from engine.models import qwen2_vl_vision
+    from engine.multimodal.image_processor import ImageProcessorConfig, process_image
+
+    path = make_tiny_model(tmp_path, seed=4, size="tiny-qwen2.5-vl")
+    llm = LLM(str(path), device="cuda", dtype="bfloat16", num_kv_blocks=64)
+    config = ImageProcessorConfig.from_model_dir(path)
+    images = [process_image(picture(w, h, i), config) for i, (w, h) in
+              enumerate([(252, 168), (140, 196), (56, 56)])]  # fmt: skip
+    pixels = torch.cat([image.pixel_values for image in images]).cuda()
+    grid = torch.tensor([list(image.grid_thw) for image in images])
+    model = llm.engine.runner.model
+    with torch.inference_mode():
+        varlen = model.encode_images(pixels, grid)
+        monkeypatch.setattr(qwen2_vl_vision, "_can_use_varlen", lambda device, dtype: False)
+        grouped = model.encode_images(pixels, grid)
+    torch.testing.assert_close(varlen.float(), grouped.float(), atol=5e-2, rtol=5e-2)
+
+
 def test_pixel_levels_normalise_on_the_device_as_on_the_host(model_dir):
     # The engine looks uint8 levels up on its device (engine/model_runner._pixel_input);
     # the values must be bit for bit the host's, which transformers' processor matches.

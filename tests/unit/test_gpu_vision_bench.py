@@ -40,6 +40,19 @@ def test_tower_flops_equal_what_torch_counts(model):
     assert gpu_vision.tower_flops(vision, grids) == count.get_total_flops()
 
 
+def test_qwen2_5_tower_flops_equal_what_torch_counts(model_root):
+    # Window blocks attend within windows (edge windows smaller), block 1 within frames.
+    ensure_model(model_root, "tiny-qwen2.5-vl", "cpu")
+    model = load_model(str(model_root / "tiny-qwen2.5-vl"), dtype=torch.float32,
+                       device=torch.device("cpu"), attention=get_attention_backend("torch"))  # fmt: skip
+    vision = model.config.vision
+    grids = [(1, 10, 6), (1, 4, 4), (3, 6, 2)]
+    pixels = torch.randn(sum(t * h * w for t, h, w in grids), vision.patch_dim)
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as count:
+        model.encode_images(pixels, torch.tensor(grids))
+    assert gpu_vision.tower_flops(vision, grids) == count.get_total_flops()
+
+
 def test_frame_grid_rejects_sizes_the_processor_never_makes(model):
     vision = model.config.vision
     assert gpu_vision.frame_grid(vision, 56) == (1, 4, 4)
