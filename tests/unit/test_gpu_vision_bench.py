@@ -29,24 +29,22 @@ def model(model_root):
                       attention=get_attention_backend("torch"))  # fmt: skip
 
 
-def test_tower_flops_equal_what_torch_counts(model):
+@pytest.mark.parametrize(
+    ("size", "grids"),
+    [
+        # Qwen2-VL: frames of two lengths and a two-frame video.
+        ("tiny", [(1, 4, 4), (1, 4, 6), (2, 4, 4)]),
+        # Qwen2.5-VL: window blocks attend within windows (edge ones smaller), block 1 frames.
+        ("tiny-qwen2.5-vl", [(1, 10, 6), (1, 4, 4), (3, 6, 2)]),
+    ],
+)
+def test_tower_flops_equal_what_torch_counts(model_root, size, grids):
     # PyTorch's FlopCounterMode counts every matmul the tower runs; under the math SDPA
-    # kernel attention is matmuls too. Frames of two lengths and a two-frame video.
+    # kernel attention is matmuls too.
+    ensure_model(model_root, size, "cpu")
+    model = load_model(str(model_root / size), dtype=torch.float32, device=torch.device("cpu"),
+                       attention=get_attention_backend("torch"))  # fmt: skip
     vision = model.config.vision
-    grids = [(1, 4, 4), (1, 4, 6), (2, 4, 4)]
-    pixels = torch.randn(sum(t * h * w for t, h, w in grids), vision.patch_dim)
-    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as count:
-        model.encode_images(pixels, torch.tensor(grids))
-    assert gpu_vision.tower_flops(vision, grids) == count.get_total_flops()
-
-
-def test_qwen2_5_tower_flops_equal_what_torch_counts(model_root):
-    # Window blocks attend within windows (edge windows smaller), block 1 within frames.
-    ensure_model(model_root, "tiny-qwen2.5-vl", "cpu")
-    model = load_model(str(model_root / "tiny-qwen2.5-vl"), dtype=torch.float32,
-                       device=torch.device("cpu"), attention=get_attention_backend("torch"))  # fmt: skip
-    vision = model.config.vision
-    grids = [(1, 10, 6), (1, 4, 4), (3, 6, 2)]
     pixels = torch.randn(sum(t * h * w for t, h, w in grids), vision.patch_dim)
     with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as count:
         model.encode_images(pixels, torch.tensor(grids))
