@@ -156,6 +156,7 @@ def test_encode_features_of_a_video_give_the_same_completion_as_the_video(
     assert encode_main([*argv, str(clip)]) == 0
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert (line["video"], line["grid_thw"], line["num_tokens"]) == (str(clip), [3, 8, 12], 72)
+    assert line["second_per_grid_t"] == 1.0  # 6 of 12 frames at 4 fps: sampled at 2 fps
     video_part = {"type": "video_url", "video_url": {"url": data_url(clip.read_bytes())}}
     with_video = text_of(chat(fhttp, [video_part], max_tokens=8))
     part = feature_part(line["url"], grid=(3, 8, 12), kind="video_features")

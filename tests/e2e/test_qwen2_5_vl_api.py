@@ -2,28 +2,28 @@
 Qwen2_5_VLForConditionalGeneration does, for every way a video's timing reaches the engine:
 a `video_url` (seconds per temporal patch from the decoded file), a uuid-only part (from
 what the server remembers of the uuid), and `video_features` (the part's
-`second_per_grid_t`, or the server's default). The clip is 20 s long and --max-video-frames
+`second_per_grid_t` as `tessera encode-features` prints it, or the server's default). The clip is 20 s long and --max-video-frames
 (32) keeps 32 of its 40 frames: 1.25 s per temporal patch puts its 16 temporal patches at
 positions 0, 2, 5, 7, ..., 37 (1 s: 0, 2, ..., 30), so a wrong or missing value changes
 the tokens."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
+import json
 
 import pytest
 
 pytest.importorskip("transformers")
 openai = pytest.importorskip("openai")
 
-import torch  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
 from bench.datasets import data_url  # noqa: E402
 from bench.local_inputs import moving_pictures, picture, png_bytes, video_bytes  # noqa: E402
-from engine.attention import get_attention_backend  # noqa: E402
-from engine.encode_features import feature_file_bytes  # noqa: E402
-from engine.models.loader import load_model  # noqa: E402
+from engine.encode_features import main as encode_main  # noqa: E402
 from engine.multimodal.video import VideoConfig, load_video  # noqa: E402
 from engine.tiny_model import make_tiny_model  # noqa: E402
 from tests.e2e.conftest import MODEL_NAME, run_server  # noqa: E402
@@ -67,15 +67,18 @@ def logprobs(client, content: list[dict]) -> list[float]:
     return [round(item.logprob, 4) for item in response.choices[0].logprobs.content]
 
 
-def video_features_url(model_dir, video) -> str:
-    model = load_model(str(model_dir), dtype=torch.float32, device=torch.device("cpu"),
-                       attention=get_attention_backend("torch"))  # fmt: skip
-    with torch.no_grad():
-        embeds = model.encode_images(video.pixel_values, torch.tensor([video.grid_thw]))
-    return data_url(feature_file_bytes(embeds, tuple(video.grid_thw), "float32"))
+def encoded_video(model_dir, clip: bytes, folder) -> dict:
+    """`tessera encode-features` of the clip: its JSON line, the file as a data: URL."""
+    path = folder / "clip.mp4"
+    path.write_bytes(clip)
+    output = io.StringIO()
+    with contextlib.redirect_stdout(output):
+        assert encode_main(["--model", str(model_dir), "--output", str(folder), str(path)]) == 0
+    line = json.loads(output.getvalue().strip().splitlines()[-1])
+    return {**line, "url": data_url((folder / "clip.safetensors").read_bytes())}
 
 
-def test_pictures_and_timed_videos_match_transformers(client, model_dir):
+def test_pictures_and_timed_videos_match_transformers(client, model_dir, tmp_path):
     reference = HFGreedy(model_dir)
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     image = picture(196, 140, 4)
@@ -89,14 +92,19 @@ def test_pictures_and_timed_videos_match_transformers(client, model_dir):
         tokens = reference.generate(inputs, NUM_NEW)
         return inputs["input_ids"].shape[1], tokenizer.decode(tokens)
 
-    image_part = {"type": "image_url", "image_url": {"url": data_url(png_bytes(image), "image/png")}}
+    image_part = {
+        "type": "image_url",
+        "image_url": {"url": data_url(png_bytes(image), "image/png")},
+    }
     video_part = {"type": "video_url", "video_url": {"url": data_url(clip, "video/mp4")}}
     assert answer(client, [image_part, QUESTION]) == expected(["image"], images=[image])
     want = expected(["video"], videos=[video])
     assert answer(client, [{**video_part, "uuid": "clip-7"}, QUESTION]) == want
     assert answer(client, [{"type": "video_url", "uuid": "clip-7"}, QUESTION]) == want
-    features = {"url": video_features_url(model_dir, video), "grid_thw": list(video.grid_thw)}
-    timed = {**features, "second_per_grid_t": video.second_per_grid_t}
+    encoded = encoded_video(model_dir, clip, tmp_path)
+    assert encoded["second_per_grid_t"] == video.second_per_grid_t
+    features = {"url": encoded["url"], "grid_thw": encoded["grid_thw"]}
+    timed = {**features, "second_per_grid_t": encoded["second_per_grid_t"]}
     assert answer(client, [{"type": "video_features", "video_features": timed}, QUESTION]) == want
     # Without the field a feature part counts as sampled at --video-fps (2): 1 s per patch.
     # (This random model picks the same tokens either way; its logprobs tell them apart.)
@@ -116,10 +124,18 @@ def test_a_bad_second_per_grid_t_is_a_400(server):
     for bad in (0, -1.5, "soon"):
         body = {
             "model": MODEL_NAME,
-            "messages": [{"role": "user", "content": [
-                {"type": "video_features", "video_features": {**features, "second_per_grid_t": bad}},
-                QUESTION,
-            ]}],  # fmt: skip
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "video_features",
+                            "video_features": {**features, "second_per_grid_t": bad},
+                        },
+                        QUESTION,
+                    ],
+                }
+            ],  # fmt: skip
         }
         response = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=30)
         assert response.status_code == 400, response.text
