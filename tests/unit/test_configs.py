@@ -13,7 +13,12 @@ from engine.config import EngineConfig
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 ENGINE_FIELDS = {field.name for field in dataclasses.fields(EngineConfig)}
-EXPECTED = {"default-tiny.yaml", "qwen2-vl-2b-instruct-gpu.yaml", "cpu.yaml"}
+EXPECTED = {
+    "default-tiny.yaml",
+    "qwen2-vl-2b-instruct-gpu.yaml",
+    "qwen2.5-vl-7b-instruct-gpu.yaml",
+    "cpu.yaml",
+}
 
 settings_module = pytest.importorskip(
     "server.settings", reason="server/settings.py (load_settings) is not in the tree yet"
