@@ -98,7 +98,7 @@ class EngineCore:
             block_size=self.config.block_size,
             num_kv_blocks=self.runner.num_kv_blocks,
             eos_token_ids=list(mc.eos_token_ids),
-            modalities=[Modality.IMAGE, Modality.VIDEO],
+            modalities=[] if self.model_config.vision is None else [Modality.IMAGE, Modality.VIDEO],
             dtype=str(self.runner.dtype).removeprefix("torch."),
             device=str(self.runner.device),
         )
@@ -272,6 +272,8 @@ class EngineCore:
                 f"model's context length of {max_len}",
                 param="max_tokens",
             )
+        if request.media and mc.vision is None:
+            raise InvalidRequest("this model takes no images or videos", param="messages")
         media = [self._media_item(m, i, tensors) for i, m in enumerate(request.media)]
         self._check_placeholders(prompt, media)
         for index, item in enumerate(request.media):
@@ -280,8 +282,8 @@ class EngineCore:
         positions, rope_delta = mrope_positions(
             prompt,
             [(m.offset, m.num_tokens, m.grid_thw, m.modality) for m in media],
-            spatial_merge_size=mc.vision.spatial_merge_size,
-            tokens_per_second=mc.vision.tokens_per_second,
+            spatial_merge_size=mc.vision.spatial_merge_size if mc.vision else 1,
+            tokens_per_second=mc.vision.tokens_per_second if mc.vision else None,
             second_per_grid_ts=[m.second_per_grid_t for m in request.media],
         )
         result = Request(

@@ -167,7 +167,7 @@ def largest_frame_grid(image_config: ImageProcessorConfig) -> tuple[int, int, in
 def run_largest_step(
     model,
     config: EngineConfig,
-    image_config: ImageProcessorConfig,
+    image_config: ImageProcessorConfig | None,
     *,
     max_model_len: int,
     kv_cache_dtype: torch.dtype,
@@ -184,16 +184,9 @@ def run_largest_step(
     mc: ModelConfig = model.config
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
-    vision = mc.vision
-    merge = vision.spatial_merge_size
-
-    t, h, w = largest_frame_grid(image_config)
-    tokens_per_frame = t * h * w // merge**2
-    num_frames = max(1, config.max_encoder_tokens_per_step // tokens_per_frame)
-    pixels = torch.zeros(num_frames * t * h * w, vision.patch_dim, dtype=dtype, device=device)
-    grid = torch.tensor([[t, h, w]] * num_frames, dtype=torch.long)
-    encoded = model.encode_images(pixels, grid)  # [num_frames * tokens_per_frame, hidden]
-    del pixels
+    encoded = None  # a text-only model runs no vision tower
+    if mc.vision is not None and image_config is not None:
+        encoded = _run_largest_encoder_call(model, config, image_config, dtype, device)
 
     num_tokens = max(1, min(config.max_num_batched_tokens, max_model_len))
     num_blocks = -(-num_tokens // config.block_size)
@@ -208,19 +201,32 @@ def run_largest_step(
         slot_mapping=torch.arange(num_tokens, dtype=torch.long, device=device),
         is_decode_only=False,
     )
-    media_rows = min(encoded.shape[0], num_tokens)
+    media_rows = 0 if encoded is None else min(encoded.shape[0], num_tokens)
     hidden = model.forward(
         torch.zeros(num_tokens, dtype=torch.long, device=device),
         torch.arange(num_tokens, device=device).expand(3, num_tokens).contiguous(),  # [3, T]
         kv_caches,
         metadata,
-        encoded[:media_rows],
-        torch.arange(media_rows, device=device),
+        None if encoded is None else encoded[:media_rows],
+        None if encoded is None else torch.arange(media_rows, device=device),
     )  # [T, hidden]
     num_rows = min(config.max_num_seqs, num_tokens)
     logits = model.compute_logits(hidden[-num_rows:])  # [S, vocab] float32
     rows = [SamplingRow(HEAVIEST_SAMPLING, [0] * num_tokens, [0])] * num_rows
     Sampler().sample(logits, rows).result()  # its own: the engine's draws stay untouched
+
+
+def _run_largest_encoder_call(
+    model, config: EngineConfig, image_config: ImageProcessorConfig, dtype, device
+) -> torch.Tensor:  # [num_frames * tokens_per_frame, hidden]
+    vision = model.config.vision
+    merge = vision.spatial_merge_size
+    t, h, w = largest_frame_grid(image_config)
+    tokens_per_frame = t * h * w // merge**2
+    num_frames = max(1, config.max_encoder_tokens_per_step // tokens_per_frame)
+    pixels = torch.zeros(num_frames * t * h * w, vision.patch_dim, dtype=dtype, device=device)
+    grid = torch.tensor([[t, h, w]] * num_frames, dtype=torch.long)
+    return model.encode_images(pixels, grid)
 
 
 def profile_kv_cache_bytes(
@@ -235,7 +241,9 @@ def profile_kv_cache_bytes(
     """Steps 2 and 3 of the module docstring, once the weights are loaded: the bytes the
     KV cache may take, and the readings they come from."""
     probe.reset_peak()
-    image_config = ImageProcessorConfig.from_model_dir(config.model)
+    image_config = None
+    if model.config.vision is not None:
+        image_config = ImageProcessorConfig.from_model_dir(config.model)
     try:
         run_largest_step(
             model, config, image_config, max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype

@@ -60,8 +60,10 @@ class LLM:
 
         self.engine = EngineCore(EngineConfig(model=model, **engine_options))
         self.prompt_processor = PromptProcessor.from_model_dir(model)
-        self.image_config = ImageProcessorConfig.from_model_dir(model)
-        self.video_config = VideoConfig.from_model_dir(model)
+        self.image_config = self.video_config = None  # a text-only model takes no media
+        if self.engine.model_config.vision is not None:
+            self.image_config = ImageProcessorConfig.from_model_dir(model)
+            self.video_config = VideoConfig.from_model_dir(model)
         self._ids = itertools.count()
         self.last_stats: list = []  # EngineStats of the last generate() call, one per step
 
@@ -160,7 +162,9 @@ class LLM:
                 request_id=request_id, prompt_token_ids=list(prompt), sampling=sampling
             ), []
         if isinstance(prompt, dict) and "messages" in prompt:
-            processing = self.processing.narrowed(prompt.get("mm_processor_kwargs"))
+            processing = None  # a text-only model: a media part is refused below
+            if self.image_config is not None:
+                processing = self.processing.narrowed(prompt.get("mm_processor_kwargs"))
             return self._chat_request(request_id, prompt["messages"], sampling, processing)
         raise InvalidRequest(
             "a prompt is a str, a list of token ids or {'messages': [...]}", param="prompts"
@@ -208,6 +212,9 @@ class LLM:
         from engine.multimodal.image_processor import process_image
         from engine.multimodal.media import decode_image
         from engine.multimodal.video import load_video, process_video
+
+        if processing is None:
+            raise InvalidRequest("this model takes no images or videos", param=param)
 
         if part["type"] == "image":
             image = part.get("image")

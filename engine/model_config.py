@@ -1,9 +1,12 @@
 """What the engine needs to know about a checkpoint, parsed from its config.json.
 
-Two architectures of one family: Qwen2-VL and Qwen2.5-VL. Their decoders are the same
-Qwen2 decoder with M-RoPE; their vision towers differ (`VisionConfig.variant`), and so do
-the names in `vision_config`: Qwen2-VL's `embed_dim` / `hidden_size` (tower width / merger
-output) are Qwen2.5-VL's `hidden_size` / `out_hidden_size`.
+Three architectures of one family: Qwen2-VL and Qwen2.5-VL, and their text decoder alone
+(Qwen2ForCausalLM: Qwen2 and Qwen2.5 language models, `vision` None). The decoder is one
+Qwen2 decoder with M-RoPE; a text-only model gets `mrope_section` (head_dim/2, 0, 0), all
+frequencies on the first row, which is plain RoPE since text positions are equal in all
+three rows. The vision towers differ (`VisionConfig.variant`), and so do the names in
+`vision_config`: Qwen2-VL's `embed_dim` / `hidden_size` (tower width / merger output) are
+Qwen2.5-VL's `hidden_size` / `out_hidden_size`.
 
 Handles both the flat layout of hub checkpoints and the nested `text_config` layout newer
 `transformers` versions write.
@@ -19,10 +22,11 @@ from typing import Literal
 from engine.errors import ModelLoadError
 
 VisionVariant = Literal["qwen2_vl", "qwen2_5_vl"]
-# architecture -> the vision tower it carries
-SUPPORTED_ARCHITECTURES: dict[str, VisionVariant] = {
+# architecture -> the vision tower it carries (None: a text-only model)
+SUPPORTED_ARCHITECTURES: dict[str, VisionVariant | None] = {
     "Qwen2VLForConditionalGeneration": "qwen2_vl",
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+    "Qwen2ForCausalLM": None,
 }
 
 
@@ -74,10 +78,10 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
-    image_token_id: int
-    video_token_id: int
-    vision_start_token_id: int
-    vision: VisionConfig
+    image_token_id: int | None
+    video_token_id: int | None
+    vision_start_token_id: int | None
+    vision: VisionConfig | None  # None: a text-only model
     torch_dtype: str | None = None
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -96,12 +100,12 @@ class ModelConfig:
     def from_dict(cls, raw: dict) -> ModelConfig:
         architectures = raw.get("architectures") or []
         architecture = architectures[0] if architectures else raw.get("model_type", "?")
-        variant = SUPPORTED_ARCHITECTURES.get(architecture)
-        if variant is None:
+        if architecture not in SUPPORTED_ARCHITECTURES:
             raise ModelLoadError(
                 f"unsupported architecture {architecture!r}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        variant = SUPPORTED_ARCHITECTURES[architecture]
         text = {**raw, **(raw.get("text_config") or {})}
         vision = raw.get("vision_config") or {}
         try:
@@ -121,7 +125,7 @@ class ModelConfig:
                 head_dim=text.get("head_dim") or hidden // num_heads,
                 rms_norm_eps=text.get("rms_norm_eps", 1e-6),
                 rope_theta=text.get("rope_theta", rope_scaling.get("rope_theta", 1e6)),
-                mrope_section=tuple(rope_scaling["mrope_section"]),
+                mrope_section=_mrope_section(variant, rope_scaling, text, num_heads),
                 max_position_embeddings=text.get("max_position_embeddings", 32768),
                 tie_word_embeddings=raw.get(
                     "tie_word_embeddings", text.get("tie_word_embeddings", False)
@@ -132,12 +136,26 @@ class ModelConfig:
                 vision_start_token_id=raw.get(
                     "vision_start_token_id", text.get("vision_start_token_id")
                 ),
-                vision=_vision_config(variant, vision, hidden),
+                vision=None if variant is None else _vision_config(variant, vision, hidden),
                 torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
                 extra=raw,
             )
         except (KeyError, TypeError) as exc:
             raise ModelLoadError(f"config.json lacks or mis-types field {exc}") from exc
+
+
+def _mrope_section(
+    variant: VisionVariant | None, rope_scaling: dict, text: dict, num_heads: int
+) -> tuple[int, int, int]:
+    """The vision-language models' own sections; for a text-only model all frequencies on
+    the first row (plain RoPE). Rotary scalings Tessera does not implement are refused."""
+    if variant is not None:
+        return tuple(rope_scaling["mrope_section"])
+    kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+    if kind != "default":
+        raise ModelLoadError(f"rope scaling {kind!r} is not supported; only the default rope")
+    head_dim = text.get("head_dim") or text["hidden_size"] // num_heads
+    return (head_dim // 2, 0, 0)
 
 
 def _vision_config(variant: VisionVariant, vision: dict, decoder_hidden: int) -> VisionConfig:

@@ -100,7 +100,7 @@ class TinyModelSpec:
     min_pixels: int = 56 * 56
     vocab_size: int | None = None
     tie_word_embeddings: bool = False
-    architecture: str = "qwen2_vl"  # or "qwen2_5_vl"
+    architecture: str = "qwen2_vl"  # or "qwen2_5_vl", or "qwen2" (the decoder alone)
     vision_intermediate_size: int = 0  # qwen2_5_vl
     window_size: int = 112  # qwen2_5_vl
     fullatt_block_indexes: tuple[int, ...] = ()  # qwen2_5_vl
@@ -113,6 +113,10 @@ class TinyModelSpec:
     @property
     def is_qwen2_5_vl(self) -> bool:
         return self.architecture == "qwen2_5_vl"
+
+    @property
+    def has_vision(self) -> bool:
+        return self.architecture != "qwen2"
 
 
 SIZES: dict[str, TinyModelSpec] = {
@@ -168,6 +172,24 @@ SIZES: dict[str, TinyModelSpec] = {
         vision_intermediate_size=172,
         window_size=56,
         fullatt_block_indexes=(1,),
+    ),
+    # The decoder alone (Qwen2ForCausalLM, as Qwen2 / Qwen2.5 language models): no vision
+    # weights, no preprocessor_config.json, plain RoPE (no mrope_section).
+    "tiny-qwen2": TinyModelSpec(
+        bpe_vocab_size=1536,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        mrope_section=(16, 0, 0),
+        max_position_embeddings=4096,
+        vision_depth=0,
+        vision_embed_dim=64,
+        vision_num_heads=4,
+        max_pixels=448 * 448,
+        dtype=torch.float32,
+        architecture="qwen2",
     ),
     # FlashInfer's head dim (128, as Qwen2-VL-2B/7B), small otherwise: the GPU tests run
     # FlashInfer on it, which JIT-compiles one kernel module per head dim and dtype.
@@ -333,8 +355,9 @@ def write_checkpoint(
     _write_json(out / "config.json", model_config_dict(spec, token_ids, vocab_size))
     _write_json(out / "generation_config.json", _generation_config(token_ids))
     _write_json(out / "tokenizer_config.json", _tokenizer_config(token_ids, chat_template))
-    _write_json(out / "preprocessor_config.json", _preprocessor_config(spec))
-    _write_json(out / "chat_template.json", {"chat_template": chat_template})
+    if spec.has_vision:
+        _write_json(out / "preprocessor_config.json", _preprocessor_config(spec))
+        _write_json(out / "chat_template.json", {"chat_template": chat_template})
     (out / "chat_template.jinja").write_text(chat_template, encoding="utf-8")
     weights = iter_random_weights(spec, vocab_size, seed, num_real_tokens=num_tokens, device=device)
     plan = shard_plan(weight_shapes(spec, vocab_size), spec.dtype, max_shard_bytes)
@@ -360,7 +383,7 @@ def _check_spec(spec: TinyModelSpec) -> None:
         raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
     if spec.vision_embed_dim % spec.vision_num_heads:
         raise ValueError("vision_embed_dim must be a multiple of vision_num_heads")
-    if spec.architecture not in ("qwen2_vl", "qwen2_5_vl"):
+    if spec.architecture not in ("qwen2_vl", "qwen2_5_vl", "qwen2"):
         raise ValueError(f"unknown architecture {spec.architecture!r}")
     merged_pixels = spec.patch_size * spec.spatial_merge_size
     if spec.is_qwen2_5_vl and (
@@ -436,12 +459,12 @@ def read_chat_template() -> str:
 def model_config_dict(spec: TinyModelSpec, token_ids: dict[str, int], vocab_size: int) -> dict:
     """config.json in the flat hub layout that both transformers 4.x and 5.x read."""
     dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[spec.dtype]
-    architecture, model_type = (
-        ("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl")
-        if spec.is_qwen2_5_vl
-        else ("Qwen2VLForConditionalGeneration", "qwen2_vl")
-    )
-    return {
+    architecture, model_type = {
+        "qwen2_vl": ("Qwen2VLForConditionalGeneration", "qwen2_vl"),
+        "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl"),
+        "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    }[spec.architecture]
+    config = {
         "architectures": [architecture],
         "model_type": model_type,
         "attention_dropout": 0.0,
@@ -473,6 +496,12 @@ def model_config_dict(spec: TinyModelSpec, token_ids: dict[str, int], vocab_size
         "vocab_size": vocab_size,
         "vision_config": _vision_config_dict(spec),
     }
+    if not spec.has_vision:  # a Qwen2 language model's config.json: no vision keys
+        for key in ("vision_config", "rope_scaling", "vision_start_token_id",
+                    "vision_end_token_id", "vision_token_id", "image_token_id",
+                    "video_token_id"):  # fmt: skip
+            del config[key]
+    return config
 
 
 def _vision_config_dict(spec: TinyModelSpec) -> dict:

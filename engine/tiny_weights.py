@@ -53,6 +53,8 @@ def weight_shapes(spec: TinyModelSpec, vocab_size: int) -> list[tuple[str, tuple
     if not spec.tie_word_embeddings:  # tied: logits use model.embed_tokens.weight
         shapes.append(("lm_head.weight", (vocab_size, hidden)))
 
+    if not spec.has_vision:
+        return shapes
     embed = spec.vision_embed_dim
     patch = (embed, 3, spec.temporal_patch_size, spec.patch_size, spec.patch_size)
     shapes.append(("visual.patch_embed.proj.weight", patch))  # Conv3d, no bias

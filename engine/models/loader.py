@@ -52,8 +52,8 @@ def load_model(
     device: torch.device,
     attention: AttentionBackend,
 ) -> Qwen2VLForConditionalGeneration:
-    """Loads a Qwen2-VL or Qwen2.5-VL checkpoint folder; raises `ModelLoadError` on any
-    mismatch."""
+    """Loads a Qwen2-VL, Qwen2.5-VL or Qwen2 (text) checkpoint folder; raises
+    `ModelLoadError` on any mismatch."""
     config = ModelConfig.from_model_dir(model_dir)
     with torch.device("meta"):
         model = Qwen2VLForConditionalGeneration(config, attention)
@@ -142,15 +142,13 @@ def expected_tensors(
         ],
     }
     vision = config.vision
+    vision_width = 0 if vision is None else vision.intermediate_size
     vision_fused = {  # Qwen2.5-VL's gated vision MLP
-        "mlp.gate_up_proj": [
-            ("mlp.gate_proj", vision.intermediate_size),
-            ("mlp.up_proj", vision.intermediate_size),
-        ]
+        "mlp.gate_up_proj": [("mlp.gate_proj", vision_width), ("mlp.up_proj", vision_width)]
     }
     for param_name, param in params.items():
         shape = tuple(param.shape)
-        if param_name == "visual.patch_embed.weight":
+        if param_name == "visual.patch_embed.weight" and vision is not None:
             hf_shape = (
                 vision.embed_dim,
                 vision.in_channels,

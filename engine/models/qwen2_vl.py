@@ -25,8 +25,9 @@ from engine.models.qwen2_vl_vision import Qwen2VisionTransformer
 
 
 class Qwen2VLForConditionalGeneration(nn.Module):
-    """Qwen2-VL or Qwen2.5-VL (by `config.vision.variant`) over a paged KV cache. Inputs
-    are flat over all sequences of a step.
+    """Qwen2-VL or Qwen2.5-VL (by `config.vision.variant`), or the Qwen2 decoder alone
+    (`config.vision` None), over a paged KV cache. Inputs are flat over all sequences of a
+    step.
 
     Parameter names mirror the hub checkpoint ("model.layers.N...", "visual.blocks.N...")
     except the fused projections (`qkv_proj`, `gate_up_proj`), the patch embedding
@@ -37,9 +38,10 @@ class Qwen2VLForConditionalGeneration(nn.Module):
     def __init__(self, config: ModelConfig, attention: AttentionBackend) -> None:
         super().__init__()
         self.config = config
-        if config.vision.variant == "qwen2_5_vl":
-            self.visual: nn.Module = Qwen25VisionTransformer(config.vision)
-        else:
+        self.visual: nn.Module | None = None  # a text-only model (Qwen2ForCausalLM)
+        if config.vision is not None and config.vision.variant == "qwen2_5_vl":
+            self.visual = Qwen25VisionTransformer(config.vision)
+        elif config.vision is not None:
             self.visual = Qwen2VisionTransformer(config.vision)
         self.model = Qwen2Decoder(config, attention)
         self.lm_head = (
@@ -64,6 +66,8 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         grid_thw [num_items, 3] int64. Works for images and videos alike.
         """
         vision = self.config.vision
+        if vision is None or self.visual is None:
+            raise MediaError("this model takes no images or videos")
         patch_dim = vision.patch_dim
         grids = grid_thw.tolist()
         merge = vision.spatial_merge_size

@@ -1,0 +1,80 @@
+"""A Qwen2 language model (the decoder alone, no vision) served over HTTP: chat and
+completions answer as transformers' Qwen2ForCausalLM does, and an image part is a clear 400
+that leaves the server serving."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+openai = pytest.importorskip("openai")
+
+import httpx  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+from bench.datasets import data_url  # noqa: E402
+from bench.local_inputs import picture, png_bytes  # noqa: E402
+from engine.tiny_model import make_tiny_model  # noqa: E402
+from tests.e2e.conftest import MODEL_NAME, run_server  # noqa: E402
+
+NUM_NEW = 12
+GREEDY = {"temperature": 0, "max_tokens": NUM_NEW, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("text_http"), size="tiny-qwen2", seed=6)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("text_http_log") / "server.log"
+    with run_server(model_dir, log) as handle:
+        yield handle
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_chat_and_completions_match_transformers(client, model_dir):
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+
+    def expected(ids: list[int]) -> str:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=NUM_NEW,
+                                 min_new_tokens=NUM_NEW, do_sample=False)  # fmt: skip
+        return tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
+
+    messages = [{"role": "user", "content": "Name three rivers."}]
+    ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             tokenize=True, return_dict=True)["input_ids"])  # fmt: skip
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=messages, **GREEDY)
+    assert chat.usage.prompt_tokens == len(ids)
+    assert chat.choices[0].message.content == expected(ids)
+    prompt = "Once upon a time"
+    completion = client.completions.create(model=MODEL_NAME, prompt=prompt, **GREEDY)
+    assert completion.choices[0].text == expected(tokenizer(prompt)["input_ids"])
+
+
+def test_an_image_part_is_a_400_and_the_server_goes_on(server, client):
+    image = {"type": "image_url", "image_url": {"url": data_url(png_bytes(picture(56, 56, 2)),
+                                                                "image/png")}}  # fmt: skip
+    body = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": [image, {"type": "text", "text": "What?"}]}],
+        "max_tokens": 4,
+    }
+    response = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert "image" in error["message"]
+    after = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=2
+    )
+    assert after.choices[0].finish_reason == "length"
