@@ -154,7 +154,7 @@ class LLM:
         if isinstance(prompt, str):
             return EngineRequest(
                 request_id=request_id,
-                prompt_token_ids=self.prompt_processor.encode(prompt),
+                prompt_token_ids=self.prompt_processor.encode_prompt(prompt),
                 sampling=sampling,
             ), []
         if isinstance(prompt, list):

@@ -1,7 +1,8 @@
 """What the engine needs to know about a checkpoint, parsed from its config.json.
 
-Three architectures of one family: Qwen2-VL and Qwen2.5-VL, and their text decoder alone
-(Qwen2ForCausalLM: Qwen2 and Qwen2.5 language models, `vision` None). The decoder is one
+Qwen2-VL and Qwen2.5-VL, their text decoder alone (Qwen2ForCausalLM: Qwen2 and Qwen2.5
+language models, `vision` None) and Llama (LlamaForCausalLM, the same decoder without
+q/k/v biases, with Llama 3.1's rotary scaling when configured). The decoder is one
 Qwen2 decoder with M-RoPE; a text-only model gets `mrope_section` (head_dim/2, 0, 0), all
 frequencies on the first row, which is plain RoPE since text positions are equal in all
 three rows. The vision towers differ (`VisionConfig.variant`), and so do the names in
@@ -27,7 +28,19 @@ SUPPORTED_ARCHITECTURES: dict[str, VisionVariant | None] = {
     "Qwen2VLForConditionalGeneration": "qwen2_vl",
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
     "Qwen2ForCausalLM": None,
+    "LlamaForCausalLM": None,
 }
+
+
+@dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1's rotary scaling (`rope_type: llama3`): low frequencies slowed by `factor`,
+    high ones kept, those between interpolated (engine/models/layers.llama3_inv_freq)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
 
 
 @dataclass(frozen=True)
@@ -83,6 +96,8 @@ class ModelConfig:
     vision_start_token_id: int | None
     vision: VisionConfig | None  # None: a text-only model
     torch_dtype: str | None = None
+    attention_bias: bool = True  # q, k, v projections with biases (Qwen2: yes; Llama: no)
+    llama3_rope_scaling: Llama3RopeScaling | None = None
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -138,6 +153,8 @@ class ModelConfig:
                 ),
                 vision=None if variant is None else _vision_config(variant, vision, hidden),
                 torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+                attention_bias=_attention_bias(architecture, text),
+                llama3_rope_scaling=_llama3_rope_scaling(rope_scaling),
                 extra=raw,
             )
         except (KeyError, TypeError) as exc:
@@ -152,8 +169,10 @@ def _mrope_section(
     if variant is not None:
         return tuple(rope_scaling["mrope_section"])
     kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-    if kind != "default":
-        raise ModelLoadError(f"rope scaling {kind!r} is not supported; only the default rope")
+    if kind not in ("default", "llama3"):
+        raise ModelLoadError(
+            f"rope scaling {kind!r} is not supported; only the default rope and llama3"
+        )
     head_dim = text.get("head_dim") or text["hidden_size"] // num_heads
     return (head_dim // 2, 0, 0)
 
@@ -188,3 +207,24 @@ def _vision_config(variant: VisionVariant, vision: dict, decoder_hidden: int) ->
         fullatt_block_indexes=tuple(vision.get("fullatt_block_indexes", (7, 15, 23, 31))),
         tokens_per_second=float(vision.get("tokens_per_second", 4)),
     )
+
+
+def _llama3_rope_scaling(rope_scaling: dict) -> Llama3RopeScaling | None:
+    if rope_scaling.get("rope_type", rope_scaling.get("type")) != "llama3":
+        return None
+    return Llama3RopeScaling(
+        factor=float(rope_scaling["factor"]),
+        low_freq_factor=float(rope_scaling["low_freq_factor"]),
+        high_freq_factor=float(rope_scaling["high_freq_factor"]),
+        original_max_position_embeddings=int(rope_scaling["original_max_position_embeddings"]),
+    )
+
+
+def _attention_bias(architecture: str, text: dict) -> bool:
+    """Qwen2's q, k, v projections carry biases; Llama's none unless `attention_bias`, which
+    also biases o_proj (not implemented, refused), as is `mlp_bias`."""
+    if architecture != "LlamaForCausalLM":
+        return True
+    if text.get("attention_bias") or text.get("mlp_bias"):
+        raise ModelLoadError("Llama checkpoints with attention_bias or mlp_bias are not supported")
+    return False

@@ -100,7 +100,7 @@ class TinyModelSpec:
     min_pixels: int = 56 * 56
     vocab_size: int | None = None
     tie_word_embeddings: bool = False
-    architecture: str = "qwen2_vl"  # or "qwen2_5_vl", or "qwen2" (the decoder alone)
+    architecture: str = "qwen2_vl"  # or "qwen2_5_vl"; text only: "qwen2", "llama"
     vision_intermediate_size: int = 0  # qwen2_5_vl
     window_size: int = 112  # qwen2_5_vl
     fullatt_block_indexes: tuple[int, ...] = ()  # qwen2_5_vl
@@ -116,7 +116,7 @@ class TinyModelSpec:
 
     @property
     def has_vision(self) -> bool:
-        return self.architecture != "qwen2"
+        return self.architecture not in ("qwen2", "llama")
 
 
 SIZES: dict[str, TinyModelSpec] = {
@@ -190,6 +190,25 @@ SIZES: dict[str, TinyModelSpec] = {
         max_pixels=448 * 448,
         dtype=torch.float32,
         architecture="qwen2",
+    ),
+    # Llama 3.1's decoder alone: no q/k/v biases, llama3 rotary scaling (with an original
+    # context of 64 positions, so that it changes most frequencies within a test's
+    # prompts), a tokenizer that adds a BOS to raw text.
+    "tiny-llama": TinyModelSpec(
+        bpe_vocab_size=1536,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        mrope_section=(16, 0, 0),
+        max_position_embeddings=4096,
+        vision_depth=0,
+        vision_embed_dim=64,
+        vision_num_heads=4,
+        max_pixels=448 * 448,
+        dtype=torch.float32,
+        architecture="llama",
     ),
     # FlashInfer's head dim (128, as Qwen2-VL-2B/7B), small otherwise: the GPU tests run
     # FlashInfer on it, which JIT-compiles one kernel module per head dim and dtype.
@@ -346,6 +365,12 @@ def write_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
 
     tokenizer = train_tokenizer(spec.bpe_vocab_size)
+    if spec.architecture == "llama":  # Llama's tokenizers put a BOS before raw text
+        bos = ("<|endoftext|>", tokenizer.token_to_id("<|endoftext|>"))
+        tokenizer.post_processor = processors.Sequence([
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(single=f"{bos[0]} $A", special_tokens=[bos]),
+        ])  # fmt: skip
     tokenizer.save(str(out / "tokenizer.json"), pretty=True)
     token_ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
     num_tokens = tokenizer.get_vocab_size(with_added_tokens=True)
@@ -354,7 +379,10 @@ def write_checkpoint(
 
     _write_json(out / "config.json", model_config_dict(spec, token_ids, vocab_size))
     _write_json(out / "generation_config.json", _generation_config(token_ids))
-    _write_json(out / "tokenizer_config.json", _tokenizer_config(token_ids, chat_template))
+    tokenizer_config = _tokenizer_config(token_ids, chat_template)
+    if spec.architecture == "llama":  # tokenizer.json as it is, its BOS included
+        tokenizer_config.update(tokenizer_class="PreTrainedTokenizerFast", bos_token="<|endoftext|>")
+    _write_json(out / "tokenizer_config.json", tokenizer_config)
     if spec.has_vision:
         _write_json(out / "preprocessor_config.json", _preprocessor_config(spec))
         _write_json(out / "chat_template.json", {"chat_template": chat_template})
@@ -383,7 +411,7 @@ def _check_spec(spec: TinyModelSpec) -> None:
         raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
     if spec.vision_embed_dim % spec.vision_num_heads:
         raise ValueError("vision_embed_dim must be a multiple of vision_num_heads")
-    if spec.architecture not in ("qwen2_vl", "qwen2_5_vl", "qwen2"):
+    if spec.architecture not in ("qwen2_vl", "qwen2_5_vl", "qwen2", "llama"):
         raise ValueError(f"unknown architecture {spec.architecture!r}")
     merged_pixels = spec.patch_size * spec.spatial_merge_size
     if spec.is_qwen2_5_vl and (
@@ -463,6 +491,7 @@ def model_config_dict(spec: TinyModelSpec, token_ids: dict[str, int], vocab_size
         "qwen2_vl": ("Qwen2VLForConditionalGeneration", "qwen2_vl"),
         "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl"),
         "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+        "llama": ("LlamaForCausalLM", "llama"),
     }[spec.architecture]
     config = {
         "architectures": [architecture],
@@ -501,7 +530,24 @@ def model_config_dict(spec: TinyModelSpec, token_ids: dict[str, int], vocab_size
                     "vision_end_token_id", "vision_token_id", "image_token_id",
                     "video_token_id"):  # fmt: skip
             del config[key]
+    if spec.architecture == "llama":
+        config.update(LLAMA_CONFIG)
     return config
+
+
+LLAMA_CONFIG = {  # Llama 3.1's values, but for original_max_position_embeddings (8192)
+    "attention_bias": False,
+    "mlp_bias": False,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
+}
 
 
 def _vision_config_dict(spec: TinyModelSpec) -> dict:

@@ -35,7 +35,7 @@ def weight_shapes(spec: TinyModelSpec, vocab_size: int) -> list[tuple[str, tuple
     ]
     for i in range(spec.num_hidden_layers):
         p = f"model.layers.{i}."
-        shapes += [
+        layer = [
             (p + "input_layernorm.weight", (hidden,)),
             (p + "self_attn.q_proj.weight", (hidden, hidden)),
             (p + "self_attn.q_proj.bias", (hidden,)),
@@ -49,6 +49,9 @@ def weight_shapes(spec: TinyModelSpec, vocab_size: int) -> list[tuple[str, tuple
             (p + "mlp.up_proj.weight", (spec.intermediate_size, hidden)),
             (p + "mlp.down_proj.weight", (hidden, spec.intermediate_size)),
         ]
+        if spec.architecture == "llama":  # no q, k, v biases
+            layer = [(name, shape) for name, shape in layer if not name.endswith("_proj.bias")]
+        shapes += layer
     shapes.append(("model.norm.weight", (hidden,)))
     if not spec.tie_word_embeddings:  # tied: logits use model.embed_tokens.weight
         shapes.append(("lm_head.weight", (vocab_size, hidden)))

@@ -305,7 +305,9 @@ def _add_api_routes(api: APIRouter) -> None:
             text = body.prompt
         else:
             raise InvalidRequest("give either 'prompt' or 'messages'", param="prompt")
-        tokens = state.processor.encode(text)
+        # A raw prompt gets the tokenizer's BOS as /v1/completions does, unless asked not to.
+        raw_prompt = body.messages is None and body.add_special_tokens
+        tokens = (state.processor.encode_prompt if raw_prompt else state.processor.encode)(text)
         return {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
 
     @api.post("/detokenize")

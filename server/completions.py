@@ -27,7 +27,7 @@ def prepare_completion_prompt(
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        token_ids = processor.encode(prompt)
+        token_ids = processor.encode_prompt(prompt)
     elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
         token_ids = list(prompt)
         check_token_ids(token_ids, vocab_size, "prompt")

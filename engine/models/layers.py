@@ -7,6 +7,7 @@ layout) so parity tests can hold tight tolerances.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -122,6 +123,28 @@ def rope_inv_freq(dim: int, theta: float, device: torch.device | None = None) ->
     """[dim // 2] float32 inverse frequencies 1 / theta^(2i / dim)."""
     exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim
     return 1.0 / (theta**exponents)
+
+
+def llama3_inv_freq(
+    inv_freq: torch.Tensor,
+    factor: float,
+    low_freq_factor: float,
+    high_freq_factor: float,
+    original_max_position_embeddings: int,
+) -> torch.Tensor:  # [D/2] float32 -> [D/2] float32
+    """Llama 3.1's rotary scaling: a frequency whose wavelength is longer than
+    original_max / low_freq_factor is divided by `factor`, one shorter than
+    original_max / high_freq_factor is kept, and those between blend the two by where
+    original_max / wavelength falls between the two factors."""
+    wavelength = 2 * math.pi / inv_freq
+    slowed = inv_freq / factor
+    blend = (original_max_position_embeddings / wavelength - low_freq_factor) / (
+        high_freq_factor - low_freq_factor
+    )
+    blended = (1 - blend) * slowed + blend * inv_freq
+    is_long = wavelength > original_max_position_embeddings / low_freq_factor
+    is_short = wavelength < original_max_position_embeddings / high_freq_factor
+    return torch.where(is_long, slowed, torch.where(is_short, inv_freq, blended))
 
 
 def scatter_rows(

@@ -6,19 +6,25 @@ into the per-layer cache and attends over each sequence's history.
 
 Projections are fused at load time: one `qkv_proj` (q, k, v weights and biases
 concatenated along the output dim) and one `gate_up_proj` per layer.
+
+Llama's decoder is this one without the q, k, v biases (`ModelConfig.attention_bias`) and,
+for Llama 3.1 and later, with its rotary scaling (`ModelConfig.llama3_rope_scaling`).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
-from engine.model_config import ModelConfig
+from engine.model_config import Llama3RopeScaling, ModelConfig
 from engine.models.layers import (
     RMSNorm,
     SiluAndMul,
     apply_rotary_folded,
+    llama3_inv_freq,
     rope_inv_freq,
     rotary_tables,
 )
@@ -32,8 +38,15 @@ class MRotaryEmbedding(nn.Module):
     For text tokens all three rows are equal, which reduces to ordinary RoPE.
     """
 
-    def __init__(self, head_dim: int, theta: float, mrope_section: tuple[int, int, int]) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        theta: float,
+        mrope_section: tuple[int, int, int],
+        llama3_scaling: Llama3RopeScaling | None = None,
+    ) -> None:
         super().__init__()
+        self.llama3_scaling = llama3_scaling
         if sum(mrope_section) != head_dim // 2:
             raise ValueError(f"mrope_section {mrope_section} must sum to head_dim // 2")
         self.head_dim = head_dim
@@ -48,7 +61,10 @@ class MRotaryEmbedding(nn.Module):
     def init_buffers(self) -> None:
         """(Re)compute the constant buffers; the loader calls this after materialising."""
         device = self.inv_freq.device
-        self.inv_freq = rope_inv_freq(self.head_dim, self.theta, device=device)  # [D/2] fp32
+        inv_freq = rope_inv_freq(self.head_dim, self.theta, device=device)  # [D/2] fp32
+        if self.llama3_scaling is not None:
+            inv_freq = llama3_inv_freq(inv_freq, *dataclasses.astuple(self.llama3_scaling))
+        self.inv_freq = inv_freq
         rows = [row for row, size in enumerate(self.mrope_section) for _ in range(size)]
         self.section_rows = torch.tensor(rows, dtype=torch.long, device=device)  # [D/2]
 
@@ -72,7 +88,9 @@ class Qwen2Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=True)
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.attention = attention
 
@@ -145,7 +163,9 @@ class Qwen2Decoder(nn.Module):
             [Qwen2DecoderLayer(config, attention) for _ in range(config.num_hidden_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = MRotaryEmbedding(config.head_dim, config.rope_theta, config.mrope_section)
+        self.rotary = MRotaryEmbedding(
+            config.head_dim, config.rope_theta, config.mrope_section, config.llama3_rope_scaling
+        )
 
     def forward(
         self,

@@ -190,6 +190,12 @@ class PromptProcessor:
         BOS/EOS is added."""
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a raw prompt (no chat template), with what the tokenizer adds around
+        text: a Llama tokenizer's BOS (none for Qwen's), as transformers' `tokenizer(text)`
+        and vLLM's completions do. A rendered chat is `encode`d: its template writes them."""
+        return self.tokenizer.encode(text, add_special_tokens=True).ids
+
     def decode(self, token_ids, *, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 

@@ -1,6 +1,7 @@
-"""A Qwen2 language model (the decoder alone, no vision) served over HTTP: chat and
-completions answer as transformers' Qwen2ForCausalLM does, and an image part is a clear 400
-that leaves the server serving."""
+"""Text-only models served over HTTP (a Qwen2 language model, and Llama with its BOS and
+llama3 rotary scaling): chat and completions answer as transformers does, /tokenize counts
+what /v1/completions will run, and an image part is a clear 400 that leaves the server
+serving."""
 
 from __future__ import annotations
 
@@ -22,9 +23,9 @@ NUM_NEW = 12
 GREEDY = {"temperature": 0, "max_tokens": NUM_NEW, "extra_body": {"ignore_eos": True}}
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("text_http"), size="tiny-qwen2", seed=6)
+@pytest.fixture(scope="module", params=["tiny-qwen2", "tiny-llama"])
+def model_dir(request, tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp(request.param), size=request.param, seed=6)
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +46,11 @@ def test_chat_and_completions_match_transformers(client, model_dir):
     model.generation_config.eos_token_id = None
 
     def expected(ids: list[int]) -> str:
-        with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=NUM_NEW,
-                                 min_new_tokens=NUM_NEW, do_sample=False)  # fmt: skip
+        inputs = torch.tensor([ids])
+        with torch.no_grad():  # the mask given: without it a BOS that is the pad id is masked
+            out = model.generate(inputs, attention_mask=torch.ones_like(inputs),
+                                 max_new_tokens=NUM_NEW, min_new_tokens=NUM_NEW,
+                                 do_sample=False)  # fmt: skip
         return tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
 
     messages = [{"role": "user", "content": "Name three rivers."}]
@@ -58,7 +61,19 @@ def test_chat_and_completions_match_transformers(client, model_dir):
     assert chat.choices[0].message.content == expected(ids)
     prompt = "Once upon a time"
     completion = client.completions.create(model=MODEL_NAME, prompt=prompt, **GREEDY)
-    assert completion.choices[0].text == expected(tokenizer(prompt)["input_ids"])
+    prompt_ids = tokenizer(prompt)["input_ids"]  # with a Llama tokenizer's BOS
+    assert completion.usage.prompt_tokens == len(prompt_ids)
+    assert completion.choices[0].text == expected(prompt_ids)
+
+
+def test_tokenize_counts_what_completions_run(server, model_dir):
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    url = server.base_url + "/tokenize"
+    body = {"model": MODEL_NAME, "prompt": "Once upon a time"}
+    with_special = httpx.post(url, json=body, timeout=30).json()["tokens"]
+    without = httpx.post(url, json={**body, "add_special_tokens": False}, timeout=30).json()
+    assert with_special == tokenizer("Once upon a time")["input_ids"]
+    assert without["tokens"] == tokenizer("Once upon a time", add_special_tokens=False)["input_ids"]
 
 
 def test_an_image_part_is_a_400_and_the_server_goes_on(server, client):

@@ -1,7 +1,9 @@
-"""The Qwen2 decoder alone (Qwen2ForCausalLM, as Qwen2 / Qwen2.5 language models) against
-transformers on a generated checkpoint (`tiny-qwen2`: no vision weights, no
-preprocessor_config.json, plain RoPE), token for token: raw and chat prompts in one batch,
-prefill in chunks; media parts are refused, not crashed on."""
+"""Text-only models against transformers on generated checkpoints, token for token: the
+Qwen2 decoder alone (`tiny-qwen2`, Qwen2ForCausalLM as Qwen2 / Qwen2.5 language models: no
+vision weights, no preprocessor_config.json, plain RoPE) and Llama (`tiny-llama`,
+LlamaForCausalLM: no q/k/v biases, llama3 rotary scaling, a tokenizer that puts a BOS before
+raw text). Raw and chat prompts in one batch, prefill in chunks; media parts are refused,
+not crashed on."""
 
 from __future__ import annotations
 
@@ -29,9 +31,9 @@ PROMPTS = [
 ]  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("qwen2_text"), size="tiny-qwen2", seed=4)
+@pytest.fixture(scope="module", params=["tiny-qwen2", "tiny-llama"])
+def model_dir(request, tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp(request.param), size=request.param, seed=4)
 
 
 @pytest.fixture(scope="module")
@@ -43,22 +45,29 @@ def hf(model_dir):
 
 def hf_tokens(hf, prompt_ids: list[int]) -> list[int]:
     ids = torch.tensor([prompt_ids])
-    with torch.no_grad():
-        out = hf.generate(ids, max_new_tokens=NUM_NEW, min_new_tokens=NUM_NEW, do_sample=False)
+    with torch.no_grad():  # the mask given: without it a BOS that is also the pad id is masked
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NUM_NEW,
+                          min_new_tokens=NUM_NEW, do_sample=False)  # fmt: skip
     return out[0, ids.shape[1] :].tolist()
 
 
 def test_the_config_has_no_vision_and_plain_rope(model_dir):
     config = ModelConfig.from_model_dir(model_dir)
-    assert config.vision is None and config.architecture == "Qwen2ForCausalLM"
+    assert config.vision is None
     assert config.mrope_section == (config.head_dim // 2, 0, 0)
     assert not (model_dir / "preprocessor_config.json").exists()
+    is_llama = config.architecture == "LlamaForCausalLM"
+    assert config.attention_bias is not is_llama
+    assert (config.llama3_rope_scaling is not None) is is_llama
 
 
-def test_an_unsupported_rope_scaling_is_refused(model_dir):
+def test_unsupported_variants_are_refused(model_dir):
     raw = ModelConfig.from_model_dir(model_dir).extra
     with pytest.raises(ModelLoadError, match="yarn"):
         ModelConfig.from_dict({**raw, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    llama = {**raw, "architectures": ["LlamaForCausalLM"]}
+    with pytest.raises(ModelLoadError, match="attention_bias"):
+        ModelConfig.from_dict({**llama, "attention_bias": True})
 
 
 @pytest.mark.parametrize("budget", [2048, 8])  # 8: every prompt arrives in several chunks
@@ -68,7 +77,7 @@ def test_prompts_match_transformers(model_dir, hf, budget):
     results = llm.generate(PROMPTS, GREEDY)
     for prompt, result in zip(PROMPTS, results, strict=True):
         assert result.error is None, result.error
-        if isinstance(prompt, str):
+        if isinstance(prompt, str):  # with the BOS a Llama tokenizer adds
             assert result.prompt_token_ids == tokenizer(prompt)["input_ids"]
         else:
             expected = tokenizer.apply_chat_template(
