@@ -22,6 +22,7 @@ depends on the size only, so checkpoints of one size share token ids.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 from dataclasses import dataclass
@@ -191,25 +192,6 @@ SIZES: dict[str, TinyModelSpec] = {
         dtype=torch.float32,
         architecture="qwen2",
     ),
-    # Llama 3.1's decoder alone: no q/k/v biases, llama3 rotary scaling (with an original
-    # context of 64 positions, so that it changes most frequencies within a test's
-    # prompts), a tokenizer that adds a BOS to raw text.
-    "tiny-llama": TinyModelSpec(
-        bpe_vocab_size=1536,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        mrope_section=(16, 0, 0),
-        max_position_embeddings=4096,
-        vision_depth=0,
-        vision_embed_dim=64,
-        vision_num_heads=4,
-        max_pixels=448 * 448,
-        dtype=torch.float32,
-        architecture="llama",
-    ),
     # FlashInfer's head dim (128, as Qwen2-VL-2B/7B), small otherwise: the GPU tests run
     # FlashInfer on it, which JIT-compiles one kernel module per head dim and dtype.
     "tiny-hd128": TinyModelSpec(
@@ -339,6 +321,12 @@ SIZES: dict[str, TinyModelSpec] = {
         fullatt_block_indexes=(7, 15, 23, 31),
     ),
 }
+
+
+# Llama 3.1's decoder alone, tiny-qwen2's shape: no q/k/v biases, llama3 rotary scaling
+# (over an original context of 64 positions, so that it changes most frequencies within a
+# test's prompts: LLAMA_CONFIG), a tokenizer that adds a BOS to raw text.
+SIZES["tiny-llama"] = dataclasses.replace(SIZES["tiny-qwen2"], architecture="llama")
 
 
 def make_tiny_model(
