@@ -276,9 +276,6 @@ class EngineCore:
             raise InvalidRequest("this model takes no images or videos", param="messages")
         media = [self._media_item(m, i, tensors) for i, m in enumerate(request.media)]
         self._check_placeholders(prompt, media)
-        for index, item in enumerate(request.media):
-            if not (math.isfinite(item.second_per_grid_t) and item.second_per_grid_t > 0):
-                raise MediaError("second_per_grid_t must be positive", param=f"media[{index}]")
         positions, rope_delta = mrope_positions(
             prompt,
             [(m.offset, m.num_tokens, m.grid_thw, m.modality) for m in media],
@@ -311,6 +308,8 @@ class EngineCore:
                 f"{media.num_tokens} placeholders do not match grid_thw {tuple(media.grid_thw)}",
                 param=param,
             )
+        if not (math.isfinite(media.second_per_grid_t) and media.second_per_grid_t > 0):
+            raise MediaError("second_per_grid_t must be positive", param=param)
         cache_key = media.content_hash
         if cache_key.startswith("uuid:"):
             # A client may send one uuid with pictures of different sizes: rows cached for

@@ -184,8 +184,8 @@ def run_largest_step(
     mc: ModelConfig = model.config
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
-    encoded = None  # a text-only model runs no vision tower
-    if mc.vision is not None and image_config is not None:
+    encoded = None  # a text-only model (no image_config) runs no vision tower
+    if image_config is not None:
         encoded = _run_largest_encoder_call(model, config, image_config, dtype, device)
 
     num_tokens = max(1, min(config.max_num_batched_tokens, max_model_len))

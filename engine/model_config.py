@@ -126,7 +126,9 @@ class ModelConfig:
         try:
             num_heads = text["num_attention_heads"]
             hidden = text["hidden_size"]
+            head_dim = text.get("head_dim") or hidden // num_heads
             rope_scaling = text.get("rope_scaling") or text.get("rope_parameters") or {}
+            rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
             eos = text.get("eos_token_id", raw.get("eos_token_id"))
             eos_ids = tuple(eos) if isinstance(eos, list) else (eos,) if eos is not None else ()
             return cls(
@@ -137,10 +139,10 @@ class ModelConfig:
                 num_hidden_layers=text["num_hidden_layers"],
                 num_attention_heads=num_heads,
                 num_key_value_heads=text.get("num_key_value_heads", num_heads),
-                head_dim=text.get("head_dim") or hidden // num_heads,
+                head_dim=head_dim,
                 rms_norm_eps=text.get("rms_norm_eps", 1e-6),
                 rope_theta=text.get("rope_theta", rope_scaling.get("rope_theta", 1e6)),
-                mrope_section=_mrope_section(variant, rope_scaling, text, num_heads),
+                mrope_section=_mrope_section(variant, rope_scaling, rope_type, head_dim),
                 max_position_embeddings=text.get("max_position_embeddings", 32768),
                 tie_word_embeddings=raw.get(
                     "tie_word_embeddings", text.get("tie_word_embeddings", False)
@@ -154,7 +156,9 @@ class ModelConfig:
                 vision=None if variant is None else _vision_config(variant, vision, hidden),
                 torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
                 attention_bias=_attention_bias(architecture, text),
-                llama3_rope_scaling=_llama3_rope_scaling(rope_scaling),
+                llama3_rope_scaling=(
+                    _llama3_rope_scaling(rope_scaling) if rope_type == "llama3" else None
+                ),
                 extra=raw,
             )
         except (KeyError, TypeError) as exc:
@@ -162,18 +166,16 @@ class ModelConfig:
 
 
 def _mrope_section(
-    variant: VisionVariant | None, rope_scaling: dict, text: dict, num_heads: int
+    variant: VisionVariant | None, rope_scaling: dict, rope_type: str, head_dim: int
 ) -> tuple[int, int, int]:
     """The vision-language models' own sections; for a text-only model all frequencies on
     the first row (plain RoPE). Rotary scalings Tessera does not implement are refused."""
     if variant is not None:
         return tuple(rope_scaling["mrope_section"])
-    kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-    if kind not in ("default", "llama3"):
+    if rope_type not in ("default", "llama3"):
         raise ModelLoadError(
-            f"rope scaling {kind!r} is not supported; only the default rope and llama3"
+            f"rope scaling {rope_type!r} is not supported; only the default rope and llama3"
         )
-    head_dim = text.get("head_dim") or text["hidden_size"] // num_heads
     return (head_dim // 2, 0, 0)
 
 
@@ -209,9 +211,7 @@ def _vision_config(variant: VisionVariant, vision: dict, decoder_hidden: int) ->
     )
 
 
-def _llama3_rope_scaling(rope_scaling: dict) -> Llama3RopeScaling | None:
-    if rope_scaling.get("rope_type", rope_scaling.get("type")) != "llama3":
-        return None
+def _llama3_rope_scaling(rope_scaling: dict) -> Llama3RopeScaling:
     return Llama3RopeScaling(
         factor=float(rope_scaling["factor"]),
         low_freq_factor=float(rope_scaling["low_freq_factor"]),

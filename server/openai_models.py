@@ -201,7 +201,8 @@ class MediaProcessingOptions(BaseModel):
     """`mm_processor_kwargs`: one request's preprocessing of its `image_url` and `video_url`
     parts, in the names of transformers' Qwen2-VL processors (what vLLM hands to them).
     A request may ask for fewer pixels or frames than the server's bounds, never more
-    (checked against the model's and the server's settings in server/media_fetch.py)."""
+    (checked against the model's and the server's settings in
+    engine/multimodal/processing.py)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     # = engine/multimodal/processing.py's SUPPORTED_KWARGS (not imported: that loads torch)

@@ -52,7 +52,7 @@ def load_model(
     device: torch.device,
     attention: AttentionBackend,
 ) -> Qwen2VLForConditionalGeneration:
-    """Loads a Qwen2-VL, Qwen2.5-VL or Qwen2 (text) checkpoint folder; raises
+    """Loads a Qwen2-VL, Qwen2.5-VL, Qwen2 or Llama checkpoint folder; raises
     `ModelLoadError` on any mismatch."""
     config = ModelConfig.from_model_dir(model_dir)
     with torch.device("meta"):

@@ -25,8 +25,8 @@ from engine.models.qwen2_vl_vision import Qwen2VisionTransformer
 
 
 class Qwen2VLForConditionalGeneration(nn.Module):
-    """Qwen2-VL or Qwen2.5-VL (by `config.vision.variant`), or the Qwen2 decoder alone
-    (`config.vision` None), over a paged KV cache. Inputs are flat over all sequences of a
+    """Qwen2-VL or Qwen2.5-VL (by `config.vision.variant`), or the decoder alone (Qwen2,
+    Llama: `config.vision` None), over a paged KV cache. Inputs are flat over all sequences of a
     step.
 
     Parameter names mirror the hub checkpoint ("model.layers.N...", "visual.blocks.N...")
@@ -38,7 +38,7 @@ class Qwen2VLForConditionalGeneration(nn.Module):
     def __init__(self, config: ModelConfig, attention: AttentionBackend) -> None:
         super().__init__()
         self.config = config
-        self.visual: nn.Module | None = None  # a text-only model (Qwen2ForCausalLM)
+        self.visual: nn.Module | None = None  # a text-only model (Qwen2 or Llama)
         if config.vision is not None and config.vision.variant == "qwen2_5_vl":
             self.visual = Qwen25VisionTransformer(config.vision)
         elif config.vision is not None:
@@ -66,7 +66,7 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         grid_thw [num_items, 3] int64. Works for images and videos alike.
         """
         vision = self.config.vision
-        if vision is None or self.visual is None:
+        if vision is None:  # a text-only model: no self.visual either
             raise MediaError("this model takes no images or videos")
         patch_dim = vision.patch_dim
         grids = grid_thw.tolist()
