@@ -1,4 +1,5 @@
-"""Write small random-weight Qwen2-VL and Qwen2.5-VL checkpoints in Hugging Face format.
+"""Write small random-weight Qwen2-VL, Qwen2.5-VL, Qwen2 and Llama checkpoints in Hugging Face
+format.
 
 `tessera make-tiny-model OUT_DIR [--seed N] [--size SIZE] [--device cpu|cuda]` writes a
 folder that both Tessera and `transformers` load: config.json (flat hub layout),
@@ -9,9 +10,12 @@ template and the image processor config. No network, no hub.
 Sizes: `tiny` and `tiny2` for tests, `small` (a ~0.5B decoder) for CPU benchmarks, and
 `qwen2-vl-2b` / `qwen2-vl-7b`, the real Qwen2-VL shapes (parameter for parameter) for GPU
 benchmarks. Qwen2.5-VL (`architecture="qwen2_5_vl"`): `tiny-qwen2.5-vl` for tests (windows of
-2 x 2 merged tokens, so small pictures span several, edge windows included) and the real
-`qwen2.5-vl-3b` / `qwen2.5-vl-7b` shapes. Every size keeps a small trained tokenizer; the
-big ones only pad the embedding / lm_head rows up to the real vocabulary size.
+2 x 2 merged tokens, so small pictures span several, edge windows included),
+`small-qwen2.5-vl` for CPU benchmarks and the real `qwen2.5-vl-3b` / `qwen2.5-vl-7b` shapes.
+Text-only decoders: `tiny-qwen2` (Qwen2ForCausalLM) and `tiny-llama` (LlamaForCausalLM,
+with a BOS-adding tokenizer and llama3 rotary scaling). Every size keeps a small trained
+tokenizer; the big ones only pad the embedding / lm_head rows up to the real vocabulary
+size.
 
 Everything is a pure function of (size, seed, device): the same arguments give
 byte-identical files. The CPU and CUDA generators draw different numbers from one seed; a
@@ -153,45 +157,6 @@ SIZES: dict[str, TinyModelSpec] = {
         max_pixels=336 * 336,
         dtype=torch.float32,
     ),
-    # Qwen2.5-VL: windows of 56 pixels = 2 x 2 merged tokens, block 1 of 3 attends whole
-    # frames; an intermediate size that is no multiple of the width, as the real 3420.
-    "tiny-qwen2.5-vl": TinyModelSpec(
-        bpe_vocab_size=1536,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        mrope_section=(4, 6, 6),
-        max_position_embeddings=4096,
-        vision_depth=3,
-        vision_embed_dim=64,
-        vision_num_heads=4,
-        max_pixels=448 * 448,
-        dtype=torch.float32,
-        architecture="qwen2_5_vl",
-        vision_intermediate_size=172,
-        window_size=56,
-        fullatt_block_indexes=(1,),
-    ),
-    # The decoder alone (Qwen2ForCausalLM, as Qwen2 / Qwen2.5 language models): no vision
-    # weights, no preprocessor_config.json, plain RoPE (no mrope_section).
-    "tiny-qwen2": TinyModelSpec(
-        bpe_vocab_size=1536,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        mrope_section=(16, 0, 0),
-        max_position_embeddings=4096,
-        vision_depth=0,
-        vision_embed_dim=64,
-        vision_num_heads=4,
-        max_pixels=448 * 448,
-        dtype=torch.float32,
-        architecture="qwen2",
-    ),
     # FlashInfer's head dim (128, as Qwen2-VL-2B/7B), small otherwise: the GPU tests run
     # FlashInfer on it, which JIT-compiles one kernel module per head dim and dtype.
     "tiny-hd128": TinyModelSpec(
@@ -223,26 +188,6 @@ SIZES: dict[str, TinyModelSpec] = {
         vision_num_heads=4,
         max_pixels=1280 * 28 * 28,
         dtype=torch.bfloat16,
-    ),
-    # `small` with Qwen2.5-VL's vision tower (a quarter of the real width, the real ratio of
-    # MLP to width, windows of 112 pixels, every fourth block full): CPU benchmarks.
-    "small-qwen2.5-vl": TinyModelSpec(
-        bpe_vocab_size=8192,
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        mrope_section=(8, 12, 12),
-        max_position_embeddings=32768,
-        vision_depth=4,
-        vision_embed_dim=320,
-        vision_num_heads=4,
-        max_pixels=1280 * 28 * 28,
-        dtype=torch.bfloat16,
-        architecture="qwen2_5_vl",
-        vision_intermediate_size=855,
-        fullatt_block_indexes=(3,),
     ),
     # The real Qwen2-VL-2B / 7B shapes (2,208,985,600 and 8,291,375,616 parameters, as the
     # hub checkpoints), with the small tokenizer: only the embedding rows have the real count.
@@ -323,6 +268,32 @@ SIZES: dict[str, TinyModelSpec] = {
 }
 
 
+# Sizes that vary one above, by what they change.
+# Qwen2.5-VL: windows of 56 pixels = 2 x 2 merged tokens, block 1 of 3 attends whole
+# frames; an intermediate size that is no multiple of the width, as the real 3420.
+SIZES["tiny-qwen2.5-vl"] = dataclasses.replace(
+    SIZES["tiny"],
+    num_hidden_layers=3,
+    vision_depth=3,
+    architecture="qwen2_5_vl",
+    vision_intermediate_size=172,
+    window_size=56,
+    fullatt_block_indexes=(1,),
+)
+# `small` with Qwen2.5-VL's vision tower (a quarter of the real width, the real ratio of
+# MLP to width, windows of 112 pixels, every fourth block full): CPU benchmarks.
+SIZES["small-qwen2.5-vl"] = dataclasses.replace(
+    SIZES["small"],
+    vision_embed_dim=320,
+    architecture="qwen2_5_vl",
+    vision_intermediate_size=855,
+    fullatt_block_indexes=(3,),
+)
+# The decoder alone (Qwen2ForCausalLM, as Qwen2 / Qwen2.5 language models): no vision
+# weights, no preprocessor_config.json, plain RoPE (all frequencies on the first row).
+SIZES["tiny-qwen2"] = dataclasses.replace(
+    SIZES["tiny"], mrope_section=(16, 0, 0), vision_depth=0, architecture="qwen2"
+)
 # Llama 3.1's decoder alone, tiny-qwen2's shape: no q/k/v biases, llama3 rotary scaling
 # (over an original context of 64 positions, so that it changes most frequencies within a
 # test's prompts: LLAMA_CONFIG), a tokenizer that adds a BOS to raw text.
@@ -369,7 +340,9 @@ def write_checkpoint(
     _write_json(out / "generation_config.json", _generation_config(token_ids))
     tokenizer_config = _tokenizer_config(token_ids, chat_template)
     if spec.architecture == "llama":  # tokenizer.json as it is, its BOS included
-        tokenizer_config.update(tokenizer_class="PreTrainedTokenizerFast", bos_token="<|endoftext|>")
+        tokenizer_config.update(
+            tokenizer_class="PreTrainedTokenizerFast", bos_token="<|endoftext|>"
+        )
     _write_json(out / "tokenizer_config.json", tokenizer_config)
     if spec.has_vision:
         _write_json(out / "preprocessor_config.json", _preprocessor_config(spec))
@@ -642,8 +615,8 @@ def _write_json(path: Path, data: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="tessera make-tiny-model",
-        description="Write a random-weight Qwen2-VL or Qwen2.5-VL checkpoint (weights, "
-        "tokenizer, processor).",
+        description="Write a random-weight Qwen2-VL, Qwen2.5-VL, Qwen2 or Llama checkpoint "
+        "(weights, tokenizer, processor).",
     )
     parser.add_argument("out_dir", metavar="OUT_DIR")
     parser.add_argument("--seed", type=int, default=0)
