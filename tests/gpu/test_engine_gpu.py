@@ -172,14 +172,15 @@ def test_overlap_scheduling_equals_serial_steps(model_dir, prompts, backend):
     assert agreed >= 0.9 * sum(len(r.token_ids) for r in serial)
 
 
-def test_vision_varlen_matches_grouped_sdpa(model_dir, monkeypatch):
+def encode_varlen_and_grouped(model_dir, sizes, monkeypatch) -> tuple:
+    """One bf16 CUDA call of the tower over pictures of `sizes` (frames of several lengths)
+    through varlen attention, then the same call through grouped SDPA."""
     from engine.models import qwen2_vl_vision
     from engine.multimodal.image_processor import ImageProcessorConfig, process_image
 
     llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", num_kv_blocks=64)
     config = ImageProcessorConfig.from_model_dir(model_dir)
-    images = [process_image(picture(w, h, i), config) for i, (w, h) in
-              enumerate([(112, 84), (140, 196), (200, 90)])]  # fmt: skip
+    images = [process_image(picture(w, h, i), config) for i, (w, h) in enumerate(sizes)]
     pixels = torch.cat([image.pixel_values for image in images]).cuda()
     grid = torch.tensor([list(image.grid_thw) for image in images])
     model = llm.engine.runner.model
@@ -193,27 +194,21 @@ def test_vision_varlen_matches_grouped_sdpa(model_dir, monkeypatch):
         assert plan.cu_seqlens is not None, "varlen attention is not available here"
         monkeypatch.setattr(qwen2_vl_vision, "_can_use_varlen", lambda device, dtype: False)
         grouped = model.encode_images(pixels, grid)
+    return varlen, grouped
+
+
+def test_vision_varlen_matches_grouped_sdpa(model_dir, monkeypatch):
+    sizes = [(112, 84), (140, 196), (200, 90)]
+    varlen, grouped = encode_varlen_and_grouped(model_dir, sizes, monkeypatch)
     torch.testing.assert_close(varlen.float(), grouped.float(), atol=5e-2, rtol=5e-2)
 
 
 def test_qwen2_5_windows_attend_through_varlen_as_through_grouped_sdpa(tmp_path, monkeypatch):
     # Qwen2.5-VL's windows have several lengths (edge windows are smaller), so its window
     # blocks go through varlen attention on CUDA in bf16; grouped SDPA is the reference.
-    from engine.models import qwen2_vl_vision
-    from engine.multimodal.image_processor import ImageProcessorConfig, process_image
-
     path = make_tiny_model(tmp_path, seed=4, size="tiny-qwen2.5-vl")
-    llm = LLM(str(path), device="cuda", dtype="bfloat16", num_kv_blocks=64)
-    config = ImageProcessorConfig.from_model_dir(path)
-    images = [process_image(picture(w, h, i), config) for i, (w, h) in
-              enumerate([(252, 168), (140, 196), (56, 56)])]  # fmt: skip
-    pixels = torch.cat([image.pixel_values for image in images]).cuda()
-    grid = torch.tensor([list(image.grid_thw) for image in images])
-    model = llm.engine.runner.model
-    with torch.inference_mode():
-        varlen = model.encode_images(pixels, grid)
-        monkeypatch.setattr(qwen2_vl_vision, "_can_use_varlen", lambda device, dtype: False)
-        grouped = model.encode_images(pixels, grid)
+    sizes = [(252, 168), (140, 196), (56, 56)]
+    varlen, grouped = encode_varlen_and_grouped(path, sizes, monkeypatch)
     torch.testing.assert_close(varlen.float(), grouped.float(), atol=5e-2, rtol=5e-2)
 
 
