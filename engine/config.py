@@ -36,7 +36,8 @@ class EngineConfig:
     overlap_scheduling: bool = True  # GPU: launch step N+1 before reading step N's tokens
     cuda_graph_max_batch_size: int | None = None  # largest captured decode batch; None = max_num_seqs
     cuda_graph_max_seq_len: int = 8192  # decode steps with a longer history run eagerly
-    num_threads: int | None = None  # torch intra-op threads on CPU; None = torch default
+    num_threads: int | None = None  # torch intra-op threads on CPU (per rank); None = torch default
+    tensor_parallel_size: int = 1  # ranks the decoder layers are split over (CPU, gloo); each rank is a process
     seed: int = 0  # engine-wide sampling seed for requests without their own
     feature_fetch_parallel: int = 8  # concurrent feature downloads per request; 1 = serial
     feature_fetch_timeout_s: float = 30.0  # total deadline per feature URL, retries included
@@ -49,6 +50,10 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
             )
         if self.kv_cache_memory_gib is not None and not self.kv_cache_memory_gib > 0:
             raise ValueError(f"kv_cache_memory_gib must be positive, got {self.kv_cache_memory_gib}")

@@ -31,7 +31,13 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig
-from engine.errors import ContextLengthExceeded, InvalidRequest, MediaError, TesseraError
+from engine.errors import (
+    ContextLengthExceeded,
+    EngineBroken,
+    InvalidRequest,
+    MediaError,
+    TesseraError,
+)
 from engine.feature_admission import FeatureAdmission
 from engine.model_runner import ModelRunner, PendingStep, error_info
 from engine.models.mrope import mrope_positions
@@ -86,6 +92,12 @@ class EngineCore:
         # can do host work (read its inbox, launch the next step) until `finish_step`.
         # Tests set it on CPU, where a launched step has already run, to drive the same code.
         self.overlaps_steps = self.runner.device.type == "cuda"
+
+    def close(self) -> None:
+        """Stops what the core started: the feature fetcher's loop and any
+        tensor-parallel workers. The core cannot step after this."""
+        self.features.close()
+        self.runner.close()
 
     @property
     def ready(self) -> Ready:
@@ -179,6 +191,8 @@ class EngineCore:
                 pending = self.runner.launch(
                     scheduler_output, previous.pending if previous else None
                 )
+            except EngineBroken:
+                raise
             except Exception:  # noqa: BLE001 - fail this step's requests, keep serving
                 logger.exception("model step failed")
                 outputs += self._fail_step(scheduler_output)
@@ -191,6 +205,8 @@ class EngineCore:
         if step.pending is not None:
             try:
                 result = step.pending.result()
+            except EngineBroken:
+                raise
             except Exception:  # noqa: BLE001 - e.g. a device error surfacing at the sync
                 logger.exception("model step failed")
                 outputs += self._fail_step(step.scheduler_output)

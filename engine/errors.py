@@ -55,6 +55,12 @@ class ModelLoadError(TesseraError):
     code = "model_load_error"
 
 
+class EngineBroken(Exception):
+    """The engine cannot run another step: a tensor-parallel rank died or its group failed.
+    Not one step's failure: the engine loop stops on it, so the server fails and its
+    supervisor restarts both, instead of failing every later request one at a time."""
+
+
 class EngineDeadError(TesseraError):
     status = 503
     type = "server_error"

@@ -67,6 +67,16 @@ class LLM:
         self._ids = itertools.count()
         self.last_stats: list = []  # EngineStats of the last generate() call, one per step
 
+    def close(self) -> None:
+        """Stops the engine's helpers (feature fetcher, tensor-parallel workers)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     @property
     def processing(self):
         """The media settings of a prompt without `mm_processor_kwargs` (a MediaProcessing

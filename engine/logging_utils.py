@@ -47,3 +47,11 @@ def configure_logging(level: str = "info", log_format: str = "text") -> None:
         logging.getLogger(name).propagate = True
     # server/request_log.py writes the one line per request; uvicorn's would be a second.
     logging.getLogger("uvicorn.access").disabled = True
+
+
+def current_logging() -> tuple[str, str]:
+    """(level, format) this process logs with, for a child process to log alike."""
+    root = logging.getLogger()
+    level = logging.getLevelName(root.level).lower()
+    is_json = any(isinstance(handler.formatter, JsonFormatter) for handler in root.handlers)
+    return (level if level in LOG_LEVELS else "info"), ("json" if is_json else "text")

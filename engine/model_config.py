@@ -15,6 +15,7 @@ Handles both the flat layout of hub checkpoints and the nested `text_config` lay
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -163,6 +164,25 @@ class ModelConfig:
             )
         except (KeyError, TypeError) as exc:
             raise ModelLoadError(f"config.json lacks or mis-types field {exc}") from exc
+
+    def shard(self, size: int) -> ModelConfig:
+        """What one of `size` tensor-parallel ranks holds of each decoder layer
+        (engine/tensor_parallel.py): its share of the attention heads, the KV heads and
+        the MLP width. Everything else (hidden size, vocabulary, vision tower) is whole."""
+        if size == 1:
+            return self
+        for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+            if getattr(self, name) % size:
+                raise ModelLoadError(
+                    f"tensor_parallel_size {size} does not divide the model's {name} "
+                    f"({getattr(self, name)}); use a size that divides it"
+                )
+        return dataclasses.replace(
+            self,
+            num_attention_heads=self.num_attention_heads // size,
+            num_key_value_heads=self.num_key_value_heads // size,
+            intermediate_size=self.intermediate_size // size,
+        )
 
 
 def _mrope_section(

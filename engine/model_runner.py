@@ -11,6 +11,10 @@
 `execute` is both at once. A media item that fails to encode fails only the requests
 that need it.
 
+With `tensor_parallel_size` N > 1 this is rank 0: it starts ranks 1..N-1
+(engine/shard_worker.py), holds its 1/N of the decoder layers and of the KV cache, and
+the model sends the workers every forward's inputs (engine/tensor_parallel.py).
+
 KV caches hold `num_kv_blocks + 1` blocks: the last is the scratch block that padding
 rows of CUDA-graph steps write into; the scheduler never hands it out.
 """
@@ -51,6 +55,7 @@ from engine.protocol import ErrorInfo, TokenLogprob
 from engine.request import MediaItem
 from engine.sampler import PendingSample, Sampler, SamplingRow
 from engine.scheduler import ScheduledChunk, SchedulerOutput
+from engine.shard_worker import ShardWorkers
 from engine.step_inputs import InFlightTokens, StepInputs, gather_step_inputs
 
 logger = logging.getLogger(__name__)
@@ -167,9 +172,25 @@ class ModelRunner:
         self.kv_cache_dtype = resolve_kv_cache_dtype(
             config.kv_cache_dtype, self.dtype, config.kv_cache_scale
         )
+        self.shard_workers: ShardWorkers | None = None
+        if config.tensor_parallel_size > 1:
+            model_config = model_config.shard(config.tensor_parallel_size)  # fail before forking
+            self.shard_workers = self._start_shard_workers()
+        try:
+            self._load(model_config)
+        except BaseException:
+            self.close()
+            raise
+
+    def _load(self, model_config: ModelConfig) -> None:
+        """The model (this rank's shard of it), the KV cache, the encoder cache, the
+        sampler and, on a GPU, the decode graphs."""
+        config = self.config
         self.attention = get_attention_backend(
             config.attention_backend,
-            self._attention_shape(model_config),
+            AttentionShape.of_model(
+                model_config, config.block_size, self.dtype, self.kv_cache_dtype
+            ),
             config.kv_cache_scale,
             config.kv_cache_scale,
         )
@@ -180,7 +201,11 @@ class ModelRunner:
                 memory_probe.total, memory_probe.used_at_start, config.gpu_memory_utilization
             )
         self.model = load_model(
-            config.model, dtype=self.dtype, device=self.device, attention=self.attention
+            config.model,
+            dtype=self.dtype,
+            device=self.device,
+            attention=self.attention,
+            tensor_parallel=None if self.shard_workers is None else self.shard_workers.group,
         )
         if can_prepack(self.device, self.dtype):
             prepack_linears(self.model)
@@ -204,26 +229,34 @@ class ModelRunner:
             self.kv_cache_dtype,
             self.device,
         )
+        if self.shard_workers is not None:
+            self.shard_workers.setup(self.num_kv_blocks)
         self.encoder_cache = EncoderCache()
         self.sampler = Sampler(config.seed)
         self.decode_graphs: DecodeGraphRunner | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self.enable_decode_graphs(use_cuda_graphs=True)
 
-    def _attention_shape(self, model_config: ModelConfig) -> AttentionShape:
-        return AttentionShape(
-            num_heads=model_config.num_attention_heads,
-            num_kv_heads=model_config.num_key_value_heads,
-            head_dim=model_config.head_dim,
-            block_size=self.config.block_size,
-            scale=model_config.head_dim**-0.5,
-            dtype=self.dtype,
-            kv_cache_dtype=self.kv_cache_dtype,
-        )
+    def _start_shard_workers(self) -> ShardWorkers:
+        """Starts tensor-parallel ranks 1..N-1 and joins the group with them (rank 0)."""
+        if self.device.type != "cpu":
+            raise ValueError(
+                "tensor_parallel_size > 1 runs on CPU (gloo) only: the NCCL path is not "
+                "built yet; use --tensor-parallel-size 1 on a GPU"
+            )
+        return ShardWorkers(self.config, self.dtype, self.kv_cache_dtype, self.device)
+
+    def close(self) -> None:
+        """Stops the tensor-parallel workers, if any. The runner cannot step after this."""
+        if self.shard_workers is not None:
+            self.shard_workers.close()
+            self.shard_workers = None
 
     def enable_decode_graphs(self, *, use_cuda_graphs: bool) -> None:
         """Captures the decode graphs (`use_cuda_graphs=False`: runs the same padded,
         static-buffer path eagerly; for tests on CPU)."""
+        if self.shard_workers is not None:
+            raise ValueError("decode graphs do not capture tensor-parallel collectives yet")
         graphs = DecodeGraphRunner(
             self.model,
             self.kv_caches,

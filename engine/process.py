@@ -116,6 +116,10 @@ def _serve(config, inbox, outbox, parent_pid, core_factory) -> int:
         logger.exception("engine loop failed")
         _send(outbox, EngineFailed(f"engine step failed: {_describe(exc)}"))
         return EXIT_FAILED
+    finally:
+        close = getattr(core, "close", None)  # test cores may have none
+        if close is not None:
+            close()
 
 
 class EngineLoop:

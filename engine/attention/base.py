@@ -23,9 +23,12 @@ step's real host lists.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.model_config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,25 @@ class AttentionShape:
     scale: float  # softmax scale
     dtype: torch.dtype  # query / output dtype (the model's)
     kv_cache_dtype: torch.dtype
+
+    @classmethod
+    def of_model(
+        cls,
+        model_config: ModelConfig,
+        block_size: int,
+        dtype: torch.dtype,
+        kv_cache_dtype: torch.dtype,
+    ) -> AttentionShape:
+        """The shape of `model_config`'s layers (under tensor parallelism, of its shard)."""
+        return cls(
+            num_heads=model_config.num_attention_heads,
+            num_kv_heads=model_config.num_key_value_heads,
+            head_dim=model_config.head_dim,
+            block_size=block_size,
+            scale=model_config.head_dim**-0.5,
+            dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
+        )
 
 
 @dataclass(frozen=True)

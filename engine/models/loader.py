@@ -16,10 +16,15 @@ then each expected hub name maps to (our parameter, row range, how to reshape):
     visual.merger.mlp.{0,2}.*                -> visual.merger.{fc1,fc2}.*
 Everything else keeps its name. Missing, mis-shaped or unexpected tensors raise
 `ModelLoadError` naming the tensor.
+
+With tensor parallelism (engine/tensor_parallel.py) each rank reads only its slice of the
+split decoder tensors (`split_dim`), straight from the memory-mapped file; ranks other
+than 0 skip what only rank 0 runs (the vision tower, the embedding, the LM head).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +36,7 @@ from engine.attention.base import AttentionBackend
 from engine.errors import ModelLoadError
 from engine.model_config import ModelConfig
 from engine.models.qwen2_vl import Qwen2VLForConditionalGeneration
+from engine.tensor_parallel import DRIVER_ONLY_PREFIXES, ShardGroup, split_dim
 
 # Buffers some exporters save; they are recomputed, never loaded.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_pos_emb.inv_freq")
@@ -51,12 +57,23 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     attention: AttentionBackend,
+    tensor_parallel: ShardGroup | None = None,
 ) -> Qwen2VLForConditionalGeneration:
     """Loads a Qwen2-VL, Qwen2.5-VL, Qwen2 or Llama checkpoint folder; raises
-    `ModelLoadError` on any mismatch."""
+    `ModelLoadError` on any mismatch. With `tensor_parallel`, this rank's shard."""
     config = ModelConfig.from_model_dir(model_dir)
+    rank, size = (0, 1) if tensor_parallel is None else tensor_parallel.shard
+    skipped: tuple[str, ...] = ()
+    if size > 1:
+        config = config.shard(size)
+    if rank > 0:
+        config = dataclasses.replace(config, vision=None)
+        skipped = DRIVER_ONLY_PREFIXES
     with torch.device("meta"):
-        model = Qwen2VLForConditionalGeneration(config, attention)
+        model = Qwen2VLForConditionalGeneration(config, attention, tensor_parallel)
+    if rank > 0:  # the decoder layers alone: rank 0 embeds and computes the logits
+        model.model.embed_tokens = None
+        model.lm_head = None
     model = model.to(dtype=dtype).to_empty(device=device)
     model.init_buffers()  # buffers were lost on meta; rebuild them (float32) on `device`
     params = dict(model.named_parameters())
@@ -71,16 +88,26 @@ def load_model(
                         continue
                     if name == "lm_head.weight" and config.tie_word_embeddings:
                         continue  # tied: logits use the embedding matrix
+                    if name.startswith(skipped):
+                        continue
                     target = targets.get(name)
                     if target is None:
                         raise ModelLoadError(f"unexpected tensor {raw_name!r} in checkpoint")
-                    shape = tuple(reader.get_slice(raw_name).get_shape())
-                    if shape != target.shape:
+                    tensor_slice = reader.get_slice(raw_name)
+                    shape = tuple(tensor_slice.get_shape())
+                    dim = split_dim(name) if size > 1 else None
+                    expected = list(target.shape)
+                    if dim is not None:  # the checkpoint holds every rank's share
+                        expected[dim] *= size
+                    if list(shape) != expected:
                         raise ModelLoadError(
-                            f"tensor {raw_name!r} has shape {list(shape)}, "
-                            f"expected {list(target.shape)}"
+                            f"tensor {raw_name!r} has shape {list(shape)}, expected {expected}"
                         )
-                    _copy_into(params[target.param_name], target, reader.get_tensor(raw_name))
+                    tensor = (
+                        tensor_slice[:] if dim is None
+                        else _rank_slice(tensor_slice, dim, target.shape[dim], rank)
+                    )  # fmt: skip
+                    _copy_into(params[target.param_name], target, tensor)
                     seen.add(name)
     missing = sorted(set(targets) - seen)
     if missing:
@@ -179,3 +206,12 @@ def _copy_into(param: torch.nn.Parameter, target: _Target, tensor: torch.Tensor)
     rows = target.shape[0]
     destination = param.data[target.start : target.start + rows]
     destination.copy_(tensor.reshape(destination.shape))
+
+
+def _rank_slice(tensor_slice, dim: int, length: int, rank: int) -> torch.Tensor:
+    """Rank `rank`'s `length` rows (dim 0) or columns (dim 1) of a checkpoint tensor, read
+    without loading the rest."""
+    start = rank * length
+    if dim == 0:
+        return tensor_slice[start : start + length]
+    return tensor_slice[:, start : start + length]

@@ -9,11 +9,16 @@ concatenated along the output dim) and one `gate_up_proj` per layer.
 
 Llama's decoder is this one without the q, k, v biases (`ModelConfig.attention_bias`) and,
 for Llama 3.1 and later, with its rotary scaling (`ModelConfig.llama3_rope_scaling`).
+
+Under tensor parallelism (engine/tensor_parallel.py) the config holds this rank's share of
+the heads and the MLP width, and `all_reduce` sums the partial outputs of o_proj and
+down_proj over the ranks.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -28,6 +33,8 @@ from engine.models.layers import (
     rope_inv_freq,
     rotary_tables,
 )
+
+AllReduce = Callable[[torch.Tensor], torch.Tensor]  # sums over the tensor-parallel ranks
 
 
 class MRotaryEmbedding(nn.Module):
@@ -80,8 +87,11 @@ class MRotaryEmbedding(nn.Module):
 
 
 class Qwen2Attention(nn.Module):
-    def __init__(self, config: ModelConfig, attention: AttentionBackend) -> None:
+    def __init__(
+        self, config: ModelConfig, attention: AttentionBackend, all_reduce: AllReduce | None
+    ) -> None:
         super().__init__()
+        self.all_reduce = all_reduce
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -114,27 +124,34 @@ class Qwen2Attention(nn.Module):
             num_tokens, self.num_kv_heads, self.head_dim
         )  # [T, KVH, D]
         out = self.attention.forward(q, k, v, kv_cache, attn_metadata, self.scale)  # [T, H, D]
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        out = self.o_proj(out.reshape(num_tokens, self.q_size))  # [T, hidden]
+        return out if self.all_reduce is None else self.all_reduce(out)
 
 
 class Qwen2MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, all_reduce: AllReduce | None = None
+    ) -> None:
         super().__init__()
+        self.all_reduce = all_reduce
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.act = SiluAndMul()
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        out = self.down_proj(self.act(self.gate_up_proj(x)))
+        return out if self.all_reduce is None else self.all_reduce(out)
 
 
 class Qwen2DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, attention: AttentionBackend) -> None:
+    def __init__(
+        self, config: ModelConfig, attention: AttentionBackend, all_reduce: AllReduce | None
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Qwen2Attention(config, attention)
+        self.self_attn = Qwen2Attention(config, attention, all_reduce)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = Qwen2MLP(config.hidden_size, config.intermediate_size)
+        self.mlp = Qwen2MLP(config.hidden_size, config.intermediate_size, all_reduce)
 
     def forward(
         self,
@@ -156,11 +173,19 @@ class Qwen2DecoderLayer(nn.Module):
 class Qwen2Decoder(nn.Module):
     """Token embedding, the decoder layers and the final norm (no LM head)."""
 
-    def __init__(self, config: ModelConfig, attention: AttentionBackend) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        attention: AttentionBackend,
+        all_reduce: AllReduce | None = None,
+    ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            [Qwen2DecoderLayer(config, attention) for _ in range(config.num_hidden_layers)]
+            [
+                Qwen2DecoderLayer(config, attention, all_reduce)
+                for _ in range(config.num_hidden_layers)
+            ]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = MRotaryEmbedding(

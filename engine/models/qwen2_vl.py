@@ -22,6 +22,7 @@ from engine.models.layers import scatter_rows
 from engine.models.qwen2_5_vl_vision import Qwen25VisionTransformer
 from engine.models.qwen2_decoder import Qwen2Decoder
 from engine.models.qwen2_vl_vision import Qwen2VisionTransformer
+from engine.tensor_parallel import ShardGroup
 
 
 class Qwen2VLForConditionalGeneration(nn.Module):
@@ -33,17 +34,28 @@ class Qwen2VLForConditionalGeneration(nn.Module):
     except the fused projections (`qkv_proj`, `gate_up_proj`), the patch embedding
     (a Linear instead of the reference's Conv3d) and the merger's `fc1` / `fc2`.
     With tied word embeddings there is no `lm_head`; logits use the embedding matrix.
+
+    With `tensor_parallel` (rank 0 of the group; engine/tensor_parallel.py) `config` is this
+    rank's shard and `forward` sends the workers their inputs before running its layers.
     """
 
-    def __init__(self, config: ModelConfig, attention: AttentionBackend) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        attention: AttentionBackend,
+        tensor_parallel: ShardGroup | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
+        self.tensor_parallel = tensor_parallel
         self.visual: nn.Module | None = None  # a text-only model (Qwen2 or Llama)
         if config.vision is not None and config.vision.variant == "qwen2_5_vl":
             self.visual = Qwen25VisionTransformer(config.vision)
         elif config.vision is not None:
             self.visual = Qwen2VisionTransformer(config.vision)
-        self.model = Qwen2Decoder(config, attention)
+        self.model = Qwen2Decoder(
+            config, attention, None if tensor_parallel is None else tensor_parallel.all_reduce
+        )
         self.lm_head = (
             None
             if config.tie_word_embeddings
@@ -93,6 +105,8 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         embeds = self.model.embed_tokens(input_ids)  # [T, hidden]
         if multimodal_embeds is not None and multimodal_rows is not None:
             scatter_rows(embeds, multimodal_rows, multimodal_embeds.to(embeds.dtype))
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.send_forward(embeds, positions, attn_metadata)
         return self.model(embeds, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, V] fp32

@@ -4,6 +4,7 @@ tied embeddings, and errors that name the offending tensor."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -203,3 +204,58 @@ def test_no_weights(tmp_path):
     (path / "config.json").write_text(json.dumps(HUB_CONFIG))
     with pytest.raises(ModelLoadError, match="no \\*.safetensors"):
         load(str(path))
+
+
+def load_shard(path, rank, size=2):
+    # The loader reads only `shard` of the group; its collectives are not called here
+    # (tests/parity/test_tensor_parallel.py runs the real gloo group).
+    group = SimpleNamespace(shard=(rank, size), all_reduce=lambda x: x)
+    return load_model(
+        path,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        attention=TorchAttentionBackend(),
+        tensor_parallel=group,
+    )
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_tensor_parallel_rank_reads_its_slice(tmp_path, rank):
+    t = hub_tensors()
+    model = load_shard(write_checkpoint(tmp_path / "m", t, shards=2), rank)
+    layer = model.model.layers[1]
+
+    def rows(name, n):  # rank's n output rows (column-parallel)
+        return t[f"model.layers.1.{name}"][rank * n : (rank + 1) * n]
+
+    qkv = [rows(f"self_attn.{x}_proj.weight", n) for x, n in (("q", 16), ("k", 8), ("v", 8))]
+    assert torch.equal(layer.self_attn.qkv_proj.weight, torch.cat(qkv))
+    qkv_bias = [rows(f"self_attn.{x}_proj.bias", n) for x, n in (("q", 16), ("k", 8), ("v", 8))]
+    assert torch.equal(layer.self_attn.qkv_proj.bias, torch.cat(qkv_bias))
+    gate_up = torch.cat([rows("mlp.gate_proj.weight", 24), rows("mlp.up_proj.weight", 24)])
+    assert torch.equal(layer.mlp.gate_up_proj.weight, gate_up)
+    columns = slice(rank * 16, (rank + 1) * 16)  # rank's input columns (row-parallel)
+    assert torch.equal(
+        layer.self_attn.o_proj.weight, t["model.layers.1.self_attn.o_proj.weight"][:, columns]
+    )
+    columns = slice(rank * 24, (rank + 1) * 24)
+    assert torch.equal(
+        layer.mlp.down_proj.weight, t["model.layers.1.mlp.down_proj.weight"][:, columns]
+    )
+    assert torch.equal(layer.input_layernorm.weight, t["model.layers.1.input_layernorm.weight"])
+    assert (model.config.num_attention_heads, model.config.num_key_value_heads) == (2, 1)
+    assert model.config.intermediate_size == 24
+    if rank == 0:  # the driver keeps what only it runs
+        assert model.visual is not None and model.lm_head is not None
+        assert torch.equal(model.model.embed_tokens.weight, t["model.embed_tokens.weight"])
+    else:
+        assert model.visual is None and model.lm_head is None
+        assert model.model.embed_tokens is None
+        assert model.config.vision is None
+
+
+def test_tensor_parallel_shape_errors_name_the_whole_tensor(tmp_path):
+    tensors = hub_tensors()
+    tensors["model.layers.0.mlp.up_proj.weight"] = torch.zeros(47, 32)
+    with pytest.raises(ModelLoadError, match=r"up_proj\.weight.*\[47, 32\].*\[48, 32\]"):
+        load_shard(write_checkpoint(tmp_path / "m", tensors), 1)

@@ -1,0 +1,211 @@
+"""The processes of tensor-parallel ranks 1..N-1, and rank 0's handle on them.
+
+Rank 0 (the engine process) starts each worker as `python -m engine.shard_worker` with a
+`WorkerSpec` on stdin. (Not multiprocessing: the engine process is a daemonic child of the
+server, and daemonic processes may not have children.) A worker
+
+    joins the group -> loads its shard -> waits for ShardSetup (the KV block count rank 0
+    sized) -> allocates its KV cache -> barrier -> runs one forward per ShardForward
+    until ShardStop
+
+It exits by itself when its parent (the engine process) is gone, and a collective with
+a rank that died fails at once (the peer's socket closes), so the engine fails and the
+server exits non-zero for its supervisor to restart: no rank outlives the others for long.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import msgspec
+import torch
+
+from engine.attention import get_attention_backend
+from engine.attention.base import AttentionShape
+from engine.config import EngineConfig
+from engine.kv_cache_sizing import allocate_kv_caches
+from engine.logging_utils import configure_logging, current_logging
+from engine.model_config import ModelConfig
+from engine.models.cpu_prepack import can_prepack, prepack_linears
+from engine.models.loader import load_model
+from engine.tensor_parallel import ShardForward, ShardGroup, ShardSetup, ShardStop
+
+logger = logging.getLogger("tessera.shard_worker")
+
+POLL_MS = 500  # how often a waiting worker checks that its parent lives
+STOP_WAIT_S = 10.0  # how long close() waits for workers to exit before killing them
+_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+}
+
+
+class WorkerSpec(msgspec.Struct):
+    config: EngineConfig
+    rank: int
+    size: int
+    store_path: str
+    header_addresses: list[str]
+    dtype: str  # as rank 0 resolved them, so every rank computes alike
+    kv_cache_dtype: str
+    parent_pid: int
+    log_level: str = "info"
+    log_format: str = "text"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class ShardWorkers:
+    """Rank 0's side: starts ranks 1..N-1, joins the group with them, stops them.
+
+    `group` is rank 0's `ShardGroup`, for the model's collectives."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        dtype: torch.dtype,
+        kv_cache_dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        size = config.tensor_parallel_size
+        self._dir = tempfile.TemporaryDirectory(prefix="tessera-tp-")  # 0700, private
+        store_path = str(Path(self._dir.name) / "store")
+        addresses = [f"ipc://{self._dir.name}/rank-{rank}" for rank in range(1, size)]
+        log_level, log_format = current_logging()
+        env = {**os.environ, "PYTHONPATH": _import_root(os.environ.get("PYTHONPATH"))}
+        self._processes: list[subprocess.Popen] = []
+        for rank in range(1, size):
+            spec = WorkerSpec(
+                config=config,
+                rank=rank,
+                size=size,
+                store_path=store_path,
+                header_addresses=addresses,
+                dtype=dtype_name(dtype),
+                kv_cache_dtype=dtype_name(kv_cache_dtype),
+                parent_pid=os.getpid(),
+                log_level=log_level,
+                log_format=log_format,
+            )
+            process = subprocess.Popen(
+                [sys.executable, "-m", "engine.shard_worker"], stdin=subprocess.PIPE, env=env
+            )
+            process.stdin.write(msgspec.json.encode(spec))
+            process.stdin.close()
+            self._processes.append(process)
+        try:
+            self.group = ShardGroup(0, size, store_path, addresses, device)
+        except BaseException:
+            self._kill()
+            self._dir.cleanup()
+            raise
+
+    def setup(self, num_kv_blocks: int) -> None:
+        """Tells the workers the KV cache size; returns once every rank has allocated it."""
+        self.group.send(ShardSetup(num_kv_blocks))
+        self.group.barrier()
+
+    def close(self) -> None:
+        """Stops the workers (ShardStop, then a kill after STOP_WAIT_S)."""
+        try:
+            self.group.send(ShardStop())
+            for process in self._processes:
+                process.wait(timeout=STOP_WAIT_S)
+        except subprocess.TimeoutExpired:
+            logger.warning("a tensor-parallel worker did not stop in time; killing it")
+        finally:
+            self._kill()
+            self.group.close()
+            self._dir.cleanup()
+
+    def _kill(self) -> None:
+        for process in self._processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+def _import_root(pythonpath: str | None) -> str:
+    """PYTHONPATH that makes this checkout's `engine` importable in a fresh interpreter."""
+    root = str(Path(__file__).resolve().parent.parent)
+    return root if not pythonpath else f"{root}{os.pathsep}{pythonpath}"
+
+
+def serve(spec: WorkerSpec) -> int:
+    """Runs rank `spec.rank` until ShardStop (0) or its parent is gone (3)."""
+    config = spec.config
+    device = torch.device("cpu")
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    dtype, kv_cache_dtype = _DTYPES[spec.dtype], _DTYPES[spec.kv_cache_dtype]
+    group = ShardGroup(spec.rank, spec.size, spec.store_path, spec.header_addresses, device)
+    try:
+        model = _load(config, group, dtype, kv_cache_dtype, device)
+        setup = _next_message(group, spec.parent_pid)
+        if not isinstance(setup, ShardSetup):
+            return 3 if setup is None else 1
+        kv_caches = allocate_kv_caches(
+            model.config, setup.num_kv_blocks + 1, config.block_size, kv_cache_dtype, device
+        )
+        group.barrier()
+        with torch.inference_mode():
+            while True:
+                message = _next_message(group, spec.parent_pid)
+                if message is None:
+                    logger.error("rank %d: the engine process is gone; exiting", spec.rank)
+                    return 3
+                if isinstance(message, ShardStop):
+                    return 0
+                if isinstance(message, ShardForward):
+                    inputs = group.receive_forward(message, model.config.hidden_size, dtype)
+                    model.model(inputs.embeds, inputs.positions, kv_caches, inputs.metadata)
+    finally:
+        group.close()
+
+
+def _load(config: EngineConfig, group: ShardGroup, dtype, kv_cache_dtype, device):
+    local = ModelConfig.from_model_dir(config.model).shard(config.tensor_parallel_size)
+    shape = AttentionShape.of_model(local, config.block_size, dtype, kv_cache_dtype)
+    attention = get_attention_backend(
+        config.attention_backend, shape, config.kv_cache_scale, config.kv_cache_scale
+    )
+    model = load_model(
+        config.model, dtype=dtype, device=device, attention=attention, tensor_parallel=group
+    )
+    if can_prepack(device, dtype):  # as rank 0 does
+        prepack_linears(model)
+    return model
+
+
+def _next_message(group: ShardGroup, parent_pid: int):
+    """The next header from rank 0; None once the parent process is gone."""
+    while not group.poll(POLL_MS):
+        if os.getppid() != parent_pid:
+            return None
+    return group.receive()
+
+
+def main() -> None:
+    spec = msgspec.json.decode(sys.stdin.buffer.read(), type=WorkerSpec)
+    multiprocessing.current_process().name = f"tp-rank-{spec.rank}"  # in every log line
+    configure_logging(spec.log_level, spec.log_format)
+    try:
+        code = serve(spec)
+    except Exception:
+        logger.exception("tensor-parallel rank %d failed", spec.rank)
+        code = 1
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""Tensor parallelism (engine/tensor_parallel.py) against transformers, token for token.
+
+Two ranks on CPU over gloo: the decoder layers split in two (heads, KV heads and MLP width),
+rank 0's engine process plus one `engine.shard_worker` process. One engine run covers
+what a split decoder can get wrong: text and pictures in one batch (rank 0 embeds and
+scatters the encoder rows, the worker only receives the result), prefill in 16-token
+chunks that end inside pictures, and a KV pool small enough to force preemption (the
+worker's cache must follow rank 0's block ids). A text-only Llama (no q/k/v biases,
+llama3 rotary scaling) checks the other column-parallel layout. Also: a rank that dies
+fails the engine at once instead of hanging it, and sizes that do not divide the heads are
+refused before any process starts.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from bench.servers import child_pids  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.errors import EngineBroken, ModelLoadError  # noqa: E402
+from engine.tiny_model import make_tiny_model  # noqa: E402
+from tests.parity.test_generate import GREEDY, Reference, check, make_prompts  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return Reference(make_tiny_model(tmp_path_factory.mktemp("tp_tiny"), seed=0, size="tiny"))
+
+
+def test_two_ranks_match_transformers_with_pictures_chunks_and_preemption(reference):
+    prompts = make_prompts()
+    with LLM(
+        str(reference.model_dir),
+        tensor_parallel_size=2,
+        num_kv_blocks=24,  # 8 prompts need ~60 blocks at the end
+        enable_prefix_caching=False,
+        max_num_batched_tokens=16,
+    ) as llm:
+        results = llm.generate(prompts, GREEDY)
+        stats = llm.last_stats
+    assert sum(s.num_preemptions_total for s in stats) > 0
+    assert max(s.num_scheduled_tokens for s in stats) <= 16
+    check(results, reference, prompts, range(len(prompts)))
+
+
+def test_a_text_only_llama_splits_alike(tmp_path):
+    model_dir = make_tiny_model(tmp_path / "llama", size="tiny-llama", seed=4)
+    prompts = ["Once upon a time", "The quick brown fox jumps over the lazy dog, and then"]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=1)
+    with LLM(str(model_dir), num_kv_blocks=64) as llm:
+        whole = llm.generate(prompts, params)
+    with LLM(str(model_dir), num_kv_blocks=64, tensor_parallel_size=2) as llm:
+        split = llm.generate(prompts, params)
+    for a, b in zip(split, whole, strict=True):
+        assert a.token_ids == b.token_ids
+        # Two partial sums added by the all-reduce round differently from one matmul.
+        assert all(
+            abs(x.logprob - y.logprob) < 1e-4 for x, y in zip(a.logprobs, b.logprobs, strict=True)
+        )
+
+
+def test_a_dead_rank_fails_the_engine_and_no_process_is_left(reference):
+    llm = LLM(str(reference.model_dir), tensor_parallel_size=2, num_kv_blocks=64)
+    [worker] = [
+        pid for pid in child_pids(os.getpid())
+        if b"engine.shard_worker" in open(f"/proc/{pid}/cmdline", "rb").read()
+    ]  # fmt: skip
+    os.kill(worker, signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(EngineBroken, match="(?i)connection|closed|reset|peer"):
+        llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0.0))
+    assert time.monotonic() - started < 30
+    llm.close()
+    assert worker not in child_pids(os.getpid())  # reaped, not a zombie
+
+
+@pytest.mark.parametrize("size,field", [(3, "num_attention_heads"), (4, "num_key_value_heads")])
+def test_a_size_that_does_not_divide_the_model_is_refused_before_starting(reference, size, field):
+    before = set(child_pids(os.getpid()))
+    with pytest.raises(ModelLoadError, match=f"tensor_parallel_size {size} .*{field}"):
+        LLM(str(reference.model_dir), tensor_parallel_size=size)
+    assert set(child_pids(os.getpid())) == before
