@@ -270,6 +270,12 @@ class EngineCore:
             raise InvalidRequest(
                 f"prompt token ids must be in [0, {mc.vocab_size})", param="prompt"
             )
+        if not 0 <= request.sampling.min_tokens <= max_tokens:
+            raise InvalidRequest(
+                f"min_tokens must be in [0, max_tokens={max_tokens}], "
+                f"got {request.sampling.min_tokens}",
+                param="min_tokens",
+            )
         for token_id, bias in request.sampling.logit_bias:
             # An id past the logits would fail the sampler's step for the whole batch.
             if not 0 <= token_id < mc.vocab_size or not math.isfinite(bias):

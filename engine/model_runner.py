@@ -158,6 +158,18 @@ def error_info(exc: Exception) -> ErrorInfo:
     return ErrorInfo("internal error while running the model", type="internal_error", status=500)
 
 
+def _banned_token_ids(chunk: ScheduledChunk) -> tuple[int, ...]:
+    """EOS and stop tokens while the token this chunk samples is one of the first
+    `min_tokens` outputs. Counted from the chunk's end, not from `output_token_ids`, which
+    lags a token behind while the previous step's token is in flight."""
+    request = chunk.request
+    sampling = request.sampling
+    if chunk.end - request.num_prompt_tokens >= sampling.min_tokens:
+        return ()
+    eos = () if sampling.ignore_eos else request.eos_token_ids
+    return (*eos, *sampling.stop_token_ids)
+
+
 class ModelRunner:
     """Loads the model and KV cache for one `EngineConfig` and executes scheduler steps."""
 
@@ -450,6 +462,7 @@ class ModelRunner:
                 chunk.request.prompt_token_ids,
                 chunk.request.output_token_ids,
                 chunk.request.generator,
+                _banned_token_ids(chunk),
             )
             for _, chunk in sampling
         ]

@@ -24,10 +24,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     means no logprobs; `logprobs == k` returns the chosen token's logprob plus the
     top-k alternatives. A `seed` makes the sequence reproducible whatever else is
     in the batch. `logit_bias` holds (token id, bias) pairs added to those tokens' logits
-    before any token is picked (OpenAI's `logit_bias`; ids distinct).
+    before any token is picked (OpenAI's `logit_bias`; ids distinct). Until `min_tokens`
+    tokens are out, EOS (unless `ignore_eos`) and `stop_token_ids` cannot be picked.
     """
 
     max_tokens: int = 16
+    min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0

@@ -4,7 +4,8 @@ Order of operations per row (as HF / OpenAI define them):
     raw logits --log_softmax--> logprobs (reported)
     raw logits -> repetition penalty (prompt + output tokens, HF: divide positive,
                   multiply negative) -> presence / frequency penalties (output tokens)
-               -> logit_bias (added)
+               -> logit_bias (added) -> banned tokens (-inf: EOS and stop tokens before
+                  `min_tokens`)
                -> greedy rows: argmax
                -> random rows: / temperature -> top-k -> top-p -> min-p -> softmax
                   -> exponential race: argmax(probs / E), E ~ Exp(1)
@@ -31,6 +32,7 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     generator: torch.Generator | None = None  # CPU generator of a seeded request
+    banned_token_ids: tuple[int, ...] = ()  # may not be picked (`min_tokens` not reached)
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,7 @@ class Sampler:
         wants_logprobs = any(p.logprobs is not None for p in params)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None  # [S, V]
 
-        logits = apply_logit_bias(apply_penalties(logits, rows), params)
+        logits = apply_bans(apply_logit_bias(apply_penalties(logits, rows), params), rows)
         sampled = logits.argmax(dim=-1)  # [S]
         if not all(p.is_greedy for p in params):
             greedy = to_device([p.is_greedy for p in params], torch.bool, device)  # [S]
@@ -175,6 +177,22 @@ def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torc
     device = logits.device
     index = (to_device(rows, torch.long, device), to_device(token_ids, torch.long, device))
     return logits.index_put(index, to_device(biases, logits.dtype, device), accumulate=True)
+
+
+def apply_bans(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Each row's `banned_token_ids` masked to -inf; [S, V] -> [S, V] (a new tensor when
+    any row bans something). Ids past the logits cannot be picked anyway and are skipped."""
+    vocab = logits.shape[1]
+    pairs = [
+        (row, token_id)
+        for row, r in enumerate(rows)
+        for token_id in r.banned_token_ids
+        if 0 <= token_id < vocab
+    ]
+    if not pairs:
+        return logits
+    index = to_device(pairs, torch.long, logits.device).T  # [2, P]
+    return logits.index_put((index[0], index[1]), logits.new_full((), float("-inf")))
 
 
 def apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -131,7 +131,11 @@ def _longest_partial_suffix(text: str, stops: Sequence[str]) -> int:
 
 
 class SequenceDetokenizer:
-    """Detokenizer + stop checker for one output sequence; also keeps the full text."""
+    """Detokenizer + stop checker for one output sequence; also keeps the full text.
+
+    Stop strings apply to the text of tokens after the first `min_tokens` (as in vLLM):
+    the text of those first tokens goes out unchecked, so a stop string that begins in
+    it is not matched."""
 
     def __init__(
         self,
@@ -140,11 +144,14 @@ class SequenceDetokenizer:
         stop: Sequence[str] = (),
         *,
         skip_special_tokens: bool = True,
+        min_tokens: int = 0,
     ):
         self._detokenizer = IncrementalDetokenizer(
             tokenizer, prompt_token_ids, skip_special_tokens=skip_special_tokens
         )
         self._stop = StopChecker(stop)
+        self._min_tokens = min_tokens
+        self._num_tokens = 0
         self.text = ""
 
     @property
@@ -152,9 +159,11 @@ class SequenceDetokenizer:
         return self._stop.is_stopped
 
     def step(self, new_token_ids: Sequence[int]) -> str:
-        result = self._stop.feed(self._detokenizer.step(new_token_ids))
-        self.text += result.text
-        return result.text
+        self._num_tokens += len(new_token_ids)
+        delta = self._detokenizer.step(new_token_ids)
+        text = delta if self._num_tokens <= self._min_tokens else self._stop.feed(delta).text
+        self.text += text
+        return text
 
     def finish(self) -> str:
         """Flush all held text; call once when the engine reports the sequence finished."""

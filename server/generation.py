@@ -114,10 +114,16 @@ def build_sampling_params(
                 param="max_tokens",
             )
         max_tokens = requested
+    if request.min_tokens > max_tokens:
+        raise InvalidRequest(
+            f"min_tokens ({request.min_tokens}) must not exceed max_tokens ({max_tokens})",
+            param="min_tokens",
+        )
     num_logprobs = request.num_logprobs  # type: ignore[attr-defined]
     top_k = request.top_k if request.top_k is not None else 0
     return SamplingParams(
         max_tokens=max_tokens,
+        min_tokens=request.min_tokens,
         temperature=1.0 if request.temperature is None else request.temperature,
         top_p=1.0 if request.top_p is None else request.top_p,
         top_k=0 if top_k < 0 else top_k,
@@ -232,7 +238,11 @@ async def generate_choices(
     requests = build_engine_requests(request_id, prompt, sampling, n)
     detokenizers = [
         SequenceDetokenizer(
-            tokenizer, prompt.token_ids, stop, skip_special_tokens=skip_special_tokens
+            tokenizer,
+            prompt.token_ids,
+            stop,
+            skip_special_tokens=skip_special_tokens,
+            min_tokens=sampling.min_tokens,
         )
         for _ in range(n)
     ]

@@ -156,6 +156,19 @@ def test_logit_bias_forces_a_token_and_refused_fields_are_400(client, http):
         assert info.value.status_code == 400 and info.value.body["param"] == field
 
 
+def test_min_tokens_holds_back_eos(client, model_dir):
+    eos = Tokenizer.from_file(str(model_dir / "tokenizer.json")).token_to_id("<|im_end|>")
+    kwargs = {"model": MODEL_NAME, "messages": user("Hi"), "max_tokens": 8, "temperature": 0,
+              "logit_bias": {str(eos): 100}}  # fmt: skip
+    at_once = client.chat.completions.create(**kwargs)
+    assert at_once.usage.completion_tokens == 1 and at_once.choices[0].finish_reason == "stop"
+    held = client.chat.completions.create(**kwargs, extra_body={"min_tokens": 5})
+    assert held.usage.completion_tokens == 6 and held.choices[0].finish_reason == "stop"
+    del kwargs["model"]
+    streamed, _ = stream_text(client, **kwargs, extra_body={"min_tokens": 5})
+    assert streamed == held.choices[0].message.content
+
+
 def test_seed_reproducible(client):
     kwargs = {"model": MODEL_NAME, "messages": user("Say something."), "max_tokens": 16,
               "temperature": 1.0, "extra_body": {"ignore_eos": True}}

@@ -57,6 +57,8 @@ def test_unknown_model(http):
         ({"top_p": 0}, "top_p"),
         ({"n": 0}, "n"),
         ({"max_tokens": 0}, "max_tokens"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"max_tokens": 4, "min_tokens": 5}, "min_tokens"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
         (

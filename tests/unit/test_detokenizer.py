@@ -109,6 +109,17 @@ def test_sequence_stop_split_across_tokens(tokenizer, stop):
     assert "".join(emitted) == text[: text.index(stop)] == seq.text
 
 
+def test_stop_strings_wait_for_min_tokens(tokenizer):
+    text = "The cat sat on the mat today, the cat sat"
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    first = tokenizer.encode("The cat sat", add_special_tokens=False).ids
+    seq = SequenceDetokenizer(tokenizer, stop=["cat"], min_tokens=len(first))
+    emitted = [seq.step([token_id]) for token_id in ids]
+    # The first "cat" lies in the first min_tokens tokens: unchecked; the second stops.
+    assert seq.is_stopped
+    assert "".join(emitted) == text[: text.rindex("cat")] == seq.text
+
+
 def test_token_bytes(tokenizer):
     ids = tokenizer.encode("é🎉 x", add_special_tokens=False).ids
     assert b"".join(token_bytes(tokenizer, i) for i in ids) == "é🎉 x".encode()
