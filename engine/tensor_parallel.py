@@ -129,10 +129,6 @@ class ShardGroup:
             self.close()
             raise
 
-    @property
-    def is_driver(self) -> bool:
-        return self.shard[0] == 0
-
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sums x over the ranks, in place; every rank gets the same result."""
         self._collective(lambda: self._group.allreduce(x))

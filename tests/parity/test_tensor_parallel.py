@@ -6,7 +6,7 @@ what a split decoder can get wrong: text and pictures in one batch (rank 0 embed
 scatters the encoder rows, the worker only receives the result), prefill in 16-token
 chunks that end inside pictures, and a KV pool small enough to force preemption (the
 worker's cache must follow rank 0's block ids). A text-only Llama (no q/k/v biases,
-llama3 rotary scaling) checks the other column-parallel layout. Also: a rank that dies
+llama3 rotary scaling) checks the other column-parallel layout, and prefix-cache hits. Also: a rank that dies
 fails the engine at once instead of hanging it, and sizes that do not divide the heads are
 refused before any process starts.
 """
@@ -57,6 +57,9 @@ def test_a_text_only_llama_splits_alike(tmp_path):
         whole = llm.generate(prompts, params)
     with LLM(str(model_dir), num_kv_blocks=64, tensor_parallel_size=2) as llm:
         split = llm.generate(prompts, params)
+        again = llm.generate(prompts, params)  # from the workers' cached KV blocks too
+        assert sum(s.prefix_cache_hits_total for s in llm.last_stats) >= 16
+    assert [r.token_ids for r in again] == [r.token_ids for r in split]
     for a, b in zip(split, whole, strict=True):
         assert a.token_ids == b.token_ids
         # Two partial sums added by the all-reduce round differently from one matmul.
