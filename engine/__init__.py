@@ -1,4 +1,5 @@
-"""Tessera's engine. `from engine import LLM, SamplingParams` for offline generation.
+"""Tessera's engine. `from engine import LLM, SamplingParams` for offline generation
+(`StructuredOutput` for constrained decoding).
 
 Exports resolve lazily so that `import engine.protocol` (the server's only engine
 dependency) does not load torch or the model code.
@@ -11,15 +12,16 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from engine.config import EngineConfig
     from engine.llm import LLM, GenerationResult
-    from engine.protocol import SamplingParams
+    from engine.protocol import SamplingParams, StructuredOutput
 
-__all__ = ["LLM", "EngineConfig", "GenerationResult", "SamplingParams"]
+__all__ = ["LLM", "EngineConfig", "GenerationResult", "SamplingParams", "StructuredOutput"]
 
 _EXPORTS = {
     "LLM": "engine.llm",
     "GenerationResult": "engine.llm",
     "EngineConfig": "engine.config",
     "SamplingParams": "engine.protocol",
+    "StructuredOutput": "engine.protocol",
 }
 
 

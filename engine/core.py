@@ -17,7 +17,8 @@ attention plan, graph launch) runs while the device computes N:
 A decode row of N+1 whose token N is still sampling gets it on the device
 (`InFlightTokens`). A request that N's token stops (EOS, a stop token) has computed one
 token in N+1 that is dropped; length limits are known ahead and never cost one. A step
-whose requests need their output history to sample (penalties) is not overlapped.
+whose requests need their output history to sample (penalties, a structured output's
+grammar) is not overlapped.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -56,6 +59,9 @@ from engine.protocol import (
 )
 from engine.request import MediaItem, Request
 from engine.scheduler import Scheduler, SchedulerOutput
+
+if TYPE_CHECKING:
+    from engine.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +94,7 @@ class EngineCore:
         )
         self._pending: list[RequestOutput] = []  # refusals and aborts for the next step
         self.features = FeatureAdmission(self.config, self.runner, self.scheduler)
+        self._grammars: GrammarCompiler | None = None  # made for the first structured output
         # True when `launch_step` returns before the device has finished (CUDA): the caller
         # can do host work (read its inbox, launch the next step) until `finish_step`.
         # Tests set it on CPU, where a launched step has already run, to drive the same code.
@@ -171,9 +178,9 @@ class EngineCore:
             return False  # nothing in flight, or requests that the finish will fail
         if not self.scheduler.has_unfinished_requests():
             return False
-        # Penalties read the output so far: the next token needs this one on the host.
+        # Penalties and grammars read the output so far: the next token needs this one.
         return not any(
-            chunk.samples and chunk.request.sampling.has_penalties
+            chunk.samples and chunk.request.sampling.reads_output
             for chunk in step.scheduler_output.chunks
         )
 
@@ -314,7 +321,20 @@ class EngineCore:
             eos_token_ids=mc.eos_token_ids,
         )
         result.positions, result.rope_delta = positions, rope_delta  # [3, L]
+        if request.sampling.structured_output is not None:
+            result.grammar = self._grammar_compiler().matcher(request.sampling.structured_output)
         return result
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        # Imported here: llguidance is needed only once a request asks for structured
+        # output (the GPU machine's wheel bundle goes without it, as without PyAV).
+        from engine.structured_output import GrammarCompiler
+
+        if self._grammars is None:
+            mc = self.model_config
+            tokenizer_json = str(Path(self.config.model) / "tokenizer.json")
+            self._grammars = GrammarCompiler(tokenizer_json, mc.vocab_size, mc.eos_token_ids)
+        return self._grammars
 
     def _media_item(
         self, media: MediaInput, index: int, tensors: Sequence[torch.Tensor]

@@ -463,6 +463,7 @@ class ModelRunner:
                 chunk.request.output_token_ids,
                 chunk.request.generator,
                 _banned_token_ids(chunk),
+                chunk.request.grammar.allowed_tokens() if chunk.request.grammar else None,
             )
             for _, chunk in sampling
         ]

@@ -17,6 +17,17 @@ import enum
 import msgspec
 
 
+class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """What a sequence's text must match; exactly one field is set. `json` is a JSON Schema
+    as JSON text (`{"type": "object"}`: any object), `regex` a regular expression the whole
+    output matches, `choice` the strings of which the output is one. The engine masks
+    every token the grammar does not allow (engine/structured_output.py)."""
+
+    json: str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """How to pick tokens for one sequence. Validated by the server before sending.
 
@@ -25,7 +36,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     top-k alternatives. A `seed` makes the sequence reproducible whatever else is
     in the batch. `logit_bias` holds (token id, bias) pairs added to those tokens' logits
     before any token is picked (OpenAI's `logit_bias`; ids distinct). Until `min_tokens`
-    tokens are out, EOS (unless `ignore_eos`) and `stop_token_ids` cannot be picked.
+    tokens are out, EOS (unless `ignore_eos`) and `stop_token_ids` cannot be picked. With
+    `structured_output` only tokens its grammar allows can be, and the sequence finishes
+    ("stop") once the grammar is complete.
     """
 
     max_tokens: int = 16
@@ -42,6 +55,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
+    structured_output: StructuredOutput | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -55,6 +69,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+    @property
+    def reads_output(self) -> bool:
+        """Picking the next token needs the tokens so far on the host (penalties, grammar)."""
+        return self.has_penalties or self.structured_output is not None
 
 
 class TensorRef(msgspec.Struct, frozen=True):

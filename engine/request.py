@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +22,9 @@ from engine.protocol import (
     SamplingParams,
     TokenLogprob,
 )
+
+if TYPE_CHECKING:
+    from engine.structured_output import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -110,6 +114,8 @@ class Request:
         if sampling.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling.seed)
         self.logprobs: list[TokenLogprob] | None = [] if sampling.logprobs is not None else None
+        # Where the output stands in `sampling.structured_output`'s grammar (set at admission).
+        self.grammar: GrammarMatcher | None = None
         self.error: ErrorInfo | None = None
         self.num_preemptions = 0
         # time.monotonic() marks of the engine-side phases (for the latency histograms).

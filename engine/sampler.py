@@ -5,7 +5,7 @@ Order of operations per row (as HF / OpenAI define them):
     raw logits -> repetition penalty (prompt + output tokens, HF: divide positive,
                   multiply negative) -> presence / frequency penalties (output tokens)
                -> logit_bias (added) -> banned tokens (-inf: EOS and stop tokens before
-                  `min_tokens`)
+                  `min_tokens`) -> grammar (-inf: tokens a structured output disallows)
                -> greedy rows: argmax
                -> random rows: / temperature -> top-k -> top-p -> min-p -> softmax
                   -> exponential race: argmax(probs / E), E ~ Exp(1)
@@ -33,6 +33,9 @@ class SamplingRow:
     output_token_ids: list[int]
     generator: torch.Generator | None = None  # CPU generator of a seeded request
     banned_token_ids: tuple[int, ...] = ()  # may not be picked (`min_tokens` not reached)
+    # [ceil(V / 32)] int32 host bitmask of the only tokens a grammar allows (bit t % 32 of
+    # word t // 32 is token t); None = unconstrained. See engine/structured_output.py.
+    allowed_tokens: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -95,7 +98,8 @@ class Sampler:
         wants_logprobs = any(p.logprobs is not None for p in params)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None  # [S, V]
 
-        logits = apply_bans(apply_logit_bias(apply_penalties(logits, rows), params), rows)
+        logits = apply_logit_bias(apply_penalties(logits, rows), params)
+        logits = apply_allowed_tokens(apply_bans(logits, rows), rows)
         sampled = logits.argmax(dim=-1)  # [S]
         if not all(p.is_greedy for p in params):
             greedy = to_device([p.is_greedy for p in params], torch.bool, device)  # [S]
@@ -193,6 +197,24 @@ def apply_bans(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         return logits
     index = to_device(pairs, torch.long, logits.device).T  # [2, P]
     return logits.index_put((index[0], index[1]), logits.new_full((), float("-inf")))
+
+
+def apply_allowed_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Rows with an `allowed_tokens` bitmask keep only those tokens; [S, V] -> [S, V] (a new
+    tensor when any row has one)."""
+    constrained = [index for index, row in enumerate(rows) if row.allowed_tokens is not None]
+    if not constrained:
+        return logits
+    device = logits.device
+    words = torch.stack([rows[index].allowed_tokens for index in constrained])  # [R, W] int32
+    # Little-endian: token t is bit t % 8 of byte t // 8 of the words' bytes. Unpacking
+    # bytes keeps the temporary at one byte per token ([R, W * 4, 8] uint8).
+    packed = to_device(words.view(torch.uint8), torch.uint8, device)  # [R, 4W]
+    shifts = torch.arange(8, dtype=torch.uint8, device=device)
+    allowed = ((packed.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, : logits.shape[1]]  # [R, V]
+    index = to_device(constrained, torch.long, device)
+    masked = logits.index_select(0, index).masked_fill(allowed == 0, float("-inf"))  # [R, V]
+    return logits.index_copy(0, index, masked)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -365,6 +365,10 @@ class Scheduler:
                 continue  # mid-prefill: no token this step
             token_id = sampled_token_ids[request.request_id]
             request.output_token_ids.append(token_id)
+            if request.grammar is not None:
+                # A token the grammar refuses (possible only where min_tokens or stop-token
+                # bans left nothing it allows) leaves it complete too: the request stops.
+                request.grammar.accept(token_id)
             if request.first_token_time is None:
                 request.first_token_time = time.monotonic()
             token_logprob = logprobs.get(request.request_id)
@@ -382,6 +386,8 @@ class Scheduler:
         if not sampling.ignore_eos and token_id in request.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if token_id in sampling.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if request.grammar is not None and request.grammar.is_complete:
             return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= sampling.max_tokens:
             return RequestStatus.FINISHED_LENGTH

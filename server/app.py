@@ -32,7 +32,12 @@ from server.auth import check_api_key
 from server.chat import messages_as_dicts, prepare_chat_prompt
 from server.completions import chat_response, completion_response, prepare_completion_prompt
 from server.errors import error_body, install_error_handlers
-from server.generation import GenerationTotals, build_sampling_params, check_token_ids
+from server.generation import (
+    GenerationTotals,
+    build_sampling_params,
+    check_structured_output,
+    check_token_ids,
+)
 from server.media_fetch import MediaFetchConfig, MediaFetcher
 from server.metrics import ServerMetrics
 from server.openai_models import (
@@ -234,6 +239,7 @@ def _add_api_routes(api: APIRouter) -> None:
         state = _state(request)
         state.check_model(body.model)
         _check_alive(state, request)
+        await check_structured_output(body)
         if body.chat_template is not None and not state.settings.trust_request_chat_template:
             raise InvalidRequest(
                 "request chat templates are disabled on this server "
@@ -271,6 +277,7 @@ def _add_api_routes(api: APIRouter) -> None:
         state = _state(request)
         state.check_model(body.model)
         _check_alive(state, request)
+        await check_structured_output(body)
         prompt = prepare_completion_prompt(body, state.processor, state.vocab_size)
         job = _job(state, body, prompt, prefix="cmpl")
         ticket = _admit(request, state, job)

@@ -91,6 +91,20 @@ class GenerationTotals:
                 getattr(self, name).append(value)
 
 
+async def check_structured_output(request: SamplingFields) -> None:
+    """A 400 naming the field when the request's grammar cannot be built. llguidance's
+    checks of a large schema can take a while: they run off the event loop."""
+    constraint = request.structured_output
+    if constraint is None:
+        return
+    from engine.structured_output import grammar_error  # llguidance only when asked for
+
+    spec, param = constraint
+    error = await asyncio.to_thread(grammar_error, spec)
+    if error is not None:
+        raise InvalidRequest(f"invalid {param}: {error[:500]}", param=param)
+
+
 def build_sampling_params(
     request: SamplingFields, *, num_prompt_tokens: int, max_model_len: int
 ) -> SamplingParams:
@@ -121,6 +135,7 @@ def build_sampling_params(
         )
     num_logprobs = request.num_logprobs  # type: ignore[attr-defined]
     top_k = request.top_k if request.top_k is not None else 0
+    constraint = request.structured_output
     return SamplingParams(
         max_tokens=max_tokens,
         min_tokens=request.min_tokens,
@@ -136,6 +151,7 @@ def build_sampling_params(
         repetition_penalty=request.repetition_penalty or 1.0,
         logprobs=num_logprobs,
         logit_bias=request.logit_bias_pairs,
+        structured_output=constraint[0] if constraint else None,
     )
 
 

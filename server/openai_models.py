@@ -2,13 +2,13 @@
 
 Requests are validated here (types, ranges); pydantic errors become 400s naming the field
 path in `server/errors.py`. Unknown request fields are ignored, like OpenAI does; the
-OpenAI fields that ask for what Tessera does not do (a JSON `response_format`, tool calls)
-are refused.
+OpenAI fields that ask for what Tessera does not do (tool calls) are refused.
 Responses are plain models whose `model_dump(exclude_none=...)` is the exact OpenAI JSON.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -21,6 +21,8 @@ from pydantic import (
     model_validator,
 )
 
+from engine.protocol import StructuredOutput
+
 # Request limits (each violation is a 400 naming the field). Wide enough for real clients,
 # small enough that no single request can tie up the server.
 MAX_N = 16
@@ -28,6 +30,9 @@ MAX_MESSAGES = 2048
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 512
 MAX_STOP_TOKEN_IDS = 256
+MAX_CHOICES = 256  # structured_outputs.choice
+MAX_REGEX_CHARS = 4096  # structured_outputs.regex
+ANY_JSON_OBJECT = '{"type": "object"}'  # response_format json_object
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # tokens per request, as OpenAI's API allows
 MAX_ABS_LOGIT_BIAS = 100.0
@@ -150,6 +155,40 @@ class SamplingFields(_Request):
     user: str | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
+    # Constrained decoding (engine/structured_output.py); at most one of the two.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+    @field_validator("structured_outputs")
+    @classmethod
+    def _one_constraint(
+        cls, structured: StructuredOutputs | None, info: ValidationInfo
+    ) -> StructuredOutputs | None:
+        response_format = info.data.get("response_format")
+        if structured is not None and response_format and response_format.type != "text":
+            raise ValueError("give either response_format or structured_outputs, not both")
+        return structured
+
+    @property
+    def structured_output(self) -> tuple[StructuredOutput, str] | None:
+        """The engine's constraint and the field it came from, or None for free text."""
+        structured, response_format = self.structured_outputs, self.response_format
+        if structured is not None:
+            if structured.json_object:
+                return StructuredOutput(json=ANY_JSON_OBJECT), "structured_outputs"
+            if structured.json_ is not None:
+                schema = structured.json_
+                text = schema if isinstance(schema, str) else json.dumps(schema)
+                return StructuredOutput(json=text), "structured_outputs.json"
+            if structured.regex is not None:
+                return StructuredOutput(regex=structured.regex), "structured_outputs.regex"
+            return StructuredOutput(choice=tuple(structured.choice or ())), "structured_outputs"
+        if response_format is None or response_format.type == "text":
+            return None
+        if response_format.json_schema is None:
+            return StructuredOutput(json=ANY_JSON_OBJECT), "response_format"
+        schema = json.dumps(response_format.json_schema.schema_)
+        return StructuredOutput(json=schema), "response_format.json_schema.schema"
 
     @field_validator("logit_bias")
     @classmethod
@@ -194,8 +233,47 @@ class SamplingFields(_Request):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+class JsonSchemaFormat(_Request):
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # the grammar is always enforced strictly
+
+
 class ResponseFormat(_Request):
-    type: str
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a 'json_schema' object with a 'schema'")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: exactly one of a JSON Schema (or `json_object`), a
+    regular expression or a list of choices. Other vLLM keys (grammar, structural tags)
+    are a 400 rather than silently ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = Field(default=None, max_length=MAX_REGEX_CHARS)
+    choice: list[Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]] | None = Field(
+        default=None, min_length=1, max_length=MAX_CHOICES
+    )
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        given = [self.json_ is not None, bool(self.json_object), self.regex is not None,
+                 self.choice is not None]  # fmt: skip
+        if sum(given) != 1:
+            raise ValueError("give exactly one of json, json_object, regex and choice")
+        return self
 
 
 class MediaProcessingOptions(BaseModel):
@@ -238,8 +316,7 @@ class MediaProcessingOptions(BaseModel):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     # Taken only where they ask for nothing Tessera lacks: a 400 beats an answer that
-    # silently ignores them (no constrained decoding, no tool-call parsing).
-    response_format: ResponseFormat | None = None
+    # silently ignores them (no tool-call parsing).
     tool_choice: str | dict[str, Any] | None = None  # before `tools`, which checks it
     tools: list[dict[str, Any]] | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -248,16 +325,6 @@ class ChatCompletionRequest(SamplingFields):
     # Refused unless the server runs with --trust-request-chat-template (server/app.py).
     chat_template: str | None = Field(default=None, max_length=MAX_CHAT_TEMPLATE_CHARS)
     mm_processor_kwargs: MediaProcessingOptions | None = None
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, response_format: ResponseFormat | None) -> ResponseFormat | None:
-        if response_format is not None and response_format.type != "text":
-            raise ValueError(
-                f"response_format {response_format.type!r} is not supported (this server has "
-                "no constrained decoding); leave it out or use 'text'"
-            )
-        return response_format
 
     @field_validator("tools")
     @classmethod

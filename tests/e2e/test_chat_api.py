@@ -147,8 +147,7 @@ def test_logit_bias_forces_a_token_and_refused_fields_are_400(client, http):
         model=MODEL_NAME, messages=user("Hi"), max_tokens=4, logit_bias={str(forced): 100},
         **GREEDY)
     assert response.choices[0].message.content == expected.json()["prompt"]
-    for field, value in [("response_format", {"type": "json_object"}),
-                         ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    for field, value in [("tools", [{"type": "function", "function": {"name": "f"}}]),
                          ("logit_bias", {"99999999": 5})]:
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model=MODEL_NAME, messages=user("Hi"), max_tokens=2,

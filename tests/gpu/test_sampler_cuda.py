@@ -28,3 +28,23 @@ def test_result_does_not_wait_for_later_device_work(logprobs):
     assert output.token_ids == [1, 0]
     assert still_running, "result() waited for device work queued after the sample"
     assert pending.token_ids.tolist() == [1, 0]  # the device copy the next step reads
+
+
+def test_grammar_masks_apply_on_the_device_as_on_the_host():
+    """Structured outputs' bitmasks travel from the host and unpack on the device."""
+    from engine.sampler import apply_allowed_tokens
+
+    generator = torch.Generator().manual_seed(0)
+    vocab = 151936
+    logits = torch.randn(5, vocab, generator=generator)
+    words = torch.randint(-(2**31), 2**31 - 1, (5, (vocab + 31) // 32), dtype=torch.int32,
+                          generator=generator)  # fmt: skip
+    params = SamplingParams(temperature=0.0)
+    rows = [SamplingRow(params, [0], [], allowed_tokens=words[i] if i % 2 else None)
+            for i in range(5)]  # fmt: skip
+    on_host = apply_allowed_tokens(logits, rows)
+    on_device = apply_allowed_tokens(logits.cuda(), rows)
+    assert torch.equal(on_device.cpu(), on_host)
+    assert Sampler().sample(logits.cuda(), rows).result().token_ids == (
+        Sampler().sample(logits, rows).result().token_ids
+    )

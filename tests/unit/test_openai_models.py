@@ -6,6 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from engine.errors import ContextLengthExceeded
+from engine.protocol import StructuredOutput
 from server.errors import loc_to_param, validation_error_to_invalid
 from server.generation import build_sampling_params
 from server.openai_models import ChatCompletionRequest, CompletionRequest
@@ -94,8 +95,6 @@ def test_logit_bias_becomes_sorted_pairs():
         ({"logit_bias": {"3": 101}}, "[-100, 100]"),
         ({"logit_bias": {"3": "nan"}}, "[-100, 100]"),
         ({"logit_bias": {str(i): 1 for i in range(301)}}, "at most 300"),
-        ({"response_format": {"type": "json_object"}}, "not supported"),
-        ({"response_format": {"type": "json_schema", "json_schema": {}}}, "not supported"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "not supported"),
         ({"tools": [{"type": "function"}], "tool_choice": "auto"}, "not supported"),
     ],
@@ -104,6 +103,58 @@ def test_fields_tessera_cannot_honour_are_400_naming_them(fields, message):
     error = invalid({**BASE, **fields})
     assert error.status == 400 and error.param == next(iter(fields))
     assert message in error.message
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({"response_format": {"type": "text"}}, None),
+        ({"response_format": {"type": "json_object"}},
+         (StructuredOutput(json='{"type": "object"}'), "response_format")),
+        ({"response_format": {"type": "json_schema",
+                              "json_schema": {"name": "n", "schema": {"type": "array"}}}},
+         (StructuredOutput(json='{"type": "array"}'), "response_format.json_schema.schema")),
+        ({"structured_outputs": {"json": {"type": "integer"}}},
+         (StructuredOutput(json='{"type": "integer"}'), "structured_outputs.json")),
+        ({"structured_outputs": {"json": '{"type": "null"}'}},
+         (StructuredOutput(json='{"type": "null"}'), "structured_outputs.json")),
+        ({"structured_outputs": {"json_object": True}},
+         (StructuredOutput(json='{"type": "object"}'), "structured_outputs")),
+        ({"structured_outputs": {"regex": "a+"}},
+         (StructuredOutput(regex="a+"), "structured_outputs.regex")),
+        ({"structured_outputs": {"choice": ["x", "y"]}},
+         (StructuredOutput(choice=("x", "y")), "structured_outputs")),
+        ({"response_format": {"type": "text"}, "structured_outputs": {"regex": "a"}},
+         (StructuredOutput(regex="a"), "structured_outputs.regex")),
+    ],
+)  # fmt: skip
+def test_constraints_become_the_engines_structured_output(fields, expected):
+    request = ChatCompletionRequest.model_validate({**BASE, **fields})
+    assert request.structured_output == expected
+    completion = CompletionRequest.model_validate({"model": "m", "prompt": "p", **fields})
+    assert completion.structured_output == expected
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"response_format": {"type": "yaml"}}, "response_format.type"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "n"}}},
+         "response_format.json_schema.schema"),
+        ({"structured_outputs": {}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "a", "json_object": True}}, "structured_outputs"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+        ({"structured_outputs": {"choice": ["x"] * 257}}, "structured_outputs.choice"),
+        ({"structured_outputs": {"regex": "a" * 4097}}, "structured_outputs.regex"),
+        ({"structured_outputs": {"grammar": "start: 'a'"}}, "structured_outputs.grammar"),
+        ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+         "structured_outputs"),
+    ],
+)  # fmt: skip
+def test_bad_constraints_are_400_naming_the_field(fields, param):
+    error = invalid({**BASE, **fields})
+    assert error.status == 400 and error.param == param
 
 
 def test_plain_text_format_and_tools_that_are_never_called_are_accepted():

@@ -1,0 +1,113 @@
+"""What structured outputs cost: constrained vs free decoding side by side. Not a test.
+
+    PYTHONPATH=. python bench/structured_output.py --sizes tiny small --batch 1 8
+
+Two parts, both printed as tables:
+
+1. End to end, offline `LLM.generate`: B prompts decode --new-tokens tokens each, free
+   (EOS ignored) and under the regex `[a-z ,.]*` with `min_tokens` = --new-tokens, so
+   both runs produce the same number of tokens. The runs alternate,
+   --repeat times, and each number is the best; the ratio is constrained / free tokens/s.
+   The constrained run pays for llguidance's mask per row per step, the bitmask's
+   copy and unpacking in the sampler, and (on a GPU) steps that cannot be launched ahead.
+2. The sampler alone on [S, V] float32 logits of a Qwen2-VL-sized vocabulary (151936):
+   `Sampler.sample` greedy without masks vs with every row masked (random bitmasks), in
+   microseconds per call. This is Tessera's share of a mask; llguidance's share (computing
+   the bitmask) depends on the tokenizer and the grammar, and the generated checkpoints'
+   tokenizers are small (1.5k tokens), so part 1 understates it for a real vocabulary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from engine import LLM, SamplingParams, StructuredOutput
+from engine.sampler import Sampler, SamplingRow
+from engine.tiny_model import make_tiny_model
+
+QWEN_VOCAB = 151936
+PROMPT = "Write a short story about the sea and a lighthouse keeper named"
+
+
+def tokens_per_second(llm: LLM, batch: int, params: SamplingParams) -> float:
+    prompts = [f"{PROMPT} {i}." for i in range(batch)]
+    start = time.perf_counter()
+    results = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    assert all(r.error is None for r in results)
+    return sum(len(r.token_ids) for r in results) / elapsed
+
+
+def end_to_end(model_dir: Path, batches: list[int], new_tokens: int, repeat: int) -> None:
+    free = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    regex = StructuredOutput(regex="[a-z ,.]*")
+    # min_tokens holds EOS back (the grammar allows it at every point), so both runs make
+    # new_tokens tokens per prompt.
+    constrained = SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens, temperature=0.0,
+                                 structured_output=regex)  # fmt: skip
+    with LLM(str(model_dir)) as llm:
+        llm.generate([PROMPT], SamplingParams(max_tokens=4, structured_output=regex))  # warm-up
+        for batch in batches:
+            best = {"free": 0.0, "constrained": 0.0}
+            for _ in range(repeat):
+                for name, params in (("free", free), ("constrained", constrained)):
+                    best[name] = max(best[name], tokens_per_second(llm, batch, params))
+            ratio = best["constrained"] / best["free"]
+            print(f"| {model_dir.name} | {batch} | {best['free']:.1f} | "
+                  f"{best['constrained']:.1f} | {ratio:.2f}x |")  # fmt: skip
+
+
+def sampler_micro(rows: list[int], iters: int) -> None:
+    sampler = Sampler()
+    generator = torch.Generator().manual_seed(0)
+    words = (QWEN_VOCAB + 31) // 32
+    for num_rows in rows:
+        logits = torch.randn(num_rows, QWEN_VOCAB, generator=generator)
+        masks = torch.randint(-(2**31), 2**31 - 1, (num_rows, words), dtype=torch.int32,
+                              generator=generator)  # fmt: skip
+        params = SamplingParams(temperature=0.0)
+        free = [SamplingRow(params, [1], []) for _ in range(num_rows)]
+        masked = [SamplingRow(params, [1], [], allowed_tokens=masks[i]) for i in range(num_rows)]
+        timings = {}
+        for name, batch in (("free", free), ("masked", masked)):
+            sampler(logits, batch)  # warm-up
+            start = time.perf_counter()
+            for _ in range(iters):
+                sampler(logits, batch)
+            timings[name] = (time.perf_counter() - start) / iters * 1e6
+        extra = timings["masked"] - timings["free"]
+        print(f"| {num_rows} | {timings['free']:.0f} | {timings['masked']:.0f} | "
+              f"{extra:.0f} | {extra / num_rows:.0f} |")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", nargs="+", default=["tiny"])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--sampler-rows", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--sampler-iters", type=int, default=20)
+    parser.add_argument("--model-root", type=Path, default=None)
+    args = parser.parse_args()
+    root = args.model_root or Path(tempfile.mkdtemp(prefix="tessera-structured-"))
+    print("| model | batch | free tok/s | constrained tok/s | constrained / free |")
+    print("|---|---:|---:|---:|---:|")
+    for size in args.sizes:
+        model_dir = root / size
+        if not (model_dir / "config.json").exists():
+            make_tiny_model(model_dir, size=size)
+        end_to_end(model_dir, args.batch, args.new_tokens, args.repeat)
+    print(f"\nSampler, greedy, [S, {QWEN_VOCAB}] float32 logits (microseconds per call)")
+    print("| rows S | no masks | every row masked | extra | extra per row |")
+    print("|---:|---:|---:|---:|---:|")
+    sampler_micro(args.sampler_rows, args.sampler_iters)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""Structured outputs: a request's tokens constrained to a grammar, with llguidance.
+
+A request's `SamplingParams.structured_output` names a JSON Schema (OpenAI's
+`response_format`), a regular expression or a list of choices (vLLM's
+`structured_outputs`). The engine turns it into one `GrammarMatcher` per request; every
+step that samples for the request
+
+    matcher.allowed_tokens()  -> a bitmask over the vocabulary, [ceil(V / 32)] int32,
+                                 bit t of word t // 32 set = token t may come next
+    sampler                   -> logits of the other tokens set to -inf, then sampled
+    matcher.accept(token)     -> the grammar advances (scheduler.update)
+
+and once the grammar is complete (`is_complete`: nothing but EOS may follow) the request
+finishes with "stop", whether or not EOS was sampled. The next token's mask needs this
+one, so such steps are never launched ahead (engine/core.py, overlap scheduling).
+
+The server checks a spec with `grammar_error` before sending it, so a bad schema or regex
+is a 400 there; the engine checks again for the offline `LLM`. The tokenizer's view that
+llguidance needs (each token's bytes) is built once per engine, on the first request
+that wants it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import llguidance
+import numpy as np
+import torch
+
+from engine.errors import InvalidRequest
+from engine.protocol import StructuredOutput
+
+# llguidance's grammar-level checks run without a tokenizer; these bound the work a
+# single grammar may cost per token (its defaults; named here so they are a setting to
+# find, not a magic of the library).
+PARSER_LIMITS = llguidance.LLParserLimits()
+# llguidance's JSON compile options; a schema's "x-guidance" object overrides them.
+# JSON as json.dumps writes it, with no whitespace elsewhere: llguidance's default lets a
+# model pad JSON with whitespace, and weak models then spend max_tokens on it. oneOf is
+# taken as anyOf (as llguidance suggests; pydantic writes oneOf for tagged unions) rather
+# than refused.
+JSON_OPTIONS = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+    "coerce_one_of": True,
+}
+PARAM = "response_format"  # what the engine's own errors name (the server names its field)
+
+
+def to_grammar(spec: StructuredOutput) -> str:
+    """The llguidance grammar text of `spec`. Raises ValueError where the spec is not
+    even well formed (a schema that is not JSON, not exactly one constraint, no choices)."""
+    given = [spec.json is not None, spec.regex is not None, spec.choice is not None]
+    if sum(given) != 1:
+        raise ValueError("set exactly one of json, regex and choice")
+    if spec.json is not None:
+        return llguidance.LLMatcher.grammar_from_json_schema(spec.json, defaults=JSON_OPTIONS)
+    if spec.regex is not None:
+        return llguidance.LLMatcher.grammar_from_regex(spec.regex)
+    if not spec.choice:
+        raise ValueError("choice needs at least one string")
+    # A Lark rule of string literals; json.dumps quotes and escapes each one.
+    return llguidance.LLMatcher.grammar_from_lark(
+        "start: " + " | ".join(json.dumps(choice) for choice in spec.choice)
+    )
+
+
+def grammar_error(spec: StructuredOutput) -> str | None:
+    """Why `spec` cannot constrain a request, or None when it can."""
+    try:
+        grammar = to_grammar(spec)
+    except ValueError as exc:
+        return str(exc)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+        grammar, limits=PARSER_LIMITS
+    )
+    return messages[0] if is_error else None
+
+
+class GrammarMatcher:
+    """One request's position in its grammar (not thread-safe; the engine loop owns it)."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+        self._matcher = matcher
+        self._num_words = (vocab_size + 31) // 32
+
+    def allowed_tokens(self) -> torch.Tensor:
+        """[ceil(V / 32)] int32 on the host: bit t % 32 of word t // 32 allows token t."""
+        words = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.int32)
+        return torch.from_numpy(words[: self._num_words].copy())
+
+    def accept(self, token_id: int) -> bool:
+        """Advances past `token_id`; False if the grammar did not allow it."""
+        return self._matcher.consume_token(token_id)
+
+    @property
+    def is_complete(self) -> bool:
+        """The grammar is satisfied and allows nothing but EOS from here."""
+        return self._matcher.is_stopped()
+
+
+class GrammarCompiler:
+    """Makes `GrammarMatcher`s for one model: its tokenizer (read from `tokenizer.json` on
+    first use), its logits' width and its EOS tokens."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...]):
+        self._tokenizer_json = tokenizer_json
+        self._vocab_size = vocab_size
+        self._eos_token_ids = list(eos_token_ids)
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()
+
+    def _llg_tokenizer(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._tokenizer is None:
+                try:
+                    with open(self._tokenizer_json, encoding="utf-8") as file:
+                        text = file.read()
+                except FileNotFoundError as exc:
+                    raise InvalidRequest(
+                        "structured outputs need the model's tokenizer.json", param=PARAM
+                    ) from exc
+                # n_vocab = the logits' width: ids past the tokenizer's (padding rows of
+                # the embedding) have no bytes and are never allowed.
+                self._tokenizer = llguidance.LLTokenizer(
+                    text, n_vocab=self._vocab_size, eos_token=self._eos_token_ids
+                )
+            return self._tokenizer
+
+    def matcher(self, spec: StructuredOutput) -> GrammarMatcher:
+        """A fresh matcher for `spec`; InvalidRequest when the grammar is unusable."""
+        try:
+            grammar = to_grammar(spec)
+        except ValueError as exc:
+            raise InvalidRequest(f"invalid structured output: {exc}", param=PARAM) from exc
+        matcher = llguidance.LLMatcher(
+            self._llg_tokenizer(), grammar, log_level=0, limits=PARSER_LIMITS
+        )
+        if matcher.is_error():
+            message = matcher.get_error()[:500]
+            raise InvalidRequest(f"invalid structured output: {message}", param=PARAM)
+        return GrammarMatcher(matcher, self._vocab_size)

@@ -1,0 +1,124 @@
+"""Structured outputs over HTTP: OpenAI's `response_format` (json_object, json_schema) and
+vLLM's `structured_outputs` (json, regex, choice) on a real server. The tiny model's
+weights are random, so whatever it says in these shapes comes from the grammar; the
+tokens themselves are checked against transformers in tests/parity."""
+
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import jsonschema
+import openai
+import pytest
+
+from tests.e2e.conftest import MODEL_NAME
+from tests.e2e.test_errors_api import assert_error
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 8},
+        "sunny": {"type": "boolean"},
+        "rank": {"enum": [1, 2, 3]},
+    },
+    "required": ["city", "sunny", "rank"],
+    "additionalProperties": False,
+}
+RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA}}
+MESSAGES = [{"role": "user", "content": "What is the weather like?"}]
+
+
+def create(client, **kwargs):
+    return client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, **kwargs)
+
+
+def test_json_schema_stream_and_not(client):
+    response = create(client, max_tokens=64, temperature=0, response_format=RESPONSE_FORMAT)
+    choice = response.choices[0]
+    assert choice.finish_reason == "stop"
+    jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+    chunks = list(create(client, max_tokens=64, temperature=0, stream=True,
+                         response_format=RESPONSE_FORMAT))  # fmt: skip
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == choice.message.content
+
+
+def test_json_object_with_sampling_and_n(client):
+    response = create(client, max_tokens=96, temperature=1.0, seed=4, n=3,
+                      response_format={"type": "json_object"})  # fmt: skip
+    for choice in response.choices:
+        if choice.finish_reason == "stop":  # a random object may outrun max_tokens
+            assert isinstance(json.loads(choice.message.content), dict)
+        else:
+            assert choice.message.content.startswith("{")
+
+
+def test_vllm_regex_and_choice(client):
+    regex = r"(red|blue) [0-9]{3}"
+    response = create(client, max_tokens=32, temperature=1.0, seed=1,
+                      extra_body={"structured_outputs": {"regex": regex}})  # fmt: skip
+    assert re.fullmatch(regex, response.choices[0].message.content)
+    choices = ["positive", "negative", "neutral"]
+    response = create(client, max_tokens=32, temperature=0,
+                      extra_body={"structured_outputs": {"choice": choices}})  # fmt: skip
+    assert response.choices[0].message.content in choices
+    completion = client.completions.create(
+        model=MODEL_NAME, prompt="The answer is", max_tokens=32, temperature=0,
+        extra_body={"structured_outputs": {"choice": choices}},
+    )  # fmt: skip
+    assert completion.choices[0].text in choices
+
+
+def test_constrained_and_free_requests_share_steps(client):
+    def constrained(seed: int) -> str:
+        return create(client, max_tokens=64, temperature=0.8, seed=seed,
+                      response_format=RESPONSE_FORMAT).choices[0].message.content  # fmt: skip
+
+    def free(seed: int) -> str:
+        return create(client, max_tokens=16, temperature=0.8, seed=seed,
+                      extra_body={"ignore_eos": True}).choices[0].message.content  # fmt: skip
+
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(lambda i: (constrained if i % 2 else free)(i), range(6)))
+    for text in answers[1::2]:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    assert not all(text.startswith("{") for text in answers[::2])
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": 7}},
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
+        ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+        ({"structured_outputs": {"grammar": "start: x"}}, "structured_outputs.grammar"),
+        (
+            {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+            "structured_outputs",
+        ),
+    ],
+)
+def test_bad_constraints_are_400(http, fields, param):
+    body = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 4, **fields}
+    assert_error(http.post("/v1/chat/completions", json=body), 400, param=param)
+
+
+def test_a_bad_schema_does_not_disturb_the_server(client):
+    with pytest.raises(openai.BadRequestError):
+        create(client, max_tokens=4, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 7}}})  # fmt: skip
+    response = create(client, max_tokens=4, temperature=0)
+    assert response.choices[0].message.content

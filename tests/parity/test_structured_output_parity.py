@@ -1,0 +1,180 @@
+"""Structured outputs against transformers: the same grammar masks applied inside
+`generate()` by a logits processor (llguidance's own numpy helpers, not Tessera's sampler)
+give the same greedy tokens, and the text matches its schema, regex or choice."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+jsonschema = pytest.importorskip("jsonschema")
+
+import llguidance  # noqa: E402
+import llguidance.numpy  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from tokenizers import Tokenizer  # noqa: E402
+
+from engine import LLM, SamplingParams, StructuredOutput  # noqa: E402
+from engine.structured_output import to_grammar  # noqa: E402
+from engine.tiny_model import make_tiny_model  # noqa: E402
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "color": {"enum": ["red", "green", "blue"]},
+        "ok": {"type": "boolean"},
+        "name": {"type": "string", "maxLength": 6},
+    },
+    "required": ["color", "ok", "name"],
+    "additionalProperties": False,
+}
+REGEX = r"(yes|no), [a-z]{2,5}\."
+CHOICES = ("apple pie", "banana", "cherry tart")
+PROMPTS = ["the quick brown fox", "a b c d e f g h", "Describe the sea."]
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("structured"), seed=3)
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    model = transformers.Qwen2VLForConditionalGeneration.from_pretrained(
+        model_dir, dtype=torch.float32
+    ).eval()
+    return model, transformers.AutoTokenizer.from_pretrained(model_dir)
+
+
+class GrammarLogitsProcessor:
+    """The HF side: masks each row's logits with a llguidance matcher that has consumed
+    the tokens generated so far."""
+
+    def __init__(self, model_dir, spec: StructuredOutput, prompt_len: int, vocab: int):
+        config = json.loads((model_dir / "generation_config.json").read_text())
+        eos = config["eos_token_id"]
+        text = Tokenizer.from_file(str(model_dir / "tokenizer.json")).to_str()
+        tokenizer = llguidance.LLTokenizer(text, n_vocab=vocab, eos_token=eos)
+        self.matcher = llguidance.LLMatcher(tokenizer, to_grammar(spec))
+        self.prompt_len = prompt_len
+        self.vocab = vocab
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        generated = input_ids[0, self.prompt_len :].tolist()
+        if generated:
+            assert self.matcher.consume_token(generated[-1])
+        mask = llguidance.numpy.allocate_token_bitmask(1, self.vocab)
+        llguidance.numpy.fill_next_token_bitmask(self.matcher, mask)
+        logits = scores.numpy().copy()
+        llguidance.numpy.apply_token_bitmask_inplace(logits, mask)
+        return torch.from_numpy(logits)
+
+
+def hf_tokens(model_dir, hf, prompt: str, spec: StructuredOutput) -> list[int]:
+    model, tokenizer = hf
+    ids = tokenizer(prompt, return_tensors="pt")
+    prompt_len = ids["input_ids"].shape[1]
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    processor = GrammarLogitsProcessor(model_dir, spec, prompt_len, vocab)
+    with torch.no_grad():
+        out = model.generate(**ids, max_new_tokens=MAX_TOKENS, do_sample=False,
+                             logits_processor=[processor])  # fmt: skip
+    return out[0, prompt_len:].tolist()
+
+
+SPECS = {
+    "json": StructuredOutput(json=json.dumps(SCHEMA)),
+    "regex": StructuredOutput(regex=REGEX),
+    "choice": StructuredOutput(choice=CHOICES),
+}
+
+
+def check_text(kind: str, text: str) -> None:
+    if kind == "json":
+        jsonschema.validate(json.loads(text), SCHEMA)
+    elif kind == "regex":
+        assert re.fullmatch(REGEX, text), text
+    else:
+        assert text in CHOICES
+
+
+@pytest.mark.parametrize("kind", sorted(SPECS))
+def test_greedy_tokens_match_transformers_under_the_same_grammar(model_dir, hf, kind):
+    spec = SPECS[kind]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, structured_output=spec)
+    with LLM(str(model_dir), num_kv_blocks=64) as llm:
+        results = llm.generate(PROMPTS, params)
+    eos = set(llm_eos(model_dir))
+    for prompt, result in zip(PROMPTS, results, strict=True):
+        assert result.error is None
+        assert result.finish_reason == "stop", result.text
+        expected = hf_tokens(model_dir, hf, prompt, spec)
+        # transformers goes on to sample EOS (the only token the grammar then allows);
+        # Tessera finishes as soon as the grammar is complete.
+        assert result.token_ids == [t for t in expected if t not in eos][: len(result.token_ids)]
+        assert set(expected[len(result.token_ids) :]) <= eos
+        check_text(kind, result.text)
+
+
+def llm_eos(model_dir) -> list[int]:
+    eos = json.loads((model_dir / "generation_config.json").read_text())["eos_token_id"]
+    return eos if isinstance(eos, list) else [eos]
+
+
+def test_sampled_rows_keep_to_the_grammar_beside_free_rows(model_dir):
+    structured = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=5,
+                                structured_output=SPECS["json"])  # fmt: skip
+    free = SamplingParams(max_tokens=8, temperature=1.0, seed=5, ignore_eos=True)
+    with LLM(str(model_dir), num_kv_blocks=64) as llm:
+        results = llm.generate(PROMPTS * 2, [structured, free] * 3)
+    for result in results[::2]:
+        assert result.finish_reason == "stop"
+        check_text("json", result.text)
+    assert all(len(result.token_ids) == 8 for result in results[1::2])
+    # Unconstrained random rows of this tiny model are not JSON.
+    assert not all(r.text.startswith("{") for r in results[1::2])
+
+
+def test_a_bad_grammar_fails_its_request_only(model_dir):
+    bad = SamplingParams(max_tokens=4, structured_output=StructuredOutput(regex="a(b"))
+    good = SamplingParams(max_tokens=4, temperature=0.0)
+    with LLM(str(model_dir), num_kv_blocks=64) as llm:
+        failed, answered = llm.generate(PROMPTS[:2], [bad, good])
+    assert failed.error is not None and failed.error.param == "response_format"
+    assert "regex" in failed.error.message
+    assert answered.error is None and len(answered.token_ids) >= 1
+
+
+def test_the_mask_is_what_llguidance_allows(model_dir):
+    """Sanity of the helper the test leans on: the first token of a JSON object is '{'."""
+    config = json.loads((model_dir / "config.json").read_text())
+    processor = GrammarLogitsProcessor(model_dir, SPECS["json"], 0, config["vocab_size"])
+    scores = torch.zeros(1, config["vocab_size"])
+    masked = processor(torch.zeros(1, 0, dtype=torch.long), scores)
+    allowed = np.flatnonzero(np.isfinite(masked.numpy()))
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    assert {tokenizer.decode([int(t)]) for t in allowed} == {"{"}
+
+
+def test_overlap_scheduling_and_preemption_keep_to_the_grammar(model_dir):
+    """A step is never launched ahead of a constrained row's token (its mask needs it), and
+    a preempted request keeps its place in the grammar while its KV is recomputed."""
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                            structured_output=SPECS["json"])  # fmt: skip
+    prompts = [f"{prompt} {i}" for i in range(2) for prompt in PROMPTS]
+    with LLM(str(model_dir), num_kv_blocks=64) as llm:
+        reference = llm.generate(prompts, params)
+    with LLM(str(model_dir), num_kv_blocks=10, max_num_batched_tokens=16,
+             enable_prefix_caching=False) as llm:  # fmt: skip
+        llm.engine.overlaps_steps = True
+        results = llm.generate(prompts, params)
+        stats = llm.last_stats
+    assert sum(s.num_preemptions_total for s in stats) > 0
+    assert [r.token_ids for r in results] == [r.token_ids for r in reference]
+    for result in results:
+        check_text("json", result.text)

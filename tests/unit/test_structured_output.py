@@ -1,0 +1,126 @@
+"""Structured outputs without a model: grammar checks, matchers on a generated tokenizer,
+the sampler's masking, and the scheduler finishing a request whose grammar is complete."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from engine.protocol import SamplingParams, StructuredOutput
+from engine.sampler import Sampler, SamplingRow, apply_allowed_tokens
+from engine.structured_output import GrammarCompiler, grammar_error
+from engine.tiny_model import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("grammar_model"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir) -> Tokenizer:
+    return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def compiler(model_dir, tokenizer) -> GrammarCompiler:
+    config = json.loads((model_dir / "config.json").read_text())
+    eos = (tokenizer.token_to_id("<|im_end|>"),)
+    return GrammarCompiler(str(model_dir / "tokenizer.json"), config["vocab_size"], eos)
+
+
+def allowed_ids(mask: torch.Tensor) -> list[int]:
+    return [t for t in range(mask.numel() * 32) if (int(mask[t // 32]) >> (t % 32)) & 1]
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        StructuredOutput(json='{"type": "object"}'),
+        StructuredOutput(json='{"type": "array", "items": {"type": "integer"}}'),
+        StructuredOutput(regex=r"[a-z]+@[a-z]+\.com"),
+        StructuredOutput(choice=("yes", "no", 'say "maybe"')),
+        StructuredOutput(json='{"oneOf": [{"type": "string"}, {"type": "integer"}]}'),
+    ],
+)
+def test_good_specs_pass(spec):
+    assert grammar_error(spec) is None
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        (StructuredOutput(json="{not json"), ""),
+        (StructuredOutput(json='{"type": 5}'), "type"),
+        (StructuredOutput(regex="a(b"), "unclosed group"),
+        (StructuredOutput(json='{"not": {}}'), "not"),  # unimplemented: refused, not ignored
+        (StructuredOutput(regex="\ud800"), "surrogates"),  # a lone surrogate from JSON
+        (StructuredOutput(choice=()), "at least one"),
+        (StructuredOutput(), "exactly one"),
+        (StructuredOutput(regex="a", choice=("a",)), "exactly one"),
+    ],
+)
+def test_bad_specs_say_why(spec, says):
+    error = grammar_error(spec)
+    assert error is not None and says in error
+
+
+def test_a_matcher_walks_a_choice_to_its_end(compiler, tokenizer):
+    matcher = compiler.matcher(StructuredOutput(choice=("yes", "no")))
+    text = ""
+    while not matcher.is_complete:
+        allowed = allowed_ids(matcher.allowed_tokens())
+        assert allowed, text
+        token_id = min(allowed)  # any allowed path must end in a choice
+        assert matcher.accept(token_id)
+        text += tokenizer.decode([token_id])
+    assert text in ("yes", "no")
+
+
+def test_a_token_outside_the_grammar_is_refused(compiler, tokenizer):
+    matcher = compiler.matcher(StructuredOutput(json='{"type": "object"}'))
+    mask = matcher.allowed_tokens()
+    assert [tokenizer.decode([t]) for t in allowed_ids(mask)] == ["{"]
+    assert mask.dtype == torch.int32 and mask.numel() == (1600 + 31) // 32
+    assert not matcher.accept(tokenizer.encode("hello").ids[0])
+    assert matcher.is_complete  # a refused token stops the grammar (the request ends)
+
+
+def test_ids_past_the_tokenizer_are_never_allowed(compiler, tokenizer):
+    """The logits are wider than the tokenizer (embedding padding rows)."""
+    matcher = compiler.matcher(StructuredOutput(regex=".*"))
+    allowed = allowed_ids(matcher.allowed_tokens())
+    assert max(allowed) < tokenizer.get_vocab_size() < 1600
+
+
+def test_sampler_masks_only_the_constrained_rows():
+    logits = torch.tensor([[5.0, 1.0, 0.0, 2.0], [5.0, 1.0, 0.0, 2.0]])
+    only_3 = torch.tensor([1 << 3], dtype=torch.int32)
+    rows = [
+        SamplingRow(SamplingParams(temperature=0.0), [1], [], allowed_tokens=only_3),
+        SamplingRow(SamplingParams(temperature=0.0), [1], []),
+    ]
+    assert Sampler()(logits, rows).token_ids == [3, 0]
+    masked = apply_allowed_tokens(logits, rows)
+    assert torch.isinf(masked[0, :3]).all() and masked[0, 3] == 2.0
+    assert torch.equal(masked[1], logits[1])
+
+
+def test_sampler_masks_random_rows_too():
+    torch.manual_seed(0)
+    logits = torch.randn(64, 70)
+    allowed = torch.zeros(3, dtype=torch.int32)
+    allowed[2] = 1 << 1  # token 65 only
+    rows = [SamplingRow(SamplingParams(temperature=1.0), [1], [], allowed_tokens=allowed)] * 64
+    assert set(Sampler(seed=1)(logits, rows).token_ids) == {65}
+
+
+def test_sampler_handles_the_sign_bit():
+    """Token 31 of a word is its int32 sign bit."""
+    logits = torch.zeros(1, 64)
+    allowed = torch.tensor([-(2**31), 0], dtype=torch.int32)  # bit 31 of word 0
+    rows = [SamplingRow(SamplingParams(temperature=0.0), [1], [], allowed_tokens=allowed)]
+    assert Sampler()(logits, rows).token_ids == [31]
