@@ -375,6 +375,7 @@ def _job(state: AppState, body: Any, prompt: Any, *, prefix: str) -> GenerationJ
         stop=body.stop_list,
         skip_special_tokens=body.skip_special_tokens,
         include_usage=body.include_usage,
+        tools=body.tool_plan if isinstance(body, ChatCompletionRequest) else None,
     )
 
 

@@ -44,6 +44,7 @@ from server.openai_models import (
     VideoFeaturesPart,
     VideoPart,
 )
+from server.tool_calls import arguments_as_objects
 
 MAX_REMEMBERED_UUIDS = 16384
 FEATURE_SCHEMES = ("s3://", "http://", "https://", "data:")
@@ -285,11 +286,13 @@ async def prepare_chat_prompt(
             item = _pixel_input(part, processed.get(part.param), tensors)
         media.append(item)
         counts.append((item.modality.value, item.num_tokens))
+    plan = request.tool_plan
     prompt = await asyncio.to_thread(
         processor.process_chat,
-        messages_as_dicts(request.messages),
+        arguments_as_objects(messages_as_dicts(request.messages)),
         counts,
         chat_template=request.chat_template,  # app.py refuses it unless trusted
+        tools=plan.tools if plan else None,
     )
     media = [
         _with_offset(item, span.offset) for item, span in zip(media, prompt.spans, strict=True)

@@ -16,8 +16,10 @@ from server.openai_models import (
     CompletionRequest,
     CompletionResponse,
     ResponseMessage,
+    ResponseToolCall,
 )
 from server.streaming import ChoiceResult, GenerationJob, usage_of
+from server.tool_calls import ToolPlan
 
 
 def prepare_completion_prompt(
@@ -77,11 +79,12 @@ def chat_response(
     choices = [
         ChatChoice(
             index=i,
-            message=ResponseMessage(content=result.text),
+            message=message,
             logprobs=chat_logprobs(processor.tokenizer, result.logprobs) if with_logprobs else None,
-            finish_reason=result.finish_reason,
+            finish_reason=finish_reason,
         )
         for i, result in enumerate(results)
+        for message, finish_reason in [_message(job.tools, result)]
     ]
     return ChatCompletionResponse(
         id=job.request_id,
@@ -90,3 +93,19 @@ def chat_response(
         choices=choices,
         usage=usage_of(totals),
     )
+
+
+def _message(tools: ToolPlan | None, result: ChoiceResult) -> tuple[ResponseMessage, str | None]:
+    """The assistant message of one choice and its finish reason: with tools, the tool
+    calls found in the text (content None when there is none besides them)."""
+    if tools is None:
+        return ResponseMessage(content=result.text), result.finish_reason
+    extractor = tools.extractor()
+    content = extractor.feed(result.text)
+    rest, calls = extractor.finish()
+    content += rest
+    if not calls:
+        return ResponseMessage(content=content), result.finish_reason
+    tool_calls = [ResponseToolCall.model_validate(call.as_dict()) for call in calls]
+    message = ResponseMessage(content=content or None, tool_calls=tool_calls)
+    return message, tools.finish_reason(result.finish_reason, calls)

@@ -60,6 +60,8 @@ def loc_to_param(loc: Sequence[Any]) -> str | None:
         elif isinstance(part, str):
             if part in _TYPE_LOC_NAMES or "[" in part or part.startswith(("function-", "json-")):
                 continue
+            if part[:1].isupper():  # a union's model member (NamedToolChoice): no field name
+                continue
             if param.endswith(part) and param.rsplit(".", 1)[-1] == part:
                 continue  # a tagged union repeats the discriminator value as a loc component
             param += f".{part}" if param else part

@@ -2,7 +2,7 @@
 
 Requests are validated here (types, ranges); pydantic errors become 400s naming the field
 path in `server/errors.py`. Unknown request fields are ignored, like OpenAI does; the
-OpenAI fields that ask for what Tessera does not do (tool calls) are refused.
+OpenAI fields that ask for what Tessera does not do are refused rather than ignored.
 Responses are plain models whose `model_dump(exclude_none=...)` is the exact OpenAI JSON.
 """
 
@@ -16,12 +16,15 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     ValidationInfo,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
 from engine.protocol import StructuredOutput
+from server.tool_calls import ToolPlan, check_tools, tool_plan
 
 # Request limits (each violation is a 400 naming the field). Wide enough for real clients,
 # small enough that no single request can tie up the server.
@@ -31,6 +34,8 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 512
 MAX_STOP_TOKEN_IDS = 256
 MAX_CHOICES = 256  # structured_outputs.choice
+MAX_TOOLS = 128  # tools, and tool calls in one message
+MAX_TOOL_NAME_CHARS = 64
 MAX_REGEX_CHARS = 4096  # structured_outputs.regex
 ANY_JSON_OBJECT = '{"type": "object"}'  # response_format json_object
 MAX_TOP_LOGPROBS = 20
@@ -122,10 +127,46 @@ ContentPart = Annotated[
 ]
 
 
+class FunctionCall(_Request):
+    name: str = Field(max_length=MAX_TOOL_NAME_CHARS)
+    arguments: str | dict[str, Any] = "{}"  # OpenAI sends JSON text
+
+
+class ToolCallMessagePart(_Request):
+    """A call an assistant made earlier in the conversation."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallMessagePart] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_call_id: str | None = None  # role "tool": the call this answers
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema; none = any object
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str = Field(max_length=MAX_TOOL_NAME_CHARS)
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(_Request):
@@ -315,10 +356,9 @@ class MediaProcessingOptions(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    # Taken only where they ask for nothing Tessera lacks: a 400 beats an answer that
-    # silently ignores them (no tool-call parsing).
-    tool_choice: str | dict[str, Any] | None = None  # before `tools`, which checks it
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -326,16 +366,33 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = Field(default=None, max_length=MAX_CHAT_TEMPLATE_CHARS)
     mm_processor_kwargs: MediaProcessingOptions | None = None
 
-    @field_validator("tools")
+    @field_validator("tool_choice")
     @classmethod
-    def _no_tool_calls(
-        cls, tools: list[dict[str, Any]] | None, info: ValidationInfo
-    ) -> list[dict[str, Any]] | None:
-        if tools and info.data.get("tool_choice") != "none":
+    def _choice_among_tools(cls, tool_choice: Any, info: ValidationInfo) -> Any:
+        tools = info.data.get("tools")
+        check_tools([tool.model_dump() for tool in tools or ()], _as_dict(tool_choice))
+        constrained = tool_choice == "required" or isinstance(tool_choice, NamedToolChoice)
+        response_format = info.data.get("response_format")
+        has_format = response_format is not None and response_format.type != "text"
+        if tools and constrained and (has_format or info.data.get("structured_outputs")):
             raise ValueError(
-                "tool calling is not supported; leave tools out or set tool_choice to 'none'"
+                "a required or named tool call constrains the output itself; leave "
+                "response_format and structured_outputs out"
             )
-        return tools
+        return tool_choice
+
+    @property
+    def tool_plan(self) -> ToolPlan | None:
+        tools = [tool.model_dump(exclude_none=True) for tool in self.tools or ()]
+        return tool_plan(tools, _as_dict(self.tool_choice), self.parallel_tool_calls)
+
+    @property
+    def structured_output(self) -> tuple[StructuredOutput, str] | None:
+        plan = self.tool_plan
+        constraint = plan.constraint() if plan else None
+        if constraint is not None:
+            return constraint, "tools"
+        return super().structured_output
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -344,6 +401,10 @@ class ChatCompletionRequest(SamplingFields):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def _as_dict(tool_choice: Any) -> Any:
+    return tool_choice.model_dump() if isinstance(tool_choice, BaseModel) else tool_choice
 
 
 class CompletionRequest(SamplingFields):
@@ -403,9 +464,28 @@ class ChoiceLogprobs(_Response):
     content: list[TokenLogprobInfo] | None = None
 
 
+class ResponseFunctionCall(_Response):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(_Response):
+    id: str
+    type: str = "function"
+    function: ResponseFunctionCall
+
+
 class ResponseMessage(_Response):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ResponseToolCall] | None = None  # left out of the JSON when None
+
+    @model_serializer(mode="wrap")
+    def _no_null_tool_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatChoice(_Response):

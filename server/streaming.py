@@ -28,6 +28,7 @@ from server.errors import error_body, tessera_error_body
 from server.generation import GenerationTotals, PreparedPrompt, generate_choices
 from server.logprobs import chat_logprobs, completion_logprobs
 from server.openai_models import UsageInfo, dump
+from server.tool_calls import ToolPlan
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class GenerationJob:
     stop: list[str]
     skip_special_tokens: bool = True
     include_usage: bool = False
+    tools: ToolPlan | None = None  # chat with tools: answers are parsed for tool calls
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -159,22 +161,29 @@ async def stream_chat(
 
     for index in range(job.n):
         yield chunk([choice(index, {"role": "assistant", "content": ""})])
+    extractors = [job.tools.extractor() for _ in range(job.n)] if job.tools else None
     async with contextlib.aclosing(_guarded(_run(job, engine, tokenizer, totals))) as pieces:
         async for piece in pieces:
             if isinstance(piece, bytes):
                 yield piece
                 return
-            if (
-                not piece.text
-                and piece.finish_reason is None
-                and not (with_logprobs and piece.logprobs)
-            ):
+            text, finish, calls = piece.text, piece.finish_reason, []
+            if extractors is not None:  # content up to a tool call now, the calls at the end
+                extractor = extractors[piece.index]
+                text = extractor.feed(text)
+                if finish is not None:
+                    rest, calls = extractor.finish()
+                    text += rest
+                    finish = job.tools.finish_reason(finish, calls)  # type: ignore[union-attr]
+            if not text and finish is None and not (with_logprobs and piece.logprobs):
                 continue
             logprobs = None
             if with_logprobs:
                 logprobs = dump(chat_logprobs(tokenizer, piece.logprobs))
-            delta = {"content": piece.text}
-            yield chunk([choice(piece.index, delta, logprobs, piece.finish_reason)])
+            delta: dict[str, Any] = {"content": text}
+            if calls:
+                delta["tool_calls"] = [call.as_dict(i) for i, call in enumerate(calls)]
+            yield chunk([choice(piece.index, delta, logprobs, finish)])
     if job.include_usage:
         yield chunk([], usage_of(totals))
     on_finished(totals)

@@ -139,7 +139,7 @@ def test_logprobs_shape(client):
         assert bytes(entry.bytes).decode("utf-8", "replace") == entry.token
 
 
-def test_logit_bias_forces_a_token_and_refused_fields_are_400(client, http):
+def test_logit_bias_forces_a_token_and_an_unknown_token_is_400(client, http):
     forced = http.post("/tokenize", json={"model": MODEL_NAME, "prompt": "hello"}).json()
     forced = forced["tokens"][0]
     expected = http.post("/detokenize", json={"model": MODEL_NAME, "tokens": [forced] * 4})
@@ -147,12 +147,10 @@ def test_logit_bias_forces_a_token_and_refused_fields_are_400(client, http):
         model=MODEL_NAME, messages=user("Hi"), max_tokens=4, logit_bias={str(forced): 100},
         **GREEDY)
     assert response.choices[0].message.content == expected.json()["prompt"]
-    for field, value in [("tools", [{"type": "function", "function": {"name": "f"}}]),
-                         ("logit_bias", {"99999999": 5})]:
-        with pytest.raises(openai.BadRequestError) as info:
-            client.chat.completions.create(model=MODEL_NAME, messages=user("Hi"), max_tokens=2,
-                                           **{field: value})
-        assert info.value.status_code == 400 and info.value.body["param"] == field
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL_NAME, messages=user("Hi"), max_tokens=2,
+                                       logit_bias={"99999999": 5})  # fmt: skip
+    assert info.value.status_code == 400 and info.value.body["param"] == "logit_bias"
 
 
 def test_min_tokens_holds_back_eos(client, model_dir):

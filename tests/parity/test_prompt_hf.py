@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from engine.multimodal.prompt import PromptProcessor
@@ -31,6 +33,34 @@ CONVERSATIONS = [
 ]
 
 
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Today's weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+TOOL_CONVERSATIONS = [
+    [{"role": "user", "content": "Weather in Paris?"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Where?"}]},
+        {"role": "assistant", "content": "Checking.", "tool_calls": [
+            {"id": "a", "type": "function",
+             "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+            {"id": "b", "type": "function",
+             "function": {"name": "get_weather", "arguments": {"city": "Lyon"}}}]},
+        {"role": "tool", "tool_call_id": "a", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "b", "content": "rain"},
+        {"role": "assistant", "content": "Sunny in Paris, rain in Lyon."},
+        {"role": "user", "content": "Thanks"},
+    ],
+]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0, size="tiny")
@@ -51,3 +81,14 @@ def test_render_and_encode_match_transformers(model_dir, messages, add_generatio
     assert ids == expected_ids
     assert processor.decode(ids) == hf_tokenizer.decode(ids, skip_special_tokens=True)
     assert processor.decode(ids, skip_special_tokens=False) == hf_tokenizer.decode(ids)
+
+
+@pytest.mark.parametrize("messages", TOOL_CONVERSATIONS)
+def test_tools_render_as_in_transformers(model_dir, messages):
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    processor = PromptProcessor.from_model_dir(model_dir)
+    expected = hf_tokenizer.apply_chat_template(
+        messages, tools=TOOLS, tokenize=False, add_generation_prompt=True
+    )
+    assert processor.render_chat(messages, tools=TOOLS) == expected
+    assert "<tools>\n" + json.dumps(TOOLS[0]) + "\n</tools>" in expected

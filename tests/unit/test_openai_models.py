@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from pydantic import ValidationError
 
@@ -57,6 +59,9 @@ def test_validation_error_param_paths(body, param):
 def test_loc_to_param_skips_union_members():
     loc = ("body", "messages", 0, "content", "list[tagged-union[A,B]]", 1, "text")
     assert loc_to_param(loc) == "messages[0].content[1].text"
+    assert loc_to_param(("body", "tool_choice", "NamedToolChoice", "function")) == (
+        "tool_choice.function"
+    )
 
 
 def test_sampling_params_defaults_and_context():
@@ -95,8 +100,6 @@ def test_logit_bias_becomes_sorted_pairs():
         ({"logit_bias": {"3": 101}}, "[-100, 100]"),
         ({"logit_bias": {"3": "nan"}}, "[-100, 100]"),
         ({"logit_bias": {str(i): 1 for i in range(301)}}, "at most 300"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "not supported"),
-        ({"tools": [{"type": "function"}], "tool_choice": "auto"}, "not supported"),
     ],
 )
 def test_fields_tessera_cannot_honour_are_400_naming_them(fields, message):
@@ -163,3 +166,49 @@ def test_plain_text_format_and_tools_that_are_never_called_are_accepted():
         "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none",
     })
     assert request.response_format.type == "text"
+
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"tools": [{"type": "function"}]}, "tools[0].function"),
+        ({"tools": [{"type": "function", "function": {"name": "has space"}}]},
+         "tools[0].function.name"),
+        ({"tools": [TOOL] * 129}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "other"}}},
+         "tool_choice"),
+        ({"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
+         "tool_choice"),
+        ({"messages": [{"role": "assistant", "tool_calls": [{"function": {}}]}]},
+         "messages[0].tool_calls[0].function.name"),
+    ],
+)  # fmt: skip
+def test_bad_tools_are_400_naming_the_field(fields, param):
+    error = invalid({**BASE, **fields})
+    assert error.status == 400 and error.param == param
+
+
+def test_tool_choice_picks_the_plan_and_its_grammar():
+    def plan_of(**fields):
+        return ChatCompletionRequest.model_validate({**BASE, "tools": [TOOL], **fields})
+
+    auto = plan_of()
+    assert auto.tool_plan.mode == "auto" and auto.structured_output is None
+    assert plan_of(tool_choice="none").tool_plan is None
+    named = plan_of(tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    spec, param = named.structured_output
+    assert param == "tools" and json.loads(spec.json) == TOOL["function"]["parameters"]
+    required = plan_of(tool_choice="required", parallel_tool_calls=False)
+    schema = json.loads(required.structured_output[0].json)
+    assert schema["maxItems"] == 1 and schema["minItems"] == 1
+    [call] = schema["items"]["anyOf"]
+    assert call["properties"]["name"] == {"const": "get_weather"}
+    # Asking for a JSON answer while the model may still call a tool is fine.
+    both = plan_of(response_format={"type": "json_object"})
+    assert both.tool_plan.mode == "auto" and both.structured_output[1] == "response_format"

@@ -1,0 +1,221 @@
+"""Tool calls (OpenAI's `tools` and `tool_choice`) in the Hermes format that Qwen2.5's
+chat template teaches (Tessera's built-in template renders it too): the tools are listed in
+the system turn, and the model answers
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+`tool_choice` picks what happens (the constrained modes are vLLM's):
+
+    "none"      tools are neither shown to the model nor looked for: plain chat
+    "auto"      tools go into the prompt; the answer's <tool_call> blocks become tool calls
+                (text before the first block stays content; a block that does not parse
+                leaves the whole answer as content)
+    "required"  the output is constrained to a JSON array of one or more
+                {"name": <a tool>, "parameters": <its schema>} objects
+    {"type": "function", "function": {"name": f}}
+                the output is constrained to f's parameters schema: the whole answer is
+                f's arguments
+
+A tool's schema reaches the model only through the chat template: a template that does
+not render `tools` (Qwen2-VL's own, for one) leaves "auto" to the model's luck; "required"
+and a named function still hold, by the grammar.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from engine.protocol import StructuredOutput
+
+CALL_START = "<tool_call>"
+_CALL_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def as_dict(self, index: int | None = None) -> dict[str, Any]:
+        """OpenAI's shape; with `index` for a streamed delta."""
+        call = {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}  # fmt: skip
+        return call if index is None else {"index": index, **call}
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """What one chat request's tools ask for (none when `tool_choice` is "none")."""
+
+    mode: Literal["auto", "required", "named"]
+    tools: list[dict[str, Any]]  # OpenAI's tool objects, for the chat template
+    named: str | None = None
+    parallel: bool = True
+
+    def constraint(self) -> StructuredOutput | None:
+        """The grammar the output must follow, or None (auto)."""
+        if self.mode == "auto":
+            return None
+        schemas = {tool["function"]["name"]: _parameters(tool) for tool in self.tools}
+        if self.mode == "named":
+            return StructuredOutput(json=json.dumps(schemas[self.named]))
+        calls = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "parameters": schema},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for name, schema in schemas.items()
+        ]
+        array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if not self.parallel:
+            array["maxItems"] = 1
+        return StructuredOutput(json=json.dumps(array))
+
+    def extractor(self) -> ToolCallExtractor:
+        return ToolCallExtractor(self)
+
+    def finish_reason(self, engine_reason: str | None, calls: list[ToolCall]) -> str | None:
+        """OpenAI's: "tool_calls" when the model chose to call (auto, required); a named
+        function's call ends as "stop", like OpenAI's forced calls."""
+        if calls and engine_reason == "stop" and self.mode != "named":
+            return "tool_calls"
+        return engine_reason
+
+
+def tool_plan(
+    tools: list[dict[str, Any]] | None, tool_choice: Any, parallel_tool_calls: bool | None
+) -> ToolPlan | None:
+    """The plan of a request's (already validated) `tools` and `tool_choice`."""
+    if not tools or tool_choice == "none":
+        return None
+    parallel = parallel_tool_calls is not False
+    if tool_choice is None or tool_choice == "auto":
+        return ToolPlan("auto", tools, parallel=parallel)
+    if tool_choice == "required":
+        return ToolPlan("required", tools, parallel=parallel)
+    return ToolPlan("named", tools, named=tool_choice["function"]["name"], parallel=parallel)
+
+
+class ToolCallExtractor:
+    """One choice's text, split into content to send now and the tool calls at its end.
+
+    `feed` returns what may be streamed as content at once: in "auto", text up to a
+    <tool_call> (a tail that could start one is held back until it cannot); in the
+    constrained modes nothing, since the whole answer is calls. `finish` returns the rest
+    of the content and the calls."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self._plan = plan
+        self._held = ""
+        self._in_calls = plan.mode != "auto"
+
+    def feed(self, text: str) -> str:
+        self._held += text
+        if self._in_calls:
+            return ""
+        start = self._held.find(CALL_START)
+        if start >= 0:
+            self._in_calls = True
+            ready, self._held = self._held[:start], self._held[start:]
+            return ready
+        keep = _partial_prefix_length(self._held, CALL_START)
+        ready = self._held[: len(self._held) - keep]
+        self._held = self._held[len(ready) :]
+        return ready
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        held, self._held = self._held, ""
+        if not self._in_calls:
+            return held, []
+        parse = {"auto": _hermes_calls, "required": _array_calls}.get(self._plan.mode)
+        calls = parse(held) if parse else [ToolCall(self._plan.named or "", held.strip())]
+        return ("", calls) if calls else (held, [])
+
+
+def arguments_as_objects(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages for the chat template: an assistant's tool-call arguments (OpenAI sends a
+    JSON string) as objects, which templates write with `tojson`."""
+    result = []
+    for message in messages:
+        if message.get("tool_calls"):
+            message = {**message, "tool_calls": [_with_object_arguments(call)
+                                                 for call in message["tool_calls"]]}  # fmt: skip
+        result.append(message)
+    return result
+
+
+def check_tools(tools: list[dict[str, Any]] | None, tool_choice: Any) -> None:
+    """Raises ValueError where `tool_choice` asks for a call that `tools` cannot give."""
+    if tool_choice in (None, "none", "auto"):
+        return
+    if not tools:
+        raise ValueError(f"tool_choice {_choice_name(tool_choice)} needs tools")
+    if isinstance(tool_choice, dict):
+        name = tool_choice["function"]["name"]
+        if name not in {tool["function"]["name"] for tool in tools}:
+            raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
+
+
+def _choice_name(tool_choice: Any) -> str:
+    return repr(tool_choice) if isinstance(tool_choice, str) else "naming a function"
+
+
+def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
+    return tool["function"].get("parameters") or ANY_OBJECT
+
+
+def _with_object_arguments(call: dict[str, Any]) -> dict[str, Any]:
+    function = call.get("function") or {}
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            pass  # not JSON: the template writes the string as it came
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
+def _hermes_calls(text: str) -> list[ToolCall]:
+    """Every <tool_call> block's {"name", "arguments"}; [] if any block does not parse
+    (a truncated last block included)."""
+    calls = []
+    for block in _CALL_BLOCK.findall(text):
+        try:
+            call = json.loads(block)
+        except ValueError:
+            return []
+        if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
+            return []
+        calls.append(ToolCall(call["name"], _json_text(call.get("arguments", {}))))
+    return calls
+
+
+def _array_calls(text: str) -> list[ToolCall]:
+    """The "required" grammar's [{"name", "parameters"}, ...]; [] if cut short."""
+    try:
+        items = json.loads(text)
+    except ValueError:
+        return []
+    return [ToolCall(item["name"], _json_text(item["parameters"])) for item in items]
+
+
+def _json_text(arguments: Any) -> str:
+    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+
+
+def _partial_prefix_length(text: str, marker: str) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of `marker`."""
+    for length in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-length:]):
+            return length
+    return 0

@@ -1,0 +1,135 @@
+"""Tool calls over HTTP: the tools reach the prompt through the chat template (as
+transformers renders it), a named or "required" tool choice constrains the answer to
+calls, and in "auto" the server parses the model's <tool_call> blocks. The tiny model's
+weights are random, so "auto" is driven by a regex that makes it write a call."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from tests.e2e.conftest import MODEL_NAME
+
+transformers = pytest.importorskip("transformers")
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]}, "days": {"enum": [1, 2, 3]}},
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Forecast",
+                                      "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
+]  # fmt: skip
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+MESSAGES = [{"role": "user", "content": "Weather in Paris for two days?"}]
+
+
+def create(client, **kwargs):
+    kwargs = {"max_tokens": 96, "temperature": 0, **kwargs}
+    return client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, **kwargs
+    )
+
+
+def streamed(client, **kwargs) -> tuple[str, list[dict], list]:
+    """Content, tool calls (accumulated by index as clients do) and finish reasons."""
+    content, calls, reasons = "", {}, []
+    for chunk in create(client, stream=True, **kwargs):
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for delta in choice.delta.tool_calls or []:
+            call = calls.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})
+            call["id"] += delta.id or ""
+            call["name"] += delta.function.name or ""
+            call["arguments"] += delta.function.arguments or ""
+        reasons.append(choice.finish_reason)
+    return content, [calls[i] for i in sorted(calls)], [r for r in reasons if r]
+
+
+def check_calls(calls) -> None:
+    for call in calls:
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_a_named_function_is_called(client):
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    response = create(client, tool_choice=choice)
+    message = response.choices[0].message
+    assert message.content is None and response.choices[0].finish_reason == "stop"
+    [call] = message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    check_calls(message.tool_calls)
+    content, calls, reasons = streamed(client, tool_choice=choice)
+    assert content == "" and reasons == ["stop"]
+    assert [(c["name"], c["arguments"]) for c in calls] == [
+        ("get_weather", call.function.arguments)
+    ]
+
+
+def test_required_calls_one_or_more_tools(client):
+    response = create(client, tool_choice="required", temperature=1.0, seed=3)
+    assert response.choices[0].finish_reason == "tool_calls"
+    calls = response.choices[0].message.tool_calls
+    assert calls and all(c.function.name in SCHEMAS for c in calls)
+    check_calls(calls)
+    single = create(client, tool_choice="required", parallel_tool_calls=False)
+    assert len(single.choices[0].message.tool_calls) == 1
+
+
+def test_auto_parses_the_calls_the_model_writes(client):
+    regex = (
+        r'Checking\.\n<tool_call>\n\{"name": "get_weather", "arguments": '
+        r'\{"city": "(Paris|Oslo)", "days": [12]\}\}\n</tool_call>'
+    )
+    forced = {"structured_outputs": {"regex": regex}}
+    response = create(client, extra_body=forced)
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking.\n"
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    check_calls([call])
+    content, calls, reasons = streamed(client, extra_body=forced)
+    assert content == "Checking.\n" and reasons == ["tool_calls"]
+    assert [(c["name"], c["arguments"]) for c in calls] == [
+        ("get_weather", call.function.arguments)
+    ]
+    # Without a call in the answer, auto is plain chat.
+    plain = create(client, extra_body={"structured_outputs": {"choice": ["No tool needed."]}})
+    assert plain.choices[0].message.content == "No tool needed."
+    assert plain.choices[0].message.tool_calls is None
+    assert plain.choices[0].finish_reason == "stop"
+
+
+def test_tools_and_earlier_calls_reach_the_prompt_as_transformers_renders_them(
+    client, model_dir
+):
+    conversation = [
+        *MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    ]  # fmt: skip
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    for tool_choice, tools in (("auto", TOOLS), ("none", None)):
+        rendered = [
+            {**m, "tool_calls": [{**c, "function": {**c["function"],
+                                                    "arguments": json.loads(c["function"]["arguments"])}}
+                                 for c in m["tool_calls"]]} if m.get("tool_calls") else m
+            for m in conversation
+        ]  # fmt: skip
+        text = hf_tokenizer.apply_chat_template(
+            rendered, tools=tools, tokenize=False, add_generation_prompt=True
+        )
+        expected = hf_tokenizer(text, add_special_tokens=False)["input_ids"]
+        response = client.chat.completions.create(
+            model=MODEL_NAME, messages=conversation, tools=TOOLS, tool_choice=tool_choice,
+            max_tokens=2, temperature=0,
+        )  # fmt: skip
+        assert response.usage.prompt_tokens == len(expected), tool_choice

@@ -1,0 +1,107 @@
+"""Tool calls out of the model's text: Hermes blocks in "auto", the constrained shapes of
+"required" and a named function, whatever the chunking of the stream."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from server.tool_calls import ToolPlan, arguments_as_objects, tool_plan
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
+    {"type": "function", "function": {"name": "get_time"}},
+]
+AUTO = ToolPlan("auto", TOOLS)
+TWO_CALLS = (
+    "Let me look.\n<tool_call>\n"
+    '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+)
+
+
+def run(plan: ToolPlan, text: str, chunk: int) -> tuple[list[str], str, list]:
+    extractor = plan.extractor()
+    streamed = [extractor.feed(text[i : i + chunk]) for i in range(0, len(text), chunk)]
+    rest, calls = extractor.finish()
+    return streamed, rest, calls
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 1000])
+def test_auto_streams_content_and_parses_every_block(chunk):
+    streamed, rest, calls = run(AUTO, TWO_CALLS, chunk)
+    assert "".join(streamed) + rest == "Let me look.\n"
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris", "unit": "°C"}),
+        ("get_time", {}),
+    ]
+    assert "°C" in calls[0].arguments  # not \\u-escaped
+    assert calls[0].id != calls[1].id and calls[0].id.startswith("call_")
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 5])
+def test_text_that_only_looks_like_a_call_is_content(chunk):
+    text = "a <tool_ thing and <tool_call"
+    streamed, rest, calls = run(AUTO, text, chunk)
+    assert calls == [] and "".join(streamed) + rest == text
+    # A tail that could still become <tool_call> waits; nothing else does.
+    assert "".join(streamed) == "a <tool_ thing and "
+
+
+def test_a_block_that_does_not_parse_leaves_everything_as_content():
+    text = 'ok <tool_call>\n{"name": "get_weather", "arguments": {"city": \n</tool_call>'
+    streamed, rest, calls = run(AUTO, text, 4)
+    assert calls == [] and "".join(streamed) + rest == text
+
+
+def test_an_unclosed_last_block_still_counts_when_its_json_is_whole():
+    text = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n'
+    _, rest, calls = run(AUTO, text, 5)
+    assert rest == "" and [(c.name, c.arguments) for c in calls] == [
+        ("get_time", '{"zone": "UTC"}')
+    ]
+
+
+def test_required_and_named_shapes():
+    required = ToolPlan("required", TOOLS)
+    text = '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"a": 1}}]'
+    streamed, rest, calls = run(required, text, 3)
+    assert set(streamed) == {""} and rest == ""
+    assert [(c.name, c.arguments) for c in calls] == [("get_time", "{}"), ("get_weather", '{"a": 1}')]
+    assert run(required, '[{"name": "get_ti', 3)[1:] == ('[{"name": "get_ti', [])  # cut short
+    named = ToolPlan("named", TOOLS, named="get_weather")
+    streamed, rest, calls = run(named, '{"city": "Oslo"}', 4)
+    assert set(streamed) == {""} and rest == ""
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Oslo"}')]
+
+
+def test_finish_reasons():
+    [call] = run(AUTO, '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>', 9)[2]
+    assert AUTO.finish_reason("stop", [call]) == "tool_calls"
+    assert AUTO.finish_reason("stop", []) == "stop"
+    assert AUTO.finish_reason("length", [call]) == "length"
+    assert ToolPlan("named", TOOLS, named="get_time").finish_reason("stop", [call]) == "stop"
+
+
+def test_plans():
+    assert tool_plan(None, "auto", None) is None
+    assert tool_plan(TOOLS, "none", None) is None
+    assert tool_plan(TOOLS, None, None).mode == "auto"
+    plan = tool_plan(TOOLS, {"type": "function", "function": {"name": "get_time"}}, False)
+    assert plan.mode == "named" and plan.named == "get_time" and not plan.parallel
+    assert json.loads(plan.constraint().json) == {"type": "object"}  # no parameters given
+
+
+def test_arguments_become_objects_for_the_template():
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "tool_calls": [
+            {"id": "1", "function": {"name": "f", "arguments": '{"x": 1}'}},
+            {"id": "2", "function": {"name": "g", "arguments": "not json"}}]},
+    ]  # fmt: skip
+    converted = arguments_as_objects(messages)
+    calls = converted[1]["tool_calls"]
+    assert calls[0]["function"]["arguments"] == {"x": 1}
+    assert calls[1]["function"]["arguments"] == "not json"
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == '{"x": 1}'  # untouched
