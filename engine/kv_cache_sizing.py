@@ -212,7 +212,11 @@ def run_largest_step(
     )  # [T, hidden]
     num_rows = min(config.max_num_seqs, num_tokens)
     logits = model.compute_logits(hidden[-num_rows:])  # [S, vocab] float32
-    rows = [SamplingRow(HEAVIEST_SAMPLING, [0] * num_tokens, [0])] * num_rows
+    # A min_tokens ban and a grammar mask on every row too (the mask's [S, V] biases).
+    allow_all = torch.full(((logits.shape[1] + 31) // 32,), -1, dtype=torch.int32)
+    row = SamplingRow(HEAVIEST_SAMPLING, [0] * num_tokens, [0], banned_token_ids=(0,),
+                      allowed_tokens=allow_all)  # fmt: skip
+    rows = [row] * num_rows
     Sampler().sample(logits, rows).result()  # its own: the engine's draws stay untouched
 
 

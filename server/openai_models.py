@@ -1,8 +1,8 @@
 """Pydantic models of the OpenAI request and response bodies we accept and return.
 
 Requests are validated here (types, ranges); pydantic errors become 400s naming the field
-path in `server/errors.py`. Unknown request fields are ignored, like OpenAI does; the
-OpenAI fields that ask for what Tessera does not do are refused rather than ignored.
+path in `server/errors.py`. Unknown request fields are ignored, like OpenAI does; keys of
+vLLM's `structured_outputs` that Tessera does not implement are refused rather than ignored.
 Responses are plain models whose `model_dump(exclude_none=...)` is the exact OpenAI JSON.
 """
 
