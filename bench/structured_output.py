@@ -15,19 +15,26 @@ Two parts, both printed as tables:
    microseconds per call. This is Tessera's share of a mask; llguidance's share (computing
    the bitmask) depends on the tokenizer and the grammar, and the generated checkpoints'
    tokenizers are small (1.5k tokens), so part 1 understates it for a real vocabulary.
+3. llguidance's share on a synthetic byte-level vocabulary of that size: building its view
+   of the tokenizer, one JSON-schema matcher, and the masks of a random walk through it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import random
 import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from engine import LLM, SamplingParams, StructuredOutput
 from engine.sampler import Sampler, SamplingRow
+from engine.structured_output import GrammarCompiler
 from engine.tiny_model import make_tiny_model
 
 QWEN_VOCAB = 151936
@@ -85,6 +92,56 @@ def sampler_micro(rows: list[int], iters: int) -> None:
               f"{extra:.0f} | {extra / num_rows:.0f} |")  # fmt: skip
 
 
+def synthetic_vocabulary_tokenizer(size: int, seed: int = 0) -> str:
+    """tokenizer.json text of a byte-level BPE with `size` tokens: the 256 byte symbols plus
+    random words over letters, digits and JSON punctuation (no merges: llguidance reads
+    only each token's bytes). Stands in for a real 150k vocabulary, which no checkpoint
+    here has."""
+    rng = random.Random(seed)
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {"<unk>": 0, **{symbol: i + 1 for i, symbol in enumerate(alphabet)}}
+    letters = "abcdefghijklmnopqrstuvwxyzĠABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789{}\":,[]._-"
+    while len(vocab) < size:
+        word = "".join(rng.choice(letters) for _ in range(rng.randint(2, 9)))
+        vocab.setdefault(word, len(vocab))
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(["<|im_end|>"])
+    return tokenizer.to_str()
+
+
+def llguidance_on_a_large_vocabulary(steps: int) -> None:
+    """Times GrammarCompiler's parts on a synthetic 152k vocabulary: the tokenizer view
+    (built once per engine, on a thread at start-up), one matcher, and `steps` masks of a
+    JSON schema while random allowed tokens are consumed."""
+    folder = Path(tempfile.mkdtemp(prefix="tessera-vocab-"))
+    (folder / "tokenizer.json").write_text(synthetic_vocabulary_tokenizer(151646))
+    compiler = GrammarCompiler(str(folder / "tokenizer.json"), QWEN_VOCAB, (151646,))
+    start = time.perf_counter()
+    compiler.warm()
+    print(f"tokenizer view: {time.perf_counter() - start:.3f} s")
+    schema = {"type": "object", "required": ["name", "age", "tags"], "properties": {
+        "name": {"type": "string"}, "age": {"type": "integer"},
+        "tags": {"type": "array", "items": {"type": "string"}}}}  # fmt: skip
+    start = time.perf_counter()
+    matcher = compiler.matcher(StructuredOutput(json=json.dumps(schema)))
+    print(f"one matcher: {(time.perf_counter() - start) * 1e3:.2f} ms")
+    rng, times = random.Random(1), []
+    for _ in range(steps):
+        start = time.perf_counter()
+        mask = matcher.allowed_tokens()
+        times.append(time.perf_counter() - start)
+        bits = np.unpackbits(mask.numpy().view(np.uint8), bitorder="little")
+        allowed = np.flatnonzero(bits)
+        if matcher.is_complete or not len(allowed):
+            break
+        matcher.accept(int(rng.choice(allowed)))
+    times.sort()
+    print(f"{len(times)} masks: median {times[len(times) // 2] * 1e6:.0f} us, "
+          f"p90 {times[len(times) * 9 // 10] * 1e6:.0f} us, max {times[-1] * 1e6:.0f} us")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", nargs="+", default=["tiny"])
@@ -93,6 +150,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--sampler-rows", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--sampler-iters", type=int, default=20)
+    parser.add_argument("--mask-steps", type=int, default=200)
     parser.add_argument("--model-root", type=Path, default=None)
     args = parser.parse_args()
     root = args.model_root or Path(tempfile.mkdtemp(prefix="tessera-structured-"))
@@ -107,6 +165,8 @@ def main() -> None:
     print("| rows S | no masks | every row masked | extra | extra per row |")
     print("|---:|---:|---:|---:|---:|")
     sampler_micro(args.sampler_rows, args.sampler_iters)
+    print(f"\nllguidance on a synthetic {QWEN_VOCAB}-token vocabulary")
+    llguidance_on_a_large_vocabulary(args.mask_steps)
 
 
 if __name__ == "__main__":

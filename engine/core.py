@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -94,7 +95,8 @@ class EngineCore:
         )
         self._pending: list[RequestOutput] = []  # refusals and aborts for the next step
         self.features = FeatureAdmission(self.config, self.runner, self.scheduler)
-        self._grammars: GrammarCompiler | None = None  # made for the first structured output
+        self._grammars: GrammarCompiler | None = None
+        self._warm_grammars()
         # True when `launch_step` returns before the device has finished (CUDA): the caller
         # can do host work (read its inbox, launch the next step) until `finish_step`.
         # Tests set it on CPU, where a launched step has already run, to drive the same code.
@@ -325,9 +327,18 @@ class EngineCore:
             result.grammar = self._grammar_compiler().matcher(request.sampling.structured_output)
         return result
 
+    def _warm_grammars(self) -> None:
+        """Starts building llguidance's view of the tokenizer on a thread (see
+        `GrammarCompiler.warm`)."""
+        try:
+            compiler = self._grammar_compiler()
+        except ImportError:  # llguidance missing (the GPU machine's wheel bundle)
+            return
+        threading.Thread(target=compiler.warm, name="grammar-tokenizer", daemon=True).start()
+
     def _grammar_compiler(self) -> GrammarCompiler:
-        # Imported here: llguidance is needed only once a request asks for structured
-        # output (the GPU machine's wheel bundle goes without it, as without PyAV).
+        # Imported here: without llguidance (the GPU machine's wheel bundle goes without
+        # it, as without PyAV) everything but structured outputs works.
         from engine.structured_output import GrammarCompiler
 
         if self._grammars is None:

@@ -130,6 +130,15 @@ class GrammarCompiler:
                 )
             return self._tokenizer
 
+    def warm(self) -> None:
+        """Builds the tokenizer's view now (about 0.6 s for a 152k vocabulary, measured with
+        a synthetic one): the engine calls it on a thread at start-up, so that the first
+        structured request does not stall every running request while it is made."""
+        try:
+            self._llg_tokenizer()
+        except InvalidRequest:
+            pass  # no tokenizer.json: the first structured request gets the error
+
     def matcher(self, spec: StructuredOutput) -> GrammarMatcher:
         """A fresh matcher for `spec`; InvalidRequest when the grammar is unusable."""
         try:

@@ -9,6 +9,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
+from engine.errors import InvalidRequest
 from engine.protocol import SamplingParams, StructuredOutput
 from engine.sampler import Sampler, SamplingRow, apply_allowed_tokens
 from engine.structured_output import GrammarCompiler, grammar_error
@@ -124,3 +125,15 @@ def test_sampler_handles_the_sign_bit():
     allowed = torch.tensor([-(2**31), 0], dtype=torch.int32)  # bit 31 of word 0
     rows = [SamplingRow(SamplingParams(temperature=0.0), [1], [], allowed_tokens=allowed)]
     assert Sampler()(logits, rows).token_ids == [31]
+
+
+def test_warm_builds_the_tokenizer_view_ahead_and_a_missing_tokenizer_is_a_request_error(
+    model_dir, tmp_path
+):
+    compiler = GrammarCompiler(str(model_dir / "tokenizer.json"), 1600, (1,))
+    compiler.warm()
+    assert compiler._tokenizer is not None  # the first matcher will not pay for it
+    missing = GrammarCompiler(str(tmp_path / "tokenizer.json"), 1600, (1,))
+    missing.warm()  # nothing to build: no error at start-up
+    with pytest.raises(InvalidRequest, match="tokenizer.json"):
+        missing.matcher(StructuredOutput(regex="a"))
