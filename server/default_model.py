@@ -1,7 +1,7 @@
 """The built-in default model: a tiny random-weight Qwen2-VL checkpoint, generated once.
 
 `tessera serve` without `--model` serves it, so a first run needs no download. It lives in
-`$TESSERA_CACHE_DIR/default-model` (default `~/.cache/tessera/default-model`). Generation
+`$TESSERA_CACHE_DIR/default-model-2` (default `~/.cache/tessera/default-model-2`). Generation
 is atomic: written into a temp dir next to it, then renamed, so a crash or a concurrent
 start never leaves a half-written folder behind. Its weights are random: the text it
 produces is gibberish, by design.
@@ -17,7 +17,9 @@ from collections.abc import Mapping
 from pathlib import Path
 
 CACHE_ENV = "TESSERA_CACHE_DIR"
-DEFAULT_MODEL_FOLDER = "default-model"
+# Its number goes up whenever make_tiny_model's output changes, so an upgraded server
+# generates the new one instead of serving a stale copy (2: the chat template renders tools).
+DEFAULT_MODEL_FOLDER = "default-model-2"
 DEFAULT_MODEL_SEED = 0
 DEFAULT_MODEL_SIZE = "tiny"
 

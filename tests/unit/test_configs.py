@@ -59,7 +59,7 @@ def test_default_tiny_serves_the_built_in_model():
     raw = yaml.safe_load((ROOT / "configs" / "default-tiny.yaml").read_text())
     assert "model" not in raw, "default-tiny.yaml must leave the model to the built-in default"
     settings = _load(ROOT / "configs" / "default-tiny.yaml")
-    assert settings.engine.model == "/nonexistent/tessera-cache/default-model"
+    assert settings.engine.model == "/nonexistent/tessera-cache/default-model-2"
 
 
 def test_shapes_pick_their_device():

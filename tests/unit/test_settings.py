@@ -113,17 +113,17 @@ def test_every_field_has_a_flag_and_env_var() -> None:
 
 def test_default_model_dir(tmp_path: Path) -> None:
     settings = load_settings([], {"TESSERA_CACHE_DIR": str(tmp_path)})
-    assert Path(settings.engine.model) == tmp_path / "default-model"
-    assert default_model_dir({}) == Path("~/.cache/tessera/default-model").expanduser()
+    assert Path(settings.engine.model) == tmp_path / "default-model-2"
+    assert default_model_dir({}) == Path("~/.cache/tessera/default-model-2").expanduser()
 
 
 def test_default_model_is_generated_once_atomically(tmp_path: Path) -> None:
     from server.default_model import ensure_default_model, is_default_model
 
-    path = tmp_path / "default-model"
+    path = tmp_path / "default-model-2"
     assert ensure_default_model(path) == path
     assert (path / "config.json").is_file() and (path / "model.safetensors").is_file()
-    assert [p.name for p in tmp_path.iterdir()] == ["default-model"]  # no staging left over
+    assert [p.name for p in tmp_path.iterdir()] == ["default-model-2"]  # no staging left over
     mtime = (path / "model.safetensors").stat().st_mtime_ns
     ensure_default_model(path)  # reused, not regenerated
     assert (path / "model.safetensors").stat().st_mtime_ns == mtime
