@@ -505,9 +505,14 @@ class ChatCompletionResponse(_Response):
     system_fingerprint: str | None = None
 
 
+class DeltaToolCall(ResponseToolCall):
+    index: int  # which call of the choice; a call's deltas share it
+
+
 class DeltaMessage(_Response):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(_Response):

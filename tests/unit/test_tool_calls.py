@@ -105,3 +105,14 @@ def test_arguments_become_objects_for_the_template():
     assert calls[0]["function"]["arguments"] == {"x": 1}
     assert calls[1]["function"]["arguments"] == "not json"
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == '{"x": 1}'  # untouched
+
+
+def test_streamed_call_deltas_are_openai_chunks():
+    from server.openai_models import ChatCompletionChunk
+
+    [call] = run(AUTO, '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>', 4)[2]
+    chunk = {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": "m",
+             "choices": [{"index": 0, "finish_reason": "tool_calls", "logprobs": None,
+                          "delta": {"content": "", "tool_calls": [call.as_dict(0)]}}]}  # fmt: skip
+    parsed = ChatCompletionChunk.model_validate(chunk)
+    assert parsed.choices[0].delta.tool_calls[0].function.name == "get_time"
