@@ -505,8 +505,18 @@ class ChatCompletionResponse(_Response):
     system_fingerprint: str | None = None
 
 
-class DeltaToolCall(ResponseToolCall):
-    index: int  # which call of the choice; a call's deltas share it
+class DeltaFunctionCall(_Response):
+    name: str | None = None
+    arguments: str | None = None  # a fragment: a call's fragments add up to its arguments
+
+
+class DeltaToolCall(_Response):
+    """A streamed piece of a tool call: the first carries its id, type and name."""
+
+    index: int  # which call of the choice; a call's pieces share it
+    id: str | None = None
+    type: str | None = None
+    function: DeltaFunctionCall | None = None
 
 
 class DeltaMessage(_Response):

@@ -167,22 +167,27 @@ async def stream_chat(
             if isinstance(piece, bytes):
                 yield piece
                 return
-            text, finish, calls = piece.text, piece.finish_reason, []
+            text, finish, call_deltas = piece.text, piece.finish_reason, []
             if extractors is not None:  # content up to a tool call now, the calls at the end
                 extractor = extractors[piece.index]
-                text = extractor.feed(text)
+                text, call_deltas = extractor.feed_stream(text)
                 if finish is not None:
-                    rest, calls = extractor.finish()
-                    text += rest
+                    rest, last_deltas, calls = extractor.finish_stream()
+                    text, call_deltas = text + rest, call_deltas + last_deltas
                     finish = job.tools.finish_reason(finish, calls)  # type: ignore[union-attr]
-            if not text and finish is None and not (with_logprobs and piece.logprobs):
+            if (
+                not text
+                and not call_deltas
+                and finish is None
+                and not (with_logprobs and piece.logprobs)
+            ):
                 continue
             logprobs = None
             if with_logprobs:
                 logprobs = dump(chat_logprobs(tokenizer, piece.logprobs))
             delta: dict[str, Any] = {"content": text}
-            if calls:
-                delta["tool_calls"] = [call.as_dict(i) for i, call in enumerate(calls)]
+            if call_deltas:
+                delta["tool_calls"] = call_deltas
             yield chunk([choice(piece.index, delta, logprobs, finish)])
     if job.include_usage:
         yield chunk([], usage_of(totals))

@@ -16,7 +16,10 @@ the system turn, and the model answers
                 {"name": <a tool>, "parameters": <its schema>} objects
     {"type": "function", "function": {"name": f}}
                 the output is constrained to f's parameters schema: the whole answer is
-                f's arguments
+                f's arguments, which a stream sends as they come
+
+In a stream, content goes out as it comes (up to a <tool_call>), and every other call
+goes out whole in the last chunk.
 
 A tool's schema reaches the model only through the chat template: a template that does
 not render `tools` (Qwen2-VL's own, for one) leaves "auto" to the model's luck; "required"
@@ -25,6 +28,7 @@ and a named function still hold, by the grammar.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import uuid
@@ -118,6 +122,9 @@ class ToolCallExtractor:
         self._plan = plan
         self._held = ""
         self._in_calls = plan.mode != "auto"
+        # A named function's one call: its id goes out with the first streamed arguments.
+        self._named_call = ToolCall(plan.named, "") if plan.mode == "named" else None
+        self._has_streamed = False
 
     def feed(self, text: str) -> str:
         self._held += text
@@ -137,9 +144,33 @@ class ToolCallExtractor:
         held, self._held = self._held, ""
         if not self._in_calls:
             return held, []
-        parse = {"auto": _hermes_calls, "required": _array_calls}.get(self._plan.mode)
-        calls = parse(held) if parse else [ToolCall(self._plan.named or "", held.strip())]
+        if self._named_call is not None:
+            return "", [dataclasses.replace(self._named_call, arguments=held.strip())]
+        parse = _hermes_calls if self._plan.mode == "auto" else _array_calls
+        calls = parse(held)
         return ("", calls) if calls else (held, [])
+
+    def feed_stream(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        """`feed` for a stream: content to send now, and tool-call deltas to send now. A
+        named function's arguments stream as they come (its whole answer is them); other
+        calls go out whole from `finish_stream`."""
+        if self._named_call is None or not text:
+            return self.feed(text), []
+        self.feed(text)
+        if self._has_streamed:
+            return "", [{"index": 0, "function": {"arguments": text}}]
+        self._has_streamed = True
+        first = self._named_call.as_dict(0)
+        first["function"]["arguments"] = text
+        return "", [first]
+
+    def finish_stream(self) -> tuple[str, list[dict[str, Any]], list[ToolCall]]:
+        """`finish` for a stream: the rest of the content, the deltas of the calls not
+        streamed yet, and all the calls."""
+        content, calls = self.finish()
+        if self._has_streamed:
+            return content, [], calls
+        return content, [call.as_dict(i) for i, call in enumerate(calls)], calls
 
 
 def arguments_as_objects(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

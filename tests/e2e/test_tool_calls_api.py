@@ -38,16 +38,20 @@ def create(client, **kwargs):
 
 
 def streamed(client, **kwargs) -> tuple[str, list[dict], list]:
-    """Content, tool calls (accumulated by index as clients do) and finish reasons."""
+    """Content, tool calls (accumulated by index as clients do) and finish reasons; each
+    call also counts the chunks its pieces came in."""
     content, calls, reasons = "", {}, []
     for chunk in create(client, stream=True, **kwargs):
         choice = chunk.choices[0]
         content += choice.delta.content or ""
         for delta in choice.delta.tool_calls or []:
-            call = calls.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})
+            call = calls.setdefault(
+                delta.index, {"id": "", "name": "", "arguments": "", "chunks": 0}
+            )
             call["id"] += delta.id or ""
             call["name"] += delta.function.name or ""
             call["arguments"] += delta.function.arguments or ""
+            call["chunks"] += 1
         reasons.append(choice.finish_reason)
     return content, [calls[i] for i in sorted(calls)], [r for r in reasons if r]
 
@@ -70,6 +74,7 @@ def test_a_named_function_is_called(client):
     assert [(c["name"], c["arguments"]) for c in calls] == [
         ("get_weather", call.function.arguments)
     ]
+    assert calls[0]["chunks"] > 3  # the arguments streamed as they were generated
 
 
 def test_required_calls_one_or_more_tools(client):

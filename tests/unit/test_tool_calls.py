@@ -116,3 +116,27 @@ def test_streamed_call_deltas_are_openai_chunks():
                           "delta": {"content": "", "tool_calls": [call.as_dict(0)]}}]}  # fmt: skip
     parsed = ChatCompletionChunk.model_validate(chunk)
     assert parsed.choices[0].delta.tool_calls[0].function.name == "get_time"
+
+
+def test_a_named_functions_arguments_stream_as_they_come():
+    extractor = ToolPlan("named", TOOLS, named="get_weather").extractor()
+    pieces = [extractor.feed_stream(text) for text in ['{"ci', 'ty": ', "", '"Oslo"}']]
+    assert [content for content, _ in pieces] == ["", "", "", ""]
+    first, second, nothing, third = (deltas for _, deltas in pieces)
+    assert first == [{"index": 0, "id": first[0]["id"], "type": "function",
+                      "function": {"name": "get_weather", "arguments": '{"ci'}}]  # fmt: skip
+    assert second == [{"index": 0, "function": {"arguments": 'ty": '}}] and nothing == []
+    assert third == [{"index": 0, "function": {"arguments": '"Oslo"}'}}]
+    content, last, [call] = extractor.finish_stream()
+    assert content == "" and last == []  # all of it went out already
+    assert (call.id, call.arguments) == (first[0]["id"], '{"city": "Oslo"}')
+
+
+def test_other_calls_go_out_whole_at_the_end_of_a_stream():
+    extractor = AUTO.extractor()
+    contents = [extractor.feed_stream(TWO_CALLS[i : i + 5]) for i in range(0, len(TWO_CALLS), 5)]
+    assert all(deltas == [] for _, deltas in contents)
+    content, deltas, calls = extractor.finish_stream()
+    assert [d["index"] for d in deltas] == [0, 1]
+    assert [d["function"]["name"] for d in deltas] == ["get_weather", "get_time"]
+    assert [d["id"] for d in deltas] == [c.id for c in calls]
