@@ -30,7 +30,10 @@ def chat_body(
     max_tokens: int,
     ignore_eos: bool,
     temperature: float,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """One streaming chat request; `extra` fields (e.g. a structured output) are merged in
+    last."""
     body: dict[str, Any] = {
         "model": model,
         "messages": [{"role": "user", "content": list(content)}],
@@ -41,7 +44,7 @@ def chat_body(
     }
     if ignore_eos:
         body["ignore_eos"] = True  # a vLLM / Tessera extension; others ignore or reject it
-    return body
+    return {**body, **(extra or {})}
 
 
 class _StreamState:

@@ -25,6 +25,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -57,6 +58,7 @@ class BenchConfig:
     max_tokens: int
     ignore_eos: bool
     temperature: float
+    extra_body: dict[str, Any]  # merged into every request (--extra-body)
     slo_ttft_s: float | None
     slo_tpot_s: float | None
     api_key: str | None
@@ -109,6 +111,7 @@ async def run_requests(
             max_tokens=config.max_tokens,
             ignore_eos=config.ignore_eos,
             temperature=config.temperature,
+            extra=config.extra_body,
         )
         async with semaphore:
             record = await stream_chat(client, url, body, headers)
@@ -190,6 +193,13 @@ def _grid(text: str) -> tuple[int, int, int]:
     return values[0], values[1], values[2]
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(text)
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tessera bench serve", description=__doc__.split("\n")[0])
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
@@ -204,6 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--extra-body", type=_json_object, default={},
+                   help='JSON merged into every request, e.g. \'{"min_tokens": 8}\'')  # fmt: skip
     p.add_argument("--image-size", type=parse_image_size, default=(448, 448), help="WxH")
     p.add_argument("--image-repeat-ratio", type=float, default=0.0)
     p.add_argument("--feature-url", action="append", default=[], help="repeatable")
@@ -253,6 +265,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         max_tokens=args.max_tokens,
         ignore_eos=args.ignore_eos,
         temperature=args.temperature,
+        extra_body=args.extra_body,
         slo_ttft_s=None if args.slo_ttft is None else args.slo_ttft / 1000,
         slo_tpot_s=None if args.slo_tpot is None else args.slo_tpot / 1000,
         api_key=args.api_key,

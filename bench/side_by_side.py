@@ -13,7 +13,9 @@ The loads (issue 9): --num-requests streaming chat requests at --concurrency, ea
 --input-len words of text and --max-tokens output tokens (ignore_eos), with
   image-distinct  one distinct --image-size image per request,
   image-shared    the same --image-size image in every request,
-  text            no image.
+  text            no image,
+  text-regex      no image, and a structured output (a regex) on every request; not in
+                  the default --loads.
 The checkpoint is the generated `small` (0.5B-shaped) Qwen2-VL in bfloat16; it is
 written to --model first if the folder does not exist. Traffic never leaves 127.0.0.1.
 """
@@ -28,6 +30,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from string import Template
 
 from bench.servers import HOST, ServerSpec, free_port, repo_pythonpath, running
 
@@ -39,7 +42,13 @@ LOADS: dict[str, list[str]] = {
     "image-distinct": ["--dataset", "image", "--image-repeat-ratio", "0.0"],
     "image-shared": ["--dataset", "image", "--image-repeat-ratio", "1.0"],
     "text": ["--dataset", "text"],
-}
+    # Structured output, in the words both servers take (vLLM's `structured_outputs`): the
+    # regex never completes and min_tokens holds EOS back, so every request still makes
+    # --max-tokens tokens and the load compares with "text" token for token.
+    "text-regex": ["--dataset", "text", "--extra-body",
+                   '{"structured_outputs": {"regex": "[a-z ,.]*"}, "min_tokens": $max_tokens}'],
+}  # fmt: skip
+DEFAULT_LOADS = ["image-distinct", "image-shared", "text"]
 
 # (summary key in bench.serve's JSON, column title, higher is better)
 METRICS: list[tuple[str, str, bool]] = [
@@ -119,7 +128,9 @@ def bench_server(spec: ServerSpec, port: int, args: argparse.Namespace, work: Pa
             run_load(base_url, warm, work / f"{spec.name}-warmup.json")
         for load in args.loads:
             print(f"[{spec.name}] load {load}", file=sys.stderr)
-            flags = common_flags(args) + LOADS[load]
+            load_flags = [Template(flag).substitute(max_tokens=args.max_tokens)
+                          for flag in LOADS[load]]  # fmt: skip
+            flags = common_flags(args) + load_flags
             results[load] = run_load(base_url, flags, work / f"{spec.name}-{load}.json")
     return results
 
@@ -190,7 +201,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--model", default=DEFAULT_MODEL_DIR)
     parser.add_argument("--servers", nargs="+", default=["tessera", "vllm"],
                         choices=["tessera", "vllm"])  # fmt: skip
-    parser.add_argument("--loads", nargs="+", default=list(LOADS), choices=list(LOADS))
+    parser.add_argument("--loads", nargs="+", default=DEFAULT_LOADS, choices=list(LOADS))
     parser.add_argument("--num-requests", type=int, default=48)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)

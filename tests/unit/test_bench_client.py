@@ -154,3 +154,17 @@ def test_flags_are_validated(capsys):
             config_from_args(parse(bad))
     assert main(["--base-url", "http://8.8.8.8:1", "--no-progress"]) == 2
     assert "non-loopback" in capsys.readouterr().err
+
+
+def test_extra_body_is_merged_into_every_request():
+    from bench.client import chat_body
+
+    parse = build_parser().parse_args
+    extra = '{"structured_outputs": {"regex": "[a-z]*"}, "min_tokens": 8}'
+    config = config_from_args(parse(["--extra-body", extra]))
+    body = chat_body("m", ({"type": "text", "text": "hi"},), max_tokens=8, ignore_eos=True,
+                     temperature=0.0, extra=config.extra_body)  # fmt: skip
+    assert body["structured_outputs"] == {"regex": "[a-z]*"} and body["min_tokens"] == 8
+    assert body["ignore_eos"] and body["stream"]
+    with pytest.raises(SystemExit):
+        parse(["--extra-body", "[1]"])
