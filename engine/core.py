@@ -339,12 +339,15 @@ class EngineCore:
     def _grammar_compiler(self) -> GrammarCompiler:
         # Imported here: without llguidance (the GPU machine's wheel bundle goes without
         # it, as without PyAV) everything but structured outputs works.
-        from engine.structured_output import GrammarCompiler
+        from engine.structured_output import GrammarCompiler, parser_limits
 
         if self._grammars is None:
             mc = self.model_config
             tokenizer_json = str(Path(self.config.model) / "tokenizer.json")
-            self._grammars = GrammarCompiler(tokenizer_json, mc.vocab_size, mc.eos_token_ids)
+            limits = parser_limits(self.config.grammar_lexer_fuel)
+            self._grammars = GrammarCompiler(
+                tokenizer_json, mc.vocab_size, mc.eos_token_ids, limits
+            )
         return self._grammars
 
     def _media_item(

@@ -26,6 +26,7 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=
     json: str | None = None
     regex: str | None = None
     choice: tuple[str, ...] | None = None
+    param: str = "structured_output"  # the request field it came from, for error messages
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

@@ -42,7 +42,7 @@ from engine.config import EngineConfig
 from engine.encoder_cache import EncoderCacheManager
 from engine.errors import ContextLengthExceeded
 from engine.kv_cache_manager import KVCacheManager
-from engine.protocol import ErrorInfo, RequestOutput, TokenLogprob
+from engine.protocol import ErrorInfo, RequestOutput, SamplingParams, TokenLogprob
 from engine.request import MediaItem, Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -364,11 +364,14 @@ class Scheduler:
             if not chunk.samples:
                 continue  # mid-prefill: no token this step
             token_id = sampled_token_ids[request.request_id]
+            if request.grammar is not None and not request.grammar.accept(token_id):
+                # The grammar ran out of its limits, or min_tokens / stop-token bans left
+                # nothing it allows: the request fails, without the token.
+                request.error = grammar_failure(request.grammar.error, request.sampling)
+                self._finish(request, RequestStatus.FINISHED_ERROR)
+                outputs.append(self._output(request, []))
+                continue
             request.output_token_ids.append(token_id)
-            if request.grammar is not None:
-                # A token the grammar refuses (possible only where min_tokens or stop-token
-                # bans left nothing it allows) leaves it complete too: the request stops.
-                request.grammar.accept(token_id)
             if request.first_token_time is None:
                 request.first_token_time = time.monotonic()
             token_logprob = logprobs.get(request.request_id)
@@ -440,3 +443,11 @@ class Scheduler:
             num_cached_tokens=request.num_cached_tokens,
             **request.phase_seconds(time.monotonic()),
         )
+
+
+def grammar_failure(reason: str | None, sampling: SamplingParams) -> ErrorInfo:
+    spec = sampling.structured_output
+    return ErrorInfo(
+        f"the structured output's grammar failed: {reason or 'no allowed token'}",
+        param=spec.param if spec else None,
+    )

@@ -151,7 +151,9 @@ def build_sampling_params(
         repetition_penalty=request.repetition_penalty or 1.0,
         logprobs=num_logprobs,
         logit_bias=request.logit_bias_pairs,
-        structured_output=constraint[0] if constraint else None,
+        structured_output=msgspec.structs.replace(constraint[0], param=constraint[1])
+        if constraint
+        else None,
     )
 
 

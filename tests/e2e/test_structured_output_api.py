@@ -122,3 +122,16 @@ def test_a_bad_schema_does_not_disturb_the_server(client):
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 7}}})  # fmt: skip
     response = create(client, max_tokens=4, temperature=0)
     assert response.choices[0].message.content
+
+
+def test_a_grammar_past_its_limits_is_a_400_naming_the_field_and_others_go_on(client, http):
+    """`a{1000000}` passes the server's check but not the engine's lexer fuel."""
+    body = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 4,
+            "structured_outputs": {"regex": "a{1000000}"}}  # fmt: skip
+    error = assert_error(http.post("/v1/chat/completions", json=body), 400,
+                         param="structured_outputs.regex")  # fmt: skip
+    assert "grammar failed" in error["message"]
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+        events = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert "grammar failed" in events[-2] and events[-1] == "data: [DONE]"
+    assert create(client, max_tokens=4, temperature=0).choices[0].message.content

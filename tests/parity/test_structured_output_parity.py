@@ -145,7 +145,7 @@ def test_a_bad_grammar_fails_its_request_only(model_dir):
     good = SamplingParams(max_tokens=4, temperature=0.0)
     with LLM(str(model_dir), num_kv_blocks=64) as llm:
         failed, answered = llm.generate(PROMPTS[:2], [bad, good])
-    assert failed.error is not None and failed.error.param == "response_format"
+    assert failed.error is not None and failed.error.param == "structured_output"
     assert "regex" in failed.error.message
     assert answered.error is None and len(answered.token_ids) >= 1
 
@@ -178,3 +178,18 @@ def test_overlap_scheduling_and_preemption_keep_to_the_grammar(model_dir):
     assert [r.token_ids for r in results] == [r.token_ids for r in reference]
     for result in results:
         check_text("json", result.text)
+
+
+def test_a_grammar_that_runs_out_of_its_limits_fails_only_its_request(model_dir):
+    """`a{1000000}` passes the server's grammar-level check but needs more regex work than
+    grammar_lexer_fuel allows: its request ends with an error naming it, and no token of
+    it goes out; the request beside it is answered as without it."""
+    hostile = SamplingParams(max_tokens=8, temperature=0.0,
+                             structured_output=StructuredOutput(regex="a{1000000}"))  # fmt: skip
+    plain = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    with LLM(str(model_dir), num_kv_blocks=64) as llm:
+        alone = llm.generate(PROMPTS[:1], plain)
+        failed, answered = llm.generate(PROMPTS[1::-1], [hostile, plain])
+    assert failed.error is not None and failed.error.param == "structured_output"
+    assert "grammar failed" in failed.error.message and failed.token_ids == []
+    assert answered.token_ids == alone[0].token_ids
