@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -59,6 +60,7 @@ from server.streaming import (
     stream_chat,
     stream_completion,
 )
+from server.tool_calls import ToolPlan, call_format
 
 logger = logging.getLogger(__name__)
 
@@ -375,8 +377,17 @@ def _job(state: AppState, body: Any, prompt: Any, *, prefix: str) -> GenerationJ
         stop=body.stop_list,
         skip_special_tokens=body.skip_special_tokens,
         include_usage=body.include_usage,
-        tools=body.tool_plan if isinstance(body, ChatCompletionRequest) else None,
+        tools=_tool_plan(state, body),
     )
+
+
+def _tool_plan(state: AppState, body: Any) -> ToolPlan | None:
+    """A chat request's tool plan, parsing calls in the format its chat template teaches."""
+    plan = body.tool_plan if isinstance(body, ChatCompletionRequest) else None
+    if plan is None:
+        return None
+    template = body.chat_template or state.processor.chat_template
+    return dataclasses.replace(plan, format=call_format(state.settings.tool_call_parser, template))
 
 
 def _finisher(

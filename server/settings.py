@@ -37,6 +37,7 @@ import yaml
 
 from engine.config import EngineConfig
 from engine.logging_utils import LOG_FORMATS, LOG_LEVELS
+from server.tool_calls import TOOL_CALL_PARSERS
 
 ENV_PREFIX = "TESSERA_"
 CONFIG_ENV = "TESSERA_CONFIG"
@@ -79,6 +80,7 @@ class ServerSettings:
     max_waiting_requests: int = 256  # beyond max_num_seqs running; more -> 503 + Retry-After
     max_waiting_tokens: int = 1_000_000  # prompt tokens of all admitted unfinished requests
     trust_request_chat_template: bool = False  # accept a request's own `chat_template`
+    tool_call_parser: str = "auto"  # "auto" (from the chat template) | "hermes" (<tool_call> blocks: Qwen2.5) | "llama3_json" ({"name", "parameters"}: Llama 3.1)
     engine_startup_timeout_s: float = 600.0  # model load + KV allocation deadline
     shutdown_timeout_s: float = 30.0  # drain in-flight requests on SIGTERM, then stop
     engine_inbox_address: str | None = None  # tcp://HOST:PORT; None = private ipc:// socket
@@ -92,6 +94,11 @@ class ServerSettings:
     def __post_init__(self) -> None:
         if self.log_format not in LOG_FORMATS:
             raise SettingsError(f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise SettingsError(
+                f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, "
+                f"got {self.tool_call_parser!r}"
+            )
         if self.log_level.lower() not in LOG_LEVELS:
             raise SettingsError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         if not 0 <= self.port <= 65535:

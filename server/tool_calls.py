@@ -6,6 +6,10 @@ the system turn, and the model answers
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
+or in Llama 3.1's (`llama3_json`, picked when the chat template is Llama's): the answer is
+nothing but `{"name": ..., "parameters": {...}}` objects, maybe after <|python_tag|>,
+separated by ";".
+
 `tool_choice` picks what happens (the constrained modes are vLLM's):
 
     "none"      tools are neither shown to the model nor looked for: plain chat
@@ -37,6 +41,11 @@ from typing import Any, Literal
 
 from engine.protocol import StructuredOutput
 
+# The formats the answer's calls are parsed in (--tool-call-parser; "auto" picks by the
+# chat template): Qwen2.5's Hermes blocks, or Llama 3.1's bare JSON objects.
+TOOL_CALL_FORMATS = ("hermes", "llama3_json")
+TOOL_CALL_PARSERS = ("auto", *TOOL_CALL_FORMATS)
+PYTHON_TAG = "<|python_tag|>"  # Llama 3.1 may open its calls with it
 CALL_START = "<tool_call>"
 _CALL_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -63,6 +72,7 @@ class ToolPlan:
     tools: list[dict[str, Any]]  # OpenAI's tool objects, for the chat template
     named: str | None = None
     parallel: bool = True
+    format: str = "hermes"  # how "auto" answers write their calls (TOOL_CALL_FORMATS)
 
     def constraint(self) -> StructuredOutput | None:
         """The grammar the output must follow, or None (auto)."""
@@ -96,6 +106,16 @@ class ToolPlan:
         return engine_reason
 
 
+def call_format(parser: str, chat_template: str | None) -> str:
+    """The format of `parser` ("auto": Llama 3.1's when the chat template mentions its
+    python tag or ipython environment and not <tool_call>, else Hermes)."""
+    if parser != "auto":
+        return parser
+    template = chat_template or ""
+    is_llama = PYTHON_TAG in template or "Environment: ipython" in template
+    return "llama3_json" if is_llama and CALL_START not in template else "hermes"
+
+
 def tool_plan(
     tools: list[dict[str, Any]] | None, tool_choice: Any, parallel_tool_calls: bool | None
 ) -> ToolPlan | None:
@@ -125,11 +145,14 @@ class ToolCallExtractor:
         # A named function's one call: its id goes out with the first streamed arguments.
         self._named_call = ToolCall(plan.named, "") if plan.mode == "named" else None
         self._has_streamed = False
+        self._is_text = False  # llama3_json: the answer turned out to be plain text
 
     def feed(self, text: str) -> str:
         self._held += text
         if self._in_calls:
             return ""
+        if self._plan.format == "llama3_json":
+            return self._feed_llama3()
         start = self._held.find(CALL_START)
         if start >= 0:
             self._in_calls = True
@@ -140,14 +163,33 @@ class ToolCallExtractor:
         self._held = self._held[len(ready) :]
         return ready
 
+    def _feed_llama3(self) -> str:
+        """Llama 3.1 answers either with calls only (a JSON object first, maybe after its
+        python tag) or with plain text: the first visible character decides."""
+        if self._is_text:
+            ready, self._held = self._held, ""
+            return ready
+        start = self._held.lstrip()
+        if not start or PYTHON_TAG.startswith(start):
+            return ""  # not decided yet
+        if start.startswith(("{", PYTHON_TAG)):
+            self._in_calls = True
+            return ""
+        self._is_text = True
+        return self._feed_llama3()
+
     def finish(self) -> tuple[str, list[ToolCall]]:
         held, self._held = self._held, ""
         if not self._in_calls:
             return held, []
         if self._named_call is not None:
             return "", [dataclasses.replace(self._named_call, arguments=held.strip())]
-        parse = _hermes_calls if self._plan.mode == "auto" else _array_calls
-        calls = parse(held)
+        if self._plan.mode == "required":
+            calls = _array_calls(held)
+        else:
+            calls = (
+                _llama3_calls(held) if self._plan.format == "llama3_json" else _hermes_calls(held)
+            )
         return ("", calls) if calls else (held, [])
 
     def feed_stream(self, text: str) -> tuple[str, list[dict[str, Any]]]:
@@ -229,6 +271,26 @@ def _hermes_calls(text: str) -> list[ToolCall]:
             return []
         calls.append(ToolCall(call["name"], _json_text(call.get("arguments", {}))))
     return calls
+
+
+def _llama3_calls(text: str) -> list[ToolCall]:
+    """Llama 3.1's {"name": ..., "parameters": {...}} objects (after an optional python
+    tag, separated by ";"); [] if anything else is there."""
+    text = text.strip().removeprefix(PYTHON_TAG)
+    decoder, calls, position = json.JSONDecoder(), [], 0
+    while True:
+        while position < len(text) and text[position] in " \t\r\n;":
+            position += 1
+        if position == len(text):
+            return calls
+        try:
+            call, position = decoder.raw_decode(text, position)
+        except ValueError:
+            return []
+        if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
+            return []
+        arguments = call.get("parameters", call.get("arguments", {}))
+        calls.append(ToolCall(call["name"], _json_text(arguments)))
 
 
 def _array_calls(text: str) -> list[ToolCall]:

@@ -10,7 +10,7 @@ import json
 import jsonschema
 import pytest
 
-from tests.e2e.conftest import MODEL_NAME
+from tests.e2e.conftest import MODEL_NAME, run_server
 
 transformers = pytest.importorskip("transformers")
 
@@ -138,3 +138,28 @@ def test_tools_and_earlier_calls_reach_the_prompt_as_transformers_renders_them(
             max_tokens=2, temperature=0,
         )  # fmt: skip
         assert response.usage.prompt_tokens == len(expected), tool_choice
+
+
+@pytest.fixture(scope="module")
+def llama_client(model_dir, tmp_path_factory):
+    openai = pytest.importorskip("openai")
+    log = tmp_path_factory.mktemp("llama_tools") / "server.log"
+    with run_server(model_dir, log, "--tool-call-parser", "llama3_json") as handle:
+        yield openai.OpenAI(base_url=handle.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_llama3_json_calls_are_parsed_when_that_parser_is_set(llama_client):
+    regex = r'\{"name": "get_time", "parameters": \{"zone": "(UTC|CET)"\}\}'
+    forced = {"structured_outputs": {"regex": regex}}
+    response = create(llama_client, extra_body=forced)
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_time"
+    check_calls([call])
+    content, calls, reasons = streamed(llama_client, extra_body=forced)
+    assert content == "" and reasons == ["tool_calls"]
+    assert [(c["name"], c["arguments"]) for c in calls] == [("get_time", call.function.arguments)]
+    text = {"structured_outputs": {"choice": ["Sunny, no call needed."]}}
+    content, calls, reasons = streamed(llama_client, extra_body=text)
+    assert (content, calls, reasons) == ("Sunny, no call needed.", [], ["stop"])

@@ -140,3 +140,45 @@ def test_other_calls_go_out_whole_at_the_end_of_a_stream():
     assert [d["index"] for d in deltas] == [0, 1]
     assert [d["function"]["name"] for d in deltas] == ["get_weather", "get_time"]
     assert [d["id"] for d in deltas] == [c.id for c in calls]
+
+
+LLAMA = ToolPlan("auto", TOOLS, format="llama3_json")
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 1000])
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('{"name": "get_time", "parameters": {"zone": "UTC"}}', [("get_time", '{"zone": "UTC"}')]),
+        ('<|python_tag|>{"name": "get_time", "parameters": {}}; '
+         '{"name": "get_weather", "arguments": {"city": "a;b"}}',
+         [("get_time", "{}"), ("get_weather", '{"city": "a;b"}')]),
+        ('  \n{"name": "get_time", "parameters": {}}\n', [("get_time", "{}")]),
+    ],
+)  # fmt: skip
+def test_llama3_json_calls(chunk, text, expected):
+    streamed, rest, calls = run(LLAMA, text, chunk)
+    assert "".join(streamed) == "" and rest == ""
+    assert [(c.name, c.arguments) for c in calls] == expected
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 1000])
+def test_llama3_json_plain_answers_stream_as_content(chunk):
+    text = "  The weather is {fine}; no call needed."
+    streamed, rest, calls = run(LLAMA, text, chunk)
+    assert calls == [] and "".join(streamed) + rest == text
+    assert "".join(streamed).startswith("  The")  # streamed as it came, not held to the end
+    not_a_call = '{"weather": "fine"}'
+    _, rest, calls = run(LLAMA, not_a_call, chunk)
+    assert calls == [] and rest == not_a_call  # JSON, but no call: content
+
+
+def test_the_format_follows_the_chat_template():
+    from engine.tiny_model import read_chat_template
+    from server.tool_calls import call_format
+
+    llama = 'Environment: ipython\n{{- "<|python_tag|>" + tool_call.name }}'
+    assert call_format("auto", read_chat_template()) == "hermes"
+    assert call_format("auto", llama) == "llama3_json"
+    assert call_format("auto", None) == "hermes"
+    assert call_format("hermes", llama) == "hermes"  # an explicit parser wins
