@@ -100,7 +100,7 @@ def synthetic_vocabulary_tokenizer(size: int, seed: int = 0) -> str:
     rng = random.Random(seed)
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {"<unk>": 0, **{symbol: i + 1 for i, symbol in enumerate(alphabet)}}
-    letters = "abcdefghijklmnopqrstuvwxyzĠABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789{}\":,[]._-"
+    letters = 'abcdefghijklmnopqrstuvwxyzĠABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789{}":,[]._-'
     while len(vocab) < size:
         word = "".join(rng.choice(letters) for _ in range(rng.randint(2, 9)))
         vocab.setdefault(word, len(vocab))

@@ -11,13 +11,15 @@ step that samples for the request
     matcher.accept(token)     -> the grammar advances (scheduler.update)
 
 and once the grammar is complete (`is_complete`: nothing but EOS may follow) the request
-finishes with "stop", whether or not EOS was sampled. The next token's mask needs this
-one, so such steps are never launched ahead (engine/core.py, overlap scheduling).
+finishes with "stop", whether or not EOS was sampled; a grammar that fails on the way
+(`error`: out of its limits, or no allowed token left) fails its request. The next token's
+mask needs this one, so such steps are never launched ahead (engine/core.py, overlap
+scheduling).
 
 The server checks a spec with `grammar_error` before sending it, so a bad schema or regex
 is a 400 there; the engine checks again for the offline `LLM`. The tokenizer's view that
-llguidance needs (each token's bytes) is built once per engine, on the first request
-that wants it.
+llguidance needs (each token's bytes) is built once per engine, on a thread at start-up
+(`GrammarCompiler.warm`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ def parser_limits(lexer_fuel: int) -> llguidance.LLParserLimits:
     failing; at 100k, 13 ms, while schemas of 20 x 50 properties still build (measured on
     a synthetic 152k vocabulary). Short error messages: they go back to the client."""
     return llguidance.LLParserLimits(initial_lexer_fuel=lexer_fuel, verbose_errors=False)
+
+
 # llguidance's JSON compile options; a schema's "x-guidance" object overrides them.
 # JSON as json.dumps writes it, with no whitespace elsewhere: llguidance's default lets a
 # model pad JSON with whitespace, and weak models then spend max_tokens on it. oneOf is

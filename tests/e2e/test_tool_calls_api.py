@@ -111,9 +111,7 @@ def test_auto_parses_the_calls_the_model_writes(client):
     assert plain.choices[0].finish_reason == "stop"
 
 
-def test_tools_and_earlier_calls_reach_the_prompt_as_transformers_renders_them(
-    client, model_dir
-):
+def test_tools_and_earlier_calls_reach_the_prompt_as_transformers_renders_them(client, model_dir):
     conversation = [
         *MESSAGES,
         {"role": "assistant", "content": None, "tool_calls": [{

@@ -65,10 +65,15 @@ def test_an_unclosed_last_block_still_counts_when_its_json_is_whole():
 
 def test_required_and_named_shapes():
     required = ToolPlan("required", TOOLS)
-    text = '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"a": 1}}]'
+    text = (
+        '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"a": 1}}]'
+    )
     streamed, rest, calls = run(required, text, 3)
     assert set(streamed) == {""} and rest == ""
-    assert [(c.name, c.arguments) for c in calls] == [("get_time", "{}"), ("get_weather", '{"a": 1}')]
+    assert [(c.name, c.arguments) for c in calls] == [
+        ("get_time", "{}"),
+        ("get_weather", '{"a": 1}'),
+    ]
     assert run(required, '[{"name": "get_ti', 3)[1:] == ('[{"name": "get_ti', [])  # cut short
     named = ToolPlan("named", TOOLS, named="get_weather")
     streamed, rest, calls = run(named, '{"city": "Oslo"}', 4)
