@@ -16,7 +16,9 @@ Two parts, both printed as tables:
    the bitmask) depends on the tokenizer and the grammar, and the generated checkpoints'
    tokenizers are small (1.5k tokens), so part 1 understates it for a real vocabulary.
 3. llguidance's share on a synthetic byte-level vocabulary of that size: building its view
-   of the tokenizer, one JSON-schema matcher, and the masks of a random walk through it.
+   of the tokenizer, one JSON-schema matcher, the masks of a random walk through it, and
+   the first mask of the hostile regex `a{1000000}` at llguidance's default lexer fuel
+   and at Tessera's --grammar-lexer-fuel.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from engine import LLM, SamplingParams, StructuredOutput
+from engine.config import EngineConfig
 from engine.sampler import Sampler, SamplingRow
-from engine.structured_output import GrammarCompiler
+from engine.structured_output import GrammarCompiler, parser_limits
 from engine.tiny_model import make_tiny_model
 
 QWEN_VOCAB = 151936
@@ -140,6 +143,17 @@ def llguidance_on_a_large_vocabulary(steps: int) -> None:
     times.sort()
     print(f"{len(times)} masks: median {times[len(times) // 2] * 1e6:.0f} us, "
           f"p90 {times[len(times) * 9 // 10] * 1e6:.0f} us, max {times[-1] * 1e6:.0f} us")  # fmt: skip
+    # A short hostile regex: what its first mask costs the engine loop at llguidance's
+    # default lexer fuel and at Tessera's (--grammar-lexer-fuel).
+    for fuel in (1_000_000, EngineConfig(model="").grammar_lexer_fuel):
+        hostile = GrammarCompiler(str(folder / "tokenizer.json"), QWEN_VOCAB, (151646,),
+                                  parser_limits(fuel))  # fmt: skip
+        hostile.warm()
+        matcher = hostile.matcher(StructuredOutput(regex="a{1000000}"))
+        start = time.perf_counter()
+        matcher.allowed_tokens()
+        elapsed_ms = (time.perf_counter() - start) * 1e3
+        print(f"a{{1000000}} at lexer fuel {fuel}: first mask {elapsed_ms:.1f} ms")
 
 
 def main() -> None:
