@@ -8,6 +8,7 @@ Responses are plain models whose `model_dump(exclude_none=...)` is the exact Ope
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from typing import Annotated, Any, ClassVar, Literal
@@ -381,8 +382,10 @@ class ChatCompletionRequest(SamplingFields):
             )
         return tool_choice
 
-    @property
+    @functools.cached_property
     def tool_plan(self) -> ToolPlan | None:
+        """Read by the prompt, the grammar check, the sampling params and the response:
+        worked out once."""
         tools = [tool.model_dump(exclude_none=True) for tool in self.tools or ()]
         return tool_plan(tools, _as_dict(self.tool_choice), self.parallel_tool_calls)
 
