@@ -19,11 +19,18 @@ Two parts, both printed as tables:
    of the tokenizer, one JSON-schema matcher, the masks of a random walk through it, and
    the first mask of the hostile regex `a{1000000}` at llguidance's default lexer fuel
    and at Tessera's --grammar-lexer-fuel.
+4. What compiling large schemas costs the requests already running: 8 plain requests
+   decode 48 tokens while --schema-arrivals requests with a large schema (anyOf 20
+   objects x 50 properties) arrive, one per step, each schema new or the same one each
+   time; engine step times (add_request included) until the 8 are done. Compiled on the
+   worker thread and cached (engine/grammar_admission.py), or on the engine loop for every
+   request as before (patched in here), beside a run where none arrive.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import random
 import tempfile
@@ -36,6 +43,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from engine import LLM, SamplingParams, StructuredOutput
 from engine.config import EngineConfig
+from engine.protocol import EngineRequest
 from engine.sampler import Sampler, SamplingRow
 from engine.structured_output import GrammarCompiler, parser_limits
 from engine.tiny_model import make_tiny_model
@@ -156,6 +164,84 @@ def llguidance_on_a_large_vocabulary(steps: int) -> None:
         print(f"a{{1000000}} at lexer fuel {fuel}: first mask {elapsed_ms:.1f} ms")
 
 
+def large_schema(tag: int) -> str:
+    """anyOf 20 objects of 50 string properties; `tag` makes it a new grammar."""
+    objects = [
+        {"type": "object", "additionalProperties": False,
+         "properties": {f"p{tag}_{i}_{j}": {"type": "string"} for j in range(50)}}
+        for i in range(20)
+    ]  # fmt: skip
+    return json.dumps({"anyOf": objects})
+
+
+def compile_on_the_loop(engine) -> None:
+    """Tessera before engine/grammar_admission.py: every request's grammar compiled inside
+    add_request (a copy of the engine's compiler, sharing its tokenizer view, uncached)."""
+    compiler = copy.copy(engine._grammar_compiler())
+    compiler._cache_size = 0
+
+    def submit(request, media) -> bool:
+        spec = request.sampling.structured_output
+        if spec is not None:
+            request.grammar = compiler.matcher(spec)
+        return False
+
+    engine.grammars.submit = submit
+
+
+def decode_beside_arrivals(llm: LLM, arrivals: int, tag: int, new: bool) -> list[float]:
+    """Seconds per engine step (add_request included) until 8 plain requests have decoded
+    48 tokens, while `arrivals` requests with a large schema arrive, one per step: each a
+    new schema (`new`), or the same one every time. Then runs the rest to the end."""
+    engine, tokenizer = llm.engine, llm.prompt_processor.tokenizer
+    plain = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    prompt = tokenizer.encode(PROMPT).ids
+    running = {f"plain-{tag}-{i}" for i in range(8)}
+    for i, request_id in enumerate(sorted(running)):
+        engine.add_request(EngineRequest(request_id=request_id, prompt_token_ids=prompt + [i],
+                                         sampling=plain))  # fmt: skip
+    times, added = [], 0
+    while running:
+        start = time.perf_counter()
+        if added < arrivals:
+            spec = StructuredOutput(json=large_schema(tag + added if new else tag))
+            sampling = SamplingParams(max_tokens=1, structured_output=spec)
+            engine.add_request(EngineRequest(request_id=f"schema-{tag}-{added}",
+                                             prompt_token_ids=prompt, sampling=sampling))  # fmt: skip
+            added += 1
+        outputs = engine.step().outputs
+        times.append(time.perf_counter() - start)
+        running -= {o.request_id for o in outputs if o.finish_reason is not None}
+    while engine.has_unfinished_requests():
+        engine.step()
+    return times
+
+
+def compile_stall(model_dir: Path, arrivals: int) -> None:
+    with LLM(str(model_dir)) as llm:
+        compiler = llm.engine._grammar_compiler()
+        compiler.warm()
+        start = time.perf_counter()
+        compiler.matcher(StructuredOutput(json=large_schema(-1)))
+        print(f"one large schema compiled: {(time.perf_counter() - start) * 1e3:.1f} ms")
+        decode_beside_arrivals(llm, 0, 0, new=False)  # warm-up
+        print("| schemas arriving | compiled | 8 requests' 48 steps, ms | median step ms | "
+              "p90 ms | max ms |")  # fmt: skip
+        print("|---|---|---:|---:|---:|---:|")
+        runs = [("none", "-", 0, True), ("new each time", "worker thread", arrivals, True),
+                ("the same one", "worker thread, then cached", arrivals, False),
+                ("new each time", "engine loop (old)", arrivals, True),
+                ("the same one", "engine loop, every time (old)", arrivals, False)]  # fmt: skip
+        for i, (arriving, where, count, new) in enumerate(runs):
+            if where.startswith("engine loop") and i == 3:
+                compile_on_the_loop(llm.engine)
+            times = decode_beside_arrivals(llm, count, 1000 * (i + 1), new)
+            ordered = sorted(times)
+            median, p90 = ordered[len(ordered) // 2], ordered[len(ordered) * 9 // 10]
+            print(f"| {arriving} | {where} | {sum(times) * 1e3:.0f} | {median * 1e3:.1f} | "
+                  f"{p90 * 1e3:.1f} | {ordered[-1] * 1e3:.1f} |")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", nargs="+", default=["tiny"])
@@ -165,6 +251,7 @@ def main() -> None:
     parser.add_argument("--sampler-rows", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--sampler-iters", type=int, default=20)
     parser.add_argument("--mask-steps", type=int, default=200)
+    parser.add_argument("--schema-arrivals", type=int, default=24)
     parser.add_argument("--model-root", type=Path, default=None)
     args = parser.parse_args()
     root = args.model_root or Path(tempfile.mkdtemp(prefix="tessera-structured-"))
@@ -181,6 +268,8 @@ def main() -> None:
     sampler_micro(args.sampler_rows, args.sampler_iters)
     print(f"\nllguidance on a synthetic {QWEN_VOCAB}-token vocabulary")
     llguidance_on_a_large_vocabulary(args.mask_steps)
+    print(f"\nLarge schemas arriving while 8 requests decode ({args.sizes[0]} model)")
+    compile_stall(root / args.sizes[0], args.schema_arrivals)
 
 
 if __name__ == "__main__":

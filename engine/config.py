@@ -39,6 +39,7 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads on CPU (per rank); None = torch default
     tensor_parallel_size: int = 1  # ranks the decoder layers are split over (CPU, gloo); each rank is a process
     seed: int = 0  # engine-wide sampling seed for requests without their own
+    grammar_cache_size: int = 128  # structured outputs: compiled grammars kept, so a repeated schema is not compiled again; 0 = none
     grammar_lexer_fuel: int = 100_000  # structured outputs: regex work one grammar may cost (~50k per ms) before it fails its request; llguidance's default is 1,000,000
     feature_fetch_parallel: int = 8  # concurrent feature downloads per request; 1 = serial
     feature_fetch_timeout_s: float = 30.0  # total deadline per feature URL, retries included
@@ -56,6 +57,8 @@ class EngineConfig:
             raise ValueError(
                 f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
             )
+        if self.grammar_cache_size < 0:
+            raise ValueError(f"grammar_cache_size must be >= 0, got {self.grammar_cache_size}")
         if self.grammar_lexer_fuel < 1:
             raise ValueError(f"grammar_lexer_fuel must be positive, got {self.grammar_lexer_fuel}")
         if self.kv_cache_memory_gib is not None and not self.kv_cache_memory_gib > 0:

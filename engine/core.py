@@ -43,6 +43,7 @@ from engine.errors import (
     TesseraError,
 )
 from engine.feature_admission import FeatureAdmission
+from engine.grammar_admission import GrammarAdmission
 from engine.model_runner import ModelRunner, PendingStep, error_info
 from engine.models.mrope import mrope_positions
 from engine.multimodal.image_processor import normalization_table
@@ -65,6 +66,10 @@ if TYPE_CHECKING:
     from engine.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
+
+# How long a step with nothing to run waits for a grammar to compile (engine/process.py
+# polls its inbox for as long after an empty step).
+COMPILE_WAIT_S = 0.002
 
 
 @dataclass(frozen=True)
@@ -96,6 +101,7 @@ class EngineCore:
         self._pending: list[RequestOutput] = []  # refusals and aborts for the next step
         self.features = FeatureAdmission(self.config, self.runner, self.scheduler)
         self._grammars: GrammarCompiler | None = None
+        self.grammars = GrammarAdmission(self._grammar_compiler)
         self._warm_grammars()
         # True when `launch_step` returns before the device has finished (CUDA): the caller
         # can do host work (read its inbox, launch the next step) until `finish_step`.
@@ -106,6 +112,7 @@ class EngineCore:
         """Stops what the core started: the feature fetcher's loop and any
         tensor-parallel workers. The core cannot step after this."""
         self.features.close()
+        self.grammars.close()
         self.runner.close()
 
     @property
@@ -128,18 +135,28 @@ class EngineCore:
         """Queues a request; invalid input finishes it with an error in the next step."""
         try:
             request_id = request.request_id
-            if request_id in self.scheduler.requests or self.features.has(request_id):
+            if (
+                request_id in self.scheduler.requests
+                or self.features.has(request_id)
+                or self.grammars.has(request_id)
+            ):
                 raise InvalidRequest(f"duplicate request id {request.request_id!r}")
             built = self._build(request, tensors)
-            if not self.features.submit(built, request.media):
-                self.scheduler.add_request(built)
+            if not self.grammars.submit(built, request.media):
+                self._admit(built, request.media)
         except TesseraError as exc:
             self._refuse(request, error_info(exc))
         except Exception:  # noqa: BLE001 - never let one request take the engine down
             logger.exception("could not admit request %s", request.request_id)
             self._refuse(request, error_info(RuntimeError()))
 
+    def _admit(self, request: Request, media: Sequence[MediaInput]) -> None:
+        """A built request (its grammar compiled) goes on to FETCHING or the scheduler."""
+        if not self.features.submit(request, media):
+            self.scheduler.add_request(request)
+
     def abort_requests(self, request_ids: Sequence[str]) -> None:
+        self._pending += self.grammars.abort(request_ids)
         self._pending += self.features.abort(request_ids)
         self._pending += self.scheduler.abort(list(request_ids))
 
@@ -149,6 +166,7 @@ class EngineCore:
             or self.scheduler.has_unfinished_requests()
             or bool(self._pending)
             or self.features.num_fetching > 0
+            or self.grammars.num_compiling > 0
         )
 
     @property
@@ -191,7 +209,8 @@ class EngineCore:
         be added and aborted (an aborted request's tokens from this step are dropped).
         `previous`: the step in flight, whose sampled tokens this one may take as inputs."""
         started = time.perf_counter()
-        outputs = self.features.admit_finished()  # never waits on the network
+        outputs = self._admit_compiled()
+        outputs += self.features.admit_finished()  # never waits on the network
         outputs, self._pending = self._pending + outputs, []
         scheduler_output = self.scheduler.schedule()
         pending = None
@@ -228,7 +247,7 @@ class EngineCore:
         counters = self.scheduler.pop_counters()
         stats = EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + self.grammars.num_compiling,
             num_fetching=self.features.num_fetching,
             kv_cache_usage=self.scheduler.kv.usage,
             num_preemptions_total=counters.num_preemptions,
@@ -244,6 +263,19 @@ class EngineCore:
             **self.features.stats_fields(),
         )
         return EngineOutputs(outputs, stats)
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Passes on requests whose grammar has compiled; returns those that failed. With
+        nothing else to run it waits a moment for a compile rather than spin."""
+        idle = not self.scheduler.has_unfinished_requests() and self._in_flight is None
+        compiled, outputs = self.grammars.admit_finished(COMPILE_WAIT_S if idle else 0.0)
+        for request, media in compiled:
+            try:
+                self._admit(request, media)
+            except Exception as exc:  # noqa: BLE001 - one request never stops the engine
+                logger.exception("could not admit request %s", request.request_id)
+                outputs.append(request.unscheduled_output(FinishReason.ERROR, error_info(exc)))
+        return outputs
 
     def _fail_step(self, scheduler_output: SchedulerOutput) -> list[RequestOutput]:
         failure = error_info(RuntimeError())
@@ -323,8 +355,6 @@ class EngineCore:
             eos_token_ids=mc.eos_token_ids,
         )
         result.positions, result.rope_delta = positions, rope_delta  # [3, L]
-        if request.sampling.structured_output is not None:
-            result.grammar = self._grammar_compiler().matcher(request.sampling.structured_output)
         return result
 
     def _warm_grammars(self) -> None:
@@ -346,8 +376,9 @@ class EngineCore:
             tokenizer_json = str(Path(self.config.model) / "tokenizer.json")
             limits = parser_limits(self.config.grammar_lexer_fuel)
             self._grammars = GrammarCompiler(
-                tokenizer_json, mc.vocab_size, mc.eos_token_ids, limits
-            )
+                tokenizer_json, mc.vocab_size, mc.eos_token_ids, limits,
+                cache_size=self.config.grammar_cache_size,
+            )  # fmt: skip
         return self._grammars
 
     def _media_item(

@@ -85,7 +85,7 @@ class FeatureAdmission:
             entry = self._fetching.pop(request_id, None)
             if entry is not None:
                 self.fetcher.cancel(request_id)
-                outputs.append(_finished(entry[0], FinishReason.ABORT))
+                outputs.append(entry[0].unscheduled_output(FinishReason.ABORT))
         return outputs
 
     def admit_finished(self) -> list[RequestOutput]:
@@ -99,7 +99,9 @@ class FeatureAdmission:
                 continue  # aborted meanwhile
             request, indices, jobs = entry
             if result.error is not None:
-                outputs.append(_finished(request, FinishReason.ERROR, error_info(result.error)))
+                outputs.append(
+                    request.unscheduled_output(FinishReason.ERROR, error_info(result.error))
+                )
                 continue
             if not self._is_complete(result):
                 # A reused entry was evicted while we checked its version: download again.
@@ -110,7 +112,7 @@ class FeatureAdmission:
                 self._admit(request, indices, result)
             except Exception as exc:  # noqa: BLE001 - one request never stops the engine
                 logger.exception("could not admit fetched request %s", request.request_id)
-                outputs.append(_finished(request, FinishReason.ERROR, error_info(exc)))
+                outputs.append(request.unscheduled_output(FinishReason.ERROR, error_info(exc)))
         return outputs
 
     def _is_complete(self, result: FetchResult) -> bool:
@@ -157,12 +159,3 @@ class FeatureAdmission:
     def close(self) -> None:
         if self._fetcher is not None:
             self._fetcher.close()
-
-
-def _finished(request: Request, reason: FinishReason, error=None) -> RequestOutput:
-    return RequestOutput(
-        request_id=request.request_id,
-        finish_reason=reason,
-        error=error,
-        num_prompt_tokens=request.num_prompt_tokens,
-    )

@@ -193,7 +193,7 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     """Gauges are current values; `*_total` fields are deltas since the last message."""
 
     num_running: int = 0
-    num_waiting: int = 0
+    num_waiting: int = 0  # not yet scheduled, including those whose grammar compiles
     num_fetching: int = 0
     kv_cache_usage: float = 0.0  # fraction of KV blocks in use, 0..1
     num_preemptions_total: int = 0

@@ -19,6 +19,7 @@ from engine.protocol import (
     ErrorInfo,
     FinishReason,
     PixelNormalization,
+    RequestOutput,
     SamplingParams,
     TokenLogprob,
 )
@@ -171,6 +172,18 @@ class Request:
                 end = next((m for m in marks[i + 1 :] if m is not None), now)
                 phases[name] = end - start
         return phases
+
+    def unscheduled_output(
+        self, reason: FinishReason, error: ErrorInfo | None = None
+    ) -> RequestOutput:
+        """The last output of a request that ends before the scheduler has it: aborted or
+        failed while its features were fetched or its grammar compiled."""
+        return RequestOutput(
+            request_id=self.request_id,
+            finish_reason=reason,
+            error=error,
+            num_prompt_tokens=self.num_prompt_tokens,
+        )
 
     def media_overlapping(self, start: int, end: int) -> list[MediaItem]:
         """Media items whose span intersects sequence indices [start, end)."""

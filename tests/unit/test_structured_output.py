@@ -137,3 +137,32 @@ def test_warm_builds_the_tokenizer_view_ahead_and_a_missing_tokenizer_is_a_reque
     missing.warm()  # nothing to build: no error at start-up
     with pytest.raises(InvalidRequest, match="tokenizer.json"):
         missing.matcher(StructuredOutput(regex="a"))
+
+
+def test_a_compiled_grammar_is_cached_and_each_request_gets_its_own_copy(model_dir, tokenizer):
+    compiler = GrammarCompiler(str(model_dir / "tokenizer.json"), 1600, (1,), cache_size=2)
+    spec = StructuredOutput(choice=("yes", "no"))
+    assert compiler.cached(spec) is None
+    first = compiler.matcher(spec)
+    # The same grammar from another field (`param`) is the same entry.
+    second = compiler.cached(StructuredOutput(choice=("yes", "no"), param="response_format"))
+    assert second is not None
+    yes = tokenizer.encode("yes").ids
+    assert all(first.accept(t) for t in yes) and first.is_complete
+    assert not second.is_complete  # a copy: the first one's tokens did not move it
+    assert torch.equal(second.allowed_tokens(), compiler.matcher(spec).allowed_tokens())
+
+
+def test_the_grammar_cache_keeps_the_most_recently_used(model_dir):
+    compiler = GrammarCompiler(str(model_dir / "tokenizer.json"), 1600, (1,), cache_size=2)
+    a, b, c = (StructuredOutput(regex=r) for r in ("a+", "b+", "c+"))
+    compiler.matcher(a)
+    compiler.matcher(b)
+    assert compiler.cached(a) is not None  # a is now the most recent
+    compiler.matcher(c)  # evicts b
+    assert compiler.cached(b) is None
+    assert compiler.cached(a) is not None and compiler.cached(c) is not None
+    uncached = GrammarCompiler(str(model_dir / "tokenizer.json"), 1600, (1,), cache_size=0)
+    uncached.matcher(a)
+    assert uncached.cached(a) is None
+
