@@ -15,7 +15,8 @@ separated by ";".
     "none"      tools are neither shown to the model nor looked for: plain chat
     "auto"      tools go into the prompt; the answer's <tool_call> blocks become tool calls
                 (text before the first block stays content; a block that does not parse
-                leaves the whole answer as content)
+                leaves the whole answer as content; parallel_tool_calls false keeps the
+                first call only)
     "required"  the output is constrained to a JSON array of one or more
                 {"name": <a tool>, "parameters": <its schema>} objects
     {"type": "function", "function": {"name": f}}
@@ -190,6 +191,8 @@ class ToolCallExtractor:
             calls = (
                 _llama3_calls(held) if self._plan.format == "llama3_json" else _hermes_calls(held)
             )
+            if not self._plan.parallel:
+                calls = calls[:1]  # OpenAI's contract: at most one call
         return ("", calls) if calls else (held, [])
 
     def feed_stream(self, text: str) -> tuple[str, list[dict[str, Any]]]:

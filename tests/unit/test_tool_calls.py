@@ -187,3 +187,15 @@ def test_the_format_follows_the_chat_template():
     assert call_format("auto", llama) == "llama3_json"
     assert call_format("auto", None) == "hermes"
     assert call_format("hermes", llama) == "hermes"  # an explicit parser wins
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "llama3_json"])
+def test_auto_without_parallel_calls_keeps_the_first_call_only(fmt):
+    text = TWO_CALLS if fmt == "hermes" else (
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+        '{"name": "get_time", "parameters": {}}'
+    )  # fmt: skip
+    for parallel, names in ((True, ["get_weather", "get_time"]), (False, ["get_weather"])):
+        plan = ToolPlan("auto", TOOLS, parallel=parallel, format=fmt)
+        _, _, calls = run(plan, text, 5)
+        assert [call.name for call in calls] == names
