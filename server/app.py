@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP app: `build_app(settings, engine) -> FastAPI`.
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, POST /tokenize,
-POST /detokenize, GET /openapi.json (API key when configured), GET /health, GET /version,
+Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses (a chat
+completion underneath: server/responses.py), GET /v1/models, POST /tokenize, POST
+/detokenize, GET /openapi.json (API key when configured), GET /health, GET /version,
 GET /metrics (open). No /docs or /redoc.
 The app does text work only (templates, tokens, media preprocessing, detokenisation); the
 engine, reached through `engine` (server.engine_client.EngineClient), runs the model.
@@ -52,6 +53,8 @@ from server.openai_models import (
 )
 from server.request_limits import RequestLimitMiddleware
 from server.request_log import RequestLogMiddleware, record_of
+from server.response_events import ResponseShaper, stream_response
+from server.responses import ResponsesRequest, chat_request
 from server.settings import ServerSettings
 from server.streaming import (
     EventStreamResponse,
@@ -241,20 +244,7 @@ def _add_api_routes(api: APIRouter) -> None:
         state = _state(request)
         state.check_model(body.model)
         _check_alive(state, request)
-        await check_structured_output(body)
-        if body.chat_template is not None and not state.settings.trust_request_chat_template:
-            raise InvalidRequest(
-                "request chat templates are disabled on this server "
-                "(--trust-request-chat-template)",
-                param="chat_template",
-            )
-        prompt = await prepare_chat_prompt(
-            body,
-            state.processor,
-            state.fetcher,
-            max_images=state.settings.max_images_per_request,
-            settings=state.settings,
-        )
+        prompt = await _chat_prompt(state, body)
         job = _job(state, body, prompt, prefix="chatcmpl")
         ticket = _admit(request, state, job)
         with_logprobs = body.logprobs
@@ -302,6 +292,33 @@ def _add_api_routes(api: APIRouter) -> None:
         )
         return JSONResponse(dump(response))
 
+    @api.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        state = _state(request)
+        state.check_model(body.model)
+        _check_alive(state, request)
+        translation = chat_request(body)
+        with translation.responses_params():
+            prompt = await _chat_prompt(state, translation.chat)
+            job = _job(state, translation.chat, prompt, prefix="resp")
+        ticket = _admit(request, state, job)
+        shaper = ResponseShaper(job, body, state.processor.tokenizer, logprobs=body.wants_logprobs)
+        if body.stream:
+            stream = stream_response(
+                job,
+                state.engine,
+                state.processor.tokenizer,
+                shaper,
+                on_finished=_finisher(state, time.monotonic(), request),
+            )
+            return EventStreamResponse(_releasing(stream, ticket), headers=SSE_HEADERS)
+        try:
+            with translation.responses_params():
+                totals, results = await _collect_until_disconnect(request, state, job)
+        finally:
+            ticket.release()
+        return JSONResponse(shaper.final(results[0], totals))
+
     @api.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request) -> dict:
         state = _state(request)
@@ -325,6 +342,24 @@ def _add_api_routes(api: APIRouter) -> None:
         state.check_model(body.model)
         check_token_ids(body.tokens, state.processor.vocab_size, "tokens")
         return {"prompt": state.processor.decode(body.tokens, skip_special_tokens=False)}
+
+
+async def _chat_prompt(state: AppState, body: ChatCompletionRequest) -> Any:
+    """A chat request's prompt: its grammar checked, its media fetched and preprocessed,
+    its messages rendered and tokenised."""
+    await check_structured_output(body)
+    if body.chat_template is not None and not state.settings.trust_request_chat_template:
+        raise InvalidRequest(
+            "request chat templates are disabled on this server (--trust-request-chat-template)",
+            param="chat_template",
+        )
+    return await prepare_chat_prompt(
+        body,
+        state.processor,
+        state.fetcher,
+        max_images=state.settings.max_images_per_request,
+        settings=state.settings,
+    )
 
 
 def _check_alive(state: AppState, request: Request) -> None:

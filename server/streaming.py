@@ -114,7 +114,8 @@ def usage_of(totals: GenerationTotals) -> UsageInfo:
     )
 
 
-def _run(job: GenerationJob, engine: Any, tokenizer: Tokenizer, totals: GenerationTotals):
+def run_job(job: GenerationJob, engine: Any, tokenizer: Tokenizer, totals: GenerationTotals):
+    """The job's deltas, every choice interleaved (server.generation.generate_choices)."""
     return generate_choices(
         engine,
         tokenizer,
@@ -133,7 +134,7 @@ async def collect(
 ) -> list[ChoiceResult]:
     """Run to completion and return every choice's full text (non-streaming responses)."""
     results = [ChoiceResult() for _ in range(job.n)]
-    async for delta in _run(job, engine, tokenizer, totals):
+    async for delta in run_job(job, engine, tokenizer, totals):
         result = results[delta.index]
         result.text += delta.text
         result.logprobs.extend(delta.logprobs)
@@ -162,7 +163,7 @@ async def stream_chat(
     for index in range(job.n):
         yield chunk([choice(index, {"role": "assistant", "content": ""})])
     extractors = [job.tools.extractor() for _ in range(job.n)] if job.tools else None
-    async with contextlib.aclosing(_guarded(_run(job, engine, tokenizer, totals))) as pieces:
+    async with contextlib.aclosing(_guarded(run_job(job, engine, tokenizer, totals))) as pieces:
         async for piece in pieces:
             if isinstance(piece, bytes):
                 yield piece
@@ -207,7 +208,7 @@ async def stream_completion(
     offsets = [0] * job.n
     chunk = _ChunkWriter(job, "text_completion")
 
-    async with contextlib.aclosing(_guarded(_run(job, engine, tokenizer, totals))) as pieces:
+    async with contextlib.aclosing(_guarded(run_job(job, engine, tokenizer, totals))) as pieces:
         async for piece in pieces:
             if isinstance(piece, bytes):
                 yield piece

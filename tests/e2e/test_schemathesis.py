@@ -1,6 +1,6 @@
 """Property-based API fuzzing with schemathesis: the OpenAPI document is fetched from the
 running server's GET /openapi.json (over HTTP, as any client would), and cases generated
-from it for POST /v1/chat/completions and POST /v1/completions are sent to that server:
+from it for POST /v1/chat/completions, /v1/completions and /v1/responses are sent to that server:
 none may get a 5xx. Bounded: MAX_EXAMPLES per route and a small --max-model-len (128; a
 large max_tokens is refused with 400)."""
 
@@ -36,13 +36,14 @@ def test_openapi_json_lists_the_generation_routes(fuzz_server):
     assert response.status_code == 200
     assert response.headers["content-type"] == "application/json"
     paths = response.json()["paths"]
-    assert "post" in paths["/v1/chat/completions"] and "post" in paths["/v1/completions"]
+    for route in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
+        assert "post" in paths[route]
     assert "/openapi.json" not in paths
     for hidden in ("/docs", "/redoc"):
         assert httpx.get(fuzz_server.base_url + hidden, timeout=30).status_code == 404
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses"])
 def test_no_server_errors(api_schema, fuzz_server, path):
     operation = api_schema[path]["POST"]
 

@@ -1,0 +1,314 @@
+"""Answers of /v1/responses: the Response object, and the typed events of a stream.
+
+An answer is a list of output items: one `message` whose content is one `output_text`
+part (with `logprobs` when asked), then one `function_call` item per tool call found in
+the text (server/tool_calls.py). A choice that hit `max_output_tokens` makes the response
+`incomplete` (`incomplete_details.reason` "max_output_tokens"), anything else `completed`.
+
+A stream is `event: <type>` / `data: {...}` pairs (no [DONE]), numbered by
+`sequence_number`:
+
+    response.created, response.in_progress               status "in_progress"
+    response.output_item.added, response.content_part.added
+    response.output_text.delta ...                       as the text comes
+    response.output_text.done, response.content_part.done, response.output_item.done
+    per call: response.output_item.added, response.function_call_arguments.delta ...,
+              response.function_call_arguments.done, response.output_item.done
+    response.completed | response.incomplete            the whole response, with usage
+
+A named function's arguments stream as they are generated; other calls go out whole at
+the end, after the text before them. An error after the stream started is an `error`
+event and then `response.failed`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+import msgspec
+from tokenizers import Tokenizer
+
+from engine.errors import TesseraError
+from engine.protocol import TokenLogprob
+from server.generation import GenerationTotals
+from server.logprobs import chat_logprobs
+from server.openai_models import dump
+from server.responses import ResponsesRequest
+from server.streaming import ChoiceResult, GenerationJob, OnFinished, run_job
+from server.tool_calls import ToolCall
+
+logger = logging.getLogger(__name__)
+
+_JSON = msgspec.json.Encoder()
+
+
+class ResponseShaper:
+    """Builds one request's Response objects and output items."""
+
+    def __init__(
+        self, job: GenerationJob, body: ResponsesRequest, tokenizer: Tokenizer, *, logprobs: bool
+    ) -> None:
+        self.job = job
+        self.body = body
+        self.tokenizer = tokenizer
+        self.with_logprobs = logprobs
+        self.created_at = int(time.time())
+        self.message_id = f"msg_{uuid.uuid4().hex}"
+
+    def response(
+        self,
+        status: str,
+        output: list[dict[str, Any]],
+        totals: GenerationTotals | None = None,
+        *,
+        error: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        body = self.body
+        return {
+            "id": self.job.request_id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "error": error,
+            "incomplete_details": (
+                {"reason": "max_output_tokens"} if status == "incomplete" else None
+            ),
+            "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens,
+            "metadata": body.metadata or {},
+            "model": self.job.model_name,
+            "output": output,
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "previous_response_id": None,
+            "store": False,
+            "temperature": body.temperature,
+            "text": body.text or {"format": {"type": "text"}},
+            "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
+            "tools": body.tools or [],
+            "top_p": body.top_p,
+            "truncation": "disabled",
+            "usage": None if totals is None else usage(totals),
+            "user": body.user,
+        }
+
+    def logprobs(self, entries: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
+        if not self.with_logprobs or not entries:
+            return []
+        return dump(chat_logprobs(self.tokenizer, entries))["content"]
+
+    def text_part(self, text: str, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+        part = {"type": "output_text", "text": text, "annotations": []}
+        if self.with_logprobs:
+            part["logprobs"] = self.logprobs(entries)
+        return part
+
+    def message(self, status: str, content: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"type": "message", "id": self.message_id, "status": status,
+                "role": "assistant", "content": content}  # fmt: skip
+
+    def final(self, result: ChoiceResult, totals: GenerationTotals) -> dict[str, Any]:
+        """The Response of a finished, non-streamed choice."""
+        text, calls = result.text, []
+        if self.job.tools is not None:
+            extractor = self.job.tools.extractor()
+            text = extractor.feed(result.text)
+            rest, calls = extractor.finish()
+            text += rest
+        status = response_status(result.finish_reason)
+        output = []
+        if text or not calls:
+            output.append(self.message(status, [self.text_part(text, result.logprobs)]))
+        output += [call_item(call, "completed") for call in calls]
+        return self.response(status, output, totals)
+
+
+def response_status(finish_reason: str | None) -> str:
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+def call_item(call: ToolCall, status: str, arguments: str | None = None) -> dict[str, Any]:
+    return {"type": "function_call", "id": "fc_" + call.id.removeprefix("call_"),
+            "call_id": call.id, "name": call.name,
+            "arguments": call.arguments if arguments is None else arguments,
+            "status": status}  # fmt: skip
+
+
+def usage(totals: GenerationTotals) -> dict[str, Any]:
+    return {
+        "input_tokens": totals.num_prompt_tokens,
+        "input_tokens_details": {
+            "cached_tokens": totals.num_cached_tokens,
+            "cache_write_tokens": 0,
+        },
+        "output_tokens": totals.num_generated_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": totals.num_prompt_tokens + totals.num_generated_tokens,
+    }
+
+
+class _EventWriter:
+    """SSE events of one stream, numbered from 0."""
+
+    def __init__(self) -> None:
+        self.sequence_number = 0
+
+    def __call__(self, kind: str, **fields: Any) -> bytes:
+        data = {"type": kind, "sequence_number": self.sequence_number, **fields}
+        self.sequence_number += 1
+        return b"event: " + kind.encode() + b"\ndata: " + _JSON.encode(data) + b"\n\n"
+
+
+class _StreamedOutput:
+    """The output items of a stream as they open, grow and close, as events."""
+
+    def __init__(self, shaper: ResponseShaper, event: _EventWriter) -> None:
+        self.shaper = shaper
+        self.event = event
+        self.output: list[dict[str, Any]] = []  # finished items
+        self.text = ""
+        self.entries: list[TokenLogprob] = []  # the text's logprobs so far
+        self.pending: list[TokenLogprob] = []  # not yet sent with a delta
+        self.message_index: int | None = None  # output_index of the open message
+        self.named_call: ToolCall | None = None  # a named function whose arguments stream
+        self.named_index: int | None = None
+        self.arguments = ""
+
+    def add_text(self, text: str, entries: Sequence[TokenLogprob]) -> Iterator[bytes]:
+        self.pending += entries
+        if not text:
+            return
+        if self.message_index is None:
+            yield from self._open_message()
+        self.text += text
+        self.entries += self.pending
+        sent, self.pending = self.pending, []
+        yield self.event("response.output_text.delta", item_id=self.shaper.message_id,
+                         output_index=self.message_index, content_index=0, delta=text,
+                         logprobs=self.shaper.logprobs(sent))  # fmt: skip
+
+    def add_arguments(self, call: ToolCall, text: str) -> Iterator[bytes]:
+        if self.named_index is None:
+            yield from self._close_message()
+            self.named_call, self.named_index = call, len(self.output)
+            item = call_item(call, "in_progress", arguments="")
+            yield self.event("response.output_item.added", output_index=self.named_index,
+                             item=item)  # fmt: skip
+        self.arguments += text
+        yield self.event("response.function_call_arguments.delta", item_id=item_id(call),
+                         output_index=self.named_index, delta=text)  # fmt: skip
+
+    def finish(self, calls: list[ToolCall], status: str) -> Iterator[bytes]:
+        if self.message_index is None and not calls:
+            yield from self._open_message()  # an empty answer is still a message
+        yield from self._close_message(status)
+        for call in calls:
+            if self.named_index is not None:  # a named function's call: already open
+                index = self.named_index
+            else:
+                index = len(self.output)
+                added = call_item(call, "in_progress", arguments="")
+                yield self.event("response.output_item.added", output_index=index, item=added)
+                yield self.event("response.function_call_arguments.delta", item_id=item_id(call),
+                                 output_index=index, delta=call.arguments)  # fmt: skip
+            yield self.event("response.function_call_arguments.done", item_id=item_id(call),
+                             output_index=index, name=call.name,
+                             arguments=call.arguments)  # fmt: skip
+            item = call_item(call, "completed")
+            yield self.event("response.output_item.done", output_index=index, item=item)
+            self._place(index, item)
+
+    def _open_message(self) -> Iterator[bytes]:
+        self.message_index = len(self.output)
+        self.output.append(self.shaper.message("in_progress", []))
+        yield self.event("response.output_item.added", output_index=self.message_index,
+                         item=self.shaper.message("in_progress", []))  # fmt: skip
+        empty = self.shaper.text_part("", [])
+        yield self.event("response.content_part.added", item_id=self.shaper.message_id,
+                         output_index=self.message_index, content_index=0, part=empty)  # fmt: skip
+
+    def _close_message(self, status: str = "completed") -> Iterator[bytes]:
+        index, self.message_index = self.message_index, None
+        if index is None:
+            return
+        self.entries += self.pending
+        self.pending = []
+        part = self.shaper.text_part(self.text, self.entries)
+        common = {"item_id": self.shaper.message_id, "output_index": index, "content_index": 0}
+        yield self.event("response.output_text.done", **common, text=self.text,
+                         logprobs=part.get("logprobs", []))  # fmt: skip
+        yield self.event("response.content_part.done", **common, part=part)
+        item = self.shaper.message(status, [part])
+        yield self.event("response.output_item.done", output_index=index, item=item)
+        self.output[index] = item
+
+    def _place(self, index: int, item: dict[str, Any]) -> None:
+        if index < len(self.output):
+            self.output[index] = item
+        else:
+            self.output.append(item)
+
+
+def item_id(call: ToolCall) -> str:
+    return "fc_" + call.id.removeprefix("call_")
+
+
+async def stream_response(
+    job: GenerationJob,
+    engine: Any,
+    tokenizer: Tokenizer,
+    shaper: ResponseShaper,
+    *,
+    on_finished: OnFinished,
+) -> AsyncIterator[bytes]:
+    totals = GenerationTotals()
+    event = _EventWriter()
+    yield event("response.created", response=shaper.response("in_progress", []))
+    yield event("response.in_progress", response=shaper.response("in_progress", []))
+    streamed = _StreamedOutput(shaper, event)
+    extractor = job.tools.extractor() if job.tools is not None else None
+    named = ToolCall(job.tools.named, "") if job.tools and job.tools.named else None
+    try:
+        async with contextlib.aclosing(run_job(job, engine, tokenizer, totals)) as deltas:
+            async for delta in deltas:
+                text, call_deltas = delta.text, []
+                if extractor is not None:
+                    text, call_deltas = extractor.feed_stream(text)
+                for chunk in streamed.add_text(text, delta.logprobs):
+                    yield chunk
+                for call_delta in call_deltas:
+                    if call_delta.get("id"):  # the named call's first delta: its id
+                        named = ToolCall(named.name, "", call_delta["id"])  # type: ignore[union-attr]
+                    arguments = call_delta["function"]["arguments"]
+                    for chunk in streamed.add_arguments(named, arguments):  # type: ignore[arg-type]
+                        yield chunk
+                if delta.finish_reason is None:
+                    continue
+                calls: list[ToolCall] = []
+                if extractor is not None:
+                    rest, _, calls = extractor.finish_stream()
+                    for chunk in streamed.add_text(rest, []):
+                        yield chunk
+                status = response_status(delta.finish_reason)
+                for chunk in streamed.finish(calls, status):
+                    yield chunk
+                final = shaper.response(status, streamed.output, totals)
+                yield event(f"response.{status}", response=final)
+    except TesseraError as exc:
+        yield event("error", code=exc.code, message=exc.message, param=exc.param)
+        failure = {"code": exc.code or "server_error", "message": exc.message}
+        yield event("response.failed",
+                    response=shaper.response("failed", streamed.output, error=failure))  # fmt: skip
+        return
+    except Exception:  # noqa: BLE001 - the stream must end cleanly whatever happened
+        logger.exception("response stream failed")
+        failure = {"code": "internal_error", "message": "internal server error"}
+        yield event("error", code="internal_error", message=failure["message"], param=None)
+        yield event("response.failed",
+                    response=shaper.response("failed", streamed.output, error=failure))  # fmt: skip
+        return
+    on_finished(totals)

@@ -1,0 +1,329 @@
+"""OpenAI's Responses API (`POST /v1/responses`), as a chat completion underneath.
+
+`chat_request` translates a Responses request into the chat completion request that
+/v1/chat/completions would take, so that the prompt, images and videos, tools, grammars and
+sampling all go the chat's way:
+
+    instructions                      a system message first
+    input: "text"                     one user message
+    input: [items]                    messages, in order:
+      {"role", "content": str | [parts]}   (role "developer" kept, as chat takes it)
+        input_text / output_text      -> text
+        input_image {image_url, detail, uuid}
+                                      -> image_url (http(s) or data: URL)
+        image_url, video_url, image_features, video_features, text
+                                      as on /v1/chat/completions (Tessera's own parts)
+      function_call {call_id, name, arguments}
+                                      -> an assistant message's tool_calls (consecutive
+                                         calls share one message)
+      function_call_output {call_id, output}
+                                      -> a "tool" message
+    max_output_tokens                 max_tokens
+    text.format                       response_format (text, json_object, json_schema)
+    tools [{type: function, name, description, parameters, strict}]
+                                      the chat's {"type": "function", "function": {...}}
+    tool_choice {type: function, name}
+                                      {"type": "function", "function": {"name"}}
+    top_logprobs, or include "message.output_text.logprobs"
+                                      logprobs
+    seed, stop, top_k, min_p, penalties, min_tokens, ignore_eos, logit_bias,
+    stop_token_ids, skip_special_tokens, mm_processor_kwargs, structured_outputs
+                                      passed through (vLLM takes them too)
+
+Errors name the Responses field (`input[2].content[1]`, `max_output_tokens`), not the chat
+field it became (`ChatTranslation.param`). Nothing is stored: `previous_response_id`,
+`conversation`, `prompt` and `background` are a 400 (send the conversation in `input`).
+server/response_events.py shapes the answer.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ConfigDict, Field, ValidationError
+
+from engine.errors import InvalidRequest, TesseraError
+from server.errors import validation_error_to_invalid
+from server.openai_models import MAX_TOP_LOGPROBS, ChatCompletionRequest, _Request
+
+# Chat fields a Responses request may carry as extras, as vLLM's Responses endpoint does.
+PASSTHROUGH_FIELDS = (
+    "seed",
+    "stop",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "logit_bias",
+    "stop_token_ids",
+    "skip_special_tokens",
+    "mm_processor_kwargs",
+    "structured_outputs",
+)
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+_TEXT_PARTS = ("input_text", "output_text")
+# Chat field names -> the Responses fields they came from, for error messages.
+_RENAMED = {
+    "max_tokens": "max_output_tokens",
+    "response_format.json_schema.schema": "text.format.schema",
+    "response_format.json_schema": "text.format",
+    "response_format": "text.format",
+}
+
+
+class ResponsesRequest(_Request):
+    """The fields of a Responses request that Tessera reads (others are ignored, as on
+    chat; the passthrough fields come in as extras)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    input: str | list[Any]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    text: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    include: list[str] | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    store: bool | None = None
+    truncation: str | None = None
+    previous_response_id: str | None = None
+    conversation: Any = None
+    prompt: Any = None
+    background: bool | None = None
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.top_logprobs is not None or LOGPROBS_INCLUDE in (self.include or ())
+
+
+@dataclass(frozen=True)
+class ChatTranslation:
+    """A Responses request as a chat request, and where each chat message came from."""
+
+    chat: ChatCompletionRequest
+    message_sources: tuple[str, ...]  # chat message i came from this Responses field
+
+    def param(self, chat_param: str | None) -> str | None:
+        """The Responses field behind a chat field path (for error messages)."""
+        return responses_param(chat_param, self.message_sources)
+
+    @contextmanager
+    def responses_params(self) -> Iterator[None]:
+        """Re-raises errors of the chat pipeline naming the Responses field."""
+        try:
+            yield
+        except TesseraError as exc:
+            raise renamed(exc, self.message_sources) from exc.__cause__
+
+
+def responses_param(chat_param: str | None, message_sources: tuple[str, ...]) -> str | None:
+    """`chat_param` (a chat request's field path) as the Responses field it came from."""
+    if chat_param is None:
+        return None
+    found = re.match(r"messages\[(\d+)\](.*)", chat_param)
+    if found:
+        index = int(found.group(1))
+        source = message_sources[index] if index < len(message_sources) else "input"
+        return source + found.group(2)
+    found = re.match(r"tools\[(\d+)\]\.function(.*)", chat_param)
+    if found:
+        return f"tools[{found.group(1)}]{found.group(2)}"
+    for chat_name, name in _RENAMED.items():
+        if chat_param == chat_name or chat_param.startswith(chat_name + "."):
+            return name + chat_param[len(chat_name) :]
+    return chat_param
+
+
+def renamed(exc: TesseraError, message_sources: tuple[str, ...]) -> TesseraError:
+    """`exc` naming the Responses field instead of the chat one, in `param` and message."""
+    chat_param = exc.param
+    param = responses_param(chat_param, message_sources)
+    if chat_param is not None and param != chat_param:
+        exc.param = param
+        exc.message = exc.message.replace(repr(chat_param), repr(param))
+        exc.args = (exc.message,)
+    return exc
+
+
+def chat_request(body: ResponsesRequest) -> ChatTranslation:
+    """The chat completion request that does what `body` asks; InvalidRequest naming the
+    Responses field where it asks for what Tessera does not do."""
+    _refuse_stored_state(body)
+    messages, sources = _messages(body)
+    chat: dict[str, Any] = {"model": body.model, "messages": messages, "stream": body.stream}
+    for name in PASSTHROUGH_FIELDS:
+        if body.model_extra and name in body.model_extra:
+            chat[name] = body.model_extra[name]
+    _copy_sampling(body, chat)
+    if body.text and body.text.get("format") is not None:
+        chat["response_format"] = _response_format(body.text["format"])
+    if body.tools:
+        chat["tools"] = [_tool(tool, i) for i, tool in enumerate(body.tools)]
+    if body.tool_choice is not None:
+        chat["tool_choice"] = _tool_choice(body.tool_choice)
+    try:
+        validated = ChatCompletionRequest.model_validate(chat)
+    except ValidationError as exc:
+        raise renamed(validation_error_to_invalid(exc.errors()), tuple(sources)) from None
+    return ChatTranslation(validated, tuple(sources))
+
+
+def _refuse_stored_state(body: ResponsesRequest) -> None:
+    for name in ("previous_response_id", "conversation", "prompt"):
+        if getattr(body, name) is not None:
+            raise InvalidRequest(
+                f"{name} is not supported: Tessera stores no responses; send the whole "
+                "conversation in 'input'",
+                param=name,
+            )
+    if body.background:
+        raise InvalidRequest("background responses are not supported", param="background")
+    if body.truncation not in (None, "disabled"):
+        raise InvalidRequest(
+            "only truncation 'disabled' is supported: an input longer than the context is a 400",
+            param="truncation",
+        )
+
+
+def _copy_sampling(body: ResponsesRequest, chat: dict[str, Any]) -> None:
+    if body.max_output_tokens is not None:
+        chat["max_tokens"] = body.max_output_tokens
+    for name in ("temperature", "top_p", "parallel_tool_calls", "user"):
+        value = getattr(body, name)
+        if value is not None:
+            chat[name] = value
+    if body.wants_logprobs:
+        chat["logprobs"] = True
+        chat["top_logprobs"] = body.top_logprobs or 0
+
+
+def _messages(body: ResponsesRequest) -> tuple[list[dict[str, Any]], list[str]]:
+    messages: list[dict[str, Any]] = []
+    sources: list[str] = []
+    if body.instructions is not None:
+        messages.append({"role": "system", "content": body.instructions})
+        sources.append("instructions")
+    if isinstance(body.input, str):
+        messages.append({"role": "user", "content": body.input})
+        sources.append("input")
+        return messages, sources
+    if not body.input:
+        raise InvalidRequest("input must not be empty", param="input")
+    for i, item in enumerate(body.input):
+        param = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise InvalidRequest("an input item must be an object", param=param)
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind in ("function_call", "function_call_output") and not item.get("call_id"):
+            raise InvalidRequest(f"a {kind} item needs its call_id", param=param + ".call_id")
+        if kind == "message":
+            messages.append(_message(item, param))
+        elif kind == "function_call":
+            call = {
+                "id": item.get("call_id"),
+                "type": "function",
+                "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")},
+            }
+            previous = messages[-1] if messages else None
+            if previous is not None and previous["role"] == "assistant":
+                # One assistant turn: its text and its calls, or consecutive calls.
+                previous["tool_calls"] = [*(previous.get("tool_calls") or ()), call]
+                continue
+            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            content = _content(output, param + ".output") if isinstance(output, list) else output
+            messages.append(
+                {"role": "tool", "tool_call_id": item.get("call_id"), "content": content}
+            )
+        else:
+            raise InvalidRequest(
+                f"input items of type {kind!r} are not supported (message, function_call and "
+                "function_call_output are)",
+                param=param + ".type",
+            )
+        sources.append(param)
+    return messages, sources
+
+
+def _message(item: dict[str, Any], param: str) -> dict[str, Any]:
+    message = {"role": item.get("role"), "content": item.get("content")}
+    if isinstance(message["content"], list):
+        message["content"] = _content(message["content"], param + ".content")
+    return message
+
+
+def _content(parts: list[Any], param: str) -> list[Any]:
+    return [_part(part, f"{param}[{j}]") for j, part in enumerate(parts)]
+
+
+def _part(part: Any, param: str) -> Any:
+    if not isinstance(part, dict):
+        return part  # the chat's validation says what is wrong with it
+    kind = part.get("type")
+    if kind in _TEXT_PARTS:
+        return {"type": "text", "text": part.get("text")}
+    if kind == "input_image":
+        url = part.get("image_url")
+        if not isinstance(url, str) or not url:
+            if part.get("file_id") is not None:
+                raise InvalidRequest(
+                    "file_id images are not supported: send image_url (http(s) or data: URL)",
+                    param=param + ".file_id",
+                )
+            if part.get("uuid") is None:
+                raise InvalidRequest("an input_image needs an image_url", param=param)
+        image: dict[str, Any] = {"type": "image_url"}
+        if url:
+            image["image_url"] = {"url": url, "detail": part.get("detail")}
+        if part.get("uuid") is not None:
+            image["uuid"] = part["uuid"]
+        return image
+    if kind in ("input_file", "input_audio", "refusal"):
+        raise InvalidRequest(f"{kind} parts are not supported", param=param + ".type")
+    return part
+
+
+def _response_format(text_format: Any) -> Any:
+    if not isinstance(text_format, dict) or text_format.get("type") != "json_schema":
+        return text_format  # text, json_object, or wrong: the chat's validation says
+    schema = {key: text_format[key] for key in ("name", "description", "schema", "strict")
+              if key in text_format}  # fmt: skip
+    return {"type": "json_schema", "json_schema": schema}
+
+
+def _tool(tool: Any, index: int) -> Any:
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        raise InvalidRequest(
+            f"only function tools are supported, not {kind!r}", param=f"tools[{index}].type"
+        )
+    function = {key: tool[key] for key in ("name", "description", "parameters", "strict")
+                if key in tool}  # fmt: skip
+    return {"type": "function", "function": function}
+
+
+def _tool_choice(tool_choice: Any) -> Any:
+    if isinstance(tool_choice, dict):
+        if tool_choice.get("type") != "function":
+            raise InvalidRequest(
+                "tool_choice must be 'none', 'auto', 'required' or a function",
+                param="tool_choice",
+            )
+        return {"type": "function", "function": {"name": tool_choice.get("name")}}
+    return tool_choice
