@@ -112,7 +112,9 @@ def test_a_named_function_is_called_with_arguments_in_its_schema(client):
     jsonschema.validate(json.loads(calls[0].arguments), SCHEMA)
     assert calls[0].call_id.startswith("call_") and calls[0].id.startswith("fc_")
     events = list(respond(client, stream=True, **kwargs))
-    arguments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    arguments = "".join(
+        e.delta for e in events if e.type == "response.function_call_arguments.delta"
+    )
     assert arguments == calls[0].arguments
     done = [e.item for e in events if e.type == "response.output_item.done"]
     assert done[-1].type == "function_call" and done[-1].arguments == arguments
