@@ -240,7 +240,11 @@ class EngineCore:
                 outputs += self._fail_step(step.scheduler_output)
             else:
                 outputs += self.scheduler.update(
-                    step.scheduler_output, result.sampled_token_ids, result.logprobs, result.errors
+                    step.scheduler_output,
+                    result.sampled_token_ids,
+                    result.logprobs,
+                    result.errors,
+                    result.prompt_logprobs,
                 )
                 encoder_seconds = result.encoder_seconds
                 num_items, num_batches = result.num_encoder_items, result.num_encoder_batches
@@ -317,6 +321,10 @@ class EngineCore:
                 f"got {request.sampling.min_tokens}",
                 param="min_tokens",
             )
+        for name in ("logprobs", "prompt_logprobs"):
+            # A negative count would fail the sampler's or the scorer's topk for the batch.
+            if (getattr(request.sampling, name) or 0) < 0:
+                raise InvalidRequest(f"{name} must not be negative", param=name)
         for token_id, bias in request.sampling.logit_bias:
             # An id past the logits would fail the sampler's step for the whole batch.
             if not 0 <= token_id < mc.vocab_size or not math.isfinite(bias):

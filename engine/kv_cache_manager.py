@@ -66,6 +66,9 @@ class KVCacheManager:
         if not self.enable_prefix_caching or request.num_computed_tokens > 0:
             return [], 0
         max_tokens = request.num_tokens - 1
+        if request.sampling.prompt_logprobs is not None:
+            # Cached rows have no logits: score the prompt tokens not scored yet.
+            max_tokens = min(max_tokens, len(request.prompt_logprobs))
         for media in request.media:  # cut back to the start of a span the hit would split
             if media.offset < max_tokens < media.end:
                 max_tokens = media.offset

@@ -38,6 +38,7 @@ from engine.config import EngineConfig
 from engine.device_io import to_device
 from engine.model_config import ModelConfig
 from engine.multimodal.image_processor import ImageProcessorConfig
+from engine.prompt_logprobs import SLICE_ROWS, score_prompt_tokens
 from engine.protocol import SamplingParams
 from engine.sampler import Sampler, SamplingRow
 
@@ -180,7 +181,8 @@ def run_largest_step(
     * one prompt of `max_num_batched_tokens` tokens (one sequence: the most attention
       work for the token budget), its first rows taken from the encoder output, kept
       alive as the encoder cache keeps it;
-    * logits and the sampler's heaviest path for `max_num_seqs` rows."""
+    * logits and the sampler's heaviest path for `max_num_seqs` rows;
+    * a slice of prompt-logprobs scoring (engine/prompt_logprobs.py)."""
     mc: ModelConfig = model.config
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
@@ -218,6 +220,12 @@ def run_largest_step(
                       allowed_tokens=allow_all)  # fmt: skip
     rows = [row] * num_rows
     Sampler().sample(logits, rows).result()  # its own: the engine's draws stay untouched
+    del logits
+    # A prompt_logprobs request scores its prompt a slice of rows at a time: one slice's
+    # logits and log-softmax, with the most alternatives the server allows.
+    scored = hidden[:SLICE_ROWS]
+    score_prompt_tokens("profile", scored, 0, [0] * (scored.shape[0] + 1), 20,
+                        model.compute_logits).entries()  # fmt: skip
 
 
 def _run_largest_encoder_call(

@@ -48,6 +48,7 @@ class GenerationResult:
     finish_reason: str  # "stop" | "length" | "abort" | "error"
     logprobs: list[TokenLogprob] | None = None
     error: ErrorInfo | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.. (SamplingParams)
 
 
 class LLM:
@@ -148,6 +149,9 @@ class LLM:
         if any(output.logprobs for output in outputs):
             logprobs = [lp for output in outputs for lp in (output.logprobs or [])]
         last = outputs[-1]
+        prompt_logprobs = next(
+            (o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None
+        )
         return GenerationResult(
             request_id,
             prompt_token_ids,
@@ -156,6 +160,7 @@ class LLM:
             last.finish_reason.value,
             logprobs,
             last.error,
+            prompt_logprobs,
         )
 
     def _build_request(

@@ -51,6 +51,7 @@ from engine.model_config import ModelConfig
 from engine.models.cpu_prepack import can_prepack, prepack_linears
 from engine.models.loader import load_model
 from engine.multimodal.image_processor import normalize_pixels
+from engine.prompt_logprobs import PendingPromptLogprobs, score_prompt_tokens, scored_positions
 from engine.protocol import ErrorInfo, TokenLogprob
 from engine.request import MediaItem
 from engine.sampler import PendingSample, Sampler, SamplingRow
@@ -72,6 +73,8 @@ class ModelRunnerOutput:
     encoder_seconds: float = 0.0
     num_encoder_items: int = 0
     num_encoder_batches: int = 0
+    # request id -> (prompt index of the first scored token, the scores)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,7 @@ class PendingStep:
     encoder_timer: DeviceTimer | None
     num_encoder_items: int
     num_encoder_batches: int
+    prompt_logprobs: list[PendingPromptLogprobs] = field(default_factory=list)
 
     def result(self) -> ModelRunnerOutput:
         sampled: dict[str, int] = {}
@@ -104,6 +108,7 @@ class PendingStep:
             encoder_seconds,
             self.num_encoder_items,
             self.num_encoder_batches,
+            {p.request_id: (p.first_index, p.entries()) for p in self.prompt_logprobs},
         )
 
 
@@ -346,9 +351,9 @@ class ModelRunner:
                 errors[chunk.request.request_id] = failure
             else:
                 chunks.append(chunk)
-        sample, request_ids = None, []
+        sample, request_ids, prompt_logprobs = None, [], []
         if chunks:
-            sample, request_ids = self._run(chunks, previous)
+            sample, request_ids, prompt_logprobs = self._run(chunks, previous)
         return PendingStep(
             sample,
             request_ids,
@@ -356,6 +361,7 @@ class ModelRunner:
             encoder_timer,
             len(scheduler_output.media_to_encode),
             num_batches,
+            prompt_logprobs,
         )
 
     def _media_failure(
@@ -442,12 +448,13 @@ class ModelRunner:
 
     def _run(
         self, chunks: list[ScheduledChunk], previous: PendingStep | None
-    ) -> tuple[PendingSample | None, list[str]]:
+    ) -> tuple[PendingSample | None, list[str], list[PendingPromptLogprobs]]:
         inputs = gather_step_inputs(chunks, self.block_size, self.encoder_cache)
         hidden = self._forward(inputs, self._in_flight_tokens(inputs, previous))  # [T, hidden]
+        prompt_logprobs = self._score_prompts(chunks, inputs, hidden)
         sampling = [(row, chunk) for row, chunk in enumerate(chunks) if chunk.samples]
         if not sampling:
-            return None, []
+            return None, [], prompt_logprobs
         if len(sampling) == inputs.num_tokens:  # every row is the last of a sampling sequence
             last_hidden = hidden[: len(sampling)]  # [S, hidden]
         else:
@@ -467,7 +474,29 @@ class ModelRunner:
             )
             for _, chunk in sampling
         ]
-        return self.sampler.sample(logits, rows), [c.request.request_id for _, c in sampling]
+        request_ids = [c.request.request_id for _, c in sampling]
+        return self.sampler.sample(logits, rows), request_ids, prompt_logprobs
+
+    def _score_prompts(
+        self, chunks: list[ScheduledChunk], inputs: StepInputs, hidden: torch.Tensor
+    ) -> list[PendingPromptLogprobs]:
+        """The prompt logprobs of every chunk whose request asks for them."""
+        scored = []
+        for chunk, end_row in zip(chunks, inputs.query_ends, strict=True):
+            request = chunk.request
+            num_top = request.sampling.prompt_logprobs
+            if num_top is None:
+                continue
+            positions = scored_positions(chunk.start, chunk.end, request.num_prompt_tokens,
+                                         len(request.prompt_logprobs))  # fmt: skip
+            if not positions:
+                continue
+            first_row = end_row - chunk.num_tokens + positions.start - chunk.start
+            rows = hidden[first_row : first_row + len(positions)]  # [n, hidden]
+            scored.append(score_prompt_tokens(request.request_id, rows, positions.start,
+                                              request.prompt_token_ids, num_top,
+                                              self.model.compute_logits))  # fmt: skip
+        return scored
 
     def _in_flight_tokens(
         self, inputs: StepInputs, previous: PendingStep | None

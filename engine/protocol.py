@@ -39,7 +39,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     before any token is picked (OpenAI's `logit_bias`; ids distinct). Until `min_tokens`
     tokens are out, EOS (unless `ignore_eos`) and `stop_token_ids` cannot be picked. With
     `structured_output` only tokens its grammar allows can be, and the sequence finishes
-    ("stop") once the grammar is complete.
+    ("stop") once the grammar is complete. `prompt_logprobs == k` scores every prompt token
+    but the first, with k alternatives (engine/prompt_logprobs.py).
     """
 
     max_tokens: int = 16
@@ -55,6 +56,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # score each prompt token, with this many alternatives
     logit_bias: tuple[tuple[int, float], ...] = ()
     structured_output: StructuredOutput | None = None
 
@@ -171,6 +173,7 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = []  # (token_id, logprob), best first
+    rank: int | None = None  # prompt logprobs: 1 + the number of likelier tokens
 
 
 class RequestOutput(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -179,6 +182,9 @@ class RequestOutput(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     request_id: str
     new_token_ids: list[int] = []
     logprobs: list[TokenLogprob] | None = None
+    # SamplingParams.prompt_logprobs: prompt tokens 1.. (token 0 has no score), on the
+    # output that carries the first sampled token.
+    prompt_logprobs: list[TokenLogprob] | None = None
     finish_reason: FinishReason | None = None
     error: ErrorInfo | None = None
     num_prompt_tokens: int = 0

@@ -117,6 +117,9 @@ class Request:
         self.logprobs: list[TokenLogprob] | None = [] if sampling.logprobs is not None else None
         # Where the output stands in `sampling.structured_output`'s grammar (set at admission).
         self.grammar: GrammarMatcher | None = None
+        # sampling.prompt_logprobs: the scores of prompt tokens 1 .. len(...), as computed.
+        self.prompt_logprobs: list[TokenLogprob] = []
+        self.has_sent_prompt_logprobs = False
         self.error: ErrorInfo | None = None
         self.num_preemptions = 0
         # time.monotonic() marks of the engine-side phases (for the latency histograms).

@@ -344,10 +344,16 @@ class Scheduler:
         sampled_token_ids: dict[str, int],
         logprobs: dict[str, TokenLogprob] | None = None,
         errors: dict[str, ErrorInfo] | None = None,
+        prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] | None = None,
     ) -> list[RequestOutput]:
         """Appends sampled tokens, finishes requests that hit a stop condition."""
         outputs = []
         logprobs = logprobs or {}
+        for request_id, (first_index, scores) in (prompt_logprobs or {}).items():
+            request = self.requests.get(request_id)
+            skip = len(request.prompt_logprobs) + 1 - first_index if request else -1
+            if skip >= 0:  # tokens scored already (before a preemption) are skipped
+                request.prompt_logprobs += scores[skip:]  # type: ignore[union-attr]
         for chunk in scheduler_output.chunks:
             request = chunk.request
             if chunk.samples:
@@ -425,11 +431,17 @@ class Scheduler:
     def _output(
         request: Request, token_ids: list[int], logprobs: list[TokenLogprob] | None = None
     ) -> RequestOutput:
+        prompt_logprobs = None
+        if request.sampling.prompt_logprobs is not None and token_ids:
+            if not request.has_sent_prompt_logprobs:  # once, with the first token
+                request.has_sent_prompt_logprobs = True
+                prompt_logprobs = request.prompt_logprobs
         if not request.is_finished:  # every decode step of every request: the short form
             return RequestOutput(
                 request_id=request.request_id,
                 new_token_ids=token_ids,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 num_prompt_tokens=request.num_prompt_tokens,
                 num_cached_tokens=request.num_cached_tokens,
             )
@@ -437,6 +449,7 @@ class Scheduler:
             request_id=request.request_id,
             new_token_ids=token_ids,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             finish_reason=request.status.finish_reason,
             error=request.error,
             num_prompt_tokens=request.num_prompt_tokens,

@@ -51,6 +51,7 @@ from server.openai_models import (
     TokenizeRequest,
     dump,
 )
+from server.prompt_echo import PromptEcho
 from server.request_limits import RequestLimitMiddleware
 from server.request_log import RequestLogMiddleware, record_of
 from server.response_events import ResponseShaper, stream_response
@@ -273,13 +274,13 @@ def _add_api_routes(api: APIRouter) -> None:
         prompt = prepare_completion_prompt(body, state.processor, state.vocab_size)
         job = _job(state, body, prompt, prefix="cmpl")
         ticket = _admit(request, state, job)
-        with_logprobs = body.logprobs is not None
+        echo = PromptEcho.of(body, prompt.token_ids, state.processor)
         if body.stream:
             stream = stream_completion(
                 job,
                 state.engine,
                 state.processor.tokenizer,
-                with_logprobs=with_logprobs,
+                echo=echo,
                 on_finished=_finisher(state, time.monotonic(), request),
             )
             return EventStreamResponse(_releasing(stream, ticket), headers=SSE_HEADERS)
@@ -287,9 +288,7 @@ def _add_api_routes(api: APIRouter) -> None:
             totals, results = await _collect_until_disconnect(request, state, job)
         finally:
             ticket.release()
-        response = completion_response(
-            job, results, totals, state.processor, with_logprobs=with_logprobs
-        )
+        response = completion_response(job, results, totals, state.processor, echo)
         return JSONResponse(dump(response))
 
     @api.post("/v1/responses")

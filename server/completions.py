@@ -8,7 +8,7 @@ from __future__ import annotations
 from engine.errors import InvalidRequest
 from engine.multimodal.prompt import PromptProcessor
 from server.generation import GenerationTotals, PreparedPrompt, check_token_ids
-from server.logprobs import chat_logprobs, completion_logprobs
+from server.logprobs import chat_logprobs, prompt_logprobs
 from server.openai_models import (
     ChatChoice,
     ChatCompletionResponse,
@@ -18,6 +18,7 @@ from server.openai_models import (
     ResponseMessage,
     ResponseToolCall,
 )
+from server.prompt_echo import PromptEcho
 from server.streaming import ChoiceResult, GenerationJob, usage_of
 from server.tool_calls import ToolPlan
 
@@ -45,20 +46,22 @@ def completion_response(
     results: list[ChoiceResult],
     totals: GenerationTotals,
     processor: PromptProcessor,
-    *,
-    with_logprobs: bool,
+    echo: PromptEcho,
 ) -> CompletionResponse:
-    choices = [
-        CompletionChoice(
-            index=i,
-            text=result.text,
-            logprobs=(
-                completion_logprobs(processor.tokenizer, result.logprobs) if with_logprobs else None
-            ),
-            finish_reason=result.finish_reason,
+    choices = []
+    for i, result in enumerate(results):
+        echoed, logprobs, scores = echo.first(
+            processor.tokenizer, job.prompt.token_ids, totals.prompt_logprobs, result.logprobs
         )
-        for i, result in enumerate(results)
-    ]
+        choices.append(
+            CompletionChoice(
+                index=i,
+                text=echoed + result.text,
+                logprobs=logprobs,
+                finish_reason=result.finish_reason,
+                prompt_logprobs=scores,
+            )
+        )
     return CompletionResponse(
         id=job.request_id,
         created=job.created,
@@ -86,12 +89,16 @@ def chat_response(
         for i, result in enumerate(results)
         for message, finish_reason in [_message(job.tools, result)]
     ]
+    scores = None
+    if job.sampling.prompt_logprobs is not None:
+        scores = prompt_logprobs(processor.tokenizer, totals.prompt_logprobs or [])
     return ChatCompletionResponse(
         id=job.request_id,
         created=job.created,
         model=job.model_name,
         choices=choices,
         usage=usage_of(totals),
+        prompt_logprobs=scores,
     )
 
 

@@ -71,6 +71,8 @@ class GenerationTotals:
     prefill_seconds: list[float] = field(default_factory=list)
     decode_seconds: list[float] = field(default_factory=list)
     last_token_times: dict[int, float] = field(default_factory=dict)  # choice -> monotonic
+    # SamplingParams.prompt_logprobs: the prompt's scores (the same for every choice).
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     def note_output(self, index: int, output: RequestOutput) -> None:
         """Record token timing and, on the finishing output, the engine-side phases."""
@@ -150,6 +152,7 @@ def build_sampling_params(
         frequency_penalty=request.frequency_penalty or 0.0,
         repetition_penalty=request.repetition_penalty or 1.0,
         logprobs=num_logprobs,
+        prompt_logprobs=request.num_prompt_logprobs,  # type: ignore[attr-defined]
         logit_bias=request.logit_bias_pairs,
         structured_output=msgspec.structs.replace(constraint[0], param=constraint[1])
         if constraint
@@ -298,6 +301,8 @@ def _apply_output(
         raise error_info_to_exception(output.error)
     if output.num_cached_tokens:
         totals.num_cached_tokens = max(totals.num_cached_tokens, output.num_cached_tokens)
+    if output.prompt_logprobs is not None and totals.prompt_logprobs is None:
+        totals.prompt_logprobs = output.prompt_logprobs
     totals.note_output(index, output)
     totals.num_generated_tokens += len(output.new_token_ids)
     text = detokenizer.step(output.new_token_ids)

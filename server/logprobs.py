@@ -11,6 +11,7 @@ from server.detokenizer import token_bytes
 from server.openai_models import (
     ChoiceLogprobs,
     CompletionLogprobs,
+    PromptLogprob,
     TokenLogprobInfo,
     TopLogprob,
 )
@@ -49,4 +50,48 @@ def completion_logprobs(
         result.top_logprobs.append({_token_text(tokenizer, tid)[0]: lp for tid, lp in entry.top})
         result.text_offset.append(offset)
         offset += len(token)
+    return result
+
+
+def prompt_logprobs(
+    tokenizer: Tokenizer, scores: Sequence[TokenLogprob]
+) -> list[dict[str, PromptLogprob] | None]:
+    """vLLM's `prompt_logprobs`: None for the first prompt token, then per token
+    {token id: {logprob, rank, decoded_token}} for the prompt's token and its alternatives
+    (ranked 1.. by likelihood)."""
+    result: list[dict[str, PromptLogprob] | None] = [None]
+    for score in scores:
+        entry = {}
+        for rank, (token_id, logprob) in enumerate(score.top, start=1):
+            text = _token_text(tokenizer, token_id)[0]
+            entry[str(token_id)] = PromptLogprob(logprob=logprob, rank=rank, decoded_token=text)
+        text = _token_text(tokenizer, score.token_id)[0]
+        entry[str(score.token_id)] = PromptLogprob(
+            logprob=score.logprob, rank=score.rank, decoded_token=text
+        )
+        result.append(entry)
+    return result
+
+
+def prompt_logprobs_json(tokenizer: Tokenizer, scores: Sequence[TokenLogprob]) -> list:
+    """`prompt_logprobs` as plain JSON values, for a stream's chunk."""
+    return [
+        None if entry is None else {key: value.model_dump() for key, value in entry.items()}
+        for entry in prompt_logprobs(tokenizer, scores)
+    ]
+
+
+def echoed_prompt_logprobs(
+    tokenizer: Tokenizer,
+    prompt_token_ids: Sequence[int],
+    scores: Sequence[TokenLogprob],
+    num_top: int,
+) -> CompletionLogprobs:
+    """The legacy logprobs of an echoed prompt (`num_top` alternatives each): its first
+    token has no logprob (None)."""
+    entries = [TokenLogprob(prompt_token_ids[0], 0.0)]
+    entries += [TokenLogprob(s.token_id, s.logprob, s.top[:num_top]) for s in scores]
+    result = completion_logprobs(tokenizer, entries)
+    result.token_logprobs[0] = None
+    result.top_logprobs[0] = None
     return result

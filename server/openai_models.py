@@ -197,6 +197,9 @@ class SamplingFields(_Request):
     user: str | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
+    # vLLM's: score every prompt token, with this many alternatives (the answer's
+    # `prompt_logprobs`: null for the first token, then {token id: {logprob, rank, ...}}).
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     # Constrained decoding (engine/structured_output.py); at most one of the two.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -405,6 +408,10 @@ class ChatCompletionRequest(SamplingFields):
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
+
 
 def _as_dict(tool_choice: Any) -> Any:
     return tool_choice.model_dump() if isinstance(tool_choice, BaseModel) else tool_choice
@@ -422,6 +429,13 @@ class CompletionRequest(SamplingFields):
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """`echo` with `logprobs` scores the echoed prompt too (OpenAI's legacy shape)."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
 
 class TokenizeRequest(_Request):
@@ -485,10 +499,7 @@ class ResponseMessage(_Response):
 
     @model_serializer(mode="wrap")
     def _no_null_tool_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        data = handler(self)
-        if data.get("tool_calls") is None:
-            data.pop("tool_calls", None)
-        return data
+        return _without_null(handler(self), "tool_calls")
 
 
 class ChatChoice(_Response):
@@ -506,6 +517,11 @@ class ChatCompletionResponse(_Response):
     choices: list[ChatChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # vLLM's, when asked
+
+    @model_serializer(mode="wrap")
+    def _no_null_prompt_logprobs(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_null(handler(self), "prompt_logprobs")
 
 
 class DeltaFunctionCall(_Response):
@@ -546,9 +562,17 @@ class ChatCompletionChunk(_Response):
 
 class CompletionLogprobs(_Response):
     tokens: list[str] = []
-    token_logprobs: list[float] = []
-    top_logprobs: list[dict[str, float]] = []
+    token_logprobs: list[float | None] = []  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None] = []
     text_offset: list[int] = []
+
+
+class PromptLogprob(_Response):
+    """vLLM's score of one token at one prompt position."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
 
 
 class CompletionChoice(_Response):
@@ -556,6 +580,11 @@ class CompletionChoice(_Response):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # vLLM's, when asked
+
+    @model_serializer(mode="wrap")
+    def _no_null_prompt_logprobs(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_null(handler(self), "prompt_logprobs")
 
 
 class CompletionResponse(_Response):
@@ -589,6 +618,13 @@ class ErrorDetail(_Response):
 
 class ErrorResponse(_Response):
     error: ErrorDetail
+
+
+def _without_null(data: dict[str, Any], key: str) -> dict[str, Any]:
+    """`data` without `key` where it is None: an optional field left out of the JSON."""
+    if data.get(key) is None:
+        data.pop(key, None)
+    return data
 
 
 def dump(model: BaseModel, **kwargs: Any) -> dict:

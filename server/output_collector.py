@@ -11,6 +11,7 @@ of a backlog growing in the queue.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import msgspec
 
@@ -26,6 +27,7 @@ def merge_outputs(first: RequestOutput, second: RequestOutput) -> RequestOutput:
         second,
         new_token_ids=[*first.new_token_ids, *second.new_token_ids],
         logprobs=logprobs,
+        prompt_logprobs=_last(first.prompt_logprobs, second.prompt_logprobs),
         num_prompt_tokens=second.num_prompt_tokens or first.num_prompt_tokens,
         num_cached_tokens=max(first.num_cached_tokens, second.num_cached_tokens),
         queued_seconds=_last(first.queued_seconds, second.queued_seconds),
@@ -34,7 +36,7 @@ def merge_outputs(first: RequestOutput, second: RequestOutput) -> RequestOutput:
     )
 
 
-def _last(first: float | None, second: float | None) -> float | None:
+def _last(first: Any, second: Any) -> Any:
     return first if second is None else second
 
 

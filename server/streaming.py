@@ -26,8 +26,9 @@ from engine.errors import TesseraError
 from engine.protocol import SamplingParams, TokenLogprob
 from server.errors import error_body, tessera_error_body
 from server.generation import GenerationTotals, PreparedPrompt, generate_choices
-from server.logprobs import chat_logprobs, completion_logprobs
+from server.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs_json
 from server.openai_models import UsageInfo, dump
+from server.prompt_echo import PromptEcho
 from server.tool_calls import ToolPlan
 
 logger = logging.getLogger(__name__)
@@ -99,8 +100,10 @@ class _ChunkWriter:
             "model": job.model_name,
         }
 
-    def __call__(self, choices: list[dict[str, Any]], usage: UsageInfo | None = None) -> bytes:
-        body = {**self.header, "choices": choices}
+    def __call__(
+        self, choices: list[dict[str, Any]], usage: UsageInfo | None = None, **extra: Any
+    ) -> bytes:
+        body = {**self.header, "choices": choices, **extra}
         if usage is not None:
             body["usage"] = dump(usage)
         return sse(body)
@@ -163,6 +166,7 @@ async def stream_chat(
     for index in range(job.n):
         yield chunk([choice(index, {"role": "assistant", "content": ""})])
     extractors = [job.tools.extractor() for _ in range(job.n)] if job.tools else None
+    wants_prompt_logprobs = job.sampling.prompt_logprobs is not None
     async with contextlib.aclosing(_guarded(run_job(job, engine, tokenizer, totals))) as pieces:
         async for piece in pieces:
             if isinstance(piece, bytes):
@@ -176,11 +180,16 @@ async def stream_chat(
                     rest, last_deltas, calls = extractor.finish_stream()
                     text, call_deltas = text + rest, call_deltas + last_deltas
                     finish = job.tools.finish_reason(finish, calls)  # type: ignore[union-attr]
+            extra = {}
+            if wants_prompt_logprobs and totals.prompt_logprobs is not None:
+                wants_prompt_logprobs = False  # vLLM's field, once, in the first chunk after
+                extra["prompt_logprobs"] = prompt_logprobs_json(tokenizer, totals.prompt_logprobs)
             if (
                 not text
                 and not call_deltas
                 and finish is None
                 and not (with_logprobs and piece.logprobs)
+                and not extra
             ):
                 continue
             logprobs = None
@@ -189,7 +198,7 @@ async def stream_chat(
             delta: dict[str, Any] = {"content": text}
             if call_deltas:
                 delta["tool_calls"] = call_deltas
-            yield chunk([choice(piece.index, delta, logprobs, finish)])
+            yield chunk([choice(piece.index, delta, logprobs, finish)], **extra)
     if job.include_usage:
         yield chunk([], usage_of(totals))
     on_finished(totals)
@@ -201,11 +210,12 @@ async def stream_completion(
     engine: Any,
     tokenizer: Tokenizer,
     *,
-    with_logprobs: bool,
+    echo: PromptEcho,
     on_finished: OnFinished,
 ) -> AsyncIterator[bytes]:
+    """Each choice's first chunk carries what `echo` shows of the prompt."""
     totals = GenerationTotals()
-    offsets = [0] * job.n
+    offsets: list[int | None] = [None] * job.n  # None: the choice's first chunk is to come
     chunk = _ChunkWriter(job, "text_completion")
 
     async with contextlib.aclosing(_guarded(run_job(job, engine, tokenizer, totals))) as pieces:
@@ -213,19 +223,33 @@ async def stream_completion(
             if isinstance(piece, bytes):
                 yield piece
                 return
-            if not piece.text and piece.finish_reason is None:
-                continue
-            logprobs = None
-            if with_logprobs:
-                entries = completion_logprobs(tokenizer, piece.logprobs, offsets[piece.index])
-                logprobs = dump(entries)
-            offsets[piece.index] += len(piece.text)
-            choice = {
-                "index": piece.index,
-                "text": piece.text,
-                "logprobs": logprobs,
-                "finish_reason": piece.finish_reason,
-            }
+            index = piece.index
+            offset = offsets[index]
+            held_back = echo.num_logprobs is not None and piece.logprobs  # text comes later
+            if not piece.text and piece.finish_reason is None and offset is not None:
+                if not held_back:
+                    continue
+            choice: dict[str, Any] = {"index": index, "text": piece.text}
+            if offset is None:
+                echoed, logprobs, scores = echo.first(
+                    tokenizer, job.prompt.token_ids, totals.prompt_logprobs, piece.logprobs
+                )
+                choice["text"] = echoed + piece.text
+                offset = len(echoed)
+                if scores is not None:
+                    choice["prompt_logprobs"] = [
+                        None
+                        if entry is None
+                        else {key: dump(value) for key, value in entry.items()}
+                        for entry in scores
+                    ]
+            elif echo.num_logprobs is not None:
+                logprobs = completion_logprobs(tokenizer, piece.logprobs, offset)
+            else:
+                logprobs = None
+            offsets[index] = offset + len(piece.text)
+            choice["logprobs"] = None if logprobs is None else dump(logprobs)
+            choice["finish_reason"] = piece.finish_reason
             yield chunk([choice])
     if job.include_usage:
         yield chunk([], usage_of(totals))

@@ -97,7 +97,7 @@ def observe(model, monkeypatch) -> dict:
     compute_logits = model.compute_logits
 
     def counting_logits(hidden):
-        seen["logits"] = hidden.shape[0]
+        seen.setdefault("logits", []).append(hidden.shape[0])
         return compute_logits(hidden)
 
     monkeypatch.setattr(model, "compute_logits", counting_logits)
@@ -121,13 +121,14 @@ def test_the_profiled_step_runs_the_vision_tower_prompt_and_sampler_at_their_lim
     assert largest_frame_grid(image_config) == (1, 32, 32)  # 448x448: 256 tokens a frame
     seen = observe(model, monkeypatch)
     run_largest_step(model, config, image_config, max_model_len=4096, kv_cache_dtype=torch.float32)
-    # 600 // 256 = 2 frames; the whole token budget as one prompt; max_num_seqs rows sampled
-    assert seen == {"patches": 2 * 32 * 32, "tokens": 2 * 256, "prompt": 300, "logits": 7}
+    # 600 // 256 = 2 frames; the whole token budget as one prompt; max_num_seqs rows sampled,
+    # then one slice of prompt-logprobs scoring (256 rows)
+    assert seen == {"patches": 2 * 32 * 32, "tokens": 2 * 256, "prompt": 300, "logits": [7, 256]}
     # A context shorter than the token budget bounds the prompt; one frame always runs.
     seen.clear()
     small = config.replace(max_encoder_tokens_per_step=10)
     run_largest_step(model, small, image_config, max_model_len=64, kv_cache_dtype=torch.float32)
-    assert seen == {"patches": 32 * 32, "tokens": 256, "prompt": 64, "logits": 7}
+    assert seen == {"patches": 32 * 32, "tokens": 256, "prompt": 64, "logits": [7, 64]}
 
 
 class ScriptedProbe:
@@ -163,7 +164,7 @@ def test_profiling_reads_the_peak_around_the_largest_step(model_dir, monkeypatch
         probe, model, config, max_model_len=4096, kv_cache_dtype=torch.float32, block_bytes=1024
     )
     assert probe.calls == ["reset_peak", "prompt", "read", "release_cached"]
-    assert seen["prompt"] == 64 and seen["logits"] == 3
+    assert seen["prompt"] == 64 and seen["logits"] == [3, 64]
     assert (num_bytes, read) == (34 * GIB, use)
 
 

@@ -91,3 +91,9 @@ def test_merged_outputs_keep_one_gap_per_token_after_the_first():
             totals.note_output(0, _output(*(next(token) for _ in range(size))))
         assert len(totals.inter_token_seconds) == 4, groups
         assert all(gap >= 0 for gap in totals.inter_token_seconds)
+
+
+def test_the_prompts_scores_survive_a_merge():
+    scores = [TokenLogprob(5, -1.5, [], 2)]
+    merged = merge_outputs(_output(1, prompt_logprobs=scores), _output(2))
+    assert merged.prompt_logprobs == scores and merged.new_token_ids == [1, 2]

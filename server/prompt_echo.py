@@ -1,0 +1,64 @@
+"""What a completion choice shows of its prompt: OpenAI's `echo` and vLLM's
+`prompt_logprobs` (the engine scores the prompt: engine/prompt_logprobs.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenizers import Tokenizer
+
+from engine.multimodal.prompt import PromptProcessor
+from engine.protocol import TokenLogprob
+from server.logprobs import completion_logprobs, echoed_prompt_logprobs, prompt_logprobs
+from server.openai_models import CompletionLogprobs, CompletionRequest
+
+
+@dataclass(frozen=True)
+class PromptEcho:
+    """What a completion choice shows of its prompt, in its first chunk (or its whole
+    answer): with `echo` the prompt's text before the completion's (and, with `logprobs`,
+    the prompt tokens' logprobs first, the first one None), and vLLM's `prompt_logprobs`."""
+
+    text: str | None  # echo: the prompt as given (token ids: decoded)
+    num_logprobs: int | None  # the request's `logprobs`
+    with_prompt_logprobs: bool
+
+    @classmethod
+    def of(cls, request: CompletionRequest, prompt_token_ids: list[int],
+           processor: PromptProcessor) -> PromptEcho:  # fmt: skip
+        text = None
+        if request.echo:
+            prompt = request.prompt
+            if isinstance(prompt, list) and len(prompt) == 1:
+                prompt = prompt[0]
+            text = prompt if isinstance(prompt, str) else processor.decode(
+                prompt_token_ids, skip_special_tokens=False
+            )  # fmt: skip
+        return cls(text, request.logprobs, request.prompt_logprobs is not None)
+
+    def first(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: list[int],
+        scores: list[TokenLogprob] | None,
+        entries: list[TokenLogprob],
+    ) -> tuple[str, CompletionLogprobs | None, list | None]:
+        """The echoed text, the logprobs of it and of the first `entries`, and vLLM's
+        prompt_logprobs."""
+        echoed = self.text or ""
+        logprobs = None
+        if self.num_logprobs is not None:
+            logprobs = completion_logprobs(tokenizer, entries, len(echoed))
+            if self.text is not None:
+                prompt = echoed_prompt_logprobs(tokenizer, prompt_token_ids, scores or [],
+                                                self.num_logprobs)  # fmt: skip
+                logprobs = CompletionLogprobs(
+                    tokens=prompt.tokens + logprobs.tokens,
+                    token_logprobs=prompt.token_logprobs + logprobs.token_logprobs,
+                    top_logprobs=prompt.top_logprobs + logprobs.top_logprobs,
+                    text_offset=prompt.text_offset + logprobs.text_offset,
+                )
+        vllm_scores = None
+        if self.with_prompt_logprobs:
+            vllm_scores = prompt_logprobs(tokenizer, scores or [])
+        return echoed, logprobs, vllm_scores

@@ -1,0 +1,104 @@
+"""The prompt's scores over HTTP: OpenAI's `echo` on /v1/completions (the prompt's text,
+and with `logprobs` its tokens' logprobs, first, the first one null) and vLLM's
+`prompt_logprobs` on both endpoints, streamed or not. The numbers are the offline engine's,
+which tests/parity/test_prompt_logprobs.py holds to transformers."""
+
+from __future__ import annotations
+
+import pytest
+from tokenizers import Tokenizer
+
+from engine import LLM, SamplingParams
+from tests.e2e.conftest import MODEL_NAME
+from tests.e2e.test_errors_api import assert_error
+
+PROMPT = "the quick brown fox jumps over"
+GREEDY = {"temperature": 0, "max_tokens": 3, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir):
+    """The offline engine's scores of PROMPT (2 alternatives) and its greedy tokens."""
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    ids = tokenizer.encode(PROMPT, add_special_tokens=False).ids
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, prompt_logprobs=2)
+    with LLM(str(model_dir), num_kv_blocks=64) as llm:
+        [result] = llm.generate([ids], params)
+    return ids, result
+
+
+def complete(client, **kwargs):
+    return client.completions.create(model=MODEL_NAME, prompt=PROMPT, **GREEDY, **kwargs)
+
+
+def test_echo_puts_the_prompt_first_streamed_or_not(client):
+    plain = complete(client).choices[0]
+    echoed = complete(client, echo=True).choices[0]
+    assert echoed.text == PROMPT + plain.text
+    chunks = list(complete(client, echo=True, stream=True))
+    assert chunks[0].choices[0].text.startswith(PROMPT)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == echoed.text
+
+
+def test_echo_with_logprobs_scores_the_prompt_tokens_too(client, offline):
+    ids, reference = offline
+    choice = complete(client, echo=True, logprobs=2).choices[0]
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(ids) + 3
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    scores = [score.logprob for score in reference.prompt_logprobs]
+    assert logprobs.token_logprobs[1 : len(ids)] == pytest.approx(scores, abs=1e-5)
+    assert all(len(top) <= 2 for top in logprobs.top_logprobs[1:])
+    assert "".join(logprobs.tokens[: len(ids)]) == PROMPT
+    offsets = logprobs.text_offset
+    assert offsets[0] == 0 and offsets[len(ids)] == len(PROMPT)  # the completion's first
+    assert offsets == sorted(offsets)
+    streamed = [c.choices[0] for c in complete(client, echo=True, logprobs=2, stream=True)]
+    tokens = [t for c in streamed if c.logprobs for t in c.logprobs.token_logprobs]
+    assert tokens == logprobs.token_logprobs
+
+
+def test_vllm_prompt_logprobs_on_both_endpoints(client, http, offline):
+    ids, reference = offline
+
+    def check(entries) -> None:
+        assert entries[0] is None and len(entries) == len(ids)
+        for position, (entry, score) in enumerate(zip(entries[1:], reference.prompt_logprobs,
+                                                      strict=True), start=1):  # fmt: skip
+            token = entry[str(ids[position])]
+            assert token["logprob"] == pytest.approx(score.logprob, abs=1e-5)
+            assert token["rank"] == score.rank
+            assert len(entry) <= 3  # the prompt's token and 2 alternatives (or it among them)
+
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 3, "temperature": 0,
+            "prompt_logprobs": 2}  # fmt: skip
+    choice = http.post("/v1/completions", json=body).json()["choices"][0]
+    check(choice["prompt_logprobs"])
+    chat_body = {"model": MODEL_NAME, "max_tokens": 3, "temperature": 0, "prompt_logprobs": 0,
+                 "messages": [{"role": "user", "content": PROMPT}]}  # fmt: skip
+    response = http.post("/v1/chat/completions", json=chat_body).json()
+    entries = response["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == response["usage"]["prompt_tokens"]
+    assert all(len(entry) == 1 for entry in entries[1:])  # k = 0: the prompt's token alone
+    with http.stream("POST", "/v1/chat/completions", json={**chat_body, "stream": True}) as r:
+        chunks = [line for line in r.iter_lines() if '"prompt_logprobs"' in line]
+    assert len(chunks) == 1 and str(len(entries)) and '"prompt_logprobs":[null,' in chunks[0]
+    plain = http.post("/v1/chat/completions", json={**chat_body, "prompt_logprobs": None}).json()
+    assert "prompt_logprobs" not in plain
+
+
+def test_too_many_prompt_alternatives_is_a_400(http):
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 3, "prompt_logprobs": 21}
+    assert_error(http.post("/v1/completions", json=body), 400, param="prompt_logprobs")
+
+
+def test_a_streamed_completion_keeps_the_logprobs_of_tokens_whose_text_is_held_back(client):
+    """A token that ends inside a UTF-8 character has no text yet; its logprob used to be
+    dropped from the stream with its empty chunk."""
+    kwargs = {"prompt": "x y", "max_tokens": 24, "temperature": 0, "logprobs": 1,
+              "extra_body": {"ignore_eos": True}}  # fmt: skip
+    whole = client.completions.create(model=MODEL_NAME, **kwargs).choices[0].logprobs
+    chunks = list(client.completions.create(model=MODEL_NAME, stream=True, **kwargs))
+    streamed = [lp for c in chunks if c.choices and c.choices[0].logprobs
+                for lp in c.choices[0].logprobs.token_logprobs]  # fmt: skip
+    assert len(whole.token_logprobs) == 24 and streamed == whole.token_logprobs
