@@ -31,7 +31,7 @@ sampling all go the chat's way:
                                       passed through (vLLM takes them too)
 
 Errors name the Responses field (`input[2].content[1]`, `max_output_tokens`), not the chat
-field it became (`ChatTranslation.param`). Nothing is stored: `previous_response_id`,
+field it became (`responses_param`). Nothing is stored: `previous_response_id`,
 `conversation`, `prompt` and `background` are a 400 (send the conversation in `input`).
 server/response_events.py shapes the answer.
 """
@@ -117,10 +117,6 @@ class ChatTranslation:
 
     chat: ChatCompletionRequest
     message_sources: tuple[str, ...]  # chat message i came from this Responses field
-
-    def param(self, chat_param: str | None) -> str | None:
-        """The Responses field behind a chat field path (for error messages)."""
-        return responses_param(chat_param, self.message_sources)
 
     @contextmanager
     def responses_params(self) -> Iterator[None]:
