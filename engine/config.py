@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -21,6 +23,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     max_num_seqs: int = 64  # most sequences running at once (continuous batching)
     max_num_batched_tokens: int = 2048  # token budget of one engine step (prefill chunks + decodes)
+    scheduling_policy: str = "fcfs"  # fcfs = arrival order; priority = by each request's priority (lower first), and a more urgent arrival preempts a less urgent running request
     block_size: int = 16  # tokens per KV-cache block
     kv_cache_memory_gib: float | None = None  # KV cache size; None = sized from gpu_memory_utilization on CUDA, 2 GiB on CPU
     gpu_memory_utilization: float = 0.9  # CUDA: share of the device's memory for weights, activations and the KV cache
@@ -56,6 +59,11 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
+            )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                f"got {self.scheduling_policy!r}"
             )
         if self.grammar_cache_size < 0:
             raise ValueError(f"grammar_cache_size must be >= 0, got {self.grammar_cache_size}")

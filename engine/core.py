@@ -332,6 +332,10 @@ class EngineCore:
                     f"logit_bias needs token ids in [0, {mc.vocab_size}) and finite biases",
                     param="logit_bias",
                 )
+        if request.priority and self.config.scheduling_policy != "priority":
+            raise InvalidRequest(
+                "priority needs the server's --scheduling-policy priority", param="priority"
+            )
         if len(prompt) >= max_len:
             raise ContextLengthExceeded(
                 f"the prompt has {len(prompt)} tokens but the model's context length is {max_len}",
@@ -361,6 +365,7 @@ class EngineCore:
             media=media,
             arrival_time=request.arrival_time or time.time(),
             eos_token_ids=mc.eos_token_ids,
+            priority=request.priority,
         )
         result.positions, result.rope_delta = positions, rope_delta  # [3, L]
         return result

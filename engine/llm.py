@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 
@@ -92,8 +93,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         raise_on_error: bool = False,
+        priority: Sequence[int] | None = None,
     ) -> list[GenerationResult]:
-        """Runs all prompts to completion together; results in prompt order."""
+        """Runs all prompts to completion together; results in prompt order. `priority`:
+        one per prompt, lower first (needs `scheduling_policy="priority"`)."""
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -102,14 +105,18 @@ class LLM:
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else params
         if len(params_list) != len(prompts):
             raise ValueError("pass one SamplingParams or one per prompt")
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError("pass one priority per prompt")
         request_ids, prompt_ids = [], {}
         outputs: dict[str, list] = {}
         results: dict[str, GenerationResult] = {}
-        for prompt, sampling in zip(prompts, params_list, strict=True):
+        for prompt, sampling, rank in zip(prompts, params_list, priorities, strict=True):
             request_id = f"llm-{next(self._ids)}"
             request_ids.append(request_id)
             try:
                 request, tensors = self._build_request(request_id, prompt, sampling)
+                request = msgspec.structs.replace(request, priority=rank)
             except TesseraError as exc:
                 if raise_on_error:
                     raise

@@ -142,6 +142,7 @@ class EngineRequest(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     sampling: SamplingParams
     media: list[MediaInput] = []
     arrival_time: float = 0.0  # time.time() when the server received it
+    priority: int = 0  # --scheduling-policy priority: lower runs first (vLLM's)
 
 
 class AbortRequests(msgspec.Struct, frozen=True, tag=True):

@@ -88,6 +88,7 @@ class Request:
         media: list[MediaItem] | None = None,
         arrival_time: float = 0.0,
         eos_token_ids: tuple[int, ...] = (),
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -98,6 +99,8 @@ class Request:
         # touches media, which lets decode steps skip every per-item check.
         self.media_end = max((item.end for item in self.media), default=0)
         self.arrival_time = arrival_time
+        self.priority = priority
+        self.queue_order = 0  # the scheduler's admission count: ties of priority, FCFS
         self.eos_token_ids = tuple(eos_token_ids)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose KV is (or is being) written
@@ -175,6 +178,11 @@ class Request:
                 end = next((m for m in marks[i + 1 :] if m is not None), now)
                 phases[name] = end - start
         return phases
+
+    @property
+    def urgency(self) -> tuple[int, int]:
+        """Smaller runs first under the priority policy: its priority, then arrival."""
+        return (self.priority, self.queue_order)
 
     def unscheduled_output(
         self, reason: FinishReason, error: ErrorInfo | None = None

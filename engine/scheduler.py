@@ -4,7 +4,7 @@ Each step spends a token budget (`max_num_batched_tokens`):
 
     1. running requests with one token left (decodes), one token each;
     2. running requests mid-prefill, a chunk each from what is left;
-    3. waiting requests, FCFS, while fewer than `max_num_seqs` run.
+    3. waiting requests, in queue order, while fewer than `max_num_seqs` run.
 
 KV blocks are allocated per chunk. When the pool is full, the most recently
 admitted running request not yet scheduled this step is preempted: its blocks are
@@ -12,6 +12,12 @@ freed, `num_computed_tokens` falls to 0 and it goes to the front of the waiting
 queue; its generated tokens are recomputed with the prompt later. Never an error:
 a request whose prompt + max_tokens cannot fit the pool alone is refused at
 `add_request`.
+
+`--scheduling-policy priority` (vLLM's): the waiting queue is ordered by each request's
+`priority` (lower first), then arrival; the victim of a preemption is the least urgent
+running request; and before a step is planned, a waiting request more urgent than a
+running one takes its place when it could not start otherwise (every seat taken, or too
+few free blocks for its first chunk).
 
 A chunk may end inside a media span (`split_media=True`); the item is encoded by
 the first chunk touching it and kept in the encoder cache for the next chunks.
@@ -33,9 +39,12 @@ budget grows to it at `add_request`, with a warning.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
@@ -81,6 +90,48 @@ class SchedulerOutput:
         return not self.chunks
 
 
+class WaitingQueue:
+    """The requests waiting to run, in arrival order; a preempted request goes first.
+    `peek` is the next to try."""
+
+    def __init__(self) -> None:
+        self._items: deque[Request] = deque()
+
+    def push(self, request: Request) -> None:  # a new arrival
+        self._items.append(request)
+
+    def push_front(self, request: Request) -> None:  # a preempted request
+        self._items.appendleft(request)
+
+    def peek(self) -> Request:
+        return self._items[0]
+
+    def pop(self) -> Request:
+        return self._items.popleft()
+
+    def remove(self, request: Request) -> None:
+        self._items.remove(request)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._items)
+
+    def __contains__(self, request: object) -> bool:
+        return request in self._items
+
+
+class PriorityQueue(WaitingQueue):
+    """By `Request.urgency`: priority, then arrival (a preempted request keeps its place)."""
+
+    def push(self, request: Request) -> None:
+        bisect.insort(self._items, request, key=lambda r: r.urgency)
+
+    def push_front(self, request: Request) -> None:
+        self.push(request)
+
+
 @dataclass
 class SchedulerCounters:
     """Deltas since the last `Scheduler.pop_counters()`."""
@@ -104,8 +155,10 @@ class Scheduler:
         self.encoder_cache = EncoderCacheManager(config.encoder_cache_tokens)
         # Grows (with a warning) to the largest media item seen, so no item is refused.
         self.max_encoder_tokens_per_step = config.max_encoder_tokens_per_step
-        self.waiting: deque[Request] = deque()
+        self.is_priority = config.scheduling_policy == "priority"
+        self.waiting = PriorityQueue() if self.is_priority else WaitingQueue()
         self.running: list[Request] = []  # admission order
+        self._queue_order = itertools.count()
         self.requests: dict[str, Request] = {}
         self.counters = SchedulerCounters()
 
@@ -127,7 +180,8 @@ class Scheduler:
             self._fit_encoder_budgets(media.num_tokens)
         self.requests[request.request_id] = request
         request.queued_time = time.monotonic()
-        self.waiting.append(request)
+        request.queue_order = next(self._queue_order)
+        self.waiting.push(request)
 
     def _fit_encoder_budgets(self, num_tokens: int) -> None:
         """An item larger than an encoder budget still runs: the budget grows to fit it."""
@@ -195,6 +249,8 @@ class Scheduler:
             scheduled.add(request.request_id)
             budget -= num_tokens
 
+        if self.is_priority:
+            self._make_room_for_the_urgent(budget, preempted)
         decodes: list[Request] = []
         prefills: list[Request] = []
         for request in self.running:
@@ -218,14 +274,14 @@ class Scheduler:
                 run(request, start, num_tokens)
 
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+            request = self.waiting.peek()
             if request.request_id in preempted or request.num_pending_tokens:
                 break  # do not readmit what this step preempted, nor before its token is known
             computed_blocks, num_cached = self.kv.get_computed_blocks(request)
             num_tokens = self._plan_chunk(request, num_cached, budget, to_encode, encoder_budget[0])
             if num_tokens == 0 or not self.kv.allocate_slots(request, num_tokens, computed_blocks):
                 break
-            self.waiting.popleft()
+            self.waiting.pop()
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.scheduled_time = request.scheduled_time or time.monotonic()
@@ -319,12 +375,31 @@ class Scheduler:
         self, request: Request, num_tokens: int, scheduled: set[str], preempted: list[str]
     ) -> bool:
         while not self.kv.allocate_slots(request, num_tokens):
-            victim = next(r for r in reversed(self.running) if r.request_id not in scheduled)
+            candidates = [r for r in self.running if r.request_id not in scheduled]
+            if self.is_priority:
+                victim = max(candidates, key=lambda r: r.urgency)
+            else:
+                victim = candidates[-1]  # the most recently admitted
             self._preempt(victim)
             preempted.append(victim.request_id)
             if victim is request:
                 return False
         return True
+
+    def _make_room_for_the_urgent(self, budget: int, preempted: list[str]) -> None:
+        """Preempts the least urgent running requests while the most urgent waiting one is
+        more urgent (a strictly lower priority value) and could not start otherwise."""
+        while self.waiting and self.running:
+            head = self.waiting.peek()
+            victim = max(self.running, key=lambda r: r.urgency)
+            if victim.priority <= head.priority or head.num_pending_tokens:
+                return
+            first_chunk = min(head.num_scheduled_tokens, budget)
+            seats_taken = len(self.running) >= self.config.max_num_seqs
+            if not seats_taken and self.kv.num_free_blocks >= self.kv.num_blocks_for(first_chunk):
+                return
+            self._preempt(victim)
+            preempted.append(victim.request_id)
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
@@ -333,7 +408,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.running.remove(request)
-        self.waiting.appendleft(request)
+        self.waiting.push_front(request)
         self.counters.num_preemptions += 1
 
     # ---- update --------------------------------------------------------------------------

@@ -396,6 +396,10 @@ async def _releasing(stream: Any, ticket: Ticket) -> Any:
 
 
 def _job(state: AppState, body: Any, prompt: Any, *, prefix: str) -> GenerationJob:
+    if body.priority and state.settings.engine.scheduling_policy != "priority":
+        raise InvalidRequest(
+            "priority needs the server's --scheduling-policy priority", param="priority"
+        )
     check_token_ids(body.stop_token_ids or [], state.vocab_size, "stop_token_ids")
     check_token_ids([token_id for token_id, _ in body.logit_bias_pairs], state.vocab_size,
                     "logit_bias")  # fmt: skip
@@ -412,6 +416,7 @@ def _job(state: AppState, body: Any, prompt: Any, *, prefix: str) -> GenerationJ
         skip_special_tokens=body.skip_special_tokens,
         include_usage=body.include_usage,
         tools=_tool_plan(state, body),
+        priority=body.priority,
     )
 
 

@@ -167,7 +167,7 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> No
 
 
 def build_engine_requests(
-    request_id: str, prompt: PreparedPrompt, sampling: SamplingParams, n: int
+    request_id: str, prompt: PreparedPrompt, sampling: SamplingParams, n: int, priority: int = 0
 ) -> list[EngineRequest]:
     now = time.time()
     ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
@@ -184,6 +184,7 @@ def build_engine_requests(
                 sampling=params,
                 media=prompt.media,
                 arrival_time=now,
+                priority=priority,
             )
         )
     return requests
@@ -251,12 +252,13 @@ async def generate_choices(
     stop: Sequence[str],
     skip_special_tokens: bool,
     totals: GenerationTotals,
+    priority: int = 0,
 ) -> AsyncIterator[ChoiceDelta]:
     """Yield text deltas of all choices until every choice has finished.
 
     Raises the typed error of a failed choice (`EngineDeadError`, `InvalidRequest`, ...).
     """
-    requests = build_engine_requests(request_id, prompt, sampling, n)
+    requests = build_engine_requests(request_id, prompt, sampling, n, priority)
     detokenizers = [
         SequenceDetokenizer(
             tokenizer,

@@ -200,6 +200,8 @@ class SamplingFields(_Request):
     # vLLM's: score every prompt token, with this many alternatives (the answer's
     # `prompt_logprobs`: null for the first token, then {token id: {logprob, rank, ...}}).
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # vLLM's: with --scheduling-policy priority, lower runs first (else only 0 is allowed).
+    priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
     # Constrained decoding (engine/structured_output.py); at most one of the two.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None

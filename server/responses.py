@@ -27,8 +27,8 @@ sampling all go the chat's way:
     top_logprobs, or include "message.output_text.logprobs"
                                       logprobs
     seed, stop, top_k, min_p, penalties, min_tokens, ignore_eos, logit_bias,
-    stop_token_ids, skip_special_tokens, mm_processor_kwargs, structured_outputs
-                                      passed through (vLLM takes them too)
+    stop_token_ids, skip_special_tokens, mm_processor_kwargs, structured_outputs,
+    priority                          passed through (vLLM takes them too)
 
 Errors name the Responses field (`input[2].content[1]`, `max_output_tokens`), not the chat
 field it became (`responses_param`). Nothing is stored: `previous_response_id`,
@@ -66,6 +66,7 @@ PASSTHROUGH_FIELDS = (
     "skip_special_tokens",
     "mm_processor_kwargs",
     "structured_outputs",
+    "priority",
 )
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _TEXT_PARTS = ("input_text", "output_text")

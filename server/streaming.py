@@ -50,6 +50,7 @@ class GenerationJob:
     skip_special_tokens: bool = True
     include_usage: bool = False
     tools: ToolPlan | None = None  # chat with tools: answers are parsed for tool calls
+    priority: int = 0  # --scheduling-policy priority: lower runs first
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -129,6 +130,7 @@ def run_job(job: GenerationJob, engine: Any, tokenizer: Tokenizer, totals: Gener
         stop=job.stop,
         skip_special_tokens=job.skip_special_tokens,
         totals=totals,
+        priority=job.priority,
     )
 
 

@@ -71,6 +71,7 @@ def test_unknown_model(http):
         ({"mm_processor_kwargs": {"num_frames": 8}}, "mm_processor_kwargs"),
         ({"mm_processor_kwargs": {"min_pixels": 9000, "max_pixels": 3000}}, "mm_processor_kwargs"),
         ({"mm_processor_kwargs": "fast"}, "mm_processor_kwargs"),
+        ({"priority": 1}, "priority"),  # the default policy is fcfs
     ],
 )
 def test_invalid_values_are_400_with_param(http, fields, param):

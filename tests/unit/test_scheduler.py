@@ -100,7 +100,7 @@ def test_preempts_most_recent_and_recomputes_output():
     assert out.preempted_request_ids == ["b"]
     assert [c.request.request_id for c in out.chunks] == ["a"]
     assert b.status == RequestStatus.WAITING and b.num_computed_tokens == 0 and b.block_ids == []
-    assert b.output_token_ids == [5] and scheduler.waiting[0] is b
+    assert b.output_token_ids == [5] and scheduler.waiting.peek() is b
     assert scheduler.pop_counters().num_preemptions == 1
     sample_all(scheduler, out)
     while a.status == RequestStatus.RUNNING:
@@ -232,8 +232,77 @@ def test_preempted_with_a_token_in_flight_waits_for_it():
     assert [c.request.request_id for c in ahead.chunks] == ["first"]
     assert ahead.preempted_request_ids == ["second"]
     assert second_in.num_pending_tokens == 1  # its first token is still in flight
-    assert scheduler.waiting[0] is second_in
+    assert scheduler.waiting.peek() is second_in
     sample_all(scheduler, prefill)  # the token arrives: kept, recomputed on readmission
     assert second_in.output_token_ids == [5] and second_in.num_pending_tokens == 0
     sample_all(scheduler, ahead)
     assert first_in.output_token_ids == [5, 5]
+
+
+def prioritised(request_id, num_prompt, priority, max_tokens=8) -> Request:
+    request = make_request(request_id, num_prompt, max_tokens=max_tokens)
+    request.priority = priority
+    return request
+
+
+def test_priority_orders_the_waiting_queue_then_arrival():
+    scheduler = make_scheduler(max_num_seqs=1, scheduling_policy="priority")
+    for name, priority in (("late", 5), ("urgent", -1), ("normal", 0), ("normal2", 0)):
+        scheduler.add_request(prioritised(name, 3, priority))
+    out = scheduler.schedule()
+    assert [c.request.request_id for c in out.chunks] == ["urgent"]
+    assert [r.request_id for r in scheduler.waiting] == ["normal", "normal2", "late"]
+    fcfs = make_scheduler(max_num_seqs=1)  # the default: arrival order, priority unused
+    for name, priority in (("late", 5), ("urgent", -1)):
+        fcfs.add_request(prioritised(name, 3, priority))
+    assert [c.request.request_id for c in fcfs.schedule().chunks] == ["late"]
+
+
+def test_a_more_urgent_arrival_takes_the_seat_of_the_least_urgent():
+    scheduler = make_scheduler(max_num_seqs=2, scheduling_policy="priority")
+    background, batch = prioritised("background", 4, 10), prioritised("batch", 4, 5)
+    scheduler.add_request(background)
+    scheduler.add_request(batch)
+    sample_all(scheduler, scheduler.schedule())
+    scheduler.add_request(prioritised("equal", 4, 10))  # no more urgent than either: waits
+    out = scheduler.schedule()
+    assert out.preempted_request_ids == [] and len(out.chunks) == 2
+    sample_all(scheduler, out)
+    scheduler.add_request(prioritised("interactive", 4, 0))
+    out = scheduler.schedule()
+    assert out.preempted_request_ids == ["background"]
+    assert {c.request.request_id for c in out.chunks} == {"batch", "interactive"}
+    assert background.status == RequestStatus.WAITING and background.output_token_ids == [5, 5]
+    # The preempted request keeps its place: before "equal", which came after it.
+    assert [r.request_id for r in scheduler.waiting] == ["background", "equal"]
+
+
+def test_a_more_urgent_arrival_takes_the_blocks_of_the_least_urgent():
+    # 4 blocks of 4: "low" holds 3; "high" needs 2 for its prompt.
+    scheduler = make_scheduler(num_blocks=4, scheduling_policy="priority")
+    low = prioritised("low", 10, 3, max_tokens=4)
+    scheduler.add_request(low)
+    sample_all(scheduler, scheduler.schedule())
+    scheduler.add_request(prioritised("high", 8, 1, max_tokens=4))
+    out = scheduler.schedule()
+    assert out.preempted_request_ids == ["low"]
+    assert [(c.request.request_id, c.start, c.num_tokens) for c in out.chunks] == [("high", 0, 8)]
+
+
+def test_preemption_for_blocks_picks_the_least_urgent_running_request():
+    scheduler = make_scheduler(num_blocks=6, max_num_batched_tokens=64,
+                               scheduling_policy="priority")  # fmt: skip
+    a, b, c = prioritised("a", 8, 2), prioritised("b", 8, 7), prioritised("c", 4, 1)
+    for request in (a, b, c):
+        scheduler.add_request(request)
+    sample_all(scheduler, scheduler.schedule())  # 2 + 2 + 1 blocks; 1 free
+    # a and b need a third block, c a second: 3 more than the one free. "b" (least
+    # urgent) goes first, though "c" came last (FCFS would preempt "c").
+    out = scheduler.schedule()
+    assert out.preempted_request_ids[0] == "b"
+    assert "c" in {chunk.request.request_id for chunk in out.chunks}
+
+
+def test_an_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        make_scheduler(scheduling_policy="lifo")
