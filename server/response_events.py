@@ -16,8 +16,9 @@ A stream is `event: <type>` / `data: {...}` pairs (no [DONE]), numbered by
               response.function_call_arguments.done, response.output_item.done
     response.completed | response.incomplete            the whole response, with usage
 
-A named function's arguments stream as they are generated; other calls go out whole at
-the end, after the text before them. An error after the stream started is an `error`
+Calls go out as server/tool_calls.py's stream gives them: a named function's arguments
+as they are generated, a Hermes call in "auto" whole once its block closes, others whole
+at the end. An error after the stream started is an `error`
 event and then `response.failed`.
 """
 
@@ -107,8 +108,10 @@ class ResponseShaper:
             part["logprobs"] = self.logprobs(entries)
         return part
 
-    def message(self, status: str, content: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"type": "message", "id": self.message_id, "status": status,
+    def message(
+        self, status: str, content: list[dict[str, Any]], message_id: str | None = None
+    ) -> dict[str, Any]:
+        return {"type": "message", "id": message_id or self.message_id, "status": status,
                 "role": "assistant", "content": content}  # fmt: skip
 
     def final(self, result: ChoiceResult, totals: GenerationTotals) -> dict[str, Any]:
@@ -169,14 +172,13 @@ class _StreamedOutput:
     def __init__(self, shaper: ResponseShaper, event: _EventWriter) -> None:
         self.shaper = shaper
         self.event = event
-        self.output: list[dict[str, Any]] = []  # finished items
+        self.output: list[dict[str, Any]] = []  # items in output_index order
         self.text = ""
-        self.entries: list[TokenLogprob] = []  # the text's logprobs so far
+        self.entries: list[TokenLogprob] = []  # the open message's logprobs so far
         self.pending: list[TokenLogprob] = []  # not yet sent with a delta
         self.message_index: int | None = None  # output_index of the open message
-        self.named_call: ToolCall | None = None  # a named function whose arguments stream
-        self.named_index: int | None = None
-        self.arguments = ""
+        self.message_id = shaper.message_id
+        self.call_items: dict[int, tuple[int, str]] = {}  # call index -> (output_index, id)
 
     def add_text(self, text: str, entries: Sequence[TokenLogprob]) -> Iterator[bytes]:
         self.pending += entries
@@ -187,48 +189,55 @@ class _StreamedOutput:
         self.text += text
         self.entries += self.pending
         sent, self.pending = self.pending, []
-        yield self.event("response.output_text.delta", item_id=self.shaper.message_id,
+        yield self.event("response.output_text.delta", item_id=self.message_id,
                          output_index=self.message_index, content_index=0, delta=text,
                          logprobs=self.shaper.logprobs(sent))  # fmt: skip
 
-    def add_arguments(self, call: ToolCall, text: str) -> Iterator[bytes]:
-        if self.named_index is None:
+    def add_call(self, delta: dict[str, Any]) -> Iterator[bytes]:
+        """A chat tool-call delta: the first of a call (with its id and name) opens its
+        item; its arguments, if any, go out as an arguments delta."""
+        index = delta["index"]
+        if index not in self.call_items:
             yield from self._close_message()
-            self.named_call, self.named_index = call, len(self.output)
+            call = ToolCall(delta["function"]["name"], "", delta["id"])
+            output_index = len(self.output)
+            self.call_items[index] = (output_index, item_id(call))
             item = call_item(call, "in_progress", arguments="")
-            yield self.event("response.output_item.added", output_index=self.named_index,
-                             item=item)  # fmt: skip
-        self.arguments += text
-        yield self.event("response.function_call_arguments.delta", item_id=item_id(call),
-                         output_index=self.named_index, delta=text)  # fmt: skip
+            self.output.append(item)
+            yield self.event("response.output_item.added", output_index=output_index, item=item)
+        output_index, call_item_id = self.call_items[index]
+        arguments = delta["function"].get("arguments")
+        if arguments:
+            yield self.event("response.function_call_arguments.delta", item_id=call_item_id,
+                             output_index=output_index, delta=arguments)  # fmt: skip
 
     def finish(self, calls: list[ToolCall], status: str) -> Iterator[bytes]:
-        if self.message_index is None and not calls:
+        if not self.output and self.message_index is None and not calls:
             yield from self._open_message()  # an empty answer is still a message
         yield from self._close_message(status)
-        for call in calls:
-            if self.named_index is not None:  # a named function's call: already open
-                index = self.named_index
-            else:
-                index = len(self.output)
-                added = call_item(call, "in_progress", arguments="")
-                yield self.event("response.output_item.added", output_index=index, item=added)
-                yield self.event("response.function_call_arguments.delta", item_id=item_id(call),
-                                 output_index=index, delta=call.arguments)  # fmt: skip
-            yield self.event("response.function_call_arguments.done", item_id=item_id(call),
-                             output_index=index, name=call.name,
+        for index, call in enumerate(calls):
+            if index not in self.call_items:
+                as_delta = call.as_dict(index)
+                yield from self.add_call(as_delta)
+            output_index, call_item_id = self.call_items[index]
+            yield self.event("response.function_call_arguments.done", item_id=call_item_id,
+                             output_index=output_index, name=call.name,
                              arguments=call.arguments)  # fmt: skip
             item = call_item(call, "completed")
-            yield self.event("response.output_item.done", output_index=index, item=item)
-            self._place(index, item)
+            yield self.event("response.output_item.done", output_index=output_index, item=item)
+            self.output[output_index] = item
 
     def _open_message(self) -> Iterator[bytes]:
+        if self.output:  # text after a call: a message item of its own
+            self.message_id = f"msg_{uuid.uuid4().hex}"
         self.message_index = len(self.output)
-        self.output.append(self.shaper.message("in_progress", []))
+        self.text, self.entries = "", []
+        item = self.shaper.message("in_progress", [], self.message_id)
+        self.output.append(item)
         yield self.event("response.output_item.added", output_index=self.message_index,
-                         item=self.shaper.message("in_progress", []))  # fmt: skip
+                         item=item)  # fmt: skip
         empty = self.shaper.text_part("", [])
-        yield self.event("response.content_part.added", item_id=self.shaper.message_id,
+        yield self.event("response.content_part.added", item_id=self.message_id,
                          output_index=self.message_index, content_index=0, part=empty)  # fmt: skip
 
     def _close_message(self, status: str = "completed") -> Iterator[bytes]:
@@ -238,19 +247,13 @@ class _StreamedOutput:
         self.entries += self.pending
         self.pending = []
         part = self.shaper.text_part(self.text, self.entries)
-        common = {"item_id": self.shaper.message_id, "output_index": index, "content_index": 0}
+        common = {"item_id": self.message_id, "output_index": index, "content_index": 0}
         yield self.event("response.output_text.done", **common, text=self.text,
                          logprobs=part.get("logprobs", []))  # fmt: skip
         yield self.event("response.content_part.done", **common, part=part)
-        item = self.shaper.message(status, [part])
+        item = self.shaper.message(status, [part], self.message_id)
         yield self.event("response.output_item.done", output_index=index, item=item)
         self.output[index] = item
-
-    def _place(self, index: int, item: dict[str, Any]) -> None:
-        if index < len(self.output):
-            self.output[index] = item
-        else:
-            self.output.append(item)
 
 
 def item_id(call: ToolCall) -> str:
@@ -271,7 +274,6 @@ async def stream_response(
     yield event("response.in_progress", response=shaper.response("in_progress", []))
     streamed = _StreamedOutput(shaper, event)
     extractor = job.tools.extractor() if job.tools is not None else None
-    named = ToolCall(job.tools.named, "") if job.tools and job.tools.named else None
     try:
         async with contextlib.aclosing(run_job(job, engine, tokenizer, totals)) as deltas:
             async for delta in deltas:
@@ -281,10 +283,7 @@ async def stream_response(
                 for chunk in streamed.add_text(text, delta.logprobs):
                     yield chunk
                 for call_delta in call_deltas:
-                    if call_delta.get("id"):  # the named call's first delta: its id
-                        named = ToolCall(named.name, "", call_delta["id"])  # type: ignore[union-attr]
-                    arguments = call_delta["function"]["arguments"]
-                    for chunk in streamed.add_arguments(named, arguments):  # type: ignore[arg-type]
+                    for chunk in streamed.add_call(call_delta):
                         yield chunk
                 if delta.finish_reason is None:
                     continue

@@ -23,8 +23,10 @@ separated by ";".
                 the output is constrained to f's parameters schema: the whole answer is
                 f's arguments, which a stream sends as they come
 
-In a stream, content goes out as it comes (up to a <tool_call>), and every other call
-goes out whole in the last chunk.
+In a stream, content goes out as it comes (up to a <tool_call>). A Hermes call goes out
+whole as soon as its </tool_call> closes (a later block that does not parse then leaves
+only itself as content, since what was sent stands); Llama 3.1's and "required"'s calls go
+out whole in the last chunk, and a named function's arguments as they come.
 
 A tool's schema reaches the model only through the chat template: a template that does
 not render `tools` (Qwen2-VL's own, for one) leaves "auto" to the model's luck; "required"
@@ -48,6 +50,7 @@ TOOL_CALL_FORMATS = ("hermes", "llama3_json")
 TOOL_CALL_PARSERS = ("auto", *TOOL_CALL_FORMATS)
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.1 may open its calls with it
 CALL_START = "<tool_call>"
+CALL_END = "</tool_call>"
 _CALL_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
@@ -147,6 +150,9 @@ class ToolCallExtractor:
         self._named_call = ToolCall(plan.named, "") if plan.mode == "named" else None
         self._has_streamed = False
         self._is_text = False  # llama3_json: the answer turned out to be plain text
+        # A stream in "auto" (Hermes): the calls sent so far, and where their blocks end.
+        self._sent_calls: list[ToolCall] = []
+        self._sent_end = 0
 
     def feed(self, text: str) -> str:
         self._held += text
@@ -197,10 +203,12 @@ class ToolCallExtractor:
 
     def feed_stream(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         """`feed` for a stream: content to send now, and tool-call deltas to send now. A
-        named function's arguments stream as they come (its whole answer is them); other
-        calls go out whole from `finish_stream`."""
+        named function's arguments stream as they come (its whole answer is them); a Hermes
+        call in "auto" goes out whole once its block closes; other calls go out whole from
+        `finish_stream`."""
         if self._named_call is None or not text:
-            return self.feed(text), []
+            content = self.feed(text)
+            return content, self._closed_calls()
         self.feed(text)
         if self._has_streamed:
             return "", [{"index": 0, "function": {"arguments": text}}]
@@ -212,10 +220,34 @@ class ToolCallExtractor:
     def finish_stream(self) -> tuple[str, list[dict[str, Any]], list[ToolCall]]:
         """`finish` for a stream: the rest of the content, the deltas of the calls not
         streamed yet, and all the calls."""
+        sent, after_sent = self._sent_calls, self._held[self._sent_end :]
         content, calls = self.finish()
         if self._has_streamed:
             return content, [], calls
-        return content, [call.as_dict(i) for i, call in enumerate(calls)], calls
+        if sent:
+            if not calls:  # a later block did not parse: the sent calls stand, it is text
+                return after_sent, [], sent
+            calls = sent + calls[len(sent) :]  # the same ids as sent
+        new = [call.as_dict(i) for i, call in enumerate(calls) if i >= len(sent)]
+        return content, new, calls
+
+    def _closed_calls(self) -> list[dict[str, Any]]:
+        """Deltas of the Hermes calls whose blocks closed since the last look ("auto")."""
+        if not self._in_calls or self._plan.mode != "auto" or self._plan.format != "hermes":
+            return []
+        deltas = []
+        while self._plan.parallel or not self._sent_calls:
+            end = self._held.find(CALL_END, self._sent_end)
+            if end < 0:
+                break
+            end += len(CALL_END)
+            calls = _hermes_calls(self._held[self._sent_end : end])
+            if len(calls) != 1:
+                break  # not a call after all: finish() decides what the answer is
+            deltas.append(calls[0].as_dict(len(self._sent_calls)))
+            self._sent_calls.append(calls[0])
+            self._sent_end = end
+        return deltas
 
 
 def arguments_as_objects(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -137,14 +137,65 @@ def test_a_named_functions_arguments_stream_as_they_come():
     assert (call.id, call.arguments) == (first[0]["id"], '{"city": "Oslo"}')
 
 
-def test_other_calls_go_out_whole_at_the_end_of_a_stream():
-    extractor = AUTO.extractor()
-    contents = [extractor.feed_stream(TWO_CALLS[i : i + 5]) for i in range(0, len(TWO_CALLS), 5)]
-    assert all(deltas == [] for _, deltas in contents)
-    content, deltas, calls = extractor.finish_stream()
-    assert [d["index"] for d in deltas] == [0, 1]
-    assert [d["function"]["name"] for d in deltas] == ["get_weather", "get_time"]
-    assert [d["id"] for d in deltas] == [c.id for c in calls]
+def stream(plan: ToolPlan, text: str, chunk: int):
+    """Every feed_stream's (content, deltas), then finish_stream's."""
+    extractor = plan.extractor()
+    pieces = [extractor.feed_stream(text[i : i + chunk]) for i in range(0, len(text), chunk)]
+    return pieces, extractor.finish_stream()
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 1000])
+def test_a_hermes_call_goes_out_as_soon_as_its_block_closes(chunk):
+    pieces, (content, last, calls) = stream(AUTO, TWO_CALLS, chunk)
+    streamed = [delta for _, deltas in pieces for delta in deltas] + last
+    assert [(d["index"], d["function"]["name"]) for d in streamed] == [
+        (0, "get_weather"), (1, "get_time")]  # fmt: skip
+    assert [d["id"] for d in streamed] == [call.id for call in calls]
+    assert [json.loads(d["function"]["arguments"]) for d in streamed] == [
+        {"city": "Paris", "unit": "°C"}, {}]  # fmt: skip
+    assert "".join(text for text, _ in pieces) + content == "Let me look.\n"
+    if chunk < len(TWO_CALLS):  # the first call went out before the text was over
+        first_end = TWO_CALLS.index("</tool_call>") + len("</tool_call>")
+        sent_by = next(i for i, (_, deltas) in enumerate(pieces) if deltas)
+        assert sent_by * chunk < first_end <= (sent_by + 1) * chunk
+
+
+def test_an_unclosed_last_block_goes_out_at_the_end():
+    text = TWO_CALLS.removesuffix("</tool_call>")
+    pieces, (_, last, calls) = stream(AUTO, text, 4)
+    assert [d["function"]["name"] for _, deltas in pieces for d in deltas] == ["get_weather"]
+    assert [d["function"]["name"] for d in last] == ["get_time"] and last[0]["index"] == 1
+    assert [call.name for call in calls] == ["get_weather", "get_time"]
+
+
+def test_a_later_block_that_does_not_parse_is_content_once_a_call_went_out():
+    bad = '<tool_call>\n{"name": "get_time", "arguments": {\n</tool_call>'
+    text = TWO_CALLS.split('<tool_call>\n{"name": "get_time"')[0] + bad
+    pieces, (content, last, calls) = stream(AUTO, text, 6)
+    assert [call.name for call in calls] == ["get_weather"] and last == []
+    assert content.strip() == bad
+    # Not streamed, the whole answer is content (no call went out to stand by).
+    assert run(AUTO, text, 6)[2] == []
+
+
+def test_without_parallel_calls_only_the_first_goes_out():
+    plan = ToolPlan("auto", TOOLS, parallel=False)
+    pieces, (_, last, calls) = stream(plan, TWO_CALLS, 3)
+    assert [d["function"]["name"] for _, deltas in pieces for d in deltas] + [
+        d["function"]["name"] for d in last] == ["get_weather"]  # fmt: skip
+    assert [call.name for call in calls] == ["get_weather"]
+
+
+def test_llama_and_required_calls_go_out_whole_at_the_end():
+    pieces, (_, last, calls) = stream(
+        ToolPlan("auto", TOOLS, format="llama3_json"),
+        '{"name": "get_time", "parameters": {}}', 5)  # fmt: skip
+    assert all(deltas == [] for _, deltas in pieces)
+    assert [d["function"]["name"] for d in last] == ["get_time"]
+    required = '[{"name": "get_time", "parameters": {}}]'
+    pieces, (_, last, calls) = stream(ToolPlan("required", TOOLS), required, 5)
+    assert all(deltas == [] for _, deltas in pieces) and [c.name for c in calls] == ["get_time"]
+    assert [d["id"] for d in last] == [call.id for call in calls]
 
 
 LLAMA = ToolPlan("auto", TOOLS, format="llama3_json")
