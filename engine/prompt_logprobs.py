@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.device_io import to_device
 from engine.protocol import TokenLogprob
 
 SLICE_ROWS = 256
@@ -65,7 +66,7 @@ def score_prompt_tokens(
     """Scores prompt tokens first_position + 1 .. first_position + len(hidden) from the
     hidden rows of positions first_position .. (hidden: [n, hidden_size], n >= 1)."""
     targets_list = prompt_token_ids[first_position + 1 : first_position + 1 + hidden.shape[0]]
-    targets = torch.tensor(targets_list, dtype=torch.long).to(hidden.device, non_blocking=True)
+    targets = to_device(targets_list, torch.long, hidden.device)  # [n]
     chosen, ranks, top_values, top_ids = [], [], [], []
     for start in range(0, hidden.shape[0], SLICE_ROWS):
         logprobs = torch.log_softmax(compute_logits(hidden[start : start + SLICE_ROWS]), dim=-1)

@@ -118,19 +118,12 @@ def test_decode_steps_replay_graphs(model_dir, prompts, monkeypatch, backend):
     assert len(replayed) >= NUM_NEW - 2  # every decode step after the prefills
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("flashinfer", marks=needs_flashinfer)])
-@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
-def test_launch_never_waits_for_the_device(model_dir, prompts, monkeypatch, backend,
-                                           enforce_eager):  # fmt: skip
-    """Everything a step queues — encoder, inputs, forward, sampling — goes without a host
-    sync; the sampled tokens are read back only in `PendingStep.result()`."""
-    llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", attention_backend=backend,
-              num_kv_blocks=512, enforce_eager=enforce_eager)  # fmt: skip
-    llm.generate(prompts[:2], SamplingParams(max_tokens=2))  # lazy initialisation first
+def fail_on_a_sync_at_launch(llm, monkeypatch) -> list[bool]:
+    """Makes any host sync inside `ModelRunner.launch` an error; returns the list that
+    records, per launch, whether it took a step in flight (overlap scheduling)."""
     runner = llm.engine.runner
     real_launch = runner.launch
-
-    launched_ahead = []
+    launched_ahead: list[bool] = []
 
     def launch_without_sync(scheduler_output, previous=None):
         launched_ahead.append(previous is not None)
@@ -141,6 +134,19 @@ def test_launch_never_waits_for_the_device(model_dir, prompts, monkeypatch, back
             torch.cuda.set_sync_debug_mode("default")
 
     monkeypatch.setattr(runner, "launch", launch_without_sync)
+    return launched_ahead
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("flashinfer", marks=needs_flashinfer)])
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
+def test_launch_never_waits_for_the_device(model_dir, prompts, monkeypatch, backend,
+                                           enforce_eager):  # fmt: skip
+    """Everything a step queues — encoder, inputs, forward, sampling — goes without a host
+    sync; the sampled tokens are read back only in `PendingStep.result()`."""
+    llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", attention_backend=backend,
+              num_kv_blocks=512, enforce_eager=enforce_eager)  # fmt: skip
+    llm.generate(prompts[:2], SamplingParams(max_tokens=2))  # lazy initialisation first
+    launched_ahead = fail_on_a_sync_at_launch(llm, monkeypatch)
     sampling = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, top_k=20, logprobs=3,
                               ignore_eos=True)  # fmt: skip
     results = llm.generate(prompts, sampling)
@@ -224,3 +230,30 @@ def test_pixel_levels_normalise_on_the_device_as_on_the_host(model_dir):
     image = process_image(picture(140, 196, 5), ImageProcessorConfig.from_model_dir(model_dir))
     on_device = normalize_pixels(image.pixel_levels.cuda(), image.normalization)
     assert on_device.is_cuda and torch.equal(on_device.cpu(), image.pixel_values)
+
+
+def test_prompt_logprobs_on_the_device_match_the_cpu_and_queue_no_sync(model_dir, prompts,
+                                                                       monkeypatch):  # fmt: skip
+    """Prompt scoring (engine/prompt_logprobs.py) in float32 on CUDA gives the CPU float32
+    engine's scores (tests/parity/test_prompt_logprobs.py holds those to transformers), and
+    launching a step that scores queues no host sync."""
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
+    cpu = LLM(str(model_dir), device="cpu", dtype="float32", num_kv_blocks=512)
+    reference = cpu.generate(prompts, params)
+    # A small token budget: chunks end inside prompts and images, scored chunk by chunk.
+    llm = LLM(
+        str(model_dir), device="cuda", dtype="float32", num_kv_blocks=512, max_num_batched_tokens=64
+    )
+    llm.generate(prompts[:1], SamplingParams(max_tokens=2))  # lazy initialisation first
+    fail_on_a_sync_at_launch(llm, monkeypatch)
+    results = llm.generate(prompts, params)
+    for ours, theirs in zip(results, reference, strict=True):
+        assert ours.error is None
+        assert (
+            len(ours.prompt_logprobs)
+            == len(theirs.prompt_logprobs)
+            == len(ours.prompt_token_ids) - 1
+        )
+        for mine, cpus in zip(ours.prompt_logprobs, theirs.prompt_logprobs, strict=True):
+            assert mine.token_id == cpus.token_id
+            assert abs(mine.logprob - cpus.logprob) < FLOAT32_TOL
