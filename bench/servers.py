@@ -160,7 +160,11 @@ def child_pids(pid: int) -> list[int]:
     """The direct children of process `pid`, from every one of its threads (Linux /proc)."""
     children = []
     for task in Path(f"/proc/{pid}/task").iterdir():
-        children += [int(child) for child in (task / "children").read_text().split()]
+        try:
+            listed = (task / "children").read_text()
+        except FileNotFoundError:  # the thread ended since the listing (a worker thread)
+            continue
+        children += [int(child) for child in listed.split()]
     return children
 
 

@@ -70,16 +70,19 @@ def test_a_text_only_llama_splits_alike(tmp_path):
 
 def test_a_dead_rank_fails_the_engine_and_no_process_is_left(reference):
     llm = LLM(str(reference.model_dir), tensor_parallel_size=2, num_kv_blocks=64)
-    [worker] = [
-        pid for pid in child_pids(os.getpid())
-        if b"engine.shard_worker" in open(f"/proc/{pid}/cmdline", "rb").read()
-    ]  # fmt: skip
-    os.kill(worker, signal.SIGKILL)
-    started = time.monotonic()
-    with pytest.raises(EngineBroken, match="(?i)connection|closed|reset|peer"):
-        llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0.0))
-    assert time.monotonic() - started < 30
-    llm.close()
+    try:
+        [worker] = [
+            pid for pid in child_pids(os.getpid())
+            if b"engine.shard_worker" in open(f"/proc/{pid}/cmdline", "rb").read()
+        ]  # fmt: skip
+        os.kill(worker, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(EngineBroken, match="(?i)connection|closed|reset|peer"):
+            llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0.0))
+        assert time.monotonic() - started < 30
+    finally:
+        # Also on a failure: a group left to the garbage collector blocks in zmq's term.
+        llm.close()
     assert worker not in child_pids(os.getpid())  # reaped, not a zombie
 
 
