@@ -100,7 +100,7 @@ class EngineCore:
         )
         self._pending: list[RequestOutput] = []  # refusals and aborts for the next step
         self.features = FeatureAdmission(self.config, self.runner, self.scheduler)
-        self._grammars: GrammarCompiler | None = None
+        self._compiler: GrammarCompiler | None = None  # made by _grammar_compiler()
         self.grammars = GrammarAdmission(self._grammar_compiler)
         self._warm_grammars()
         # True when `launch_step` returns before the device has finished (CUDA): the caller
@@ -384,15 +384,15 @@ class EngineCore:
         # it, as without PyAV) everything but structured outputs works.
         from engine.structured_output import GrammarCompiler, parser_limits
 
-        if self._grammars is None:
+        if self._compiler is None:
             mc = self.model_config
             tokenizer_json = str(Path(self.config.model) / "tokenizer.json")
             limits = parser_limits(self.config.grammar_lexer_fuel)
-            self._grammars = GrammarCompiler(
+            self._compiler = GrammarCompiler(
                 tokenizer_json, mc.vocab_size, mc.eos_token_ids, limits,
                 cache_size=self.config.grammar_cache_size,
             )  # fmt: skip
-        return self._grammars
+        return self._compiler
 
     def _media_item(
         self, media: MediaInput, index: int, tensors: Sequence[torch.Tensor]

@@ -122,7 +122,6 @@ class Request:
         self.grammar: GrammarMatcher | None = None
         # sampling.prompt_logprobs: the scores of prompt tokens 1 .. len(...), as computed.
         self.prompt_logprobs: list[TokenLogprob] = []
-        self.has_sent_prompt_logprobs = False
         self.error: ErrorInfo | None = None
         self.num_preemptions = 0
         # time.monotonic() marks of the engine-side phases (for the latency histograms).

@@ -507,10 +507,9 @@ class Scheduler:
         request: Request, token_ids: list[int], logprobs: list[TokenLogprob] | None = None
     ) -> RequestOutput:
         prompt_logprobs = None
-        if request.sampling.prompt_logprobs is not None and token_ids:
-            if not request.has_sent_prompt_logprobs:  # once, with the first token
-                request.has_sent_prompt_logprobs = True
-                prompt_logprobs = request.prompt_logprobs
+        is_first_token = bool(token_ids) and request.num_output_tokens == len(token_ids)
+        if request.sampling.prompt_logprobs is not None and is_first_token:
+            prompt_logprobs = request.prompt_logprobs  # once, with the first token
         if not request.is_finished:  # every decode step of every request: the short form
             return RequestOutput(
                 request_id=request.request_id,

@@ -107,10 +107,7 @@ def _message(tools: ToolPlan | None, result: ChoiceResult) -> tuple[ResponseMess
     calls found in the text (content None when there is none besides them)."""
     if tools is None:
         return ResponseMessage(content=result.text), result.finish_reason
-    extractor = tools.extractor()
-    content = extractor.feed(result.text)
-    rest, calls = extractor.finish()
-    content += rest
+    content, calls = tools.split(result.text)
     if not calls:
         return ResponseMessage(content=content), result.finish_reason
     tool_calls = [ResponseToolCall.model_validate(call.as_dict()) for call in calls]

@@ -73,11 +73,11 @@ def prompt_logprobs(
     return result
 
 
-def prompt_logprobs_json(tokenizer: Tokenizer, scores: Sequence[TokenLogprob]) -> list:
-    """`prompt_logprobs` as plain JSON values, for a stream's chunk."""
+def prompt_logprobs_json(entries: Sequence[dict[str, PromptLogprob] | None]) -> list:
+    """`prompt_logprobs`' entries as plain JSON values, for a stream's chunk."""
     return [
         None if entry is None else {key: value.model_dump() for key, value in entry.items()}
-        for entry in prompt_logprobs(tokenizer, scores)
+        for entry in entries
     ]
 
 

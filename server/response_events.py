@@ -118,10 +118,7 @@ class ResponseShaper:
         """The Response of a finished, non-streamed choice."""
         text, calls = result.text, []
         if self.job.tools is not None:
-            extractor = self.job.tools.extractor()
-            text = extractor.feed(result.text)
-            rest, calls = extractor.finish()
-            text += rest
+            text, calls = self.job.tools.split(result.text)
         status = response_status(result.finish_reason)
         output = []
         if text or not calls:
@@ -135,7 +132,7 @@ def response_status(finish_reason: str | None) -> str:
 
 
 def call_item(call: ToolCall, status: str, arguments: str | None = None) -> dict[str, Any]:
-    return {"type": "function_call", "id": "fc_" + call.id.removeprefix("call_"),
+    return {"type": "function_call", "id": item_id(call),
             "call_id": call.id, "name": call.name,
             "arguments": call.arguments if arguments is None else arguments,
             "status": status}  # fmt: skip

@@ -26,7 +26,12 @@ from engine.errors import TesseraError
 from engine.protocol import SamplingParams, TokenLogprob
 from server.errors import error_body, tessera_error_body
 from server.generation import GenerationTotals, PreparedPrompt, generate_choices
-from server.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs_json
+from server.logprobs import (
+    chat_logprobs,
+    completion_logprobs,
+    prompt_logprobs,
+    prompt_logprobs_json,
+)
 from server.openai_models import UsageInfo, dump
 from server.prompt_echo import PromptEcho
 from server.tool_calls import ToolPlan
@@ -185,7 +190,8 @@ async def stream_chat(
             extra = {}
             if wants_prompt_logprobs and totals.prompt_logprobs is not None:
                 wants_prompt_logprobs = False  # vLLM's field, once, in the first chunk after
-                extra["prompt_logprobs"] = prompt_logprobs_json(tokenizer, totals.prompt_logprobs)
+                scores = prompt_logprobs(tokenizer, totals.prompt_logprobs)
+                extra["prompt_logprobs"] = prompt_logprobs_json(scores)
             if (
                 not text
                 and not call_deltas
@@ -227,24 +233,20 @@ async def stream_completion(
                 return
             index = piece.index
             offset = offsets[index]
-            held_back = echo.num_logprobs is not None and piece.logprobs  # text comes later
-            if not piece.text and piece.finish_reason is None and offset is not None:
-                if not held_back:
-                    continue
+            # A piece with no text may still carry logprobs (its text is held back).
+            has_logprobs = echo.num_logprobs is not None and piece.logprobs
+            is_first = offset is None
+            if not (piece.text or piece.finish_reason or is_first or has_logprobs):
+                continue
             choice: dict[str, Any] = {"index": index, "text": piece.text}
-            if offset is None:
+            if is_first:
                 echoed, logprobs, scores = echo.first(
                     tokenizer, job.prompt.token_ids, totals.prompt_logprobs, piece.logprobs
                 )
                 choice["text"] = echoed + piece.text
                 offset = len(echoed)
                 if scores is not None:
-                    choice["prompt_logprobs"] = [
-                        None
-                        if entry is None
-                        else {key: dump(value) for key, value in entry.items()}
-                        for entry in scores
-                    ]
+                    choice["prompt_logprobs"] = prompt_logprobs_json(scores)
             elif echo.num_logprobs is not None:
                 logprobs = completion_logprobs(tokenizer, piece.logprobs, offset)
             else:

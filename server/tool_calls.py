@@ -102,6 +102,13 @@ class ToolPlan:
     def extractor(self) -> ToolCallExtractor:
         return ToolCallExtractor(self)
 
+    def split(self, text: str) -> tuple[str, list[ToolCall]]:
+        """A whole answer's content and tool calls (what a non-streamed response shows)."""
+        extractor = self.extractor()
+        content = extractor.feed(text)
+        rest, calls = extractor.finish()
+        return content + rest, calls
+
     def finish_reason(self, engine_reason: str | None, calls: list[ToolCall]) -> str | None:
         """OpenAI's: "tool_calls" when the model chose to call (auto, required); a named
         function's call ends as "stop", like OpenAI's forced calls."""
