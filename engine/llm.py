@@ -5,7 +5,9 @@ A prompt is a str (raw text, tokenized as is, no chat template), a list[int]
 {"type": "text", "text"}, {"type": "image", "image": PIL.Image | bytes} and
 {"type": "video", "video": bytes (a video file) | list of PIL.Image / [H, W, 3] uint8 frames
 (taken as sampled already)}), and optionally "mm_processor_kwargs" (as on the HTTP API:
-`fps`, `max_frames`, `min_pixels`, `max_pixels`, engine/multimodal/processing.py).
+`fps`, `max_frames`, `min_pixels`, `max_pixels`, engine/multimodal/processing.py), and the
+chat rendering keys of the HTTP API: "add_generation_prompt", "continue_final_message" and
+"chat_template_kwargs".
 Bad input for one prompt gives that prompt a result with `error` set (or raises
 `InvalidRequest` when `raise_on_error=True`); the others still complete.
 """
@@ -36,6 +38,8 @@ from engine.protocol import (
 )
 
 Prompt = str | list[int] | dict
+# The keys of a {"messages": ...} prompt that say how it is rendered (as on the HTTP API).
+CHAT_RENDERING_KEYS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
 
 
 @dataclass(frozen=True)
@@ -187,13 +191,21 @@ class LLM:
             processing = None  # a text-only model: a media part is refused below
             if self.image_config is not None:
                 processing = self.processing.narrowed(prompt.get("mm_processor_kwargs"))
-            return self._chat_request(request_id, prompt["messages"], sampling, processing)
+            rendering = {key: prompt[key] for key in CHAT_RENDERING_KEYS if key in prompt}
+            return self._chat_request(
+                request_id, prompt["messages"], sampling, processing, rendering
+            )
         raise InvalidRequest(
             "a prompt is a str, a list of token ids or {'messages': [...]}", param="prompts"
         )
 
     def _chat_request(
-        self, request_id: str, messages: list[dict], sampling: SamplingParams, processing
+        self,
+        request_id: str,
+        messages: list[dict],
+        sampling: SamplingParams,
+        processing,
+        rendering: dict[str, Any],
     ) -> tuple[EngineRequest, list[torch.Tensor]]:
         items = []  # (modality, ProcessedImage) of every image and video, in prompt order
         for message_index, message in enumerate(messages):
@@ -204,8 +216,14 @@ class LLM:
                 if part.get("type") in ("image", "video"):
                     param = f"messages[{message_index}].content[{part_index}]"
                     items.append((part["type"], self._process_media(part, param, processing)))
+        if rendering.get("continue_final_message"):
+            rendering.setdefault("add_generation_prompt", False)
+        if "chat_template_kwargs" in rendering:
+            rendering["template_kwargs"] = rendering.pop("chat_template_kwargs")
         processed = self.prompt_processor.process_chat(
-            messages, media_token_counts=[(kind, item.num_tokens) for kind, item in items]
+            messages,
+            media_token_counts=[(kind, item.num_tokens) for kind, item in items],
+            **rendering,
         )
         media = [
             MediaInput(

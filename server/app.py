@@ -324,7 +324,7 @@ def _add_api_routes(api: APIRouter) -> None:
         state.check_model(body.model)
         if body.messages is not None:
             text = state.processor.render_chat(
-                messages_as_dicts(body.messages), add_generation_prompt=body.add_generation_prompt
+                messages_as_dicts(body.messages), **body.template_options
             )
         elif body.prompt is not None:
             text = body.prompt

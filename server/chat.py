@@ -32,7 +32,7 @@ import msgspec
 
 from engine.errors import InvalidRequest, MediaError
 from engine.multimodal.image_processor import ImageProcessorConfig, ProcessedImage
-from engine.multimodal.prompt import PromptProcessor
+from engine.multimodal.prompt import PromptProcessor, final_message_text
 from engine.protocol import FeatureSource, MediaInput, Modality, TensorRef
 from server.generation import PreparedPrompt
 from server.media_fetch import MediaFetcher, MediaProcessing
@@ -250,6 +250,8 @@ async def prepare_chat_prompt(
 ) -> PreparedPrompt:
     """Fetch + process images and videos, check feature parts, and tokenise the rendered
     chat."""
+    if request.continue_final_message:  # a 400 before any media is fetched
+        final_message_text(messages_as_dicts(request.messages))
     parts = media_parts(request.messages)
     pixel_parts = [p for p in parts if not p.is_feature]
     if len(parts) > max_images:
@@ -293,6 +295,7 @@ async def prepare_chat_prompt(
         counts,
         chat_template=request.chat_template,  # app.py refuses it unless trusted
         tools=plan.tools if plan else None,
+        **request.template_options,
     )
     media = [
         _with_offset(item, span.offset) for item, span in zip(media, prompt.spans, strict=True)

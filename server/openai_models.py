@@ -44,6 +44,7 @@ MAX_LOGIT_BIAS = 300  # tokens per request, as OpenAI's API allows
 MAX_ABS_LOGIT_BIAS = 100.0
 MAX_INT64 = 2**63 - 1
 MAX_CHAT_TEMPLATE_CHARS = 64 * 1024
+MAX_CHAT_TEMPLATE_KWARGS = 64
 
 # ---------------------------------------------------------------------------- requests
 
@@ -172,6 +173,30 @@ class NamedToolChoice(_Request):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+
+
+class ChatTemplateFields(_Request):
+    """How a chat is rendered (vLLM's names): a generation prompt after the last message
+    (the default), or `continue_final_message` to leave the last message open for the
+    model to carry on, and extra template variables in `chat_template_kwargs`."""
+
+    add_generation_prompt: bool | None = None  # default: not when continuing the last one
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None, max_length=MAX_CHAT_TEMPLATE_KWARGS
+    )
+
+    @property
+    def template_options(self) -> dict[str, Any]:
+        """Keyword arguments of PromptProcessor.render_chat / process_chat."""
+        add_generation_prompt = self.add_generation_prompt
+        if add_generation_prompt is None:
+            add_generation_prompt = not self.continue_final_message
+        return {
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+            "template_kwargs": self.chat_template_kwargs,
+        }
 
 
 class SamplingFields(_Request):
@@ -360,7 +385,7 @@ class MediaProcessingOptions(BaseModel):
         return self
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -440,11 +465,10 @@ class CompletionRequest(SamplingFields):
         return self.prompt_logprobs
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(ChatTemplateFields):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_generation_prompt: bool = True
     add_special_tokens: bool = True
 
 

@@ -29,6 +29,9 @@ from engine.errors import InvalidRequest, MediaError, ModelLoadError
 IMAGE_PART_TYPES = {"image", "image_url", "input_image", "image_features"}
 VIDEO_PART_TYPES = {"video", "video_url", "video_features"}
 MODALITIES = ("image", "video")
+# Template variables that render_chat sets itself: `chat_template_kwargs` may not replace
+# them (the tools must be the ones the answer is parsed against).
+RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt")
 
 
 @dataclass(frozen=True)
@@ -149,13 +152,23 @@ class PromptProcessor:
         messages: list[dict],
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         chat_template: str | None = None,
         tools: list[dict] | None = None,
         template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """Render OpenAI-shaped messages through the chat template (the model's, or
         `chat_template` if given). Media parts become {"type": "image"} / {"type": "video"}
-        so the template emits one placeholder per item."""
+        so the template emits one placeholder per item. `continue_final_message` leaves the
+        last message open (no end-of-turn after its text), so that the model carries on
+        writing it: "prefilling" the start of an answer (transformers' meaning). Extra
+        variables for the template come in `template_kwargs` (`chat_template_kwargs`)."""
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequest(
+                "continue_final_message continues the last message; it cannot be combined "
+                "with add_generation_prompt, which starts a new one",
+                param="continue_final_message",
+            )
         template_source = chat_template or self.chat_template
         if not template_source:
             raise InvalidRequest(
@@ -168,11 +181,18 @@ class PromptProcessor:
             raise InvalidRequest(
                 f"the chat template has a syntax error: {exc.message}", param="chat_template"
             ) from exc
+        taken = sorted(set(template_kwargs or ()) & set(RESERVED_TEMPLATE_VARIABLES))
+        if taken:
+            raise InvalidRequest(
+                f"chat_template_kwargs cannot set {', '.join(taken)}: the request's own fields do",
+                param="chat_template_kwargs",
+            )
         context = {name: value for name, value in self.special_tokens.items() if value is not None}
         context.update(template_kwargs or {})
+        normalized = normalize_messages(messages)
         try:
-            return template.render(
-                messages=normalize_messages(messages),
+            text = template.render(
+                messages=normalized,
                 tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 **context,
@@ -182,6 +202,7 @@ class PromptProcessor:
             raise InvalidRequest(
                 f"the chat template rejected the messages: {exc.message}", param="messages"
             ) from exc
+        return _cut_after_final_message(text, normalized) if continue_final_message else text
 
     # ------------------------------------------------------------------ tokens
 
@@ -234,6 +255,7 @@ class PromptProcessor:
         *,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         tools: list[dict] | None = None,
         template_kwargs: dict[str, Any] | None = None,
     ) -> ProcessedPrompt:
@@ -241,6 +263,7 @@ class PromptProcessor:
         text = self.render_chat(
             messages,
             add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
             chat_template=chat_template,
             tools=tools,
             template_kwargs=template_kwargs,
@@ -272,6 +295,46 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
             )
         normalized.append(copy)
     return normalized
+
+
+def final_message_text(messages: list[dict]) -> str:
+    """The text that `continue_final_message` carries on: the last message's content, or
+    its last part, which must be text. Checked before any media is fetched."""
+    index = len(messages) - 1
+    content = messages[-1].get("content") if messages else None
+    param = f"messages[{index}].content"
+    if isinstance(content, list):
+        if not content or content[-1].get("type") != "text":
+            raise InvalidRequest(
+                "continue_final_message continues the last message's text: its last part "
+                "must be a text part",
+                param=param,
+            )
+        content = content[-1].get("text")
+    if not isinstance(content, str) or not content.strip():
+        raise InvalidRequest(
+            "continue_final_message needs text in the last message to continue", param=param
+        )
+    return content
+
+
+def _cut_after_final_message(text: str, messages: list[dict]) -> str:
+    """`text` (a rendered chat) up to the end of the last message's text, where the
+    template would close the turn. Templates may strip a message's surrounding blanks, so
+    the stripped text is looked for, and its trailing blanks are kept only where the
+    template kept them (as transformers' `continue_final_message` does)."""
+    content = final_message_text(messages)
+    start = text.rfind(content.strip())
+    if start < 0:
+        raise InvalidRequest(
+            "continue_final_message: the chat template does not write the last message's "
+            "text as it was given, so it cannot be continued",
+            param=f"messages[{len(messages) - 1}].content",
+        )
+    unpadded = content.lstrip()
+    if text[start : start + len(unpadded)] == unpadded:
+        return text[: start + len(unpadded)]
+    return text[: start + len(content.strip())]
 
 
 def _normalize_part(part: Any, param: str) -> dict:

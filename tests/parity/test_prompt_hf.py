@@ -92,3 +92,65 @@ def test_tools_render_as_in_transformers(model_dir, messages):
     )
     assert processor.render_chat(messages, tools=TOOLS) == expected
     assert "<tools>\n" + json.dumps(TOOLS[0]) + "\n</tools>" in expected
+
+
+PREFILLED = [
+    [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "The colour is"},
+    ],
+    [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "It shows  "}]},
+    ],
+    [{"role": "user", "content": "Count: one, two,"}],  # any role can be continued
+]
+
+
+@pytest.mark.parametrize("messages", PREFILLED)
+def test_continue_final_message_matches_transformers(model_dir, messages):
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    processor = PromptProcessor.from_model_dir(model_dir)
+    expected = hf_tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=False, continue_final_message=True
+    )
+    text = processor.render_chat(messages, add_generation_prompt=False, continue_final_message=True)
+    assert text == expected
+    assert not text.endswith("<|im_end|>\n")
+
+
+def test_template_kwargs_reach_the_template_as_in_transformers(model_dir):
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    processor = PromptProcessor.from_model_dir(model_dir)
+    messages = CONVERSATIONS[2]  # two images and a video
+    expected = hf_tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, add_vision_id=True
+    )
+    text = processor.render_chat(messages, template_kwargs={"add_vision_id": True})
+    assert text == expected
+    assert "Picture 2: " in text and "Video 1: " in text
+
+
+def test_offline_chat_prompts_take_the_rendering_keys(model_dir):
+    from engine import LLM, SamplingParams
+
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    llm = LLM(str(model_dir), num_kv_blocks=64)
+    try:
+        messages = PREFILLED[0]
+        prefilled, labelled, bad = llm.generate(
+            [
+                {"messages": messages, "continue_final_message": True},
+                {"messages": CONVERSATIONS[0], "chat_template_kwargs": {"x": 1}},
+                {"messages": messages, "chat_template_kwargs": {"tools": []}},
+            ],
+            SamplingParams(max_tokens=1, temperature=0.0),
+        )
+    finally:
+        llm.close()
+    text = hf_tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=False, continue_final_message=True
+    )
+    assert prefilled.prompt_token_ids == hf_tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert labelled.error is None
+    assert bad.error is not None and bad.error.param == "chat_template_kwargs"

@@ -225,3 +225,36 @@ def test_concurrent_use_is_consistent(processor):
     expected = [run(i) for i in range(64)]
     with ThreadPoolExecutor(max_workers=8) as pool:
         assert list(pool.map(run, range(64))) == expected
+
+
+def test_continue_final_message_leaves_the_last_turn_open(processor):
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I"}]
+    text = processor.render_chat(messages, add_generation_prompt=False, continue_final_message=True)
+    assert text.endswith("<|im_start|>assistant\nHello, I")
+
+
+@pytest.mark.parametrize(
+    ("last", "flags", "param", "match"),
+    [
+        ("Go on", {"add_generation_prompt": True}, "continue_final_message", "cannot be combined"),
+        ([{"type": "text", "text": "A"}, IMAGE_URL], {}, "messages[1].content", "text part"),
+        ("   ", {}, "messages[1].content", "needs text"),
+        (None, {}, "messages[1].content", "needs text"),
+    ],
+)
+def test_continue_final_message_errors_name_the_field(processor, last, flags, param, match):
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": last}]
+    options = {"add_generation_prompt": False, "continue_final_message": True, **flags}
+    with pytest.raises(InvalidRequest, match=match) as info:
+        processor.render_chat(messages, **options)
+    assert info.value.param == param
+
+
+def test_continue_final_message_refuses_a_template_that_rewrites_the_text(processor):
+    shouting = "{% for m in messages %}{{ m['content'] | upper }}{% endfor %}"
+    messages = [{"role": "assistant", "content": "quiet"}]
+    with pytest.raises(InvalidRequest, match="cannot be continued"):
+        processor.render_chat(
+            messages, chat_template=shouting, add_generation_prompt=False,
+            continue_final_message=True,
+        )  # fmt: skip
