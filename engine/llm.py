@@ -205,7 +205,7 @@ class LLM:
         messages: list[dict],
         sampling: SamplingParams,
         processing,
-        rendering: dict[str, Any],
+        rendering: dict[str, Any] | None = None,
     ) -> tuple[EngineRequest, list[torch.Tensor]]:
         items = []  # (modality, ProcessedImage) of every image and video, in prompt order
         for message_index, message in enumerate(messages):
@@ -216,6 +216,7 @@ class LLM:
                 if part.get("type") in ("image", "video"):
                     param = f"messages[{message_index}].content[{part_index}]"
                     items.append((part["type"], self._process_media(part, param, processing)))
+        rendering = dict(rendering or {})
         if rendering.get("continue_final_message"):
             rendering.setdefault("add_generation_prompt", False)
         if "chat_template_kwargs" in rendering:

@@ -413,8 +413,11 @@ def _job(state: AppState, body: Any, prompt: Any, *, prefix: str) -> GenerationJ
         sampling=sampling,
         n=body.n,
         stop=body.stop_list,
+        include_stop=body.include_stop_str_in_output,
         skip_special_tokens=body.skip_special_tokens,
         include_usage=body.include_usage,
+        continuous_usage=body.continuous_usage,
+        tokens_as_ids=body.return_tokens_as_token_ids,
         tools=_tool_plan(state, body),
         priority=body.priority,
     )

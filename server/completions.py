@@ -59,6 +59,7 @@ def completion_response(
                 text=echoed + result.text,
                 logprobs=logprobs,
                 finish_reason=result.finish_reason,
+                stop_reason=result.stop_reason,
                 prompt_logprobs=scores,
             )
         )
@@ -83,8 +84,11 @@ def chat_response(
         ChatChoice(
             index=i,
             message=message,
-            logprobs=chat_logprobs(processor.tokenizer, result.logprobs) if with_logprobs else None,
+            logprobs=chat_logprobs(processor.tokenizer, result.logprobs, as_ids=job.tokens_as_ids)
+            if with_logprobs
+            else None,
             finish_reason=finish_reason,
+            stop_reason=result.stop_reason,
         )
         for i, result in enumerate(results)
         for message, finish_reason in [_message(job.tools, result)]

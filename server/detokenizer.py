@@ -86,12 +86,21 @@ class StopResult:
 
 
 class StopChecker:
-    """Finds stop strings in streamed text and holds back possible partial matches."""
+    """Finds stop strings in streamed text and holds back possible partial matches.
 
-    def __init__(self, stop: Sequence[str] = ()):
+    The text is cut before the stop string, or after it with `include_stop` (vLLM's
+    `include_stop_str_in_output`); `matched` is the stop string found (vLLM's
+    `stop_reason`)."""
+
+    def __init__(self, stop: Sequence[str] = (), *, include_stop: bool = False):
         self._stops = [s for s in stop if s]
+        self._include_stop = include_stop
         self._pending = ""  # text received but not yet released
-        self.is_stopped = False
+        self.matched: str | None = None
+
+    @property
+    def is_stopped(self) -> bool:
+        return self.matched is not None
 
     def feed(self, delta: str) -> StopResult:
         if self.is_stopped:
@@ -99,10 +108,11 @@ class StopChecker:
         if not self._stops:
             return StopResult(delta)
         text = self._pending + delta
-        cut = _first_stop_index(text, self._stops)
-        if cut is not None:
-            self.is_stopped = True
+        found = _first_stop(text, self._stops)
+        if found is not None:
+            start, self.matched = found
             self._pending = ""
+            cut = start + len(self.matched) if self._include_stop else start
             return StopResult(text[:cut], True)
         hold = _longest_partial_suffix(text, self._stops)
         self._pending = text[len(text) - hold :] if hold else ""
@@ -114,9 +124,14 @@ class StopChecker:
         return "" if self.is_stopped else text
 
 
-def _first_stop_index(text: str, stops: Sequence[str]) -> int | None:
-    found = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(found) if found else None
+def _first_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
+    """(where, which) of the stop string that starts first in `text` (of two that start
+    together, the shorter: it ends first)."""
+    found = [(i, len(stop), stop) for stop in stops if (i := text.find(stop)) >= 0]
+    if not found:
+        return None
+    start, _, stop = min(found)
+    return start, stop
 
 
 def _longest_partial_suffix(text: str, stops: Sequence[str]) -> int:
@@ -145,11 +160,12 @@ class SequenceDetokenizer:
         *,
         skip_special_tokens: bool = True,
         min_tokens: int = 0,
+        include_stop: bool = False,
     ):
         self._detokenizer = IncrementalDetokenizer(
             tokenizer, prompt_token_ids, skip_special_tokens=skip_special_tokens
         )
-        self._stop = StopChecker(stop)
+        self._stop = StopChecker(stop, include_stop=include_stop)
         self._min_tokens = min_tokens
         self._num_tokens = 0
         self.text = ""
@@ -157,6 +173,10 @@ class SequenceDetokenizer:
     @property
     def is_stopped(self) -> bool:
         return self._stop.is_stopped
+
+    @property
+    def matched_stop(self) -> str | None:
+        return self._stop.matched
 
     def step(self, new_token_ids: Sequence[int]) -> str:
         self._num_tokens += len(new_token_ids)

@@ -53,6 +53,9 @@ class ChoiceDelta:
     token_ids: list[int]
     logprobs: list[TokenLogprob]
     finish_reason: str | None = None
+    # vLLM's: the stop string or stop token id that finished the choice (None for EOS,
+    # a grammar's end or the length limit).
+    stop_reason: str | int | None = None
 
 
 @dataclass
@@ -253,6 +256,7 @@ async def generate_choices(
     skip_special_tokens: bool,
     totals: GenerationTotals,
     priority: int = 0,
+    include_stop: bool = False,
 ) -> AsyncIterator[ChoiceDelta]:
     """Yield text deltas of all choices until every choice has finished.
 
@@ -266,6 +270,7 @@ async def generate_choices(
             stop,
             skip_special_tokens=skip_special_tokens,
             min_tokens=sampling.min_tokens,
+            include_stop=include_stop,
         )
         for _ in range(n)
     ]
@@ -280,7 +285,7 @@ async def generate_choices(
                 if isinstance(item, TesseraError):
                     raise item
                 raise EngineDeadError("the engine failed while serving the request") from item
-            delta = _apply_output(detokenizers[index], index, item, totals)
+            delta = _apply_output(detokenizers[index], index, item, totals, sampling)
             if delta.finish_reason is not None:
                 finished[index] = True
                 totals.finish_reasons.append(delta.finish_reason)
@@ -298,6 +303,7 @@ def _apply_output(
     index: int,
     output: RequestOutput,
     totals: GenerationTotals,
+    sampling: SamplingParams,
 ) -> ChoiceDelta:
     if output.error is not None:
         raise error_info_to_exception(output.error)
@@ -308,24 +314,26 @@ def _apply_output(
     totals.note_output(index, output)
     totals.num_generated_tokens += len(output.new_token_ids)
     text = detokenizer.step(output.new_token_ids)
-    finish_reason = None
-    if detokenizer.is_stopped:
-        finish_reason = "stop"
-    elif output.finish_reason is not None:
+    finish_reason = stop_reason = None
+    if not detokenizer.is_stopped and output.finish_reason is not None:
         if output.finish_reason == FinishReason.ERROR:
             raise EngineDeadError("the engine failed while serving the request")
         if output.finish_reason == FinishReason.ABORT:
             raise EngineDeadError("the request was aborted by the engine")
         text += detokenizer.finish()
         finish_reason = "length" if output.finish_reason == FinishReason.LENGTH else "stop"
-        if detokenizer.is_stopped:
-            finish_reason = "stop"
+        last = output.new_token_ids[-1] if output.new_token_ids else None
+        if output.finish_reason == FinishReason.STOP and last in sampling.stop_token_ids:
+            stop_reason = last
+    if detokenizer.is_stopped:
+        finish_reason, stop_reason = "stop", detokenizer.matched_stop
     return ChoiceDelta(
         index=index,
         text=text,
         token_ids=list(output.new_token_ids),
         logprobs=list(output.logprobs or []),
         finish_reason=finish_reason,
+        stop_reason=stop_reason,
     )
 
 

@@ -22,14 +22,24 @@ def _token_text(tokenizer: Tokenizer, token_id: int) -> tuple[str, list[int]]:
     return raw.decode("utf-8", errors="replace"), list(raw)
 
 
-def chat_logprobs(tokenizer: Tokenizer, entries: Sequence[TokenLogprob]) -> ChoiceLogprobs:
+def _token_name(tokenizer: Tokenizer, token_id: int, as_id: bool) -> tuple[str, list[int]]:
+    """A logprob entry's `token` and `bytes`. With vLLM's `return_tokens_as_token_ids` the
+    token is "token_id:{id}", which names a token whose bytes are not whole UTF-8
+    characters; `bytes` stay the token's own."""
+    text, raw = _token_text(tokenizer, token_id)
+    return (f"token_id:{token_id}" if as_id else text), raw
+
+
+def chat_logprobs(
+    tokenizer: Tokenizer, entries: Sequence[TokenLogprob], *, as_ids: bool = False
+) -> ChoiceLogprobs:
     """`logprobs.content[{token, logprob, bytes, top_logprobs[...]}]` of a chat choice."""
     content = []
     for entry in entries:
-        token, raw = _token_text(tokenizer, entry.token_id)
+        token, raw = _token_name(tokenizer, entry.token_id, as_ids)
         top = []
         for token_id, logprob in entry.top:
-            top_token, top_raw = _token_text(tokenizer, token_id)
+            top_token, top_raw = _token_name(tokenizer, token_id, as_ids)
             top.append(TopLogprob(token=top_token, logprob=logprob, bytes=top_raw))
         content.append(
             TokenLogprobInfo(token=token, logprob=entry.logprob, bytes=raw, top_logprobs=top)
@@ -38,18 +48,25 @@ def chat_logprobs(tokenizer: Tokenizer, entries: Sequence[TokenLogprob]) -> Choi
 
 
 def completion_logprobs(
-    tokenizer: Tokenizer, entries: Sequence[TokenLogprob], text_offset: int = 0
+    tokenizer: Tokenizer,
+    entries: Sequence[TokenLogprob],
+    text_offset: int = 0,
+    *,
+    as_ids: bool = False,
 ) -> CompletionLogprobs:
-    """The legacy `/v1/completions` logprobs shape (parallel lists)."""
+    """The legacy `/v1/completions` logprobs shape (parallel lists); `text_offset` counts
+    the tokens' text even when they are named by id."""
     result = CompletionLogprobs()
     offset = text_offset
     for entry in entries:
-        token, _ = _token_text(tokenizer, entry.token_id)
-        result.tokens.append(token)
+        text, _ = _token_text(tokenizer, entry.token_id)
+        result.tokens.append(_token_name(tokenizer, entry.token_id, as_ids)[0])
         result.token_logprobs.append(entry.logprob)
-        result.top_logprobs.append({_token_text(tokenizer, tid)[0]: lp for tid, lp in entry.top})
+        result.top_logprobs.append(
+            {_token_name(tokenizer, tid, as_ids)[0]: lp for tid, lp in entry.top}
+        )
         result.text_offset.append(offset)
-        offset += len(token)
+        offset += len(text)
     return result
 
 
@@ -86,12 +103,14 @@ def echoed_prompt_logprobs(
     prompt_token_ids: Sequence[int],
     scores: Sequence[TokenLogprob],
     num_top: int,
+    *,
+    as_ids: bool = False,
 ) -> CompletionLogprobs:
     """The legacy logprobs of an echoed prompt (`num_top` alternatives each): its first
     token has no logprob (None)."""
     entries = [TokenLogprob(prompt_token_ids[0], 0.0)]
     entries += [TokenLogprob(s.token_id, s.logprob, s.top[:num_top]) for s in scores]
-    result = completion_logprobs(tokenizer, entries)
+    result = completion_logprobs(tokenizer, entries, as_ids=as_ids)
     result.token_logprobs[0] = None
     result.top_logprobs[0] = None
     return result

@@ -173,6 +173,7 @@ class NamedToolChoice(_Request):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk
 
 
 class ChatTemplateFields(_Request):
@@ -213,6 +214,7 @@ class SamplingFields(_Request):
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=-MAX_INT64 - 1, le=MAX_INT64)
     stop: str | list[str] | None = None
+    include_stop_str_in_output: bool = False  # vLLM's: the text ends with the stop string
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     n: int = Field(default=1, ge=1, le=MAX_N)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
@@ -222,6 +224,8 @@ class SamplingFields(_Request):
     user: str | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
+    # vLLM's: logprobs name their tokens "token_id:{id}" (a token may be part of a character)
+    return_tokens_as_token_ids: bool = False
     # vLLM's: score every prompt token, with this many alternatives (the answer's
     # `prompt_logprobs`: null for the first token, then {token id: {logprob, rank, ...}}).
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -303,6 +307,12 @@ class SamplingFields(_Request):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's `continuous_usage_stats`: every chunk carries the usage so far (with
+        `include_usage`, as vLLM asks)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats  # type: ignore[union-attr]
 
 
 class JsonSchemaFormat(_Request):
@@ -533,6 +543,7 @@ class ChatChoice(_Response):
     message: ResponseMessage
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or token id that ended it
 
 
 class ChatCompletionResponse(_Response):
@@ -575,6 +586,7 @@ class ChatChunkChoice(_Response):
     delta: DeltaMessage
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # on the chunk that finishes the choice
 
 
 class ChatCompletionChunk(_Response):
@@ -606,6 +618,7 @@ class CompletionChoice(_Response):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or token id that ended it
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # vLLM's, when asked
 
     @model_serializer(mode="wrap")

@@ -22,6 +22,7 @@ class PromptEcho:
     text: str | None  # echo: the prompt as given (token ids: decoded)
     num_logprobs: int | None  # the request's `logprobs`
     with_prompt_logprobs: bool
+    tokens_as_ids: bool = False  # return_tokens_as_token_ids
 
     @classmethod
     def of(cls, request: CompletionRequest, prompt_token_ids: list[int],
@@ -34,7 +35,14 @@ class PromptEcho:
             text = prompt if isinstance(prompt, str) else processor.decode(
                 prompt_token_ids, skip_special_tokens=False
             )  # fmt: skip
-        return cls(text, request.logprobs, request.prompt_logprobs is not None)
+        return cls(text, request.logprobs, request.prompt_logprobs is not None,
+                   request.return_tokens_as_token_ids)  # fmt: skip
+
+    def logprobs(
+        self, tokenizer: Tokenizer, entries: list[TokenLogprob], text_offset: int
+    ) -> CompletionLogprobs:
+        """The legacy logprobs of generated tokens whose text starts at `text_offset`."""
+        return completion_logprobs(tokenizer, entries, text_offset, as_ids=self.tokens_as_ids)
 
     def first(
         self,
@@ -48,10 +56,10 @@ class PromptEcho:
         echoed = self.text or ""
         logprobs = None
         if self.num_logprobs is not None:
-            logprobs = completion_logprobs(tokenizer, entries, len(echoed))
+            logprobs = self.logprobs(tokenizer, entries, len(echoed))
             if self.text is not None:
                 prompt = echoed_prompt_logprobs(tokenizer, prompt_token_ids, scores or [],
-                                                self.num_logprobs)  # fmt: skip
+                                                self.num_logprobs, as_ids=self.tokens_as_ids)  # fmt: skip
                 logprobs = CompletionLogprobs(
                     tokens=prompt.tokens + logprobs.tokens,
                     token_logprobs=prompt.token_logprobs + logprobs.token_logprobs,

@@ -28,7 +28,6 @@ from server.errors import error_body, tessera_error_body
 from server.generation import GenerationTotals, PreparedPrompt, generate_choices
 from server.logprobs import (
     chat_logprobs,
-    completion_logprobs,
     prompt_logprobs,
     prompt_logprobs_json,
 )
@@ -52,8 +51,11 @@ class GenerationJob:
     sampling: SamplingParams
     n: int
     stop: list[str]
+    include_stop: bool = False  # include_stop_str_in_output
     skip_special_tokens: bool = True
     include_usage: bool = False
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats
+    tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprobs name "token_id:{id}"
     tools: ToolPlan | None = None  # chat with tools: answers are parsed for tool calls
     priority: int = 0  # --scheduling-policy priority: lower runs first
     created: int = field(default_factory=lambda: int(time.time()))
@@ -63,6 +65,7 @@ class GenerationJob:
 class ChoiceResult:
     text: str = ""
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     num_tokens: int = 0
 
@@ -96,20 +99,24 @@ def sse(data: dict[str, Any]) -> bytes:
 
 
 class _ChunkWriter:
-    """Builds the SSE chunks of one job: `writer(choices, usage=None)`."""
+    """Builds the SSE chunks of one job: `writer(choices, usage=None)`. With
+    `continuous_usage_stats` every chunk carries the usage so far, read from `totals`."""
 
-    def __init__(self, job: GenerationJob, object_name: str) -> None:
+    def __init__(self, job: GenerationJob, object_name: str, totals: GenerationTotals) -> None:
         self.header = {
             "id": job.request_id,
             "object": object_name,
             "created": job.created,
             "model": job.model_name,
         }
+        self.totals = totals if job.continuous_usage else None
 
     def __call__(
         self, choices: list[dict[str, Any]], usage: UsageInfo | None = None, **extra: Any
     ) -> bytes:
         body = {**self.header, "choices": choices, **extra}
+        if usage is None and self.totals is not None:
+            usage = usage_of(self.totals)
         if usage is not None:
             body["usage"] = dump(usage)
         return sse(body)
@@ -136,6 +143,7 @@ def run_job(job: GenerationJob, engine: Any, tokenizer: Tokenizer, totals: Gener
         skip_special_tokens=job.skip_special_tokens,
         totals=totals,
         priority=job.priority,
+        include_stop=job.include_stop,
     )
 
 
@@ -151,6 +159,7 @@ async def collect(
         result.num_tokens += len(delta.token_ids)
         if delta.finish_reason is not None:
             result.finish_reason = delta.finish_reason
+            result.stop_reason = delta.stop_reason
     return results
 
 
@@ -162,8 +171,8 @@ async def stream_chat(
     with_logprobs: bool,
     on_finished: OnFinished,
 ) -> AsyncIterator[bytes]:
-    totals = GenerationTotals()
-    chunk = _ChunkWriter(job, "chat.completion.chunk")
+    totals = GenerationTotals(num_prompt_tokens=len(job.prompt.token_ids))
+    chunk = _ChunkWriter(job, "chat.completion.chunk", totals)
 
     def choice(index: int, delta: dict, logprobs: Any = None, finish: str | None = None):
         # OpenAI's deltas carry only the fields they set; logprobs and finish_reason are
@@ -202,11 +211,15 @@ async def stream_chat(
                 continue
             logprobs = None
             if with_logprobs:
-                logprobs = dump(chat_logprobs(tokenizer, piece.logprobs))
+                entries = piece.logprobs
+                logprobs = dump(chat_logprobs(tokenizer, entries, as_ids=job.tokens_as_ids))
             delta: dict[str, Any] = {"content": text}
             if call_deltas:
                 delta["tool_calls"] = call_deltas
-            yield chunk([choice(piece.index, delta, logprobs, finish)], **extra)
+            body = choice(piece.index, delta, logprobs, finish)
+            if finish is not None:
+                body["stop_reason"] = piece.stop_reason
+            yield chunk([body], **extra)
     if job.include_usage:
         yield chunk([], usage_of(totals))
     on_finished(totals)
@@ -222,9 +235,9 @@ async def stream_completion(
     on_finished: OnFinished,
 ) -> AsyncIterator[bytes]:
     """Each choice's first chunk carries what `echo` shows of the prompt."""
-    totals = GenerationTotals()
+    totals = GenerationTotals(num_prompt_tokens=len(job.prompt.token_ids))
     offsets: list[int | None] = [None] * job.n  # None: the choice's first chunk is to come
-    chunk = _ChunkWriter(job, "text_completion")
+    chunk = _ChunkWriter(job, "text_completion", totals)
 
     async with contextlib.aclosing(_guarded(run_job(job, engine, tokenizer, totals))) as pieces:
         async for piece in pieces:
@@ -248,12 +261,14 @@ async def stream_completion(
                 if scores is not None:
                     choice["prompt_logprobs"] = prompt_logprobs_json(scores)
             elif echo.num_logprobs is not None:
-                logprobs = completion_logprobs(tokenizer, piece.logprobs, offset)
+                logprobs = echo.logprobs(tokenizer, piece.logprobs, offset)
             else:
                 logprobs = None
             offsets[index] = offset + len(piece.text)
             choice["logprobs"] = None if logprobs is None else dump(logprobs)
             choice["finish_reason"] = piece.finish_reason
+            if piece.finish_reason is not None:
+                choice["stop_reason"] = piece.stop_reason
             yield chunk([choice])
     if job.include_usage:
         yield chunk([], usage_of(totals))

@@ -86,6 +86,22 @@ def test_stop_checker_earliest_of_several():
     assert result.is_stopped and result.text == "hel"
 
 
+def test_stop_checker_reports_the_stop_and_can_keep_it():
+    kept = StopChecker(["world", "lo"], include_stop=True)
+    result = kept.feed("hello world")
+    assert result.is_stopped and result.text == "hello" and kept.matched == "lo"
+    cut = StopChecker(["ab", "abc"])
+    assert cut.feed("xabcd").text == "x" and cut.matched == "ab"  # same start: the shorter
+    assert StopChecker(["q"]).matched is None
+
+
+def test_stop_checker_keeps_a_stop_split_across_feeds():
+    checker = StopChecker(["STOP"], include_stop=True)
+    assert checker.feed("go ST").text == "go "
+    result = checker.feed("OP now")
+    assert result.is_stopped and result.text == "STOP" and checker.matched == "STOP"
+
+
 def test_stop_checker_flush_releases_held_text():
     checker = StopChecker(["xyz"])
     assert checker.feed("abx").text == "ab"
@@ -107,6 +123,16 @@ def test_sequence_stop_split_across_tokens(tokenizer, stop):
     emitted.append(seq.finish())
     assert seq.is_stopped
     assert "".join(emitted) == text[: text.index(stop)] == seq.text
+
+
+@pytest.mark.parametrize("stop", ["sat on", "t o", "mat"])
+def test_sequence_keeps_a_stop_split_across_tokens(tokenizer, stop):
+    text = "The cat sat on the mat today"
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    seq = SequenceDetokenizer(tokenizer, stop=[stop], include_stop=True)
+    emitted = "".join(seq.step([token_id]) for token_id in ids) + seq.finish()
+    assert emitted == text[: text.index(stop) + len(stop)] == seq.text
+    assert seq.matched_stop == stop
 
 
 def test_stop_strings_wait_for_min_tokens(tokenizer):
