@@ -418,6 +418,7 @@ def _job(state: AppState, body: Any, prompt: Any, *, prefix: str) -> GenerationJ
         include_usage=body.include_usage,
         continuous_usage=body.continuous_usage,
         tokens_as_ids=body.return_tokens_as_token_ids,
+        prompt_only=getattr(body, "prompt_only", False),
         tools=_tool_plan(state, body),
         priority=body.priority,
     )

@@ -257,8 +257,11 @@ async def generate_choices(
     totals: GenerationTotals,
     priority: int = 0,
     include_stop: bool = False,
+    keep_output: bool = True,
 ) -> AsyncIterator[ChoiceDelta]:
-    """Yield text deltas of all choices until every choice has finished.
+    """Yield text deltas of all choices until every choice has finished. Without
+    `keep_output` the generated tokens are dropped as they come (a prompt-only answer:
+    no text, logprobs or completion tokens).
 
     Raises the typed error of a failed choice (`EngineDeadError`, `InvalidRequest`, ...).
     """
@@ -285,6 +288,8 @@ async def generate_choices(
                 if isinstance(item, TesseraError):
                     raise item
                 raise EngineDeadError("the engine failed while serving the request") from item
+            if not keep_output:
+                item = msgspec.structs.replace(item, new_token_ids=[], logprobs=None)
             delta = _apply_output(detokenizers[index], index, item, totals, sampling)
             if delta.finish_reason is not None:
                 finished[index] = True

@@ -24,6 +24,7 @@ from pydantic import (
     model_validator,
 )
 
+from engine.errors import InvalidRequest
 from engine.protocol import StructuredOutput
 from server.tool_calls import ToolPlan, check_tools, tool_plan
 
@@ -456,12 +457,23 @@ def _as_dict(tool_choice: Any) -> Any:
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: with echo, the prompt only
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
 
     @property
+    def prompt_only(self) -> bool:
+        """`echo` with `max_tokens: 0`: the prompt (and its logprobs) without a completion,
+        how evaluation harnesses score a text. The engine still picks one token (it runs a
+        prefill either way), which the answer leaves out."""
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidRequest("max_tokens must be at least 1 (0 only with echo)",
+                                 param="max_tokens")  # fmt: skip
+        return self.max_tokens == 0
+
+    @property
     def requested_max_tokens(self) -> int | None:
-        return self.max_tokens
+        return 1 if self.prompt_only else self.max_tokens
 
     @property
     def num_logprobs(self) -> int | None:

@@ -56,6 +56,7 @@ class GenerationJob:
     include_usage: bool = False
     continuous_usage: bool = False  # stream_options.continuous_usage_stats
     tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprobs name "token_id:{id}"
+    prompt_only: bool = False  # echo with max_tokens 0: the generated token is left out
     tools: ToolPlan | None = None  # chat with tools: answers are parsed for tool calls
     priority: int = 0  # --scheduling-policy priority: lower runs first
     created: int = field(default_factory=lambda: int(time.time()))
@@ -144,6 +145,7 @@ def run_job(job: GenerationJob, engine: Any, tokenizer: Tokenizer, totals: Gener
         totals=totals,
         priority=job.priority,
         include_stop=job.include_stop,
+        keep_output=not job.prompt_only,
     )
 
 

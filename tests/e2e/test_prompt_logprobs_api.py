@@ -102,3 +102,27 @@ def test_a_streamed_completion_keeps_the_logprobs_of_tokens_whose_text_is_held_b
     streamed = [lp for c in chunks if c.choices and c.choices[0].logprobs
                 for lp in c.choices[0].logprobs.token_logprobs]  # fmt: skip
     assert len(whole.token_logprobs) == 24 and streamed == whole.token_logprobs
+
+
+def test_echo_with_no_tokens_scores_the_prompt_alone(client, http, offline):
+    ids, reference = offline
+    kwargs = {"echo": True, "logprobs": 2, "max_tokens": 0, "temperature": 0}
+    response = client.completions.create(model=MODEL_NAME, prompt=PROMPT, **kwargs)
+    choice = response.choices[0]
+    assert choice.text == PROMPT and choice.finish_reason == "length"
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (len(ids), 0)
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(ids) and logprobs.token_logprobs[0] is None
+    scores = [score.logprob for score in reference.prompt_logprobs]
+    assert logprobs.token_logprobs[1:] == pytest.approx(scores, abs=1e-5)
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, stream=True,
+                                            stream_options={"include_usage": True}, **kwargs))  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == PROMPT
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs
+                for t in c.choices[0].logprobs.token_logprobs]  # fmt: skip
+    assert streamed == logprobs.token_logprobs
+    assert chunks[-1].usage.completion_tokens == 0
+    for path, body in [("/v1/completions", {"prompt": PROMPT}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})]:  # fmt: skip
+        response = http.post(path, json={"model": MODEL_NAME, "max_tokens": 0, **body})
+        assert_error(response, 400, param="max_tokens")
