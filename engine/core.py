@@ -366,6 +366,7 @@ class EngineCore:
             arrival_time=request.arrival_time or time.time(),
             eos_token_ids=mc.eos_token_ids,
             priority=request.priority,
+            cache_salt=request.cache_salt,
         )
         result.positions, result.rope_delta = positions, rope_delta  # [3, L]
         return result

@@ -10,7 +10,9 @@ Pure Python, no tensors: the model runner owns the cache tensors and only reads
 
 Prefix caching: once a block is full, it gets a content hash chained from the
 previous block's hash, its token ids, and the content hashes (with offsets) of
-media overlapping it, so equal text with different images never shares KV.
+media overlapping it, so equal text with different images never shares KV. A request's
+`cache_salt` seeds the first hash: only requests with the same salt (or none) share
+blocks, so one tenant cannot learn from timing what another one's prompts were.
 Freed blocks keep their hash and sit in the free queue (LRU: reused from the
 head, freed ones appended to the tail) until a new allocation evicts them.
 """
@@ -29,6 +31,11 @@ class KVBlock:
     block_id: int
     ref_count: int = 0
     block_hash: bytes | None = None  # set once full and registered in the prefix cache
+
+
+def _salt(cache_salt: str | None) -> bytes:
+    """What the first block's hash chains from."""
+    return b"" if cache_salt is None else b"salt:" + cache_salt.encode()
 
 
 class KVCacheManager:
@@ -174,7 +181,7 @@ class KVCacheManager:
         num_full = min(num_tokens, request.num_tokens) // size
         for index in range(len(request.block_hashes), num_full):
             start, end = index * size, (index + 1) * size
-            previous = request.block_hashes[index - 1] if index else b""
+            previous = request.block_hashes[index - 1] if index else _salt(request.cache_salt)
             hasher = hashlib.sha256(previous)
             for token_id in request.token_ids_between(start, end):
                 hasher.update(token_id.to_bytes(4, "little", signed=True))

@@ -143,6 +143,8 @@ class EngineRequest(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     media: list[MediaInput] = []
     arrival_time: float = 0.0  # time.time() when the server received it
     priority: int = 0  # --scheduling-policy priority: lower runs first (vLLM's)
+    # vLLM's: requests share prefix-cache blocks only with requests of the same salt
+    cache_salt: str | None = None
 
 
 class AbortRequests(msgspec.Struct, frozen=True, tag=True):

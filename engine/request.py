@@ -89,6 +89,7 @@ class Request:
         arrival_time: float = 0.0,
         eos_token_ids: tuple[int, ...] = (),
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -100,6 +101,7 @@ class Request:
         self.media_end = max((item.end for item in self.media), default=0)
         self.arrival_time = arrival_time
         self.priority = priority
+        self.cache_salt = cache_salt  # seeds the first block's hash (engine/kv_cache_manager)
         self.queue_order = 0  # the scheduler's admission count: ties of priority, FCFS
         self.eos_token_ids = tuple(eos_token_ids)
         self.status = RequestStatus.WAITING

@@ -406,6 +406,8 @@ def _job(state: AppState, body: Any, prompt: Any, *, prefix: str) -> GenerationJ
     sampling = build_sampling_params(
         body, num_prompt_tokens=len(prompt.token_ids), max_model_len=state.max_model_len
     )
+    if body.cache_salt is not None:
+        prompt = dataclasses.replace(prompt, cache_salt=body.cache_salt)
     return GenerationJob(
         request_id=f"{prefix}-{uuid.uuid4().hex}",
         model_name=state.model_name,

@@ -42,6 +42,7 @@ class PreparedPrompt:
     token_ids: list[int]
     media: list[MediaInput] = field(default_factory=list)
     tensors: list[Any] = field(default_factory=list)  # torch tensors for the extra frames
+    cache_salt: str | None = None  # shares prefix-cache blocks only with the same salt
 
 
 @dataclass
@@ -188,6 +189,7 @@ def build_engine_requests(
                 media=prompt.media,
                 arrival_time=now,
                 priority=priority,
+                cache_salt=prompt.cache_salt,
             )
         )
     return requests

@@ -46,6 +46,7 @@ MAX_ABS_LOGIT_BIAS = 100.0
 MAX_INT64 = 2**63 - 1
 MAX_CHAT_TEMPLATE_CHARS = 64 * 1024
 MAX_CHAT_TEMPLATE_KWARGS = 64
+MAX_CACHE_SALT_CHARS = 256
 
 # ---------------------------------------------------------------------------- requests
 
@@ -232,6 +233,9 @@ class SamplingFields(_Request):
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     # vLLM's: with --scheduling-policy priority, lower runs first (else only 0 is allowed).
     priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
+    # vLLM's: the prompt shares prefix-cache blocks only with requests of the same salt
+    # (per tenant, say), so timing cannot tell one tenant what another one asked.
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     # Constrained decoding (engine/structured_output.py); at most one of the two.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -506,10 +510,15 @@ class _Response(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
 class UsageInfo(_Response):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class TopLogprob(_Response):

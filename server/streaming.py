@@ -31,7 +31,7 @@ from server.logprobs import (
     prompt_logprobs,
     prompt_logprobs_json,
 )
-from server.openai_models import UsageInfo, dump
+from server.openai_models import PromptTokensDetails, UsageInfo, dump
 from server.prompt_echo import PromptEcho
 from server.tool_calls import ToolPlan
 
@@ -128,6 +128,7 @@ def usage_of(totals: GenerationTotals) -> UsageInfo:
         prompt_tokens=totals.num_prompt_tokens,
         completion_tokens=totals.num_generated_tokens,
         total_tokens=totals.num_prompt_tokens + totals.num_generated_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=totals.num_cached_tokens),
     )
 
 

@@ -138,6 +138,7 @@ def test_chat_shape_and_usage(app):
         "prompt_tokens": prompt_len,
         "completion_tokens": 5,
         "total_tokens": prompt_len + 5,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
     assert engine.requests[-1].sampling.temperature == 0.0
 

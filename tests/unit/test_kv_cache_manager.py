@@ -5,8 +5,10 @@ from engine.protocol import SamplingParams
 from engine.request import MediaItem, Request
 
 
-def make_request(request_id: str, tokens: list[int], media=None) -> Request:
-    return Request(request_id, tokens, SamplingParams(max_tokens=4), media=media)
+def make_request(request_id: str, tokens: list[int], media=None, cache_salt=None) -> Request:
+    return Request(
+        request_id, tokens, SamplingParams(max_tokens=4), media=media, cache_salt=cache_salt
+    )
 
 
 def test_allocate_and_free_counts_blocks():
@@ -67,6 +69,23 @@ def test_different_media_same_tokens_do_not_share():
     assert kv.get_computed_blocks(other) == ([], 0)
     same = make_request("c", tokens, [MediaItem("image", "hash-a", 0, 4, (1, 4, 4))])
     assert kv.get_computed_blocks(same)[1] == 8
+
+
+def test_only_requests_with_the_same_cache_salt_share():
+    kv = KVCacheManager(32, 4)
+    tokens = list(range(200, 212))
+    first = make_request("a", tokens, cache_salt="tenant-1")
+    kv.get_computed_blocks(first)
+    assert kv.allocate_slots(first, 12)
+    for request_id, salt in [("b", "tenant-2"), ("c", None), ("d", "")]:
+        other = make_request(request_id, tokens, cache_salt=salt)
+        assert kv.get_computed_blocks(other) == ([], 0), salt
+    same = make_request("e", tokens, cache_salt="tenant-1")
+    assert kv.get_computed_blocks(same) == (first.block_ids[:2], 8)
+    unsalted = make_request("f", tokens)
+    kv.get_computed_blocks(unsalted)
+    assert kv.allocate_slots(unsalted, 12)
+    assert kv.get_computed_blocks(make_request("g", tokens))[1] == 8
 
 
 def test_a_video_at_another_time_spacing_does_not_share():
