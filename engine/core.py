@@ -60,6 +60,7 @@ from engine.protocol import (
     RequestOutput,
 )
 from engine.request import MediaItem, Request
+from engine.sampler import token_bitmask
 from engine.scheduler import Scheduler, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -332,6 +333,13 @@ class EngineCore:
                     f"logit_bias needs token ids in [0, {mc.vocab_size}) and finite biases",
                     param="logit_bias",
                 )
+        allowed = request.sampling.allowed_token_ids
+        in_vocabulary = allowed is None or all(0 <= t < mc.vocab_size for t in allowed)
+        if allowed is not None and (not allowed or not in_vocabulary):
+            raise InvalidRequest(
+                f"allowed_token_ids needs at least one token id, each in [0, {mc.vocab_size})",
+                param="allowed_token_ids",
+            )
         if request.priority and self.config.scheduling_policy != "priority":
             raise InvalidRequest(
                 "priority needs the server's --scheduling-policy priority", param="priority"
@@ -369,6 +377,8 @@ class EngineCore:
             cache_salt=request.cache_salt,
         )
         result.positions, result.rope_delta = positions, rope_delta  # [3, L]
+        if allowed is not None:
+            result.allowed_token_mask = token_bitmask(allowed, mc.vocab_size)
         return result
 
     def _warm_grammars(self) -> None:

@@ -470,7 +470,7 @@ class ModelRunner:
                 chunk.request.output_token_ids,
                 chunk.request.generator,
                 _banned_token_ids(chunk),
-                chunk.request.grammar.allowed_tokens() if chunk.request.grammar else None,
+                chunk.request.allowed_tokens(),
             )
             for _, chunk in sampling
         ]

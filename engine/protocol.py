@@ -39,8 +39,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     before any token is picked (OpenAI's `logit_bias`; ids distinct). Until `min_tokens`
     tokens are out, EOS (unless `ignore_eos`) and `stop_token_ids` cannot be picked. With
     `structured_output` only tokens its grammar allows can be, and the sequence finishes
-    ("stop") once the grammar is complete. `prompt_logprobs == k` scores every prompt token
-    but the first, with k alternatives (engine/prompt_logprobs.py).
+    ("stop") once the grammar is complete. `allowed_token_ids` (vLLM's) restricts every
+    pick to those tokens (with a grammar, to those both allow). `prompt_logprobs == k`
+    scores every prompt token but the first, with k alternatives (engine/prompt_logprobs.py).
     """
 
     max_tokens: int = 16
@@ -58,6 +59,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # score each prompt token, with this many alternatives
     logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None  # None: any token
     structured_output: StructuredOutput | None = None
 
     @property

@@ -122,6 +122,8 @@ class Request:
         self.logprobs: list[TokenLogprob] | None = [] if sampling.logprobs is not None else None
         # Where the output stands in `sampling.structured_output`'s grammar (set at admission).
         self.grammar: GrammarMatcher | None = None
+        # sampling.allowed_token_ids as a bitmask over the logits (set by EngineCore).
+        self.allowed_token_mask: torch.Tensor | None = None
         # sampling.prompt_logprobs: the scores of prompt tokens 1 .. len(...), as computed.
         self.prompt_logprobs: list[TokenLogprob] = []
         self.error: ErrorInfo | None = None
@@ -130,6 +132,15 @@ class Request:
         self.queued_time: float | None = None  # entered the scheduler's waiting queue
         self.scheduled_time: float | None = None  # first scheduled (preemption keeps it)
         self.first_token_time: float | None = None
+
+    def allowed_tokens(self) -> torch.Tensor | None:
+        """The bitmask of the tokens its next pick may take (grammar and
+        `allowed_token_ids` together), or None for any token."""
+        fixed = self.allowed_token_mask
+        if self.grammar is None:
+            return fixed
+        mask = self.grammar.allowed_tokens()
+        return mask if fixed is None else mask & fixed
 
     @property
     def num_prompt_tokens(self) -> int:

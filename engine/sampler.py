@@ -17,8 +17,10 @@ host sync of a step is `PendingSample.result()`.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.device_io import HostCopy, copy_to_host, to_device
@@ -34,8 +36,9 @@ class SamplingRow:
     output_token_ids: list[int]
     generator: torch.Generator | None = None  # CPU generator of a seeded request
     banned_token_ids: tuple[int, ...] = ()  # may not be picked (`min_tokens` not reached)
-    # [ceil(V / 32)] int32 host bitmask of the only tokens a grammar allows (bit t % 32 of
-    # word t // 32 is token t); None = unconstrained. See engine/structured_output.py.
+    # [ceil(V / 32)] int32 host bitmask of the only tokens a grammar and `allowed_token_ids`
+    # allow (bit t % 32 of word t // 32 is token t); None = unconstrained. See
+    # engine/structured_output.py and `token_bitmask`.
     allowed_tokens: torch.Tensor | None = None
 
 
@@ -198,6 +201,15 @@ def apply_bans(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         return logits
     index = to_device(pairs, torch.long, logits.device).T  # [2, P]
     return logits.index_put((index[0], index[1]), logits.new_full((), float("-inf")))
+
+
+def token_bitmask(token_ids: Sequence[int], vocab_size: int) -> torch.Tensor:
+    """[ceil(V / 32)] int32 host bitmask allowing exactly `token_ids` (the grammar's
+    layout: bit t % 32 of word t // 32 is token t)."""
+    ids = np.asarray(token_ids, dtype=np.int64)
+    words = np.zeros((vocab_size + 31) // 32, dtype=np.uint32)
+    np.bitwise_or.at(words, ids // 32, np.left_shift(1, ids % 32).astype(np.uint32))
+    return torch.from_numpy(words.view(np.int32))
 
 
 def apply_allowed_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

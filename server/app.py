@@ -401,6 +401,7 @@ def _job(state: AppState, body: Any, prompt: Any, *, prefix: str) -> GenerationJ
             "priority needs the server's --scheduling-policy priority", param="priority"
         )
     check_token_ids(body.stop_token_ids or [], state.vocab_size, "stop_token_ids")
+    check_token_ids(body.allowed_token_ids or [], state.vocab_size, "allowed_token_ids")
     check_token_ids([token_id for token_id, _ in body.logit_bias_pairs], state.vocab_size,
                     "logit_bias")  # fmt: skip
     sampling = build_sampling_params(

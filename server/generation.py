@@ -158,6 +158,9 @@ def build_sampling_params(
         logprobs=num_logprobs,
         prompt_logprobs=request.num_prompt_logprobs,  # type: ignore[attr-defined]
         logit_bias=request.logit_bias_pairs,
+        allowed_token_ids=None
+        if request.allowed_token_ids is None
+        else tuple(sorted(set(request.allowed_token_ids))),
         structured_output=msgspec.structs.replace(constraint[0], param=constraint[1])
         if constraint
         else None,

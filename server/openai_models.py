@@ -47,6 +47,7 @@ MAX_INT64 = 2**63 - 1
 MAX_CHAT_TEMPLATE_CHARS = 64 * 1024
 MAX_CHAT_TEMPLATE_KWARGS = 64
 MAX_CACHE_SALT_CHARS = 256
+MAX_ALLOWED_TOKEN_IDS = 2**18  # more than any vocabulary served
 
 # ---------------------------------------------------------------------------- requests
 
@@ -226,6 +227,10 @@ class SamplingFields(_Request):
     user: str | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
+    # vLLM's: only these tokens may be picked (with a grammar: those both allow)
+    allowed_token_ids: list[int] | None = Field(
+        default=None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS
+    )
     # vLLM's: logprobs name their tokens "token_id:{id}" (a token may be part of a character)
     return_tokens_as_token_ids: bool = False
     # vLLM's: score every prompt token, with this many alternatives (the answer's

@@ -153,6 +153,22 @@ def test_logit_bias_forces_a_token_and_an_unknown_token_is_400(client, http):
     assert info.value.status_code == 400 and info.value.body["param"] == "logit_bias"
 
 
+def test_allowed_token_ids_restrict_every_pick(http):
+    allowed = [100, 200, 300, 400]
+    body = {"model": MODEL_NAME, "messages": user("Hi"), "max_tokens": 12, "temperature": 1.0,
+            "seed": 4, "logprobs": True, "return_tokens_as_token_ids": True,
+            "allowed_token_ids": allowed, "ignore_eos": True}  # fmt: skip
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    entries = response.json()["choices"][0]["logprobs"]["content"]
+    picked = {int(entry["token"].removeprefix("token_id:")) for entry in entries}
+    assert len(entries) == 12 and picked <= set(allowed) and len(picked) > 1
+    for bad in ([], [99999999], [-1]):
+        response = http.post("/v1/chat/completions", json={**body, "allowed_token_ids": bad})
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"].startswith("allowed_token_ids")
+
+
 def test_min_tokens_holds_back_eos(client, model_dir):
     eos = Tokenizer.from_file(str(model_dir / "tokenizer.json")).token_to_id("<|im_end|>")
     kwargs = {"model": MODEL_NAME, "messages": user("Hi"), "max_tokens": 8, "temperature": 0,

@@ -1,0 +1,94 @@
+"""`allowed_token_ids` (vLLM's sampling field): every pick is among those tokens. Against
+transformers' `prefix_allowed_tokens_fn` giving the same set at every step: the same greedy
+tokens, whole and chunked; a random pick never leaves the set; with a grammar, only the
+tokens both allow."""
+
+from __future__ import annotations
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+from engine import LLM, SamplingParams, StructuredOutput  # noqa: E402
+from engine.sampler import Sampler, SamplingRow, token_bitmask  # noqa: E402
+from engine.tiny_model import make_tiny_model  # noqa: E402
+
+PROMPT = "the quick brown fox"
+ALLOWED = (5, 17, 99, 230, 231, 1000, 1500)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("allowed"), seed=0)
+
+
+def hf_tokens(model_dir, prompt: str, allowed: tuple[int, ...]) -> list[int]:
+    model = transformers.Qwen2VLForConditionalGeneration.from_pretrained(
+        model_dir, dtype=torch.float32
+    ).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    ids = tokenizer(prompt, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**ids, max_new_tokens=10, min_new_tokens=10, do_sample=False,
+                             prefix_allowed_tokens_fn=lambda batch, so_far: list(allowed))  # fmt: skip
+    return out[0, ids["input_ids"].shape[1] :].tolist()
+
+
+@pytest.mark.parametrize("budget", [2048, 3])  # 3: the prompt arrives in chunks
+def test_greedy_picks_among_the_allowed_tokens_as_transformers(model_dir, budget):
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    with LLM(str(model_dir), num_kv_blocks=64, max_num_batched_tokens=budget) as llm:
+        free, allowed, sampled = llm.generate(
+            [PROMPT] * 3,
+            [
+                greedy,
+                SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True,
+                               allowed_token_ids=ALLOWED),
+                SamplingParams(max_tokens=40, temperature=1.0, seed=1, ignore_eos=True,
+                               allowed_token_ids=ALLOWED[:3]),
+            ],
+        )  # fmt: skip
+    assert allowed.token_ids == hf_tokens(model_dir, PROMPT, ALLOWED)
+    assert set(free.token_ids) - set(ALLOWED)  # the set changed something
+    assert set(sampled.token_ids) <= set(ALLOWED[:3]) and len(set(sampled.token_ids)) > 1
+
+
+def test_with_a_grammar_only_tokens_both_allow(model_dir):
+    with LLM(str(model_dir), num_kv_blocks=64) as llm:
+        tokenizer = llm.prompt_processor.tokenizer
+        digits = [tokenizer.token_to_id(d) for d in "0123456789"]
+        eos = llm.engine.model_config.eos_token_ids[0]
+        allowed = (*digits[:3], eos, *range(1000, 1100))  # only 0, 1, 2 of the digits
+        [result] = llm.generate(
+            [PROMPT],
+            SamplingParams(max_tokens=12, temperature=1.0, seed=3, allowed_token_ids=allowed,
+                           structured_output=StructuredOutput(regex="[0-9]{6}")),
+        )  # fmt: skip
+    assert result.error is None
+    assert len(result.text) == 6 and set(result.text) <= set("012")
+
+
+def test_bad_allowed_token_ids_fail_only_their_request(model_dir):
+    with LLM(str(model_dir), num_kv_blocks=64) as llm:
+        vocab = llm.engine.model_config.vocab_size
+        empty, outside, fine = llm.generate(
+            [PROMPT] * 3,
+            [SamplingParams(max_tokens=2, allowed_token_ids=()),
+             SamplingParams(max_tokens=2, allowed_token_ids=(1, vocab)),
+             SamplingParams(max_tokens=2, allowed_token_ids=(vocab - 1,), ignore_eos=True)],
+        )  # fmt: skip
+    assert empty.error.param == outside.error.param == "allowed_token_ids"
+    assert fine.error is None and fine.token_ids == [vocab - 1] * 2
+
+
+def test_the_bitmask_allows_exactly_its_tokens():
+    vocab = 70  # three words; ids 31, 32 and 63 sit on word edges (the int32 sign bit)
+    ids = [0, 31, 32, 63, 69]
+    mask = token_bitmask(ids, vocab)
+    assert mask.dtype == torch.int32 and mask.shape == (3,)
+    logits = torch.zeros(1, vocab)
+    row = SamplingRow(SamplingParams(temperature=1.0), [1], [], allowed_tokens=mask)
+    picked = {Sampler(seed=s)(logits, [row]).token_ids[0] for s in range(200)}
+    assert picked == set(ids)
