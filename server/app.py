@@ -36,6 +36,7 @@ from server.completions import chat_response, completion_response, prepare_compl
 from server.errors import error_body, install_error_handlers
 from server.generation import (
     GenerationTotals,
+    PreparedPrompt,
     build_sampling_params,
     check_structured_output,
     check_token_ids,
@@ -274,7 +275,8 @@ def _add_api_routes(api: APIRouter) -> None:
         prompt = prepare_completion_prompt(body, state.processor, state.vocab_size)
         job = _job(state, body, prompt, prefix="cmpl")
         ticket = _admit(request, state, job)
-        echo = PromptEcho.of(body, prompt.token_ids, state.processor)
+        truncated = len(job.prompt.token_ids) < len(prompt.token_ids)
+        echo = PromptEcho.of(body, job.prompt.token_ids, state.processor, truncated=truncated)
         if body.stream:
             stream = stream_completion(
                 job,
@@ -400,6 +402,7 @@ def _job(state: AppState, body: Any, prompt: Any, *, prefix: str) -> GenerationJ
         raise InvalidRequest(
             "priority needs the server's --scheduling-policy priority", param="priority"
         )
+    prompt = _truncated(prompt, body, state.max_model_len)
     check_token_ids(body.stop_token_ids or [], state.vocab_size, "stop_token_ids")
     check_token_ids(body.allowed_token_ids or [], state.vocab_size, "allowed_token_ids")
     check_token_ids([token_id for token_id, _ in body.logit_bias_pairs], state.vocab_size,
@@ -425,6 +428,19 @@ def _job(state: AppState, body: Any, prompt: Any, *, prefix: str) -> GenerationJ
         tools=_tool_plan(state, body),
         priority=body.priority,
     )
+
+
+def _truncated(prompt: PreparedPrompt, body: Any, max_model_len: int) -> PreparedPrompt:
+    """The prompt after `truncate_prompt_tokens` (-1: what leaves room for max_tokens)."""
+    keep = body.truncate_prompt_tokens
+    if keep is None:
+        return prompt
+    if keep == -1:
+        keep = max_model_len - (body.requested_max_tokens or 1)
+    if keep < 1:
+        raise InvalidRequest("truncate_prompt_tokens must keep at least one token",
+                             param="truncate_prompt_tokens")  # fmt: skip
+    return prompt.keep_last(keep)
 
 
 def _tool_plan(state: AppState, body: Any) -> ToolPlan | None:

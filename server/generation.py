@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -43,6 +44,23 @@ class PreparedPrompt:
     media: list[MediaInput] = field(default_factory=list)
     tensors: list[Any] = field(default_factory=list)  # torch tensors for the extra frames
     cache_salt: str | None = None  # shares prefix-cache blocks only with the same salt
+
+    def keep_last(self, num_tokens: int) -> PreparedPrompt:
+        """vLLM's `truncate_prompt_tokens`: the prompt's last `num_tokens` tokens. Cutting
+        away media (or part of one) is refused rather than done silently."""
+        cut = len(self.token_ids) - num_tokens
+        if cut <= 0:
+            return self
+        for item in self.media:
+            if item.offset < cut:
+                raise InvalidRequest(
+                    f"keeping the last {num_tokens} of the prompt's {len(self.token_ids)} "
+                    f"tokens would cut away a {item.modality.value} (tokens {item.offset}-"
+                    f"{item.offset + item.num_tokens - 1})",
+                    param="truncate_prompt_tokens",
+                )
+        media = [msgspec.structs.replace(item, offset=item.offset - cut) for item in self.media]
+        return dataclasses.replace(self, token_ids=self.token_ids[cut:], media=media)
 
 
 @dataclass

@@ -227,6 +227,8 @@ class SamplingFields(_Request):
     user: str | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
+    # vLLM's: keep only the prompt's last k tokens (-1: as many as fit with max_tokens)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     # vLLM's: only these tokens may be picked (with a grammar: those both allow)
     allowed_token_ids: list[int] | None = Field(
         default=None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS

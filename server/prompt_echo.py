@@ -26,13 +26,15 @@ class PromptEcho:
 
     @classmethod
     def of(cls, request: CompletionRequest, prompt_token_ids: list[int],
-           processor: PromptProcessor) -> PromptEcho:  # fmt: skip
+           processor: PromptProcessor, *, truncated: bool = False) -> PromptEcho:  # fmt: skip
+        """`truncated`: `truncate_prompt_tokens` cut the prompt, so the echo is the text of
+        the tokens kept, not the prompt as given."""
         text = None
         if request.echo:
             prompt = request.prompt
             if isinstance(prompt, list) and len(prompt) == 1:
                 prompt = prompt[0]
-            text = prompt if isinstance(prompt, str) else processor.decode(
+            text = prompt if isinstance(prompt, str) and not truncated else processor.decode(
                 prompt_token_ids, skip_special_tokens=False
             )  # fmt: skip
         return cls(text, request.logprobs, request.prompt_logprobs is not None,
