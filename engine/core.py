@@ -340,6 +340,12 @@ class EngineCore:
                 f"allowed_token_ids needs at least one token id, each in [0, {mc.vocab_size})",
                 param="allowed_token_ids",
             )
+        for word in request.sampling.bad_words_token_ids:
+            if not word or not all(0 <= t < mc.vocab_size for t in word):
+                raise InvalidRequest(
+                    f"bad words need at least one token, each id in [0, {mc.vocab_size})",
+                    param="bad_words",
+                )
         if request.priority and self.config.scheduling_policy != "priority":
             raise InvalidRequest(
                 "priority needs the server's --scheduling-policy priority", param="priority"

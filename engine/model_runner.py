@@ -53,7 +53,7 @@ from engine.models.loader import load_model
 from engine.multimodal.image_processor import normalize_pixels
 from engine.prompt_logprobs import PendingPromptLogprobs, score_prompt_tokens, scored_positions
 from engine.protocol import ErrorInfo, TokenLogprob
-from engine.request import MediaItem
+from engine.request import MediaItem, Request
 from engine.sampler import PendingSample, Sampler, SamplingRow
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 from engine.shard_worker import ShardWorkers
@@ -164,15 +164,29 @@ def error_info(exc: Exception) -> ErrorInfo:
 
 
 def _banned_token_ids(chunk: ScheduledChunk) -> tuple[int, ...]:
-    """EOS and stop tokens while the token this chunk samples is one of the first
-    `min_tokens` outputs. Counted from the chunk's end, not from `output_token_ids`, which
-    lags a token behind while the previous step's token is in flight."""
+    """The last tokens of bad words the sequence would complete, and EOS and stop tokens
+    while the token this chunk samples is one of the first `min_tokens` outputs. Counted
+    from the chunk's end, not from `output_token_ids`, which lags a token behind while the
+    previous step's token is in flight (a request with bad words of several tokens is
+    never launched ahead: `SamplingParams.reads_output`)."""
     request = chunk.request
     sampling = request.sampling
+    banned = _bad_word_ends(request, chunk.end) if sampling.bad_words_token_ids else ()
     if chunk.end - request.num_prompt_tokens >= sampling.min_tokens:
-        return ()
+        return banned
     eos = () if sampling.ignore_eos else request.eos_token_ids
-    return (*eos, *sampling.stop_token_ids)
+    return (*banned, *eos, *sampling.stop_token_ids)
+
+
+def _bad_word_ends(request: Request, end: int) -> tuple[int, ...]:
+    """The last token of each bad word whose other tokens are the sequence's last ones
+    before index `end` (prompt and output alike, as transformers' `bad_words_ids`)."""
+    banned = []
+    for word in request.sampling.bad_words_token_ids:
+        head = list(word[:-1])
+        if len(head) <= end and request.token_ids_between(end - len(head), end) == head:
+            banned.append(word[-1])
+    return tuple(banned)
 
 
 class ModelRunner:

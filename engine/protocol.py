@@ -60,6 +60,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     prompt_logprobs: int | None = None  # score each prompt token, with this many alternatives
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None  # None: any token
+    # Token sequences that are never completed: a sequence's last token is banned wherever
+    # its other tokens end the prompt and output so far (transformers' `bad_words_ids`).
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     structured_output: StructuredOutput | None = None
 
     @property
@@ -77,8 +80,13 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
 
     @property
     def reads_output(self) -> bool:
-        """Picking the next token needs the tokens so far on the host (penalties, grammar)."""
-        return self.has_penalties or self.structured_output is not None
+        """Picking the next token needs the tokens so far on the host (penalties, grammar,
+        bad words of several tokens)."""
+        return (
+            self.has_penalties
+            or self.structured_output is not None
+            or any(len(word) > 1 for word in self.bad_words_token_ids)
+        )
 
 
 class TensorRef(msgspec.Struct, frozen=True):

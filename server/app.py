@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -37,6 +38,7 @@ from server.errors import error_body, install_error_handlers
 from server.generation import (
     GenerationTotals,
     PreparedPrompt,
+    bad_word_token_ids,
     build_sampling_params,
     check_structured_output,
     check_token_ids,
@@ -410,6 +412,9 @@ def _job(state: AppState, body: Any, prompt: Any, *, prefix: str) -> GenerationJ
     sampling = build_sampling_params(
         body, num_prompt_tokens=len(prompt.token_ids), max_model_len=state.max_model_len
     )
+    if body.bad_words:
+        banned = bad_word_token_ids(body.bad_words, state.processor.tokenizer)
+        sampling = msgspec.structs.replace(sampling, bad_words_token_ids=banned)
     if body.cache_salt is not None:
         prompt = dataclasses.replace(prompt, cache_salt=body.cache_salt)
     return GenerationJob(

@@ -185,6 +185,18 @@ def build_sampling_params(
     )
 
 
+def bad_word_token_ids(words: Sequence[str], tokenizer: Tokenizer) -> tuple[tuple[int, ...], ...]:
+    """The token sequences that `bad_words` ban: each word as it is tokenised at the start
+    of a text and after a space (byte-level BPE writes the two differently), once each."""
+    sequences: dict[tuple[int, ...], None] = {}
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tuple(tokenizer.encode(text, add_special_tokens=False).ids)
+            if ids:
+                sequences[ids] = None
+    return tuple(sequences)
+
+
 def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> None:
     for token_id in token_ids:
         if not 0 <= token_id < vocab_size:

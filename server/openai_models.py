@@ -35,6 +35,7 @@ MAX_MESSAGES = 2048
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 512
 MAX_STOP_TOKEN_IDS = 256
+MAX_BAD_WORDS = 128
 MAX_CHOICES = 256  # structured_outputs.choice
 MAX_TOOLS = 128  # tools, and tool calls in one message
 MAX_TOOL_NAME_CHARS = 64
@@ -218,6 +219,10 @@ class SamplingFields(_Request):
     seed: int | None = Field(default=None, ge=-MAX_INT64 - 1, le=MAX_INT64)
     stop: str | list[str] | None = None
     include_stop_str_in_output: bool = False  # vLLM's: the text ends with the stop string
+    # vLLM's: words the answer never writes (server/generation.py's bad_word_token_ids)
+    bad_words: (
+        list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]] | None
+    ) = Field(default=None, max_length=MAX_BAD_WORDS)
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     n: int = Field(default=1, ge=1, le=MAX_N)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)

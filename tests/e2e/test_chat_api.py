@@ -169,6 +169,30 @@ def test_allowed_token_ids_restrict_every_pick(http):
         assert response.json()["error"]["param"].startswith("allowed_token_ids")
 
 
+def test_bad_words_are_never_written(http):
+    body = {"model": MODEL_NAME, "messages": user("Hi"), "max_tokens": 12, "temperature": 0,
+            "logprobs": True, "return_tokens_as_token_ids": True, "ignore_eos": True}  # fmt: skip
+
+    def token_ids(**fields) -> list[int]:
+        response = http.post("/v1/chat/completions", json={**body, **fields})
+        assert response.status_code == 200, response.text
+        entries = response.json()["choices"][0]["logprobs"]["content"]
+        return [int(entry["token"].removeprefix("token_id:")) for entry in entries]
+
+    free = token_ids()
+    word = http.post("/detokenize", json={"tokens": free[2:4]}).json()["prompt"].strip()
+    sequences = [http.post("/tokenize", json={"prompt": text, "add_special_tokens": False})
+                 .json()["tokens"] for text in (word, " " + word)]  # fmt: skip
+    assert any(free[i : i + len(s)] == s for s in sequences for i in range(len(free)))
+    banned = token_ids(bad_words=[word])
+    assert banned != free
+    assert not any(banned[i : i + len(s)] == s for s in sequences for i in range(len(banned)))
+    for bad in ([""], ["x"] * 129, "word"):
+        response = http.post("/v1/chat/completions", json={**body, "bad_words": bad})
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"].startswith("bad_words")
+
+
 def test_min_tokens_holds_back_eos(client, model_dir):
     eos = Tokenizer.from_file(str(model_dir / "tokenizer.json")).token_to_id("<|im_end|>")
     kwargs = {"model": MODEL_NAME, "messages": user("Hi"), "max_tokens": 8, "temperature": 0,
