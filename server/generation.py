@@ -204,8 +204,17 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> No
 
 
 def build_engine_requests(
-    request_id: str, prompt: PreparedPrompt, sampling: SamplingParams, n: int, priority: int = 0
+    request_id: str,
+    prompt: PreparedPrompt,
+    sampling: SamplingParams,
+    n: int,
+    priority: int = 0,
+    *,
+    score_prompt_once: bool = True,
 ) -> list[EngineRequest]:
+    """The `n` engine requests of one OpenAI request. The prompt's scores are the same
+    for every choice: with `score_prompt_once` only the first choice computes them (a
+    completions stream shows them in every choice's first chunk, so there each does)."""
     now = time.time()
     ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
     requests = []
@@ -214,6 +223,8 @@ def build_engine_requests(
         if n > 1 and sampling.seed is not None:
             # Same seed on every choice would make all n choices identical.
             params = _with_seed(sampling, sampling.seed + i)
+        if i and score_prompt_once and sampling.prompt_logprobs is not None:
+            params = msgspec.structs.replace(params, prompt_logprobs=None)
         requests.append(
             EngineRequest(
                 request_id=engine_request_id,
@@ -293,6 +304,7 @@ async def generate_choices(
     priority: int = 0,
     include_stop: bool = False,
     keep_output: bool = True,
+    score_prompt_once: bool = True,
 ) -> AsyncIterator[ChoiceDelta]:
     """Yield text deltas of all choices until every choice has finished. Without
     `keep_output` the generated tokens are dropped as they come (a prompt-only answer:
@@ -300,7 +312,8 @@ async def generate_choices(
 
     Raises the typed error of a failed choice (`EngineDeadError`, `InvalidRequest`, ...).
     """
-    requests = build_engine_requests(request_id, prompt, sampling, n, priority)
+    requests = build_engine_requests(request_id, prompt, sampling, n, priority,
+                                     score_prompt_once=score_prompt_once)  # fmt: skip
     detokenizers = [
         SequenceDetokenizer(
             tokenizer,

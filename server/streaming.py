@@ -132,8 +132,16 @@ def usage_of(totals: GenerationTotals) -> UsageInfo:
     )
 
 
-def run_job(job: GenerationJob, engine: Any, tokenizer: Tokenizer, totals: GenerationTotals):
-    """The job's deltas, every choice interleaved (server.generation.generate_choices)."""
+def run_job(
+    job: GenerationJob,
+    engine: Any,
+    tokenizer: Tokenizer,
+    totals: GenerationTotals,
+    *,
+    scores_per_choice: bool = False,
+):
+    """The job's deltas, every choice interleaved (server.generation.generate_choices).
+    `scores_per_choice`: every choice's first delta must find the prompt's scores."""
     return generate_choices(
         engine,
         tokenizer,
@@ -147,6 +155,7 @@ def run_job(job: GenerationJob, engine: Any, tokenizer: Tokenizer, totals: Gener
         priority=job.priority,
         include_stop=job.include_stop,
         keep_output=not job.prompt_only,
+        score_prompt_once=not scores_per_choice,
     )
 
 
@@ -242,7 +251,8 @@ async def stream_completion(
     offsets: list[int | None] = [None] * job.n  # None: the choice's first chunk is to come
     chunk = _ChunkWriter(job, "text_completion", totals)
 
-    async with contextlib.aclosing(_guarded(run_job(job, engine, tokenizer, totals))) as pieces:
+    deltas = run_job(job, engine, tokenizer, totals, scores_per_choice=True)
+    async with contextlib.aclosing(_guarded(deltas)) as pieces:
         async for piece in pieces:
             if isinstance(piece, bytes):
                 yield piece

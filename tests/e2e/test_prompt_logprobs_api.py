@@ -126,3 +126,20 @@ def test_echo_with_no_tokens_scores_the_prompt_alone(client, http, offline):
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})]:  # fmt: skip
         response = http.post(path, json={"model": MODEL_NAME, "max_tokens": 0, **body})
         assert_error(response, 400, param="max_tokens")
+
+
+def test_every_choice_shows_the_prompt_scores_once_computed(http, offline):
+    ids, reference = offline
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 3, "temperature": 1.0,
+            "seed": 2, "n": 3, "prompt_logprobs": 1, "echo": True, "logprobs": 1}  # fmt: skip
+    scores = [score.logprob for score in reference.prompt_logprobs]
+    choices = http.post("/v1/completions", json=body).json()["choices"]
+    assert len(choices) == 3
+    for choice in choices:  # computed by the first choice's engine request alone
+        assert [e[str(t)]["logprob"] for e, t in zip(choice["prompt_logprobs"][1:], ids[1:],
+                                                      strict=True)] == pytest.approx(scores, abs=1e-5)  # fmt: skip
+        assert choice["logprobs"]["token_logprobs"][1 : len(ids)] == pytest.approx(scores, abs=1e-5)
+    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": PROMPT}], "n": 2,
+            "max_tokens": 2, "prompt_logprobs": 0}  # fmt: skip
+    single = http.post("/v1/chat/completions", json={**chat, "n": 1}).json()["prompt_logprobs"]
+    assert http.post("/v1/chat/completions", json=chat).json()["prompt_logprobs"] == single

@@ -192,6 +192,20 @@ def test_n2_ids_and_usage(app):
     assert body["usage"]["completion_tokens"] == 6
 
 
+def test_n3_scores_the_prompt_once_unless_each_first_chunk_shows_it(app):
+    client, engine = app
+    assert chat(client, max_tokens=2, n=3, prompt_logprobs=1).status_code == 200
+    assert [r.sampling.prompt_logprobs for r in engine.requests[-3:]] == [1, None, None]
+    assert chat(client, max_tokens=2, n=3, prompt_logprobs=1, stream=True).status_code == 200
+    assert [r.sampling.prompt_logprobs for r in engine.requests[-3:]] == [1, None, None]
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "n": 2, "prompt_logprobs": 1}
+    assert client.post("/v1/completions", json=body).status_code == 200
+    assert [r.sampling.prompt_logprobs for r in engine.requests[-2:]] == [1, None]
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        assert response.status_code == 200 and list(response.iter_lines())
+    assert [r.sampling.prompt_logprobs for r in engine.requests[-2:]] == [1, 1]
+
+
 def test_logprobs_shape(app):
     client, engine = app
     body = chat(client, max_tokens=2, logprobs=True, top_logprobs=2).json()
