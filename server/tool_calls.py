@@ -23,10 +23,10 @@ separated by ";".
                 the output is constrained to f's parameters schema: the whole answer is
                 f's arguments, which a stream sends as they come
 
-In a stream, content goes out as it comes (up to a <tool_call>). A Hermes call goes out
-whole as soon as its </tool_call> closes (a later block that does not parse then leaves
-only itself as content, since what was sent stands); Llama 3.1's and "required"'s calls go
-out whole in the last chunk, and a named function's arguments as they come.
+In a stream, content goes out as it comes (up to a <tool_call>). A call goes out whole as
+soon as its text closes: a Hermes </tool_call>, or the end of a Llama 3.1 or "required"
+JSON object (a later call that does not parse then leaves only itself as content, since
+what was sent stands); a named function's arguments go out as they come.
 
 A tool's schema reaches the model only through the chat template: a template that does
 not render `tools` (Qwen2-VL's own, for one) leaves "auto" to the model's luck; "required"
@@ -210,8 +210,8 @@ class ToolCallExtractor:
 
     def feed_stream(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         """`feed` for a stream: content to send now, and tool-call deltas to send now. A
-        named function's arguments stream as they come (its whole answer is them); a Hermes
-        call in "auto" goes out whole once its block closes; other calls go out whole from
+        named function's arguments stream as they come (its whole answer is them); other
+        calls go out whole as soon as their text closes (`_closed_calls`), the rest from
         `finish_stream`."""
         if self._named_call is None or not text:
             content = self.feed(text)
@@ -239,22 +239,37 @@ class ToolCallExtractor:
         return content, new, calls
 
     def _closed_calls(self) -> list[dict[str, Any]]:
-        """Deltas of the Hermes calls whose blocks closed since the last look ("auto")."""
-        if not self._in_calls or self._plan.mode != "auto" or self._plan.format != "hermes":
+        """Deltas of the calls whose text closed since the last look (not a named
+        function's, which streams its arguments)."""
+        if not self._in_calls or self._named_call is not None:
             return []
         deltas = []
         while self._plan.parallel or not self._sent_calls:
-            end = self._held.find(CALL_END, self._sent_end)
-            if end < 0:
-                break
-            end += len(CALL_END)
-            calls = _hermes_calls(self._held[self._sent_end : end])
-            if len(calls) != 1:
-                break  # not a call after all: finish() decides what the answer is
-            deltas.append(calls[0].as_dict(len(self._sent_calls)))
-            self._sent_calls.append(calls[0])
-            self._sent_end = end
+            found = self._next_closed_call()
+            if found is None:
+                break  # not closed yet, or not a call after all: finish() decides
+            call, self._sent_end = found
+            deltas.append(call.as_dict(len(self._sent_calls)))
+            self._sent_calls.append(call)
         return deltas
+
+    def _next_closed_call(self) -> tuple[ToolCall, int] | None:
+        """The call whose text closes first after the calls sent, and where it ends."""
+        text, start = self._held, self._sent_end
+        if self._plan.mode == "required":  # [{"name": ..., "parameters": ...}, ...]
+            return _next_object_call(text, start, " \t\r\n[,")
+        if self._plan.format == "llama3_json":  # [<|python_tag|>]{...}; {...}
+            if start == 0:
+                start = len(text) - len(text.lstrip())
+                if text.startswith(PYTHON_TAG, start):
+                    start += len(PYTHON_TAG)
+            return _next_object_call(text, start, " \t\r\n;")
+        end = text.find(CALL_END, start)
+        if end < 0:
+            return None
+        end += len(CALL_END)
+        calls = _hermes_calls(text[start:end])
+        return (calls[0], end) if len(calls) == 1 else None
 
 
 def arguments_as_objects(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -319,20 +334,33 @@ def _llama3_calls(text: str) -> list[ToolCall]:
     """Llama 3.1's {"name": ..., "parameters": {...}} objects (after an optional python
     tag, separated by ";"); [] if anything else is there."""
     text = text.strip().removeprefix(PYTHON_TAG)
-    decoder, calls, position = json.JSONDecoder(), [], 0
-    while True:
-        while position < len(text) and text[position] in " \t\r\n;":
-            position += 1
-        if position == len(text):
-            return calls
-        try:
-            call, position = decoder.raw_decode(text, position)
-        except ValueError:
+    calls, position = [], 0
+    while text[position:].strip(" \t\r\n;"):
+        found = _next_object_call(text, position, " \t\r\n;")
+        if found is None:
             return []
-        if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
-            return []
-        arguments = call.get("parameters", call.get("arguments", {}))
-        calls.append(ToolCall(call["name"], _json_text(arguments)))
+        call, position = found
+        calls.append(call)
+    return calls
+
+
+_DECODER = json.JSONDecoder()
+
+
+def _next_object_call(text: str, position: int, separators: str) -> tuple[ToolCall, int] | None:
+    """The call written as a whole JSON object {"name", "parameters" (or "arguments")}
+    after `separators` from `position` on, and where it ends; None when there is none (yet):
+    the text is cut short or is not such an object."""
+    while position < len(text) and text[position] in separators:
+        position += 1
+    try:
+        call, end = _DECODER.raw_decode(text, position)
+    except ValueError:
+        return None
+    if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
+        return None
+    arguments = call.get("parameters", call.get("arguments", {}))
+    return ToolCall(call["name"], _json_text(arguments)), end
 
 
 def _array_calls(text: str) -> list[ToolCall]:

@@ -85,6 +85,11 @@ def test_required_calls_one_or_more_tools(client):
     check_calls(calls)
     single = create(client, tool_choice="required", parallel_tool_calls=False)
     assert len(single.choices[0].message.tool_calls) == 1
+    content, streamed_calls, reasons = streamed(client, tool_choice="required", temperature=1.0,
+                                                seed=3)  # fmt: skip
+    assert content == "" and reasons == ["tool_calls"]
+    assert [(c["name"], c["arguments"], c["chunks"]) for c in streamed_calls] == [
+        (c.function.name, c.function.arguments, 1) for c in calls]  # each whole, as it closed
 
 
 def test_auto_parses_the_calls_the_model_writes(client):

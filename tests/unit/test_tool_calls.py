@@ -186,16 +186,40 @@ def test_without_parallel_calls_only_the_first_goes_out():
     assert [call.name for call in calls] == ["get_weather"]
 
 
-def test_llama_and_required_calls_go_out_whole_at_the_end():
-    pieces, (_, last, calls) = stream(
-        ToolPlan("auto", TOOLS, format="llama3_json"),
-        '{"name": "get_time", "parameters": {}}', 5)  # fmt: skip
-    assert all(deltas == [] for _, deltas in pieces)
-    assert [d["function"]["name"] for d in last] == ["get_time"]
-    required = '[{"name": "get_time", "parameters": {}}]'
-    pieces, (_, last, calls) = stream(ToolPlan("required", TOOLS), required, 5)
-    assert all(deltas == [] for _, deltas in pieces) and [c.name for c in calls] == ["get_time"]
-    assert [d["id"] for d in last] == [call.id for call in calls]
+REQUIRED_TWO = ('[{"name": "get_weather", "parameters": {"city": "Oslo", "n": [1, {"a": 2}]}}, '
+                '{"name": "get_time", "parameters": {}}]')  # fmt: skip
+LLAMA_TWO = ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo", "n": '
+             '[1, {"a": 2}]}}; {"name": "get_time", "parameters": {}}')  # fmt: skip
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 1000])
+@pytest.mark.parametrize(
+    ("plan", "text"),
+    [(ToolPlan("required", TOOLS), REQUIRED_TWO),
+     (ToolPlan("auto", TOOLS, format="llama3_json"), LLAMA_TWO)],
+)  # fmt: skip
+def test_json_calls_go_out_as_soon_as_their_objects_close(chunk, plan, text):
+    pieces, (content, last, calls) = stream(plan, text, chunk)
+    streamed = [delta for _, deltas in pieces for delta in deltas] + last
+    assert [(d["index"], d["function"]["name"]) for d in streamed] == [
+        (0, "get_weather"), (1, "get_time")]  # fmt: skip
+    assert [d["id"] for d in streamed] == [call.id for call in calls]
+    assert json.loads(streamed[0]["function"]["arguments"]) == {"city": "Oslo", "n": [1, {"a": 2}]}
+    assert content == "" and all(text == "" for text, _ in pieces)
+    if chunk < len(text):  # the first call went out before the second one began
+        sent_by = next(i for i, (_, deltas) in enumerate(pieces) if deltas)
+        assert sent_by * chunk < text.index('"get_time"')
+
+
+def test_json_calls_that_stop_parsing_leave_the_rest_as_content():
+    cut = REQUIRED_TWO[: REQUIRED_TWO.index('"get_time"') + 4]  # max_tokens cut the second
+    pieces, (content, last, calls) = stream(ToolPlan("required", TOOLS), cut, 3)
+    assert [call.name for call in calls] == ["get_weather"] and last == []
+    assert content == cut[cut.index("}}, ") + 2 :]  # the sent call stands
+    one = ToolPlan("required", TOOLS, parallel=False)
+    pieces, (_, last, calls) = stream(one, '[{"name": "get_time", "parameters": {}}]', 2)
+    assert [d["function"]["name"] for _, deltas in pieces for d in deltas] == ["get_time"]
+    assert last == [] and [call.name for call in calls] == ["get_time"]
 
 
 LLAMA = ToolPlan("auto", TOOLS, format="llama3_json")
