@@ -1,8 +1,10 @@
 """What the engine needs to know about a checkpoint, parsed from its config.json.
 
 Qwen2-VL and Qwen2.5-VL, their text decoder alone (Qwen2ForCausalLM: Qwen2 and Qwen2.5
-language models, `vision` None) and Llama (LlamaForCausalLM, the same decoder without
-q/k/v biases, with Llama 3.1's rotary scaling when configured). The decoder is one
+language models, `vision` None), Llama (LlamaForCausalLM, the same decoder without
+q/k/v biases, with Llama 3.1's rotary scaling when configured) and Qwen3 (Qwen3ForCausalLM:
+no q/k/v biases, an RMSNorm over each query and key head before the rotary embedding, a
+head dim of its own). The decoder is one
 Qwen2 decoder with M-RoPE; a text-only model gets `mrope_section` (head_dim/2, 0, 0), all
 frequencies on the first row, which is plain RoPE since text positions are equal in all
 three rows. The vision towers differ (`VisionConfig.variant`), and so do the names in
@@ -30,7 +32,11 @@ SUPPORTED_ARCHITECTURES: dict[str, VisionVariant | None] = {
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
     "Qwen2ForCausalLM": None,
     "LlamaForCausalLM": None,
+    "Qwen3ForCausalLM": None,
 }
+# Decoders that normalise each query and key head (RMSNorm over head_dim) before the rotary
+# embedding: Qwen3's `q_norm` / `k_norm`.
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM",)
 
 
 @dataclass(frozen=True)
@@ -98,6 +104,7 @@ class ModelConfig:
     vision: VisionConfig | None  # None: a text-only model
     torch_dtype: str | None = None
     attention_bias: bool = True  # q, k, v projections with biases (Qwen2: yes; Llama: no)
+    qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (Qwen3)
     llama3_rope_scaling: Llama3RopeScaling | None = None
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -157,6 +164,7 @@ class ModelConfig:
                 vision=None if variant is None else _vision_config(variant, vision, hidden),
                 torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
                 attention_bias=_attention_bias(architecture, text),
+                qk_norm=architecture in QK_NORM_ARCHITECTURES,
                 llama3_rope_scaling=(
                     _llama3_rope_scaling(rope_scaling) if rope_type == "llama3" else None
                 ),
@@ -241,10 +249,13 @@ def _llama3_rope_scaling(rope_scaling: dict) -> Llama3RopeScaling:
 
 
 def _attention_bias(architecture: str, text: dict) -> bool:
-    """Qwen2's q, k, v projections carry biases; Llama's none unless `attention_bias`, which
-    also biases o_proj (not implemented, refused), as is `mlp_bias`."""
-    if architecture != "LlamaForCausalLM":
+    """Qwen2's q, k, v projections carry biases; Llama's and Qwen3's none unless
+    `attention_bias`, which also biases o_proj (not implemented, refused), as is
+    `mlp_bias`."""
+    if architecture not in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
         return True
     if text.get("attention_bias") or text.get("mlp_bias"):
-        raise ModelLoadError("Llama checkpoints with attention_bias or mlp_bias are not supported")
+        raise ModelLoadError(
+            f"{architecture} checkpoints with attention_bias or mlp_bias are not supported"
+        )
     return False

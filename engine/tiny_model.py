@@ -12,8 +12,9 @@ Sizes: `tiny` and `tiny2` for tests, `small` (a ~0.5B decoder) for CPU benchmark
 benchmarks. Qwen2.5-VL (`architecture="qwen2_5_vl"`): `tiny-qwen2.5-vl` for tests (windows of
 2 x 2 merged tokens, so small pictures span several, edge windows included),
 `small-qwen2.5-vl` for CPU benchmarks and the real `qwen2.5-vl-3b` / `qwen2.5-vl-7b` shapes.
-Text-only decoders: `tiny-qwen2` (Qwen2ForCausalLM) and `tiny-llama` (LlamaForCausalLM,
-with a BOS-adding tokenizer and llama3 rotary scaling). Every size keeps a small trained
+Text-only decoders: `tiny-qwen2` (Qwen2ForCausalLM), `tiny-llama` (LlamaForCausalLM,
+with a BOS-adding tokenizer and llama3 rotary scaling) and `tiny-qwen3` (Qwen3ForCausalLM:
+q/k head norms, a head dim that is not hidden / heads). Every size keeps a small trained
 tokenizer; the big ones only pad the embedding / lm_head rows up to the real vocabulary
 size.
 
@@ -73,6 +74,7 @@ PRETOKENIZE_REGEX = (
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 VOCAB_ALIGNMENT = 64
+TEXT_ONLY_ARCHITECTURES = ("qwen2", "llama", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,8 @@ class TinyModelSpec:
     min_pixels: int = 56 * 56
     vocab_size: int | None = None
     tie_word_embeddings: bool = False
-    architecture: str = "qwen2_vl"  # or "qwen2_5_vl"; text only: "qwen2", "llama"
+    architecture: str = "qwen2_vl"  # or "qwen2_5_vl"; text only: "qwen2", "llama", "qwen3"
+    explicit_head_dim: int | None = None  # config.json's head_dim (Qwen3); None: derived
     vision_intermediate_size: int = 0  # qwen2_5_vl
     window_size: int = 112  # qwen2_5_vl
     fullatt_block_indexes: tuple[int, ...] = ()  # qwen2_5_vl
@@ -113,7 +116,7 @@ class TinyModelSpec:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.explicit_head_dim or self.hidden_size // self.num_attention_heads
 
     @property
     def is_qwen2_5_vl(self) -> bool:
@@ -121,7 +124,7 @@ class TinyModelSpec:
 
     @property
     def has_vision(self) -> bool:
-        return self.architecture not in ("qwen2", "llama")
+        return self.architecture not in TEXT_ONLY_ARCHITECTURES
 
 
 SIZES: dict[str, TinyModelSpec] = {
@@ -298,6 +301,11 @@ SIZES["tiny-qwen2"] = dataclasses.replace(
 # (over an original context of 64 positions, so that it changes most frequencies within a
 # test's prompts: LLAMA_CONFIG), a tokenizer that adds a BOS to raw text.
 SIZES["tiny-llama"] = dataclasses.replace(SIZES["tiny-qwen2"], architecture="llama")
+# Qwen3's decoder alone: no q/k/v biases, q/k head norms, and a head dim (48) that is not
+# hidden / heads (32), as Qwen3's 128 against 1024 / 16 in Qwen3-0.6B.
+SIZES["tiny-qwen3"] = dataclasses.replace(
+    SIZES["tiny-qwen2"], architecture="qwen3", explicit_head_dim=48, mrope_section=(24, 0, 0)
+)
 
 
 def make_tiny_model(
@@ -364,7 +372,8 @@ def _vocab_size(spec: TinyModelSpec, num_tokens: int) -> int:
 
 
 def _check_spec(spec: TinyModelSpec) -> None:
-    if spec.hidden_size % spec.num_attention_heads or spec.head_dim % 2:
+    split = spec.explicit_head_dim or spec.hidden_size % spec.num_attention_heads == 0
+    if not split or spec.head_dim % 2:
         raise ValueError("hidden_size must split into an even head_dim per attention head")
     if 2 * sum(spec.mrope_section) != spec.head_dim:
         raise ValueError("2 * sum(mrope_section) must equal head_dim")
@@ -372,7 +381,7 @@ def _check_spec(spec: TinyModelSpec) -> None:
         raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
     if spec.vision_embed_dim % spec.vision_num_heads:
         raise ValueError("vision_embed_dim must be a multiple of vision_num_heads")
-    if spec.architecture not in ("qwen2_vl", "qwen2_5_vl", "qwen2", "llama"):
+    if spec.architecture not in ("qwen2_vl", "qwen2_5_vl", *TEXT_ONLY_ARCHITECTURES):
         raise ValueError(f"unknown architecture {spec.architecture!r}")
     merged_pixels = spec.patch_size * spec.spatial_merge_size
     if spec.is_qwen2_5_vl and (
@@ -453,6 +462,7 @@ def model_config_dict(spec: TinyModelSpec, token_ids: dict[str, int], vocab_size
         "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl"),
         "qwen2": ("Qwen2ForCausalLM", "qwen2"),
         "llama": ("LlamaForCausalLM", "llama"),
+        "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     }[spec.architecture]
     config = {
         "architectures": [architecture],
@@ -493,6 +503,8 @@ def model_config_dict(spec: TinyModelSpec, token_ids: dict[str, int], vocab_size
             del config[key]
     if spec.architecture == "llama":
         config.update(LLAMA_CONFIG)
+    if spec.architecture == "qwen3":
+        config.update(head_dim=spec.head_dim, attention_bias=False)
     return config
 
 
@@ -615,7 +627,7 @@ def _write_json(path: Path, data: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="tessera make-tiny-model",
-        description="Write a random-weight Qwen2-VL, Qwen2.5-VL, Qwen2 or Llama checkpoint "
+        description="Write a random-weight Qwen2-VL, Qwen2.5-VL, Qwen2, Llama or Qwen3 checkpoint "
         "(weights, tokenizer, processor).",
     )
     parser.add_argument("out_dir", metavar="OUT_DIR")

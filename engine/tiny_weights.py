@@ -30,6 +30,7 @@ INDEX_FILE = "model.safetensors.index.json"
 def weight_shapes(spec: TinyModelSpec, vocab_size: int) -> list[tuple[str, tuple[int, ...]]]:
     """Hub tensor names and shapes, in the fixed order the random values are drawn."""
     hidden, kv_dim = spec.hidden_size, spec.num_key_value_heads * spec.head_dim
+    q_dim = spec.num_attention_heads * spec.head_dim
     shapes: list[tuple[str, tuple[int, ...]]] = [
         ("model.embed_tokens.weight", (vocab_size, hidden))
     ]
@@ -37,20 +38,23 @@ def weight_shapes(spec: TinyModelSpec, vocab_size: int) -> list[tuple[str, tuple
         p = f"model.layers.{i}."
         layer = [
             (p + "input_layernorm.weight", (hidden,)),
-            (p + "self_attn.q_proj.weight", (hidden, hidden)),
-            (p + "self_attn.q_proj.bias", (hidden,)),
+            (p + "self_attn.q_proj.weight", (q_dim, hidden)),
+            (p + "self_attn.q_proj.bias", (q_dim,)),
             (p + "self_attn.k_proj.weight", (kv_dim, hidden)),
             (p + "self_attn.k_proj.bias", (kv_dim,)),
             (p + "self_attn.v_proj.weight", (kv_dim, hidden)),
             (p + "self_attn.v_proj.bias", (kv_dim,)),
-            (p + "self_attn.o_proj.weight", (hidden, hidden)),
+            (p + "self_attn.o_proj.weight", (hidden, q_dim)),
             (p + "post_attention_layernorm.weight", (hidden,)),
             (p + "mlp.gate_proj.weight", (spec.intermediate_size, hidden)),
             (p + "mlp.up_proj.weight", (spec.intermediate_size, hidden)),
             (p + "mlp.down_proj.weight", (hidden, spec.intermediate_size)),
         ]
-        if spec.architecture == "llama":  # no q, k, v biases
+        if spec.architecture in ("llama", "qwen3"):  # no q, k, v biases
             layer = [(name, shape) for name, shape in layer if not name.endswith("_proj.bias")]
+        if spec.architecture == "qwen3":  # an RMSNorm over each q and k head
+            layer[2:2] = [(p + "self_attn.q_norm.weight", (spec.head_dim,)),
+                          (p + "self_attn.k_norm.weight", (spec.head_dim,))]  # fmt: skip
         shapes += layer
     shapes.append(("model.norm.weight", (hidden,)))
     if not spec.tie_word_embeddings:  # tied: logits use model.embed_tokens.weight

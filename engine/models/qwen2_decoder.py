@@ -9,6 +9,8 @@ concatenated along the output dim) and one `gate_up_proj` per layer.
 
 Llama's decoder is this one without the q, k, v biases (`ModelConfig.attention_bias`) and,
 for Llama 3.1 and later, with its rotary scaling (`ModelConfig.llama3_rope_scaling`).
+Qwen3's is this one without the biases and with `q_norm` / `k_norm`, an RMSNorm over each
+query and key head before the rotary embedding (`ModelConfig.qk_norm`).
 
 Under tensor parallelism (engine/tensor_parallel.py) the config holds this rank's share of
 the heads and the MLP width, and `all_reduce` sums the partial outputs of o_proj and
@@ -103,6 +105,8 @@ class Qwen2Attention(nn.Module):
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.attention = attention
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(
         self,
@@ -118,6 +122,8 @@ class Qwen2Attention(nn.Module):
         qk = qkv[:, : self.q_size + self.kv_size].view(
             num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
         )  # [T, H + KVH, D]
+        if self.q_norm is not None:
+            qk = self._norm_heads(qk)
         qk = apply_rotary_folded(qk, cos, sin)  # [T, H + KVH, D]; in place in qkv on CUDA
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(
@@ -126,6 +132,13 @@ class Qwen2Attention(nn.Module):
         out = self.attention.forward(q, k, v, kv_cache, attn_metadata, self.scale)  # [T, H, D]
         out = self.o_proj(out.reshape(num_tokens, self.q_size))  # [T, hidden]
         return out if self.all_reduce is None else self.all_reduce(out)
+
+    def _norm_heads(self, qk: torch.Tensor) -> torch.Tensor:  # [T, H + KVH, D], a new tensor
+        """Qwen3's q_norm and k_norm: each head normalised over head_dim, with its weights."""
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)  # type: ignore[misc]
+        k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)  # type: ignore[misc]
+        return torch.cat((q, k), dim=1)
 
 
 class Qwen2MLP(nn.Module):

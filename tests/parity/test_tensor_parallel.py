@@ -6,7 +6,8 @@ what a split decoder can get wrong: text and pictures in one batch (rank 0 embed
 scatters the encoder rows, the worker only receives the result), prefill in 16-token
 chunks that end inside pictures, and a KV pool small enough to force preemption (the
 worker's cache must follow rank 0's block ids). A text-only Llama (no q/k/v biases,
-llama3 rotary scaling) checks the other column-parallel layout, and prefix-cache hits. Also: a rank that dies
+llama3 rotary scaling) checks the other column-parallel layout, and prefix-cache hits; a
+Qwen3 (q/k head norms, which every rank holds whole) splits alike. Also: a rank that dies
 fails the engine at once instead of hanging it, and sizes that do not divide the heads are
 refused before any process starts.
 """
@@ -49,8 +50,9 @@ def test_two_ranks_match_transformers_with_pictures_chunks_and_preemption(refere
     check(results, reference, prompts, range(len(prompts)))
 
 
-def test_a_text_only_llama_splits_alike(tmp_path):
-    model_dir = make_tiny_model(tmp_path / "llama", size="tiny-llama", seed=4)
+@pytest.mark.parametrize("size", ["tiny-llama", "tiny-qwen3"])  # Qwen3: whole q/k norms
+def test_a_text_only_decoder_splits_alike(tmp_path, size):
+    model_dir = make_tiny_model(tmp_path / size, size=size, seed=4)
     prompts = ["Once upon a time", "The quick brown fox jumps over the lazy dog, and then"]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=1)
     with LLM(str(model_dir), num_kv_blocks=64) as llm:
