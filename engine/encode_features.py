@@ -7,7 +7,8 @@ Each file is decoded and preprocessed exactly as the server does (a video file â
 WebM/Matroska, AVI â€” is sampled at `--video-fps`, at most `--max-video-frames` frames, as
 the server's defaults; anything else is an image), encoded by the model's vision tower
 (patch merger included), and written as `<OUT>/<file stem>.safetensors` with tensors
-`embeds` [num_tokens, hidden_size] and `grid_thw` [3] (int64). OUT is a local folder or
+`embeds` [num_tokens, hidden_size] (Qwen3-VL: hidden_size x (1 + deepstack levels), the
+levels beside the merged rows) and `grid_thw` [3] (int64). OUT is a local folder or
 `s3://bucket/prefix` (aioboto3; `--s3-endpoint-url` or the standard AWS env). One JSON line
 per file goes to stdout: {"image" or "video", "url", "grid_thw", "num_tokens"} and, for a
 video, "second_per_grid_t" (the seconds one temporal patch spans, by which Qwen2.5-VL spaces

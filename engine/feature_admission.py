@@ -67,7 +67,7 @@ class FeatureAdmission:
         indices = [i for i, item in enumerate(media) if item.feature is not None]
         if not indices:
             return False
-        hidden_size = self.runner.model_config.hidden_size
+        hidden_size = self.runner.model_config.encoder_width  # deepstack levels too
         jobs = [
             FeatureJob(
                 media[i].feature.url,  # type: ignore[union-attr]

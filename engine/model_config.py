@@ -11,8 +11,11 @@ three rows. The vision towers differ (`VisionConfig.variant`), and so do the nam
 `vision_config`: Qwen2-VL's `embed_dim` / `hidden_size` (tower width / merger output) are
 Qwen2.5-VL's `hidden_size` / `out_hidden_size`.
 
+Qwen3-VL (`qwen3_vl`) is Qwen3's decoder (q/k head norms, no biases) with interleaved
+M-RoPE and deepstack, behind its own tower (`VisionConfig`).
+
 Handles both the flat layout of hub checkpoints and the nested `text_config` layout newer
-`transformers` versions write.
+`transformers` versions write (and Qwen3-VL's hub checkpoints use).
 """
 
 from __future__ import annotations
@@ -25,18 +28,19 @@ from typing import Literal
 
 from engine.errors import ModelLoadError
 
-VisionVariant = Literal["qwen2_vl", "qwen2_5_vl"]
+VisionVariant = Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 # architecture -> the vision tower it carries (None: a text-only model)
 SUPPORTED_ARCHITECTURES: dict[str, VisionVariant | None] = {
     "Qwen2VLForConditionalGeneration": "qwen2_vl",
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+    "Qwen3VLForConditionalGeneration": "qwen3_vl",
     "Qwen2ForCausalLM": None,
     "LlamaForCausalLM": None,
     "Qwen3ForCausalLM": None,
 }
 # Decoders that normalise each query and key head (RMSNorm over head_dim) before the rotary
 # embedding: Qwen3's `q_norm` / `k_norm`.
-QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM",)
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3VLForConditionalGeneration")
 
 
 @dataclass(frozen=True)
@@ -58,7 +62,12 @@ class VisionConfig:
     attends within whole frames. `qwen2_5_vl`: RMSNorm blocks, a gated MLP (silu) with
     biases, and window attention: blocks attend within windows of `window_size` pixels
     square except those in `fullatt_block_indexes`; video positions in M-RoPE are spaced
-    by `tokens_per_second` x the seconds one temporal patch spans.
+    by `tokens_per_second` x the seconds one temporal patch spans. `qwen3_vl`: LayerNorm
+    blocks, a 2-layer MLP (gelu tanh) named `linear_fc1/2`, biased patch embedding, a learned
+    `num_position_embeddings` (square) position table resampled to each grid, every block
+    attends within whole frames, and "deepstack": the outputs of the blocks in
+    `deepstack_visual_indexes` go through mergers of their own and are added to the
+    decoder's hidden states at the media rows after its first layers.
     """
 
     depth: int
@@ -75,6 +84,9 @@ class VisionConfig:
     window_size: int = 0  # pixels; 0 = no window attention
     fullatt_block_indexes: tuple[int, ...] = ()
     tokens_per_second: float | None = None  # None = temporal positions step by 1
+    rope_theta: float = 10000.0  # the blocks' 2D rotary
+    num_position_embeddings: int = 0  # qwen3_vl: the learned position table's size
+    deepstack_visual_indexes: tuple[int, ...] = ()  # qwen3_vl
 
     @property
     def patch_dim(self) -> int:
@@ -105,6 +117,9 @@ class ModelConfig:
     torch_dtype: str | None = None
     attention_bias: bool = True  # q, k, v projections with biases (Qwen2: yes; Llama: no)
     qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (Qwen3)
+    # Qwen3-VL: M-RoPE frequencies go to t, h, w in turn (t h w t h w ...) rather than in
+    # three consecutive sections.
+    mrope_interleaved: bool = False
     llama3_rope_scaling: Llama3RopeScaling | None = None
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -165,6 +180,7 @@ class ModelConfig:
                 torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
                 attention_bias=_attention_bias(architecture, text),
                 qk_norm=architecture in QK_NORM_ARCHITECTURES,
+                mrope_interleaved=variant == "qwen3_vl",
                 llama3_rope_scaling=(
                     _llama3_rope_scaling(rope_scaling) if rope_type == "llama3" else None
                 ),
@@ -173,12 +189,25 @@ class ModelConfig:
         except (KeyError, TypeError) as exc:
             raise ModelLoadError(f"config.json lacks or mis-types field {exc}") from exc
 
+    @property
+    def encoder_width(self) -> int:
+        """Values per encoder output row (what the encoder cache and pre-encoded features
+        hold): the decoder's hidden size, times 1 + the deepstack levels of Qwen3-VL (the
+        main rows, then each level's, side by side)."""
+        levels = len(self.vision.deepstack_visual_indexes) if self.vision else 0
+        return self.hidden_size * (1 + levels)
+
     def shard(self, size: int) -> ModelConfig:
         """What one of `size` tensor-parallel ranks holds of each decoder layer
         (engine/tensor_parallel.py): its share of the attention heads, the KV heads and
         the MLP width. Everything else (hidden size, vocabulary, vision tower) is whole."""
         if size == 1:
             return self
+        if self.vision is not None and self.vision.deepstack_visual_indexes:
+            raise ModelLoadError(
+                "tensor parallelism is not supported for Qwen3-VL yet (its deepstack rows "
+                "would have to reach every rank); use tensor_parallel_size 1"
+            )
         for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
             if getattr(self, name) % size:
                 raise ModelLoadError(
@@ -218,6 +247,18 @@ def _vision_config(variant: VisionVariant, vision: dict, decoder_hidden: int) ->
         "spatial_merge_size": vision.get("spatial_merge_size", 2),
         "variant": variant,
     }
+    if variant == "qwen3_vl":
+        rope = vision.get("rope_parameters") or {}
+        return VisionConfig(
+            **{**common, "patch_size": vision.get("patch_size", 16)},
+            embed_dim=vision["hidden_size"],
+            intermediate_size=vision["intermediate_size"],
+            out_hidden_size=vision.get("out_hidden_size", decoder_hidden),
+            hidden_act=vision.get("hidden_act", "gelu_pytorch_tanh"),
+            rope_theta=float(rope.get("rope_theta", vision.get("rope_theta", 10000.0))),
+            num_position_embeddings=vision.get("num_position_embeddings", 2304),
+            deepstack_visual_indexes=tuple(vision.get("deepstack_visual_indexes", (8, 16, 24))),
+        )
     if variant == "qwen2_vl":
         embed_dim = vision["embed_dim"]
         return VisionConfig(
@@ -252,7 +293,7 @@ def _attention_bias(architecture: str, text: dict) -> bool:
     """Qwen2's q, k, v projections carry biases; Llama's and Qwen3's none unless
     `attention_bias`, which also biases o_proj (not implemented, refused), as is
     `mlp_bias`."""
-    if architecture not in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
+    if architecture not in ("LlamaForCausalLM", *QK_NORM_ARCHITECTURES):
         return True
     if text.get("attention_bias") or text.get("mlp_bias"):
         raise ModelLoadError(

@@ -12,7 +12,8 @@ Sizes: `tiny` and `tiny2` for tests, `small` (a ~0.5B decoder) for CPU benchmark
 benchmarks. Qwen2.5-VL (`architecture="qwen2_5_vl"`): `tiny-qwen2.5-vl` for tests (windows of
 2 x 2 merged tokens, so small pictures span several, edge windows included),
 `small-qwen2.5-vl` for CPU benchmarks and the real `qwen2.5-vl-3b` / `qwen2.5-vl-7b` shapes.
-Text-only decoders: `tiny-qwen2` (Qwen2ForCausalLM), `tiny-llama` (LlamaForCausalLM,
+Qwen3-VL: `tiny-qwen3-vl` for tests (interleaved M-RoPE, deepstack, a learned position
+table smaller and larger than test pictures). Text-only decoders: `tiny-qwen2` (Qwen2ForCausalLM), `tiny-llama` (LlamaForCausalLM,
 with a BOS-adding tokenizer and llama3 rotary scaling) and `tiny-qwen3` (Qwen3ForCausalLM:
 q/k head norms, a head dim that is not hidden / heads). Every size keeps a small trained
 tokenizer; the big ones only pad the embedding / lm_head rows up to the real vocabulary
@@ -109,6 +110,8 @@ class TinyModelSpec:
     tie_word_embeddings: bool = False
     architecture: str = "qwen2_vl"  # or "qwen2_5_vl"; text only: "qwen2", "llama", "qwen3"
     explicit_head_dim: int | None = None  # config.json's head_dim (Qwen3); None: derived
+    num_position_embeddings: int = 0  # qwen3_vl: the learned position table (a square)
+    deepstack_visual_indexes: tuple[int, ...] = ()  # qwen3_vl
     vision_intermediate_size: int = 0  # qwen2_5_vl
     window_size: int = 112  # qwen2_5_vl
     fullatt_block_indexes: tuple[int, ...] = ()  # qwen2_5_vl
@@ -121,6 +124,10 @@ class TinyModelSpec:
     @property
     def is_qwen2_5_vl(self) -> bool:
         return self.architecture == "qwen2_5_vl"
+
+    @property
+    def is_qwen3_vl(self) -> bool:
+        return self.architecture == "qwen3_vl"
 
     @property
     def has_vision(self) -> bool:
@@ -306,6 +313,22 @@ SIZES["tiny-llama"] = dataclasses.replace(SIZES["tiny-qwen2"], architecture="lla
 SIZES["tiny-qwen3"] = dataclasses.replace(
     SIZES["tiny-qwen2"], architecture="qwen3", explicit_head_dim=48, mrope_section=(24, 0, 0)
 )
+# Qwen3-VL: Qwen3's decoder (head dim 48) with interleaved M-RoPE (sections of 10, 7 and 7
+# frequencies, so that t also takes the tail, as the real 24 / 20 / 20 do), 16-pixel
+# patches, an 8 x 8 learned position table, and deepstack from vision blocks 0 and 2 into
+# decoder layers 0 and 1.
+SIZES["tiny-qwen3-vl"] = dataclasses.replace(
+    SIZES["tiny"],
+    architecture="qwen3_vl",
+    explicit_head_dim=48,
+    mrope_section=(10, 7, 7),
+    vision_depth=3,
+    vision_intermediate_size=172,
+    patch_size=16,
+    min_pixels=64 * 64,
+    num_position_embeddings=64,
+    deepstack_visual_indexes=(0, 2),
+)
 
 
 def make_tiny_model(
@@ -381,8 +404,16 @@ def _check_spec(spec: TinyModelSpec) -> None:
         raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
     if spec.vision_embed_dim % spec.vision_num_heads:
         raise ValueError("vision_embed_dim must be a multiple of vision_num_heads")
-    if spec.architecture not in ("qwen2_vl", "qwen2_5_vl", *TEXT_ONLY_ARCHITECTURES):
+    if spec.architecture not in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", *TEXT_ONLY_ARCHITECTURES):
         raise ValueError(f"unknown architecture {spec.architecture!r}")
+    if spec.is_qwen3_vl and (
+        int(spec.num_position_embeddings**0.5) ** 2 != spec.num_position_embeddings
+        or not spec.num_position_embeddings
+        or any(not 0 <= i < spec.vision_depth for i in spec.deepstack_visual_indexes)
+        or len(spec.deepstack_visual_indexes) > spec.num_hidden_layers
+    ):
+        raise ValueError("qwen3_vl needs a square num_position_embeddings and deepstack "
+                         "indexes of vision blocks, no more than the decoder layers")  # fmt: skip
     merged_pixels = spec.patch_size * spec.spatial_merge_size
     if spec.is_qwen2_5_vl and (
         spec.vision_intermediate_size <= 0 or spec.window_size % merged_pixels
@@ -455,8 +486,11 @@ def read_chat_template() -> str:
 
 
 def model_config_dict(spec: TinyModelSpec, token_ids: dict[str, int], vocab_size: int) -> dict:
-    """config.json in the flat hub layout that both transformers 4.x and 5.x read."""
+    """config.json in the flat hub layout that both transformers 4.x and 5.x read (Qwen3-VL:
+    its hub layout, nested)."""
     dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[spec.dtype]
+    if spec.is_qwen3_vl:
+        return _qwen3_vl_config(spec, token_ids, vocab_size, dtype)
     architecture, model_type = {
         "qwen2_vl": ("Qwen2VLForConditionalGeneration", "qwen2_vl"),
         "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl"),
@@ -506,6 +540,69 @@ def model_config_dict(spec: TinyModelSpec, token_ids: dict[str, int], vocab_size
     if spec.architecture == "qwen3":
         config.update(head_dim=spec.head_dim, attention_bias=False)
     return config
+
+
+def _qwen3_vl_config(
+    spec: TinyModelSpec, token_ids: dict[str, int], vocab_size: int, dtype: str
+) -> dict:
+    """As the hub's Qwen3-VL config.json: the decoder in `text_config`, the tower in
+    `vision_config`, token ids at the top."""
+    text = {
+        "model_type": "qwen3_vl_text",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": token_ids["<|endoftext|>"],
+        "eos_token_id": token_ids["<|im_end|>"],
+        "head_dim": spec.head_dim,
+        "hidden_act": "silu",
+        "hidden_size": spec.hidden_size,
+        "initializer_range": 0.02,
+        "intermediate_size": spec.intermediate_size,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_hidden_layers": spec.num_hidden_layers,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "rms_norm_eps": 1e-6,
+        "rope_scaling": {
+            "rope_type": "default",
+            "mrope_interleaved": True,
+            "mrope_section": list(spec.mrope_section),
+        },  # fmt: skip
+        "rope_theta": 5000000.0,
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        "dtype": dtype,
+        "use_cache": True,
+        "vocab_size": vocab_size,
+    }
+    vision = {
+        "model_type": "qwen3_vl",
+        "deepstack_visual_indexes": list(spec.deepstack_visual_indexes),
+        "depth": spec.vision_depth,
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_size": spec.vision_embed_dim,
+        "in_channels": 3,
+        "initializer_range": 0.02,
+        "intermediate_size": spec.vision_intermediate_size,
+        "num_heads": spec.vision_num_heads,
+        "num_position_embeddings": spec.num_position_embeddings,
+        "out_hidden_size": spec.hidden_size,
+        "patch_size": spec.patch_size,
+        "spatial_merge_size": spec.spatial_merge_size,
+        "temporal_patch_size": spec.temporal_patch_size,
+    }
+    return {
+        "architectures": ["Qwen3VLForConditionalGeneration"],
+        "model_type": "qwen3_vl",
+        "image_token_id": token_ids["<|image_pad|>"],
+        "video_token_id": token_ids["<|video_pad|>"],
+        "vision_start_token_id": token_ids["<|vision_start|>"],
+        "vision_end_token_id": token_ids["<|vision_end|>"],
+        "eos_token_id": token_ids["<|im_end|>"],
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        "dtype": dtype,
+        "text_config": text,
+        "vision_config": vision,
+    }
 
 
 LLAMA_CONFIG = {  # Llama 3.1's values, but for original_max_position_embeddings (8192)
@@ -595,17 +692,19 @@ def _tokenizer_config(token_ids: dict[str, int], chat_template: str) -> dict:
 
 
 def _preprocessor_config(spec: TinyModelSpec) -> dict:
+    processor = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor"}
+    mean, std = ((0.5,) * 3, (0.5,) * 3) if spec.is_qwen3_vl else (CLIP_MEAN, CLIP_STD)
     return {
         "image_processor_type": "Qwen2VLImageProcessor",
-        "processor_class": "Qwen2_5_VLProcessor" if spec.is_qwen2_5_vl else "Qwen2VLProcessor",
+        "processor_class": processor.get(spec.architecture, "Qwen2VLProcessor"),
         "do_resize": True,
         "do_rescale": True,
         "do_normalize": True,
         "do_convert_rgb": True,
         "rescale_factor": 1 / 255,
         "resample": 3,  # PIL bicubic
-        "image_mean": list(CLIP_MEAN),
-        "image_std": list(CLIP_STD),
+        "image_mean": list(mean),
+        "image_std": list(std),
         "min_pixels": spec.min_pixels,
         "max_pixels": spec.max_pixels,
         "size": {"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels},

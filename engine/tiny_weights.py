@@ -50,9 +50,9 @@ def weight_shapes(spec: TinyModelSpec, vocab_size: int) -> list[tuple[str, tuple
             (p + "mlp.up_proj.weight", (spec.intermediate_size, hidden)),
             (p + "mlp.down_proj.weight", (hidden, spec.intermediate_size)),
         ]
-        if spec.architecture in ("llama", "qwen3"):  # no q, k, v biases
+        if spec.architecture in ("llama", "qwen3", "qwen3_vl"):  # no q, k, v biases
             layer = [(name, shape) for name, shape in layer if not name.endswith("_proj.bias")]
-        if spec.architecture == "qwen3":  # an RMSNorm over each q and k head
+        if spec.architecture in ("qwen3", "qwen3_vl"):  # an RMSNorm over each q and k head
             layer[2:2] = [(p + "self_attn.q_norm.weight", (spec.head_dim,)),
                           (p + "self_attn.k_norm.weight", (spec.head_dim,))]  # fmt: skip
         shapes += layer
@@ -62,6 +62,9 @@ def weight_shapes(spec: TinyModelSpec, vocab_size: int) -> list[tuple[str, tuple
 
     if not spec.has_vision:
         return shapes
+    if spec.is_qwen3_vl:  # the hub layout: the decoder under model.language_model
+        shapes = [(_qwen3_vl_name(name), shape) for name, shape in shapes]
+        return shapes + _qwen3_vision_shapes(spec)
     embed = spec.vision_embed_dim
     patch = (embed, 3, spec.temporal_patch_size, spec.patch_size, spec.patch_size)
     shapes.append(("visual.patch_embed.proj.weight", patch))  # Conv3d, no bias
@@ -69,21 +72,7 @@ def weight_shapes(spec: TinyModelSpec, vocab_size: int) -> list[tuple[str, tuple
         return shapes + _qwen2_5_vision_shapes(spec)
     mlp = embed * spec.vision_mlp_ratio
     for i in range(spec.vision_depth):
-        p = f"visual.blocks.{i}."
-        shapes += [
-            (p + "norm1.weight", (embed,)),
-            (p + "norm1.bias", (embed,)),
-            (p + "attn.qkv.weight", (3 * embed, embed)),
-            (p + "attn.qkv.bias", (3 * embed,)),
-            (p + "attn.proj.weight", (embed, embed)),
-            (p + "attn.proj.bias", (embed,)),
-            (p + "norm2.weight", (embed,)),
-            (p + "norm2.bias", (embed,)),
-            (p + "mlp.fc1.weight", (mlp, embed)),
-            (p + "mlp.fc1.bias", (mlp,)),
-            (p + "mlp.fc2.weight", (embed, mlp)),
-            (p + "mlp.fc2.bias", (embed,)),
-        ]
+        shapes += _layer_norm_block_shapes(f"visual.blocks.{i}.", embed, mlp, "fc")
     merged = embed * spec.spatial_merge_size**2
     shapes += [
         ("visual.merger.ln_q.weight", (embed,)),
@@ -126,6 +115,60 @@ def _qwen2_5_vision_shapes(spec: TinyModelSpec) -> list[tuple[str, tuple[int, ..
     ]
 
 
+def _layer_norm_block_shapes(
+    p: str, embed: int, mlp: int, fc: str
+) -> list[tuple[str, tuple[int, ...]]]:
+    """One LayerNorm vision block with a 2-layer MLP (`{fc}1`, `{fc}2`): Qwen2-VL's, Qwen3-VL's."""
+    return [
+        (p + "norm1.weight", (embed,)),
+        (p + "norm1.bias", (embed,)),
+        (p + "attn.qkv.weight", (3 * embed, embed)),
+        (p + "attn.qkv.bias", (3 * embed,)),
+        (p + "attn.proj.weight", (embed, embed)),
+        (p + "attn.proj.bias", (embed,)),
+        (p + "norm2.weight", (embed,)),
+        (p + "norm2.bias", (embed,)),
+        (p + f"mlp.{fc}1.weight", (mlp, embed)),
+        (p + f"mlp.{fc}1.bias", (mlp,)),
+        (p + f"mlp.{fc}2.weight", (embed, mlp)),
+        (p + f"mlp.{fc}2.bias", (embed,)),
+    ]
+
+
+def _qwen3_vl_name(name: str) -> str:
+    return "model.language_model." + name[len("model.") :] if name.startswith("model.") else name
+
+
+def _qwen3_vision_shapes(spec: TinyModelSpec) -> list[tuple[str, tuple[int, ...]]]:
+    """Qwen3-VL's tower: a biased patch embedding, the learned position table, LayerNorm
+    blocks with a 2-layer MLP, the merger and one merger per deepstack level."""
+    embed, mlp = spec.vision_embed_dim, spec.vision_intermediate_size
+    merged = embed * spec.spatial_merge_size**2
+    patch = (embed, 3, spec.temporal_patch_size, spec.patch_size, spec.patch_size)
+    v = "model.visual."
+    shapes: list[tuple[str, tuple[int, ...]]] = [
+        (v + "patch_embed.proj.weight", patch),
+        (v + "patch_embed.proj.bias", (embed,)),
+        (v + "pos_embed.weight", (spec.num_position_embeddings, embed)),
+    ]
+    for i in range(spec.vision_depth):
+        shapes += _layer_norm_block_shapes(f"{v}blocks.{i}.", embed, mlp, "linear_fc")
+    mergers = [(v + "merger.", embed)] + [
+        (f"{v}deepstack_merger_list.{i}.", merged)
+        for i in range(len(spec.deepstack_visual_indexes))
+    ]
+    for p, norm_width in mergers:
+        shapes += [
+            (p + "norm.weight", (norm_width,)),
+            (p + "norm.bias", (norm_width,)),
+            (p + "linear_fc1.weight", (merged, merged)),
+            (p + "linear_fc1.bias", (merged,)),
+            (p + "linear_fc2.weight", (spec.hidden_size, merged)),
+            (p + "linear_fc2.bias", (spec.hidden_size,)),
+        ]
+    return shapes
+
+
 def random_weights(
     spec: TinyModelSpec,
     vocab_size: int,
@@ -166,7 +209,8 @@ def iter_random_weights(
     generator = torch.Generator(device=device).manual_seed(seed)
     for name, shape in weight_shapes(spec, vocab_size):
         tensor = torch.empty(shape, dtype=torch.float32, device=device)
-        if name == "model.embed_tokens.weight":
+        is_embedding = name.endswith("embed_tokens.weight")
+        if is_embedding:
             tensor.normal_(0.0, 1.0, generator=generator)
         elif len(shape) >= 2:
             fan_in = math.prod(shape[1:])
@@ -175,7 +219,7 @@ def iter_random_weights(
             tensor.normal_(0.0, 0.1, generator=generator)
         else:  # RMSNorm / LayerNorm scale
             tensor.normal_(1.0, 0.1, generator=generator)
-        if name in ("model.embed_tokens.weight", "lm_head.weight") and num_real_tokens:
+        if (is_embedding or name == "lm_head.weight") and num_real_tokens:
             tensor[num_real_tokens:] = 0.0
         yield name, tensor.to(spec.dtype).to("cpu").contiguous()
 

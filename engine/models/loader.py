@@ -13,6 +13,7 @@ then each expected hub name maps to (our parameter, row range, how to reshape):
     visual.blocks.N.mlp.{gate,up}_proj.*     -> rows of visual.blocks.N.mlp.gate_up_proj.*
                                                 (Qwen2.5-VL)
     visual.patch_embed.proj.weight [E,C,T,P,P] -> visual.patch_embed.weight [E, C*T*P*P]
+    visual.patch_embed.proj.bias             -> visual.patch_embed.bias (Qwen3-VL)
     visual.merger.mlp.{0,2}.*                -> visual.merger.{fc1,fc2}.*
 Everything else keeps its name. Missing, mis-shaped or unexpected tensors raise
 `ModelLoadError` naming the tensor.
@@ -59,7 +60,7 @@ def load_model(
     attention: AttentionBackend,
     tensor_parallel: ShardGroup | None = None,
 ) -> Qwen2VLForConditionalGeneration:
-    """Loads a Qwen2-VL, Qwen2.5-VL, Qwen2 or Llama checkpoint folder; raises
+    """Loads a Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen2, Qwen3 or Llama checkpoint folder; raises
     `ModelLoadError` on any mismatch. With `tensor_parallel`, this rank's shard."""
     config = ModelConfig.from_model_dir(model_dir)
     rank, size = (0, 1) if tensor_parallel is None else tensor_parallel.shard
@@ -184,6 +185,9 @@ def expected_tensors(
                 vision.patch_size,
             )
             targets["visual.patch_embed.proj.weight"] = _Target(param_name, 0, hf_shape)
+            continue
+        if param_name == "visual.patch_embed.bias":
+            targets["visual.patch_embed.proj.bias"] = _Target(param_name, 0, shape)
             continue
         if param_name.startswith("visual.merger.fc"):
             hf_name = param_name.replace("merger.fc1.", "merger.mlp.0.")

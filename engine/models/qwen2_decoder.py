@@ -44,6 +44,8 @@ class MRotaryEmbedding(nn.Module):
 
     The `head_dim // 2` frequencies are split into `mrope_section = (s_t, s_h, s_w)`
     consecutive groups; group j takes its angle from position row j (t, h or w).
+    `interleaved` (Qwen3-VL) deals them out in turn instead: frequency 3i + 1 takes h for
+    the first s_h, 3i + 2 takes w for the first s_w, all others t.
     For text tokens all three rows are equal, which reduces to ordinary RoPE.
     """
 
@@ -53,9 +55,11 @@ class MRotaryEmbedding(nn.Module):
         theta: float,
         mrope_section: tuple[int, int, int],
         llama3_scaling: Llama3RopeScaling | None = None,
+        interleaved: bool = False,
     ) -> None:
         super().__init__()
         self.llama3_scaling = llama3_scaling
+        self.interleaved = interleaved
         if sum(mrope_section) != head_dim // 2:
             raise ValueError(f"mrope_section {mrope_section} must sum to head_dim // 2")
         self.head_dim = head_dim
@@ -75,6 +79,11 @@ class MRotaryEmbedding(nn.Module):
             inv_freq = llama3_inv_freq(inv_freq, *dataclasses.astuple(self.llama3_scaling))
         self.inv_freq = inv_freq
         rows = [row for row, size in enumerate(self.mrope_section) for _ in range(size)]
+        if self.interleaved:
+            _, num_h, num_w = self.mrope_section
+            rows = [0] * len(rows)
+            rows[1 : 3 * num_h : 3] = [1] * num_h
+            rows[2 : 3 * num_w : 3] = [2] * num_w
         self.section_rows = torch.tensor(rows, dtype=torch.long, device=device)  # [D/2]
 
     def forward(
@@ -202,7 +211,11 @@ class Qwen2Decoder(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = MRotaryEmbedding(
-            config.head_dim, config.rope_theta, config.mrope_section, config.llama3_rope_scaling
+            config.head_dim,
+            config.rope_theta,
+            config.mrope_section,
+            config.llama3_rope_scaling,
+            interleaved=config.mrope_interleaved,
         )
 
     def forward(
@@ -211,9 +224,17 @@ class Qwen2Decoder(nn.Module):
         positions: torch.Tensor,  # [3, T] int64
         kv_caches: list[torch.Tensor],  # per layer [num_blocks, 2, block_size, KVH, D]
         attn_metadata: AttentionMetadata,
+        deepstack: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:  # [T, hidden]
+        """`deepstack` (Qwen3-VL): media rows [M] and their levels [M, L, hidden]; level i
+        is added to the hidden states at those rows after layer i, as transformers does."""
         cos, sin = rotary_tables(*self.rotary(positions, embeds.dtype))  # [T, 1, D] each
         x, residual = embeds, None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        num_levels = 0 if deepstack is None else deepstack[1].shape[1]
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x, residual = layer(x, residual, cos, sin, kv_cache, attn_metadata)
+            if index < num_levels:
+                rows, levels = deepstack  # type: ignore[misc]
+                hidden = x if residual is None else residual + x  # the reference's order
+                x, residual = hidden.index_add(0, rows, levels[:, index]), None
         return self.norm.add_forward(x, residual)[0]

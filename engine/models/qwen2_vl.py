@@ -1,5 +1,6 @@
-"""Qwen2-VL and Qwen2.5-VL: a vision tower and the Qwen2 decoder behind one module (the two
-architectures share the decoder, the M-RoPE and the merger's output; their towers differ).
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL: a vision tower and the Qwen2 decoder behind one module
+(the architectures share the decoder, the M-RoPE and the merger's output; their towers
+differ, and Qwen3-VL's decoder has Qwen3's q/k norms, interleaved M-RoPE and deepstack).
 
 The model runner calls, per step:
     rows = model.encode_images(pixel_values, grid_thw)      # uncached media, all at once
@@ -22,6 +23,7 @@ from engine.models.layers import scatter_rows
 from engine.models.qwen2_5_vl_vision import Qwen25VisionTransformer
 from engine.models.qwen2_decoder import Qwen2Decoder
 from engine.models.qwen2_vl_vision import Qwen2VisionTransformer
+from engine.models.qwen3_vl_vision import Qwen3VisionTransformer
 from engine.tensor_parallel import ShardGroup
 
 
@@ -51,6 +53,8 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         self.visual: nn.Module | None = None  # a text-only model (Qwen2 or Llama)
         if config.vision is not None and config.vision.variant == "qwen2_5_vl":
             self.visual = Qwen25VisionTransformer(config.vision)
+        elif config.vision is not None and config.vision.variant == "qwen3_vl":
+            self.visual = Qwen3VisionTransformer(config.vision)
         elif config.vision is not None:
             self.visual = Qwen2VisionTransformer(config.vision)
         self.model = Qwen2Decoder(
@@ -99,15 +103,20 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         positions: torch.Tensor,  # [3, T] int64 (t, h, w rows)
         kv_caches: list[torch.Tensor],  # per layer [num_blocks, 2, block_size, KVH, D]
         attn_metadata: AttentionMetadata,
-        multimodal_embeds: torch.Tensor | None = None,  # [M, hidden]
+        multimodal_embeds: torch.Tensor | None = None,  # [M, encoder_width]
         multimodal_rows: torch.Tensor | None = None,  # [M] int64 flat rows, in order
     ) -> torch.Tensor:  # [T, hidden], after the final norm
         embeds = self.model.embed_tokens(input_ids)  # [T, hidden]
+        deepstack = None
         if multimodal_embeds is not None and multimodal_rows is not None:
-            scatter_rows(embeds, multimodal_rows, multimodal_embeds.to(embeds.dtype))
+            hidden = embeds.shape[1]
+            rows = multimodal_embeds.to(embeds.dtype)
+            scatter_rows(embeds, multimodal_rows, rows[:, :hidden])
+            if rows.shape[1] > hidden:  # Qwen3-VL: the deepstack levels follow
+                deepstack = (multimodal_rows, rows[:, hidden:].view(len(rows), -1, hidden))
         if self.tensor_parallel is not None:
             self.tensor_parallel.send_forward(embeds, positions, attn_metadata)
-        return self.model(embeds, positions, kv_caches, attn_metadata)
+        return self.model(embeds, positions, kv_caches, attn_metadata, deepstack)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, V] fp32
         if self.lm_head is None:  # tied: the embedding matrix is the LM head

@@ -112,14 +112,15 @@ def vision_rotary_positions(
 class VisionRotary(nn.Module):
     """2D rotary: a quarter of the head dim rotates with h, a quarter with w (then mirrored)."""
 
-    def __init__(self, head_dim: int) -> None:
+    def __init__(self, head_dim: int, theta: float = VISION_ROPE_THETA) -> None:
         super().__init__()
         self.head_dim = head_dim
+        self.theta = theta
         self.register_buffer("inv_freq", torch.empty(head_dim // 4), persistent=False)
         self.init_buffers()
 
     def init_buffers(self) -> None:
-        self.inv_freq = rope_inv_freq(self.head_dim // 2, VISION_ROPE_THETA, self.inv_freq.device)
+        self.inv_freq = rope_inv_freq(self.head_dim // 2, self.theta, self.inv_freq.device)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions [N, 2] -> cos, signed sin [N, 1, head_dim] float32 (`rotary_tables`)

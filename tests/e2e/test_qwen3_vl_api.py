@@ -1,0 +1,85 @@
+"""A Qwen3-VL checkpoint (`tiny-qwen3-vl`) served over HTTP answers as transformers'
+Qwen3VLForConditionalGeneration does: a picture by data: URL, and the same picture as
+`image_features` written by `tessera encode-features`, whose rows carry the deepstack
+levels beside the merged ones (without them the answer would differ). A video is a 400
+that says why, and the server goes on."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+openai = pytest.importorskip("openai")
+
+from tokenizers import Tokenizer  # noqa: E402
+
+from bench.datasets import data_url  # noqa: E402
+from bench.local_inputs import moving_pictures, picture, png_bytes, video_bytes  # noqa: E402
+from engine.encode_features import main as encode_main  # noqa: E402
+from engine.tiny_model import make_tiny_model  # noqa: E402
+from tests.e2e.conftest import MODEL_NAME, run_server  # noqa: E402
+from tests.hf_reference import HFGreedy  # noqa: E402
+
+NUM_NEW = 12
+GREEDY = {"temperature": 0, "max_tokens": NUM_NEW, "extra_body": {"ignore_eos": True}}
+QUESTION = {"type": "text", "text": "What is in the picture?"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("q3vl_http"), size="tiny-qwen3-vl", seed=8)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("q3vl_http_log") / "server.log"
+    with run_server(model_dir, log, "--enable-feature-inputs") as handle:
+        yield handle
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def answer(client, content: list[dict]) -> tuple[int, str]:
+    response = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": content}], **GREEDY
+    )
+    return response.usage.prompt_tokens, response.choices[0].message.content
+
+
+def test_a_picture_and_its_features_match_transformers(client, model_dir, tmp_path):
+    reference = HFGreedy(model_dir)
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    image = picture(200, 136, 4)
+    inputs = reference.inputs([{"role": "user", "content": [{"type": "image"}, QUESTION]}],
+                              images=[image])  # fmt: skip
+    expected = (inputs["input_ids"].shape[1], tokenizer.decode(reference.generate(inputs, NUM_NEW)))
+    png = png_bytes(image)
+    part = {"type": "image_url", "image_url": {"url": data_url(png, "image/png")}}
+    assert answer(client, [part, QUESTION]) == expected
+    (tmp_path / "picture.png").write_bytes(png)
+    output = io.StringIO()
+    with contextlib.redirect_stdout(output):
+        assert encode_main(["--model", str(model_dir), "--output", str(tmp_path),
+                            str(tmp_path / "picture.png")]) == 0  # fmt: skip
+    line = json.loads(output.getvalue().strip().splitlines()[-1])
+    features = {"url": data_url((tmp_path / "picture.safetensors").read_bytes()),
+                "grid_thw": line["grid_thw"]}  # fmt: skip
+    assert answer(client, [{"type": "image_features", "image_features": features}, QUESTION]) == (
+        expected
+    )
+
+
+def test_a_video_is_a_400_and_the_server_goes_on(client):
+    clip = video_bytes(moving_pictures(64, 64, 8, salt=2), fps=4)
+    part = {"type": "video_url", "video_url": {"url": data_url(clip, "video/mp4")}}
+    with pytest.raises(openai.BadRequestError, match="(?i)video") as info:
+        answer(client, [part, QUESTION])
+    assert info.value.status_code == 400
+    assert answer(client, [QUESTION])[0] > 0

@@ -1,0 +1,128 @@
+"""Qwen3-VL against transformers' Qwen3VLForConditionalGeneration on a generated checkpoint
+(`tiny-qwen3-vl`: Qwen3's decoder with a head dim of 48, interleaved M-RoPE sections of
+10 / 7 / 7, 16-pixel patches, an 8 x 8 learned position table, deepstack from vision blocks
+0 and 2 into decoder layers 0 and 1).
+
+The vision tower is compared alone (grids smaller and larger than the position table, odd
+aspect ratios, several items in one call: the merged rows and every deepstack level), then
+greedy generation token for token: text, pictures of several sizes in one batch, two
+pictures in one prompt, a picture split over prefill chunks (its deepstack rows arrive
+chunk by chunk), and one served from the encoder and prefix caches. Videos are refused
+(Qwen3-VL's timestamped frames are not implemented yet), not crashed on.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+from bench.local_inputs import moving_pictures, picture, video_bytes  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.attention import get_attention_backend  # noqa: E402
+from engine.errors import ModelLoadError  # noqa: E402
+from engine.model_config import ModelConfig  # noqa: E402
+from engine.models.loader import load_model  # noqa: E402
+from engine.tiny_model import make_tiny_model  # noqa: E402
+from tests.hf_reference import HFGreedy  # noqa: E402
+from tests.parity.test_qwen2_5_vl_parity import chat  # noqa: E402
+
+NUM_NEW = 16
+GREEDY = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
+# Patch grids (t, h, w): smaller than the 8 x 8 table, equal, larger, thin, two frames.
+GRIDS = [(1, 4, 6), (1, 8, 8), (1, 14, 10), (1, 2, 16), (2, 6, 4)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("qwen3_vl"), size="tiny-qwen3-vl", seed=5)
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    return HFGreedy(model_dir)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    with LLM(str(model_dir), num_kv_blocks=256) as llm:
+        yield llm
+
+
+def test_the_config_reads_the_qwen3_fields(model_dir):
+    config = ModelConfig.from_model_dir(model_dir)
+    vision = config.vision
+    assert vision.variant == "qwen3_vl" and vision.patch_size == 16
+    assert vision.num_position_embeddings == 64
+    assert vision.deepstack_visual_indexes == (0, 2) and vision.hidden_act == "gelu_pytorch_tanh"
+    assert (config.head_dim, config.mrope_section) == (48, (10, 7, 7))
+    assert config.qk_norm and config.mrope_interleaved and not config.attention_bias
+    assert config.encoder_width == 3 * config.hidden_size  # merged rows + 2 deepstack levels
+    with pytest.raises(ModelLoadError, match="tensor parallelism"):
+        config.shard(2)
+
+
+def test_vision_tower_equals_transformers(model_dir, hf):
+    model = load_model(
+        str(model_dir),
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        attention=get_attention_backend("torch"),
+    )
+    grid = torch.tensor(GRIDS)
+    pixels = torch.randn(int(grid.prod(-1).sum()), 3 * 2 * 16 * 16,
+                         generator=torch.Generator().manual_seed(0))  # fmt: skip
+    with torch.no_grad():
+        ours = model.encode_images(pixels, grid)
+        output = hf.model.model.visual(pixels, grid_thw=grid)
+        theirs = torch.cat([output.pooler_output, *output.deepstack_features], dim=-1)
+        alone = model.encode_images(pixels[: 4 * 6], grid[:1])  # each item alone: the same
+    assert ours.shape == (int(grid.prod(-1).sum()) // 4, 3 * 128)
+    torch.testing.assert_close(ours, theirs, atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(alone, ours[:6], atol=1e-5, rtol=1e-5)
+
+
+def test_text_and_pictures_match_transformers(llm, hf):
+    sizes = [(112, 84), (256, 160), (128, 352), (64, 64)]
+    prompts, expected = [], []
+    plain, messages = chat([], "Tell me a story about windows.")
+    prompts.append(plain)
+    expected.append(hf.inputs(messages))
+    for index, (width, height) in enumerate(sizes):
+        image = picture(width, height, index)
+        prompt, messages = chat([{"type": "image", "image": image}], f"Picture {index}?")
+        prompts.append(prompt)
+        expected.append(hf.inputs(messages, images=[image]))
+    first, second = picture(96, 64, 7), picture(64, 128, 8)
+    prompt, messages = chat([{"type": "image", "image": first}, {"type": "image", "image": second}],
+                            "Compare them.")  # fmt: skip
+    prompts.append(prompt)
+    expected.append(hf.inputs(messages, images=[first, second]))
+    results = llm.generate(prompts, GREEDY)  # one batch
+    for result, inputs in zip(results, expected, strict=True):
+        assert result.error is None, result.error
+        assert result.prompt_token_ids == inputs["input_ids"][0].tolist()
+        assert result.token_ids == hf.generate(inputs, NUM_NEW)
+
+
+def test_a_picture_across_prefill_chunks_and_from_the_caches(model_dir, hf):
+    image = picture(256, 160, 3)  # 40 placeholder rows
+    prompt, messages = chat([{"type": "image", "image": image}], "Describe it.")
+    expected = hf.generate(hf.inputs(messages, images=[image]), NUM_NEW)
+    with LLM(str(model_dir), num_kv_blocks=256, max_num_batched_tokens=16) as llm:
+        [chunked] = llm.generate([prompt], GREEDY)
+        [again] = llm.generate([prompt], GREEDY)  # encoder and prefix caches warm
+        assert sum(s.prefix_cache_hits_total for s in llm.last_stats) > 0
+    assert chunked.error is None and again.error is None
+    assert chunked.token_ids == expected == again.token_ids
+
+
+def test_a_video_is_refused_and_the_batch_goes_on(llm):
+    clip = video_bytes(moving_pictures(64, 64, 8, salt=1), fps=4)
+    video, _ = chat([{"type": "video", "video": clip}], "What happens?")
+    text, _ = chat([], "Hello")
+    refused, answered = llm.generate([video, text], GREEDY)
+    assert refused.error is not None and "video" in refused.error.message
+    assert answered.error is None and len(answered.token_ids) == NUM_NEW
