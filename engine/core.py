@@ -44,7 +44,6 @@ from engine.errors import (
 )
 from engine.feature_admission import FeatureAdmission
 from engine.grammar_admission import GrammarAdmission
-from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner, PendingStep, error_info
 from engine.models.mrope import mrope_positions
 from engine.multimodal.image_processor import normalization_table
@@ -83,15 +82,6 @@ class InFlightStep:
     scheduler_output: SchedulerOutput
     pending: PendingStep | None  # None: nothing ran (empty step, or it failed at launch)
     outputs: list[RequestOutput]
-
-
-def _modalities(mc: ModelConfig) -> list[Modality]:
-    """What the model's prompts may hold: Qwen3-VL's videos are not implemented yet."""
-    if mc.vision is None:
-        return []
-    if mc.vision.variant == "qwen3_vl":
-        return [Modality.IMAGE]
-    return [Modality.IMAGE, Modality.VIDEO]
 
 
 class EngineCore:
@@ -137,7 +127,7 @@ class EngineCore:
             block_size=self.config.block_size,
             num_kv_blocks=self.runner.num_kv_blocks,
             eos_token_ids=list(mc.eos_token_ids),
-            modalities=_modalities(mc),
+            modalities=[] if mc.vision is None else [Modality.IMAGE, Modality.VIDEO],
             dtype=str(self.runner.dtype).removeprefix("torch."),
             device=str(self.runner.device),
         )
@@ -373,11 +363,12 @@ class EngineCore:
             )
         if request.media and mc.vision is None:
             raise InvalidRequest("this model takes no images or videos", param="messages")
-        if mc.vision is not None and Modality.VIDEO not in _modalities(mc):
-            if any(item.modality == Modality.VIDEO for item in request.media):
+        if mc.vision is not None and mc.vision.variant == "qwen3_vl":
+            if any(m.modality == Modality.VIDEO and m.grid_thw[0] != 1 for m in request.media):
                 raise InvalidRequest(
-                    "videos are not supported for this model yet (Qwen3-VL writes a timestamp "
-                    "before every frame); send images",
+                    "Qwen3-VL takes a video as one media item per temporal patch (grid_thw "
+                    "t = 1), each after its time in the prompt; video features are not "
+                    "supported for it",
                     param="messages",
                 )
         media = [self._media_item(m, i, tensors) for i, m in enumerate(request.media)]

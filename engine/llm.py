@@ -27,6 +27,7 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.errors import InvalidRequest, TesseraError
 from engine.model_runner import error_info
+from engine.multimodal.placement import place_media
 from engine.protocol import (
     EngineRequest,
     ErrorInfo,
@@ -223,29 +224,34 @@ class LLM:
             rendering["template_kwargs"] = rendering.pop("chat_template_kwargs")
         processed = self.prompt_processor.process_chat(
             messages,
-            media_token_counts=[(kind, item.num_tokens) for kind, item in items],
+            media_token_counts=[
+                (kind, item.num_tokens, item.frame_seconds) for kind, item in items
+            ],  # fmt: skip
             **rendering,
         )
-        media = [
+        unplaced = [
             MediaInput(
-                modality=Modality(span.modality),
+                modality=Modality(kind),
                 content_hash=item.content_hash,
-                offset=span.offset,
-                num_tokens=span.num_tokens,
+                offset=0,
+                num_tokens=item.num_tokens,
                 grid_thw=tuple(item.grid_thw),
                 pixel_values=TensorRef(index, "uint8", tuple(item.pixel_levels.shape)),
                 normalization=item.normalization,
                 second_per_grid_t=item.second_per_grid_t,
             )
-            for index, (span, (_, item)) in enumerate(zip(processed.spans, items, strict=True))
+            for index, (kind, item) in enumerate(items)
         ]
+        media, tensors = place_media(
+            unplaced, processed.spans, [item.pixel_levels for _, item in items]
+        )
         request = EngineRequest(
             request_id=request_id,
             prompt_token_ids=processed.token_ids,
             sampling=sampling,
             media=media,
         )
-        return request, [item.pixel_levels for _, item in items]
+        return request, tensors
 
     def _process_media(self, part: dict, param: str, processing):
         """ProcessedImage of an {"type": "image"} or {"type": "video"} content part under

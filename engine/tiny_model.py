@@ -13,7 +13,7 @@ benchmarks. Qwen2.5-VL (`architecture="qwen2_5_vl"`): `tiny-qwen2.5-vl` for test
 2 x 2 merged tokens, so small pictures span several, edge windows included),
 `small-qwen2.5-vl` for CPU benchmarks and the real `qwen2.5-vl-3b` / `qwen2.5-vl-7b` shapes.
 Qwen3-VL: `tiny-qwen3-vl` for tests (interleaved M-RoPE, deepstack, a learned position
-table smaller and larger than test pictures). Text-only decoders: `tiny-qwen2` (Qwen2ForCausalLM), `tiny-llama` (LlamaForCausalLM,
+table smaller and larger than test pictures; videos frame by frame after their times). Text-only decoders: `tiny-qwen2` (Qwen2ForCausalLM), `tiny-llama` (LlamaForCausalLM,
 with a BOS-adding tokenizer and llama3 rotary scaling) and `tiny-qwen3` (Qwen3ForCausalLM:
 q/k head norms, a head dim that is not hidden / heads). Every size keeps a small trained
 tokenizer; the big ones only pad the embedding / lm_head rows up to the real vocabulary

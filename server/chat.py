@@ -28,10 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import msgspec
-
 from engine.errors import InvalidRequest, MediaError
 from engine.multimodal.image_processor import ImageProcessorConfig, ProcessedImage
+from engine.multimodal.placement import place_media
 from engine.multimodal.prompt import PromptProcessor, final_message_text
 from engine.protocol import FeatureSource, MediaInput, Modality, TensorRef
 from server.generation import PreparedPrompt
@@ -203,7 +202,7 @@ class UuidRegistry:
 
     def remember(self, uuid: str, modality: Modality, image: ProcessedImage) -> None:
         facts = RememberedMedia(
-            tuple(image.grid_thw), image.num_tokens, image.second_per_grid_t
+            tuple(image.grid_thw), image.num_tokens, image.second_per_grid_t, image.frame_seconds
         )  # fmt: skip
         with self._lock:
             self._items[uuid] = (modality, facts)
@@ -235,6 +234,7 @@ class RememberedMedia(NamedTuple):
     grid_thw: tuple[int, int, int]
     num_tokens: int
     second_per_grid_t: float
+    frame_seconds: tuple[float, ...] = ()
 
 
 UUIDS = UuidRegistry()
@@ -268,10 +268,17 @@ async def prepare_chat_prompt(
     policy = FeaturePolicy.from_settings(settings) if features else None
     for part in features:
         policy.check(part)  # type: ignore[union-attr]
+        if processor.timestamped_video_frames and part.modality is Modality.VIDEO:
+            raise InvalidRequest(
+                "this model writes each video frame's time into the prompt, which video "
+                "features do not carry; send the video, or its frames as image_features",
+                param=part.param,
+            )
     processing = fetcher.processing_for(request.mm_processor_kwargs) if pixel_parts else None
     processed = await _load_media(pixel_parts, fetcher, processing)
-    media, tensors, counts = [], [], []
+    media, tensors, counts = [], [], []  # counts: (modality, tokens[, frame times])
     for part in parts:
+        frame_seconds: tuple[float, ...] = ()
         if part.is_feature:
             grid = part.grid_thw
             url_hash = hashlib.blake2b(part.url.encode(), digest_size=16).hexdigest()  # type: ignore[union-attr]
@@ -285,9 +292,10 @@ async def prepare_chat_prompt(
                 second_per_grid_t=part.second_per_grid_t or policy.default_second_per_grid_t,  # type: ignore[union-attr]
             )
         else:
-            item = _pixel_input(part, processed.get(part.param), tensors)
+            item, frame_seconds = _pixel_input(part, processed.get(part.param), tensors)
         media.append(item)
-        counts.append((item.modality.value, item.num_tokens))
+        count = (item.modality.value, item.num_tokens)
+        counts.append((*count, frame_seconds) if frame_seconds else count)
     plan = request.tool_plan
     prompt = await asyncio.to_thread(
         processor.process_chat,
@@ -297,9 +305,7 @@ async def prepare_chat_prompt(
         tools=plan.tools if plan else None,
         **request.template_options,
     )
-    media = [
-        _with_offset(item, span.offset) for item, span in zip(media, prompt.spans, strict=True)
-    ]
+    media, tensors = place_media(media, prompt.spans, tensors)
     return PreparedPrompt(token_ids=prompt.token_ids, media=media, tensors=tensors)
 
 
@@ -323,8 +329,11 @@ async def _load_media(
     return {p.param: image for p, image in zip(with_url, results, strict=True)}
 
 
-def _pixel_input(part: MediaPart, image: ProcessedImage | None, tensors: list[Any]) -> MediaInput:
-    """MediaInput of a processed image or video (`image`), or of a uuid-only part (None)."""
+def _pixel_input(
+    part: MediaPart, image: ProcessedImage | None, tensors: list[Any]
+) -> tuple[MediaInput, tuple[float, ...]]:
+    """MediaInput of a processed image or video (`image`), or of a uuid-only part (None),
+    and for a video when each temporal patch was shot."""
     if image is None:  # uuid only: the engine must hold the encoding already
         known = UUIDS.lookup(part.uuid, part.modality, param=part.param)  # type: ignore[arg-type]
         return MediaInput(
@@ -334,7 +343,7 @@ def _pixel_input(part: MediaPart, image: ProcessedImage | None, tensors: list[An
             num_tokens=known.num_tokens,
             grid_thw=known.grid_thw,
             second_per_grid_t=known.second_per_grid_t,
-        )
+        ), known.frame_seconds
     content_hash = image.content_hash
     if part.uuid is not None:
         content_hash = "uuid:" + part.uuid
@@ -350,8 +359,4 @@ def _pixel_input(part: MediaPart, image: ProcessedImage | None, tensors: list[An
         second_per_grid_t=image.second_per_grid_t,
     )
     tensors.append(image.pixel_levels)  # [num_patches, C * T * P * P] uint8
-    return item
-
-
-def _with_offset(item: MediaInput, offset: int) -> MediaInput:
-    return msgspec.structs.replace(item, offset=offset)
+    return item, image.frame_seconds

@@ -10,6 +10,8 @@ engine/multimodal/video.py), whose levels equal what `Qwen2VLVideoProcessor` mak
 same frames (checked against it in tests/unit/test_video.py where torchvision exists, and
 in docs/multimodal.md), so the model is what is compared. For Qwen2.5-VL each video also
 carries its `second_per_grid_ts` (what Qwen2_5_VLProcessor computes from the sampled fps).
+For Qwen3-VL a video's placeholder becomes what Qwen3VLProcessor.replace_video_token writes:
+per temporal patch, its time ("<1.5 seconds>") and its own vision start, pads and end.
 """
 
 from __future__ import annotations
@@ -55,10 +57,14 @@ class HFGreedy:
                 # float32, as the processor's BatchFeature makes of its list of floats
                 seconds = [v.second_per_grid_t for v in videos]
                 extra["second_per_grid_ts"] = torch.tensor(seconds, dtype=torch.float32)
-        for pad, numbers in counts.items():
+        expansions = {pad: [pad * n for n in numbers] for pad, numbers in counts.items()}
+        if self.architecture == "Qwen3VLForConditionalGeneration":
+            expansions["<|video_pad|>"] = [_timestamped_frames(v) for v in videos]
+        for pad, replacements in expansions.items():
             pieces = text.split(pad)
             text = pieces[0] + "".join(
-                pad * n + piece for n, piece in zip(numbers, pieces[1:], strict=True)
+                replacement + piece
+                for replacement, piece in zip(replacements, pieces[1:], strict=True)
             )
         inputs = dict(self.tokenizer(text, return_tensors="pt"))
         ids = inputs["input_ids"]
@@ -72,3 +78,12 @@ class HFGreedy:
                 **inputs, max_new_tokens=num_tokens, min_new_tokens=num_tokens, do_sample=False
             )
         return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def _timestamped_frames(video) -> str:
+    """Qwen3VLProcessor.replace_video_token's text for one processed video."""
+    per_frame = video.num_tokens // len(video.frame_seconds)
+    return "".join(
+        f"<{seconds:.1f} seconds><|vision_start|>" + "<|video_pad|>" * per_frame + "<|vision_end|>"
+        for seconds in video.frame_seconds
+    )

@@ -176,6 +176,8 @@ class ProcessedImage:
     content_hash: str
     # Videos: seconds of video one temporal patch spans (Qwen2.5-VL's M-RoPE spacing).
     second_per_grid_t: float = 1.0
+    # Videos: when each temporal patch was shot, in seconds (Qwen3-VL writes it before it).
+    frame_seconds: tuple[float, ...] = ()
 
     @property
     def pixel_values(self) -> torch.Tensor:

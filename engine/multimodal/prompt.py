@@ -12,6 +12,7 @@ single placeholder into that many copies and records where each item's span star
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
@@ -36,11 +37,14 @@ RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt")
 
 @dataclass(frozen=True)
 class PlaceholderSpan:
-    """Where one media item's placeholder tokens sit in a prompt."""
+    """Where one media item's placeholder tokens sit in a prompt (or, for a video laid out
+    frame by frame, one temporal patch's: `frame` is its index, `item` the video's)."""
 
     modality: str  # "image" | "video"
     offset: int  # index in token_ids of the first placeholder token
     num_tokens: int
+    item: int = 0  # which media item, in prompt order
+    frame: int | None = None  # the temporal patch of a video laid out frame by frame
 
 
 @dataclass(frozen=True)
@@ -69,8 +73,12 @@ class PromptProcessor:
         special_tokens: dict[str, str | None] | None = None,
         eos_token_ids: list[int] | None = None,
         model_token_ids: dict[str, int] | None = None,
+        timestamped_video_frames: bool = False,
     ):
         self.tokenizer = tokenizer
+        # Qwen3-VL: a video's placeholder becomes, per temporal patch, "<t seconds>" then
+        # the patch's own <|vision_start|> pads <|vision_end|> (its processor's layout).
+        self.timestamped_video_frames = timestamped_video_frames
         self.chat_template = chat_template
         self.special_tokens = dict(special_tokens or {})
         ids = dict(model_token_ids or {})
@@ -143,6 +151,7 @@ class PromptProcessor:
             special_tokens=special_tokens,
             eos_token_ids=[int(i) for i in eos_ids or []],
             model_token_ids=model_token_ids,
+            timestamped_video_frames=model_config.get("model_type") == "qwen3_vl",
         )
 
     # ------------------------------------------------------------------ chat rendering
@@ -221,9 +230,13 @@ class PromptProcessor:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def expand_placeholders(
-        self, token_ids: list[int], media_token_counts: list[tuple[str, int]]
+        self, token_ids: list[int], media_token_counts: list[tuple]
     ) -> ProcessedPrompt:
         """Replace the i-th placeholder token with `media_token_counts[i][1]` copies.
+
+        Each entry is (modality, num_tokens) or, for a video, (modality, num_tokens,
+        frame_seconds): with `timestamped_video_frames` such a video is laid out temporal
+        patch by temporal patch, each after its time (one span per patch).
 
         The placeholders in `token_ids` must match the media items one for one, in kind and
         order; anything else (including placeholder tokens typed into a text prompt) is a
@@ -232,21 +245,44 @@ class PromptProcessor:
         kinds = self._placeholder_kinds
         positions = [i for i, token_id in enumerate(token_ids) if token_id in kinds]
         found = [kinds[token_ids[i]] for i in positions]
-        given = [modality for modality, _ in media_token_counts]
+        given = [entry[0] for entry in media_token_counts]
         if found != given:
             raise MediaError(_mismatch_message(found, given), param="messages")
         output: list[int] = []
         spans: list[PlaceholderSpan] = []
         start = 0
-        for position, (modality, num_tokens) in zip(positions, media_token_counts, strict=True):
+        for index, (position, entry) in enumerate(zip(positions, media_token_counts, strict=True)):
+            modality, num_tokens, *frames = entry
             if num_tokens < 1:
                 raise MediaError(f"a {modality} must take at least one token", param="messages")
             output.extend(token_ids[start:position])
-            spans.append(PlaceholderSpan(modality, len(output), num_tokens))
-            output.extend([token_ids[position]] * num_tokens)
+            frame_seconds = frames[0] if frames else ()
+            if self.timestamped_video_frames and modality == "video" and frame_seconds:
+                spans += self._timestamped_frames(output, index, num_tokens, frame_seconds)
+            else:
+                spans.append(PlaceholderSpan(modality, len(output), num_tokens, index))
+                output.extend([token_ids[position]] * num_tokens)
             start = position + 1
         output.extend(token_ids[start:])
         return ProcessedPrompt(token_ids=output, spans=spans)
+
+    def _timestamped_frames(
+        self, output: list[int], item: int, num_tokens: int, frame_seconds: Sequence[float]
+    ) -> list[PlaceholderSpan]:
+        """Appends a video's temporal patches to `output` as Qwen3-VL's processor writes
+        them (`<1.5 seconds><|vision_start|><|video_pad|>...<|vision_end|>` each); their
+        spans."""
+        per_frame, remainder = divmod(num_tokens, len(frame_seconds))
+        if remainder or self.vision_start_token_id is None or self.vision_end_token_id is None:
+            raise MediaError("the video's frames do not split its tokens", param="messages")
+        spans = []
+        for frame, seconds in enumerate(frame_seconds):
+            output.extend(self.encode(f"<{seconds:.1f} seconds>"))
+            output.append(self.vision_start_token_id)
+            spans.append(PlaceholderSpan("video", len(output), per_frame, item, frame))
+            output.extend([self.video_token_id] * per_frame)  # type: ignore[list-item]
+            output.append(self.vision_end_token_id)
+        return spans
 
     def process_chat(
         self,

@@ -2,14 +2,18 @@
 
 The result is what `transformers`' `Qwen2VLVideoProcessor` gives for the same frames with
 `do_sample_frames=True, fps=..., max_frames=..., cap_pixels_per_frame=True,
-max_video_tokens=...`:
+max_video_tokens=...` (Qwen3-VL: what its `Qwen3VLVideoProcessor` gives, `qwen3_*` below):
 
 * **Sampling** (`sample_frame_indices`): `fps` frames per second of video, at least
   `min_frames`, at most `max_frames` and the video's own frame count, rounded down to a
   multiple of the temporal patch size; indices `arange(0, total, total / n)`, truncated.
+  Qwen3-VL: int(seconds x `fps`) frames in the same bounds, not rounded to the patch,
+  indices `linspace(0, total - 1, n)` rounded; each temporal patch's time goes into the
+  prompt (`temporal_patch_seconds`).
 * **Resize**: every frame to the `smart_resize` size of the first (bounds from the model's
   video config, the upper one shared out of a whole-video token budget as transformers'
-  `cap_pixels_per_frame=True, max_video_tokens=...` does), bicubic with antialiasing on
+  `cap_pixels_per_frame=True, max_video_tokens=...` does; Qwen3-VL's bounds hold the whole
+  video's t x h x w, `qwen3_video_size`), bicubic with antialiasing on
   uint8 through `torch.nn.functional.interpolate` (the kernel torchvision's uint8 resize
   runs on CPU, so the levels are identical).
 * **Patches**: each frame cut as an image is (`frame_patches`), then consecutive frames
@@ -77,6 +81,7 @@ class VideoConfig:
     min_frames: int = DEFAULT_MIN_FRAMES
     max_frames: int = DEFAULT_MAX_FRAMES
     max_tokens: int | None = DEFAULT_MAX_TOKENS  # a whole video's budget; None = no budget
+    qwen3: bool = False  # Qwen3-VL's frame sampling and sizing (the model's config.json)
 
     def __post_init__(self) -> None:
         if not self.fps > 0:
@@ -99,7 +104,8 @@ class VideoConfig:
     ) -> VideoConfig:
         """The model's video settings; `fps`, `max_frames` and `max_tokens` are the server's."""
         image_config = ImageProcessorConfig.from_model_dir(model_dir)
-        limits = {"fps": fps, "max_frames": max_frames, "max_tokens": max_tokens}
+        limits = {"fps": fps, "max_frames": max_frames, "max_tokens": max_tokens,
+                  "qwen3": _is_qwen3_vl(Path(model_dir))}  # fmt: skip
         path = Path(model_dir) / "video_preprocessor_config.json"
         if not path.is_file():
             return cls(image_config, **limits)
@@ -110,6 +116,17 @@ class VideoConfig:
             return cls(frame, min_frames=min_frames, **limits)
         except (ValueError, TypeError, AttributeError) as exc:
             raise ModelLoadError(f"video_preprocessor_config.json is invalid: {exc}") from exc
+
+    def qwen3_max_pixels(self, num_frames: int) -> int:
+        """Qwen3-VL's bound on the whole video's t x h x w: with `max_tokens`, each frame's
+        share of it (at most that many tokens' pixels, at least 1.05 x `min_pixels`) times
+        the frames, as its processor's `cap_pixels_per_frame=True`."""
+        frame = self.frame
+        if self.max_tokens is None:
+            return frame.max_pixels
+        cap = self.max_tokens * frame.factor * frame.factor
+        share = max(min(cap, frame.max_pixels // max(num_frames, 1)), int(frame.min_pixels * 1.05))
+        return share * num_frames
 
     def frame_max_pixels(self, num_frames: int) -> int:
         """Per-frame pixel bound for a video of `num_frames` sampled frames.
@@ -136,6 +153,8 @@ def sample_frame_indices(
     patch = config.frame.temporal_patch_size
     if total_frames <= 0:
         return []
+    if config.qwen3:
+        return _qwen3_frame_indices(total_frames, video_fps, config)
     max_frames = math.floor(min(config.max_frames, total_frames) / patch) * patch
     if video_fps is not None and video_fps > 0:
         wanted = total_frames / video_fps * config.fps
@@ -148,6 +167,21 @@ def sample_frame_indices(
     # The same float arithmetic as transformers (float32 arange, truncated to int).
     indices = torch.arange(0, total_frames, total_frames / num_frames).int().tolist()
     return indices[:num_frames]
+
+
+def _qwen3_frame_indices(total_frames: int, video_fps: float | None, config: VideoConfig):
+    """Qwen3VLVideoProcessor.sample_frames with `fps` (a file without a frame rate counts as
+    24 fps there)."""
+    wanted = int(total_frames / (video_fps or 24.0) * config.fps)
+    num_frames = min(max(wanted, config.min_frames), config.max_frames, total_frames)
+    return np.linspace(0, total_frames - 1, num_frames).round().astype(int).tolist()
+
+
+def _is_qwen3_vl(model_dir: Path) -> bool:
+    try:
+        return json.loads((model_dir / "config.json").read_text()).get("model_type") == "qwen3_vl"
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 class DecodedVideo(NamedTuple):
@@ -167,6 +201,19 @@ def second_per_grid_t(
     if video_fps and total_frames > 0 and num_sampled > 0:
         sampled_fps = num_sampled / total_frames * video_fps
     return config.frame.temporal_patch_size / sampled_fps
+
+
+def temporal_patch_seconds(
+    frame_indices: list[int], video_fps: float | None, config: VideoConfig
+) -> tuple[float, ...]:
+    """When each temporal patch was shot: the mean of its first and last frame's times
+    (index / the file's frame rate, or `config.fps` without one), a last short patch
+    repeating its last frame, as transformers' `Qwen3VLProcessor._calculate_timestamps`."""
+    patch = config.frame.temporal_patch_size
+    indices = list(frame_indices)
+    indices += indices[-1:] * (-len(indices) % patch)
+    times = [index / (video_fps or config.fps) for index in indices]
+    return tuple((times[i] + times[i + patch - 1]) / 2 for i in range(0, len(times), patch))
 
 
 @dataclass(frozen=True)
@@ -375,6 +422,8 @@ def frame_size(height: int, width: int, num_frames: int, config: VideoConfig) ->
     Apply it to source sizes only: where the pixel bounds are close (a tight token budget),
     `smart_resize` of its own output can move again."""
     frame = config.frame
+    if config.qwen3:
+        return qwen3_video_size(num_frames, height, width, config)
     return smart_resize(
         height,
         width,
@@ -382,6 +431,33 @@ def frame_size(height: int, width: int, num_frames: int, config: VideoConfig) ->
         min_pixels=frame.min_pixels,
         max_pixels=config.frame_max_pixels(num_frames),
     )
+
+
+def qwen3_video_size(
+    num_frames: int, height: int, width: int, config: VideoConfig
+) -> tuple[int, int]:
+    """Qwen3-VL's video smart_resize: sides rounded to the patch grid, scaled so that the
+    video's frames (rounded to the temporal patch) times the frame's area stays within
+    `min_pixels` .. `qwen3_max_pixels`."""
+    frame = config.frame
+    factor, temporal = frame.factor, frame.temporal_patch_size
+    min_pixels, max_pixels = frame.min_pixels, config.qwen3_max_pixels(num_frames)
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    if max(height, width) / min(height, width) > 200:
+        raise MediaError("the video's aspect ratio is over 200:1")
+    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
+    t_bar = round(max(num_frames, temporal) / temporal) * temporal
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt(num_frames * height * width / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (num_frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
 
 
 def load_video(
@@ -395,7 +471,9 @@ def load_video(
     temporal patches and the content hash."""
     video = decode_video(data, config, limits, param=param)
     seconds = second_per_grid_t(len(video.frames), video.total_frames, video.fps, config)
-    return _from_resized(np.stack(video.frames), config, seconds)
+    indices = sample_frame_indices(video.total_frames, video.fps, config)[: len(video.frames)]
+    times = temporal_patch_seconds(indices, video.fps, config)
+    return _from_resized(np.stack(video.frames), config, seconds, times)
 
 
 def process_video(frames: list[np.ndarray], config: VideoConfig) -> ProcessedImage:
@@ -403,12 +481,15 @@ def process_video(frames: list[np.ndarray], config: VideoConfig) -> ProcessedIma
     frames count as sampled at `config.fps`."""
     size = frame_size(frames[0].shape[0], frames[0].shape[1], len(frames), config)
     resized = np.stack([resize_frame(frame, *size) for frame in frames])
-    return _from_resized(resized, config, second_per_grid_t(0, 0, None, config))
+    times = temporal_patch_seconds(list(range(len(frames))), None, config)
+    return _from_resized(resized, config, second_per_grid_t(0, 0, None, config), times)
 
 
-def _from_resized(frames: np.ndarray, config: VideoConfig, seconds: float) -> ProcessedImage:
+def _from_resized(
+    frames: np.ndarray, config: VideoConfig, seconds: float, times: tuple[float, ...]
+) -> ProcessedImage:
     """[N, H, W, C] uint8 frames at their final size -> ProcessedImage (`seconds` of video
-    per temporal patch)."""
+    per temporal patch, `times` when each was shot)."""
     frame_config = config.frame
     levels, grid_thw = patchify_frames(frames, frame_config)
     merge = frame_config.merge_size
@@ -419,6 +500,7 @@ def _from_resized(frames: np.ndarray, config: VideoConfig, seconds: float) -> Pr
         num_tokens=grid_thw[0] * grid_thw[1] * grid_thw[2] // merge**2,
         content_hash=video_content_hash(levels, grid_thw, frame_config),
         second_per_grid_t=seconds,
+        frame_seconds=times,
     )
 
 

@@ -1,8 +1,8 @@
 """A Qwen3-VL checkpoint (`tiny-qwen3-vl`) served over HTTP answers as transformers'
-Qwen3VLForConditionalGeneration does: a picture by data: URL, and the same picture as
-`image_features` written by `tessera encode-features`, whose rows carry the deepstack
-levels beside the merged ones (without them the answer would differ). A video is a 400
-that says why, and the server goes on."""
+Qwen3VLForConditionalGeneration does: a picture by data: URL, the same picture as
+`image_features` written by `tessera encode-features` (whose rows carry the deepstack
+levels beside the merged ones), and a video laid out frame by frame after each temporal
+patch's time, sent whole or by its uuid alone."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from tokenizers import Tokenizer  # noqa: E402
 from bench.datasets import data_url  # noqa: E402
 from bench.local_inputs import moving_pictures, picture, png_bytes, video_bytes  # noqa: E402
 from engine.encode_features import main as encode_main  # noqa: E402
+from engine.multimodal.video import VideoConfig, load_video  # noqa: E402
 from engine.tiny_model import make_tiny_model  # noqa: E402
 from tests.e2e.conftest import MODEL_NAME, run_server  # noqa: E402
 from tests.hf_reference import HFGreedy  # noqa: E402
@@ -76,10 +77,21 @@ def test_a_picture_and_its_features_match_transformers(client, model_dir, tmp_pa
     )
 
 
-def test_a_video_is_a_400_and_the_server_goes_on(client):
-    clip = video_bytes(moving_pictures(64, 64, 8, salt=2), fps=4)
+def test_a_video_frame_by_frame_matches_transformers(client, model_dir):
+    """A video_url, then the same video by its uuid alone (its frames' times remembered);
+    video_features cannot carry the times, so they are a 400 naming the part."""
+    reference = HFGreedy(model_dir)
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    clip = video_bytes(moving_pictures(96, 64, 19, salt=2), fps=4)  # 10 frames: 5 patches
+    video = load_video(clip, VideoConfig.from_model_dir(model_dir))
+    assert len(video.frame_seconds) == 5
+    inputs = reference.inputs([{"role": "user", "content": [{"type": "video"}, QUESTION]}],
+                              videos=[video])  # fmt: skip
+    expected = (inputs["input_ids"].shape[1], tokenizer.decode(reference.generate(inputs, NUM_NEW)))
     part = {"type": "video_url", "video_url": {"url": data_url(clip, "video/mp4")}}
-    with pytest.raises(openai.BadRequestError, match="(?i)video") as info:
-        answer(client, [part, QUESTION])
-    assert info.value.status_code == 400
-    assert answer(client, [QUESTION])[0] > 0
+    assert answer(client, [{**part, "uuid": "clip-q3"}, QUESTION]) == expected
+    assert answer(client, [{"type": "video_url", "uuid": "clip-q3"}, QUESTION]) == expected
+    features = {"url": "data:application/octet-stream;base64,AAAA", "grid_thw": [2, 4, 4]}
+    with pytest.raises(openai.BadRequestError) as info:
+        answer(client, [{"type": "video_features", "video_features": features}, QUESTION])
+    assert info.value.body["param"] == "messages[0].content[0]"

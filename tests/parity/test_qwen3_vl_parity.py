@@ -7,8 +7,10 @@ The vision tower is compared alone (grids smaller and larger than the position t
 aspect ratios, several items in one call: the merged rows and every deepstack level), then
 greedy generation token for token: text, pictures of several sizes in one batch, two
 pictures in one prompt, a picture split over prefill chunks (its deepstack rows arrive
-chunk by chunk), and one served from the encoder and prefix caches. Videos are refused
-(Qwen3-VL's timestamped frames are not implemented yet), not crashed on.
+chunk by chunk), one served from the encoder and prefix caches, and videos laid out temporal
+patch by temporal patch after their times (the processor's layout, which
+tests/hf_reference.py writes for transformers). Frame sampling, timestamps and frame sizes
+are held to transformers' Qwen3-VL video processor's own functions.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("transformers")
+
+import dataclasses  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -25,6 +29,13 @@ from engine.attention import get_attention_backend  # noqa: E402
 from engine.errors import ModelLoadError  # noqa: E402
 from engine.model_config import ModelConfig  # noqa: E402
 from engine.models.loader import load_model  # noqa: E402
+from engine.multimodal.video import (  # noqa: E402
+    VideoConfig,
+    frame_size,
+    load_video,
+    sample_frame_indices,
+    temporal_patch_seconds,
+)
 from engine.tiny_model import make_tiny_model  # noqa: E402
 from tests.hf_reference import HFGreedy  # noqa: E402
 from tests.parity.test_qwen2_5_vl_parity import chat  # noqa: E402
@@ -119,10 +130,48 @@ def test_a_picture_across_prefill_chunks_and_from_the_caches(model_dir, hf):
     assert chunked.token_ids == expected == again.token_ids
 
 
-def test_a_video_is_refused_and_the_batch_goes_on(llm):
-    clip = video_bytes(moving_pictures(64, 64, 8, salt=1), fps=4)
-    video, _ = chat([{"type": "video", "video": clip}], "What happens?")
-    text, _ = chat([], "Hello")
-    refused, answered = llm.generate([video, text], GREEDY)
-    assert refused.error is not None and "video" in refused.error.message
-    assert answered.error is None and len(answered.token_ids) == NUM_NEW
+def test_videos_frame_by_frame_with_their_times_match_transformers(llm, model_dir, hf):
+    """Each temporal patch after its time: 12 frames at 4 fps, 19 at 4 fps (an odd count
+    of sampled frames, the last patch repeating its frame), 40 at 2 fps; with a picture."""
+    config = VideoConfig.from_model_dir(model_dir)
+    assert config.qwen3
+    image = picture(96, 96, 9)
+    prompts, expected = [], []
+    for index, (width, height, count, fps) in enumerate([(160, 120, 12, 4), (96, 96, 19, 4),
+                                                         (64, 64, 40, 2)]):  # fmt: skip
+        data = video_bytes(moving_pictures(width, height, count, salt=index), fps=fps)
+        video = load_video(data, config)
+        assert len(video.frame_seconds) == video.grid_thw[0] > 1
+        parts = [{"type": "video", "video": data}, {"type": "image", "image": image}]
+        prompt, messages = chat(parts, f"What happens in clip {index}?")
+        prompts.append(prompt)
+        expected.append(hf.inputs(messages, images=[image], videos=[video]))
+    results = llm.generate(prompts, GREEDY)
+    for result, inputs in zip(results, expected, strict=True):
+        assert result.error is None, result.error
+        assert result.prompt_token_ids == inputs["input_ids"][0].tolist()
+        assert result.token_ids == hf.generate(inputs, NUM_NEW)
+
+
+def test_timestamps_and_sampling_follow_the_qwen3_video_processor(model_dir):
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import (
+        Qwen3VLVideoProcessor,
+        smart_resize,
+    )
+    from transformers.video_utils import VideoMetadata
+
+    config = dataclasses.replace(VideoConfig.from_model_dir(model_dir), max_frames=768,
+                                 min_frames=4, max_tokens=None)  # fmt: skip
+    reference = Qwen3VLVideoProcessor()
+    for total, fps in [(40, 2.0), (19, 4.0), (300, 30.0), (7, 24.0), (3, 1.0)]:
+        indices = sample_frame_indices(total, fps, config)
+        metadata = VideoMetadata(total_num_frames=total, fps=fps)
+        assert indices == reference.sample_frames(metadata, fps=2).tolist(), (total, fps)
+        times = Qwen3VLProcessor._calculate_timestamps(None, list(indices), fps, 2)
+        assert temporal_patch_seconds(indices, fps, config) == pytest.approx(times)
+    frame = config.frame
+    for frames, height, width in [(8, 120, 160), (32, 1080, 1920), (4, 20, 600), (2, 33, 33)]:
+        expected = smart_resize(frames, height, width, factor=frame.factor,
+                                min_pixels=frame.min_pixels, max_pixels=frame.max_pixels)  # fmt: skip
+        assert frame_size(height, width, frames, config) == expected

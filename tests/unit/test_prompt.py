@@ -103,9 +103,9 @@ def test_expand_placeholders_spans(processor):
     result = processor.expand_placeholders(token_ids, [("image", 3), ("video", 2), ("image", 1)])
     assert result.token_ids == [1, 2, image, image, image, 3, video, video, image, 4]
     assert result.spans == [
-        PlaceholderSpan("image", 2, 3),
-        PlaceholderSpan("video", 6, 2),
-        PlaceholderSpan("image", 8, 1),
+        PlaceholderSpan("image", 2, 3, item=0),
+        PlaceholderSpan("video", 6, 2, item=1),
+        PlaceholderSpan("image", 8, 1, item=2),
     ]
     for span in result.spans:
         expected = image if span.modality == "image" else video
