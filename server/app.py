@@ -55,6 +55,7 @@ from server.openai_models import (
     dump,
 )
 from server.prompt_echo import PromptEcho
+from server.reasoning import prompt_opens_thinking, reasoning_format
 from server.request_limits import RequestLimitMiddleware
 from server.request_log import RequestLogMiddleware, record_of
 from server.response_events import ResponseShaper, stream_response
@@ -431,6 +432,7 @@ def _job(state: AppState, body: Any, prompt: Any, *, prefix: str) -> GenerationJ
         tokens_as_ids=body.return_tokens_as_token_ids,
         prompt_only=getattr(body, "prompt_only", False),
         tools=_tool_plan(state, body),
+        thinking_opened=_thinking_opened(state, body, prompt),
         priority=body.priority,
     )
 
@@ -446,6 +448,18 @@ def _truncated(prompt: PreparedPrompt, body: Any, max_model_len: int) -> Prepare
         raise InvalidRequest("truncate_prompt_tokens must keep at least one token",
                              param="truncate_prompt_tokens")  # fmt: skip
     return prompt.keep_last(keep)
+
+
+def _thinking_opened(state: AppState, body: Any, prompt: PreparedPrompt) -> bool | None:
+    """A chat request's reasoning parsing (server/reasoning.py): None without a parser,
+    else whether the rendered prompt left a <think> open for the model."""
+    if not isinstance(body, ChatCompletionRequest):
+        return None
+    template = body.chat_template or state.processor.chat_template
+    if reasoning_format(state.settings.reasoning_parser, template) is None:
+        return None
+    tail = state.processor.decode(prompt.token_ids[-8:], skip_special_tokens=False)
+    return prompt_opens_thinking(tail)
 
 
 def _tool_plan(state: AppState, body: Any) -> ToolPlan | None:

@@ -19,8 +19,8 @@ from server.openai_models import (
     ResponseToolCall,
 )
 from server.prompt_echo import PromptEcho
+from server.reasoning import ReasoningSplitter
 from server.streaming import ChoiceResult, GenerationJob, usage_of
-from server.tool_calls import ToolPlan
 
 
 def prepare_completion_prompt(
@@ -91,7 +91,7 @@ def chat_response(
             stop_reason=result.stop_reason,
         )
         for i, result in enumerate(results)
-        for message, finish_reason in [_message(job.tools, result)]
+        for message, finish_reason in [_message(job, result)]
     ]
     scores = None
     if job.sampling.prompt_logprobs is not None:
@@ -106,14 +106,21 @@ def chat_response(
     )
 
 
-def _message(tools: ToolPlan | None, result: ChoiceResult) -> tuple[ResponseMessage, str | None]:
-    """The assistant message of one choice and its finish reason: with tools, the tool
-    calls found in the text (content None when there is none besides them)."""
+def _message(job: GenerationJob, result: ChoiceResult) -> tuple[ResponseMessage, str | None]:
+    """The assistant message of one choice and its finish reason: its reasoning apart when
+    the job has a reasoning parser; with tools, the tool calls found in the rest of the
+    text (content None when there is none besides them)."""
+    reasoning, text = None, result.text
+    if job.thinking_opened is not None:
+        reasoning, text = ReasoningSplitter(opened=job.thinking_opened).split(text)
+    tools = job.tools
     if tools is None:
-        return ResponseMessage(content=result.text), result.finish_reason
-    content, calls = tools.split(result.text)
+        return ResponseMessage(content=text, reasoning_content=reasoning), result.finish_reason
+    content, calls = tools.split(text)
     if not calls:
-        return ResponseMessage(content=content), result.finish_reason
+        message = ResponseMessage(content=content, reasoning_content=reasoning)
+        return message, result.finish_reason
     tool_calls = [ResponseToolCall.model_validate(call.as_dict()) for call in calls]
-    message = ResponseMessage(content=content or None, tool_calls=tool_calls)
+    message = ResponseMessage(content=content or None, reasoning_content=reasoning,
+                              tool_calls=tool_calls)  # fmt: skip
     return message, tools.finish_reason(result.finish_reason, calls)

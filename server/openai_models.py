@@ -564,11 +564,13 @@ class ResponseToolCall(_Response):
 class ResponseMessage(_Response):
     role: str = "assistant"
     content: str | None = None
+    # vLLM's / DeepSeek's: the thinking before the answer (server/reasoning.py)
+    reasoning_content: str | None = None
     tool_calls: list[ResponseToolCall] | None = None  # left out of the JSON when None
 
     @model_serializer(mode="wrap")
     def _no_null_tool_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _without_null(handler(self), "tool_calls")
+        return _without_null(handler(self), "tool_calls", "reasoning_content")
 
 
 class ChatChoice(_Response):
@@ -611,6 +613,7 @@ class DeltaToolCall(_Response):
 class DeltaMessage(_Response):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 
@@ -692,10 +695,11 @@ class ErrorResponse(_Response):
     error: ErrorDetail
 
 
-def _without_null(data: dict[str, Any], key: str) -> dict[str, Any]:
-    """`data` without `key` where it is None: an optional field left out of the JSON."""
-    if data.get(key) is None:
-        data.pop(key, None)
+def _without_null(data: dict[str, Any], *keys: str) -> dict[str, Any]:
+    """`data` without those `keys` that are None: optional fields left out of the JSON."""
+    for key in keys:
+        if data.get(key) is None:
+            data.pop(key, None)
     return data
 
 

@@ -37,6 +37,7 @@ import yaml
 
 from engine.config import EngineConfig
 from engine.logging_utils import LOG_FORMATS, LOG_LEVELS
+from server.reasoning import REASONING_PARSERS
 from server.tool_calls import TOOL_CALL_PARSERS
 
 ENV_PREFIX = "TESSERA_"
@@ -81,6 +82,7 @@ class ServerSettings:
     max_waiting_tokens: int = 1_000_000  # prompt tokens of all admitted unfinished requests
     trust_request_chat_template: bool = False  # accept a request's own `chat_template`
     tool_call_parser: str = "auto"  # "auto" (from the chat template) | "hermes" (<tool_call> blocks: Qwen2.5) | "llama3_json" ({"name", "parameters"}: Llama 3.1)
+    reasoning_parser: str = "auto"  # "auto" (qwen3 when the chat template writes <think>) | "qwen3" (<think>...</think> becomes reasoning_content) | "none"
     engine_startup_timeout_s: float = 600.0  # model load + KV allocation deadline
     shutdown_timeout_s: float = 30.0  # drain in-flight requests on SIGTERM, then stop
     engine_inbox_address: str | None = None  # tcp://HOST:PORT; None = private ipc:// socket
@@ -98,6 +100,11 @@ class ServerSettings:
             raise SettingsError(
                 f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, "
                 f"got {self.tool_call_parser!r}"
+            )
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise SettingsError(
+                f"reasoning_parser must be one of {REASONING_PARSERS}, "
+                f"got {self.reasoning_parser!r}"
             )
         if self.log_level.lower() not in LOG_LEVELS:
             raise SettingsError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")

@@ -33,6 +33,7 @@ from server.logprobs import (
 )
 from server.openai_models import PromptTokensDetails, UsageInfo, dump
 from server.prompt_echo import PromptEcho
+from server.reasoning import ReasoningSplitter
 from server.tool_calls import ToolPlan
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,9 @@ class GenerationJob:
     tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprobs name "token_id:{id}"
     prompt_only: bool = False  # echo with max_tokens 0: the generated token is left out
     tools: ToolPlan | None = None  # chat with tools: answers are parsed for tool calls
+    # chat with a reasoning parser: None (plain answers), or whether the prompt opened the
+    # thinking already (server/reasoning.py)
+    thinking_opened: bool | None = None
     priority: int = 0  # --scheduling-policy priority: lower runs first
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -121,6 +125,13 @@ class _ChunkWriter:
         if usage is not None:
             body["usage"] = dump(usage)
         return sse(body)
+
+
+def reasoning_splitters(job: GenerationJob) -> list[ReasoningSplitter] | None:
+    """One splitter per choice when the job's answers carry reasoning."""
+    if job.thinking_opened is None:
+        return None
+    return [ReasoningSplitter(opened=job.thinking_opened) for _ in range(job.n)]
 
 
 def usage_of(totals: GenerationTotals) -> UsageInfo:
@@ -194,13 +205,20 @@ async def stream_chat(
     for index in range(job.n):
         yield chunk([choice(index, {"role": "assistant", "content": ""})])
     extractors = [job.tools.extractor() for _ in range(job.n)] if job.tools else None
+    splitters = reasoning_splitters(job)
     wants_prompt_logprobs = job.sampling.prompt_logprobs is not None
     async with contextlib.aclosing(_guarded(run_job(job, engine, tokenizer, totals))) as pieces:
         async for piece in pieces:
             if isinstance(piece, bytes):
                 yield piece
                 return
-            text, finish, call_deltas = piece.text, piece.finish_reason, []
+            text, finish, call_deltas, reasoning = piece.text, piece.finish_reason, [], ""
+            if splitters is not None:  # the thinking first, then the answer
+                splitter = splitters[piece.index]
+                reasoning, text = splitter.feed(text)
+                if finish is not None:
+                    more_reasoning, more_text = splitter.finish()
+                    reasoning, text = reasoning + more_reasoning, text + more_text
             if extractors is not None:  # content up to a tool call now, the calls at the end
                 extractor = extractors[piece.index]
                 text, call_deltas = extractor.feed_stream(text)
@@ -215,6 +233,7 @@ async def stream_chat(
                 extra["prompt_logprobs"] = prompt_logprobs_json(scores)
             if (
                 not text
+                and not reasoning
                 and not call_deltas
                 and finish is None
                 and not (with_logprobs and piece.logprobs)
@@ -226,6 +245,8 @@ async def stream_chat(
                 entries = piece.logprobs
                 logprobs = dump(chat_logprobs(tokenizer, entries, as_ids=job.tokens_as_ids))
             delta: dict[str, Any] = {"content": text}
+            if reasoning:
+                delta["reasoning_content"] = reasoning
             if call_deltas:
                 delta["tool_calls"] = call_deltas
             body = choice(piece.index, delta, logprobs, finish)

@@ -172,7 +172,7 @@ class ToolCallExtractor:
             self._in_calls = True
             ready, self._held = self._held[:start], self._held[start:]
             return ready
-        keep = _partial_prefix_length(self._held, CALL_START)
+        keep = partial_prefix_length(self._held, CALL_START)
         ready = self._held[: len(self._held) - keep]
         self._held = self._held[len(ready) :]
         return ready
@@ -376,7 +376,7 @@ def _json_text(arguments: Any) -> str:
     return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
 
 
-def _partial_prefix_length(text: str, marker: str) -> int:
+def partial_prefix_length(text: str, marker: str) -> int:
     """Length of the longest tail of `text` that is a proper prefix of `marker`."""
     for length in range(min(len(text), len(marker) - 1), 0, -1):
         if marker.startswith(text[-length:]):

@@ -1,0 +1,103 @@
+"""Reasoning ("thinking") split from the answer, as Qwen3 models write it:
+
+    <think>
+    The user asks ... so ...
+    </think>
+
+    The answer.
+
+With `--reasoning-parser qwen3` (or "auto", the default, when the chat template mentions
+<think>) a chat answer's text between <think> and </think> becomes `reasoning_content`
+(vLLM's and DeepSeek's field) and only what follows </think> is `content`, where tool calls
+are looked for. Reasoning starts at a <think> that opens the answer, or at once when the
+prompt itself ends in <think> (templates that open the thinking for the model); an answer
+cut short before </think> is all reasoning. Without a <think> the whole answer is content.
+
+`ReasoningSplitter` works on a stream: `feed` returns the reasoning and content that may go
+out now (a tail that could begin a tag is held back until it cannot), `finish` the rest.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from server.tool_calls import partial_prefix_length
+
+REASONING_PARSERS = ("auto", "none", "qwen3")
+THINK_START = "<think>"
+THINK_END = "</think>"
+
+
+def reasoning_format(parser: str, chat_template: str | None) -> str | None:
+    """The parser in effect: "qwen3", or None for plain answers ("auto": qwen3 when the
+    chat template writes <think>)."""
+    if parser == "auto":
+        return "qwen3" if THINK_START in (chat_template or "") else None
+    return None if parser == "none" else parser
+
+
+def prompt_opens_thinking(prompt_text_tail: str) -> bool:
+    """The rendered prompt ends inside an open <think> (the answer starts as reasoning)."""
+    return prompt_text_tail.rstrip().endswith(THINK_START)
+
+
+class ReasoningSplitter:
+    """One choice's text, split into reasoning and content as it streams."""
+
+    def __init__(self, *, opened: bool = False) -> None:
+        self._state: Literal["start", "reasoning", "after", "content"] = (
+            "reasoning" if opened else "start"
+        )
+        self._held = ""
+        self.has_reasoning = opened
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """(reasoning, content) that may go out now."""
+        self._held += text
+        reasoning = content = ""
+        while True:
+            held = self._held
+            if self._state == "start":
+                stripped = held.lstrip()
+                if not stripped or (THINK_START.startswith(stripped) and stripped != THINK_START):
+                    return reasoning, content  # could still open with <think>
+                if stripped.startswith(THINK_START):
+                    self._state, self.has_reasoning = "reasoning", True
+                    self._held = stripped[len(THINK_START) :]
+                else:
+                    self._state = "content"
+                continue
+            if self._state == "reasoning":
+                end = held.find(THINK_END)
+                if end < 0:
+                    keep = partial_prefix_length(held, THINK_END)
+                    reasoning += held[: len(held) - keep]
+                    self._held = held[len(held) - keep :]
+                    return reasoning, content
+                reasoning += held[:end]
+                self._state, self._held = "after", held[end + len(THINK_END) :]
+                continue
+            if self._state == "after":  # the blank lines between </think> and the answer
+                stripped = held.lstrip("\r\n")
+                if not stripped:
+                    self._held = ""
+                    return reasoning, content
+                self._state, self._held = "content", stripped
+                continue
+            content += held
+            self._held = ""
+            return reasoning, content
+
+    def finish(self) -> tuple[str, str]:
+        """The held text at the end of the answer: reasoning when cut short inside it."""
+        held, self._held = self._held, ""
+        if self._state == "reasoning":
+            return held, ""
+        return "", held if self._state in ("start", "content") else ""
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        """A whole answer's (reasoning or None, content)."""
+        reasoning, content = self.feed(text)
+        more_reasoning, more_content = self.finish()
+        reasoning += more_reasoning
+        return (reasoning if self.has_reasoning else None), content + more_content

@@ -1,0 +1,84 @@
+"""Reasoning over HTTP (server/reasoning.py): with a chat template that writes <think>
+("auto" picks the qwen3 parser), the thinking comes as `reasoning_content` and the answer
+as `content`, streamed or not, tool calls parsed from the answer only; a template that
+opens the thinking itself makes the whole answer reasoning until </think>; with the model's
+own template (no <think>) nothing changes. The tiny model's weights are random, so a regex
+makes it write the shapes."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.conftest import MODEL_NAME, run_server
+
+openai = pytest.importorskip("openai")
+
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}<|im_start|>assistant\n{% if open_thinking %}<think>\n{% endif %}"
+    "{# a template for models that may <think> #}"
+)
+MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
+TOOLS = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+
+
+@pytest.fixture(scope="module")
+def client(model_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("reasoning") / "server.log"
+    with run_server(model_dir, log, "--trust-request-chat-template") as handle:
+        yield openai.OpenAI(base_url=handle.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def ask(client, regex: str, *, stream: bool = False, opened: bool = False, template=True, **kw):
+    extra = {"structured_outputs": {"regex": regex}, "chat_template_kwargs":
+             {"open_thinking": opened}}  # fmt: skip
+    if template:
+        extra["chat_template"] = THINKING_TEMPLATE
+    return client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=80,
+                                          temperature=0, stream=stream, extra_body=extra, **kw)  # fmt: skip
+
+
+def collect(stream) -> tuple[str, str, list]:
+    reasoning = content = ""
+    calls = []
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        reasoning += getattr(delta, "reasoning_content", None) or ""
+        content += delta.content or ""
+        calls += delta.tool_calls or []
+    return reasoning, content, calls
+
+
+def test_thinking_and_answer_come_apart(client):
+    regex = r"<think>\nfirst [a-z]{2,6}\n</think>\n\nthe answer [a-z]{2,6}"
+    message = ask(client, regex).choices[0].message
+    assert message.reasoning_content.startswith("\nfirst ") and "</think>" not in message.content
+    assert message.content.startswith("the answer ")
+    assert collect(ask(client, regex, stream=True))[:2] == (message.reasoning_content,
+                                                            message.content)  # fmt: skip
+
+
+def test_a_template_that_opens_the_thinking(client):
+    regex = r"all thought [a-z]{2,6}\n</think>\n\nsaid [a-z]{2,6}"
+    message = ask(client, regex, opened=True).choices[0].message
+    assert message.reasoning_content.startswith("all thought ")
+    assert message.content.startswith("said ")
+
+
+def test_tool_calls_come_from_the_answer_only(client):
+    regex = (r'<think>\nmaybe <tool_call>\n</think>\n\n<tool_call>\n'
+             r'\{"name": "get_time", "arguments": \{\}\}\n</tool_call>')  # fmt: skip
+    choice = ask(client, regex, tools=TOOLS).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.reasoning_content == "\nmaybe <tool_call>\n"
+    assert [call.function.name for call in choice.message.tool_calls] == ["get_time"]
+    reasoning, content, calls = collect(ask(client, regex, stream=True, tools=TOOLS))
+    assert reasoning == "\nmaybe <tool_call>\n" and content == ""
+    assert [call.function.name for call in calls] == ["get_time"]
+
+
+def test_without_think_in_the_template_nothing_is_split(client):
+    regex = r"<think>\nraw [a-z]{2,6}\n</think>\n\nkept"
+    message = ask(client, regex, template=False).choices[0].message
+    assert message.content.startswith("<think>\nraw ")
+    assert getattr(message, "reasoning_content", None) is None
