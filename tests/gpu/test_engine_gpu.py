@@ -60,7 +60,11 @@ def assert_all_track(candidate, reference, tol: float, min_agreed: float = 0.5) 
 
 
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
-@pytest.mark.parametrize("size,seed", [("tiny-hd128", 2), ("tiny2", 1)], ids=["hd128", "tiny2"])
+@pytest.mark.parametrize(
+    "size,seed",
+    [("tiny-hd128", 2), ("tiny2", 1), ("tiny-qwen3-vl", 5)],  # Qwen3-VL: q/k norms, deepstack
+    ids=["hd128", "tiny2", "qwen3-vl"],
+)
 def test_float32_torch_backend_matches_cpu(tmp_path, prompts, enforce_eager, size, seed):
     model_dir = make_tiny_model(tmp_path, seed=seed, size=size)
     cpu = generate(model_dir, prompts, device="cpu", dtype="float32")
