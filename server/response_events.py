@@ -1,14 +1,18 @@
 """Answers of /v1/responses: the Response object, and the typed events of a stream.
 
-An answer is a list of output items: one `message` whose content is one `output_text`
-part (with `logprobs` when asked), then one `function_call` item per tool call found in
-the text (server/tool_calls.py). A choice that hit `max_output_tokens` makes the response
+An answer is a list of output items: a `reasoning` item with the thinking when the chat
+has a reasoning parser and the model thought (server/reasoning.py; one `reasoning_text`
+part), one `message` whose content is one `output_text` part (with `logprobs` when asked),
+then one `function_call` item per tool call found in the text (server/tool_calls.py). A choice that hit `max_output_tokens` makes the response
 `incomplete` (`incomplete_details.reason` "max_output_tokens"), anything else `completed`.
 
 A stream is `event: <type>` / `data: {...}` pairs (no [DONE]), numbered by
 `sequence_number`:
 
     response.created, response.in_progress               status "in_progress"
+    (reasoning: response.output_item.added, response.content_part.added,
+     response.reasoning_text.delta ..., response.reasoning_text.done,
+     response.content_part.done, response.output_item.done)
     response.output_item.added, response.content_part.added
     response.output_text.delta ...                       as the text comes
     response.output_text.done, response.content_part.done, response.output_item.done
@@ -39,6 +43,7 @@ from engine.protocol import TokenLogprob
 from server.generation import GenerationTotals
 from server.logprobs import chat_logprobs
 from server.openai_models import dump
+from server.reasoning import ReasoningSplitter
 from server.responses import ResponsesRequest
 from server.streaming import ChoiceResult, GenerationJob, OnFinished, run_job
 from server.tool_calls import ToolCall
@@ -114,17 +119,31 @@ class ResponseShaper:
         return {"type": "message", "id": message_id or self.message_id, "status": status,
                 "role": "assistant", "content": content}  # fmt: skip
 
+    def reasoning(self, status: str, text: str | None, reasoning_id: str) -> dict[str, Any]:
+        """The `reasoning` item (None: still empty, as just opened)."""
+        content = [] if text is None else [reasoning_part(text)]
+        return {"type": "reasoning", "id": reasoning_id, "summary": [], "content": content,
+                "status": status}  # fmt: skip
+
     def final(self, result: ChoiceResult, totals: GenerationTotals) -> dict[str, Any]:
         """The Response of a finished, non-streamed choice."""
-        text, calls = result.text, []
+        text, calls, reasoning = result.text, [], None
+        if self.job.thinking_opened is not None:
+            reasoning, text = ReasoningSplitter(opened=self.job.thinking_opened).split(text)
         if self.job.tools is not None:
-            text, calls = self.job.tools.split(result.text)
+            text, calls = self.job.tools.split(text)
         status = response_status(result.finish_reason)
         output = []
+        if reasoning is not None:
+            output.append(self.reasoning(status, reasoning, f"rs_{uuid.uuid4().hex}"))
         if text or not calls:
             output.append(self.message(status, [self.text_part(text, result.logprobs)]))
         output += [call_item(call, "completed") for call in calls]
         return self.response(status, output, totals)
+
+
+def reasoning_part(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
 
 
 def response_status(finish_reason: str | None) -> str:
@@ -176,11 +195,44 @@ class _StreamedOutput:
         self.message_index: int | None = None  # output_index of the open message
         self.message_id = shaper.message_id
         self.call_items: dict[int, tuple[int, str]] = {}  # call index -> (output_index, id)
+        self.reasoning = ""
+        self.reasoning_index: int | None = None  # output_index of the open reasoning item
+        self.reasoning_id = f"rs_{uuid.uuid4().hex}"
+
+    def add_reasoning(self, text: str) -> Iterator[bytes]:
+        """Thinking: into the reasoning item, which opens first."""
+        if not text:
+            return
+        if self.reasoning_index is None:
+            self.reasoning_index = len(self.output)
+            item = self.shaper.reasoning("in_progress", None, self.reasoning_id)
+            self.output.append(item)
+            yield self.event("response.output_item.added", output_index=self.reasoning_index,
+                             item=item)  # fmt: skip
+            yield self.event("response.content_part.added", item_id=self.reasoning_id,
+                             output_index=self.reasoning_index, content_index=0,
+                             part=reasoning_part(""))  # fmt: skip
+        self.reasoning += text
+        yield self.event("response.reasoning_text.delta", item_id=self.reasoning_id,
+                         output_index=self.reasoning_index, content_index=0, delta=text)  # fmt: skip
+
+    def _close_reasoning(self, status: str = "completed") -> Iterator[bytes]:
+        index, self.reasoning_index = self.reasoning_index, None
+        if index is None:
+            return
+        common = {"item_id": self.reasoning_id, "output_index": index, "content_index": 0}
+        yield self.event("response.reasoning_text.done", **common, text=self.reasoning)
+        yield self.event("response.content_part.done", **common,
+                         part=reasoning_part(self.reasoning))  # fmt: skip
+        item = self.shaper.reasoning(status, self.reasoning, self.reasoning_id)
+        yield self.event("response.output_item.done", output_index=index, item=item)
+        self.output[index] = item
 
     def add_text(self, text: str, entries: Sequence[TokenLogprob]) -> Iterator[bytes]:
         self.pending += entries
         if not text:
             return
+        yield from self._close_reasoning()
         if self.message_index is None:
             yield from self._open_message()
         self.text += text
@@ -195,6 +247,7 @@ class _StreamedOutput:
         item; its arguments, if any, go out as an arguments delta."""
         index = delta["index"]
         if index not in self.call_items:
+            yield from self._close_reasoning()
             yield from self._close_message()
             call = ToolCall(delta["function"]["name"], "", delta["id"])
             output_index = len(self.output)
@@ -209,7 +262,8 @@ class _StreamedOutput:
                              output_index=output_index, delta=arguments)  # fmt: skip
 
     def finish(self, calls: list[ToolCall], status: str) -> Iterator[bytes]:
-        if not self.output and self.message_index is None and not calls:
+        yield from self._close_reasoning(status)
+        if not any(item["type"] != "reasoning" for item in self.output) and not calls:
             yield from self._open_message()  # an empty answer is still a message
         yield from self._close_message(status)
         for index, call in enumerate(calls):
@@ -225,7 +279,8 @@ class _StreamedOutput:
             self.output[output_index] = item
 
     def _open_message(self) -> Iterator[bytes]:
-        if self.output:  # text after a call: a message item of its own
+        if any(item["type"] != "reasoning" for item in self.output):
+            # text after a call: a message item of its own
             self.message_id = f"msg_{uuid.uuid4().hex}"
         self.message_index = len(self.output)
         self.text, self.entries = "", []
@@ -271,10 +326,20 @@ async def stream_response(
     yield event("response.in_progress", response=shaper.response("in_progress", []))
     streamed = _StreamedOutput(shaper, event)
     extractor = job.tools.extractor() if job.tools is not None else None
+    splitter = None
+    if job.thinking_opened is not None:
+        splitter = ReasoningSplitter(opened=job.thinking_opened)
     try:
         async with contextlib.aclosing(run_job(job, engine, tokenizer, totals)) as deltas:
             async for delta in deltas:
                 text, call_deltas = delta.text, []
+                if splitter is not None:  # the thinking first, then the answer
+                    reasoning, text = splitter.feed(text)
+                    if delta.finish_reason is not None:
+                        more_reasoning, more_text = splitter.finish()
+                        reasoning, text = reasoning + more_reasoning, text + more_text
+                    for chunk in streamed.add_reasoning(reasoning):
+                        yield chunk
                 if extractor is not None:
                     text, call_deltas = extractor.feed_stream(text)
                 for chunk in streamed.add_text(text, delta.logprobs):

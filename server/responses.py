@@ -28,7 +28,8 @@ sampling all go the chat's way:
                                       logprobs
     seed, stop, top_k, min_p, penalties, min_tokens, ignore_eos, logit_bias,
     stop_token_ids, skip_special_tokens, mm_processor_kwargs, structured_outputs,
-    priority                          passed through (vLLM takes them too)
+    priority, chat_template(_kwargs), cache_salt, bad_words, allowed_token_ids,
+    truncate_prompt_tokens            passed through (vLLM takes them too)
 
 Errors name the Responses field (`input[2].content[1]`, `max_output_tokens`), not the chat
 field it became (`responses_param`). Nothing is stored: `previous_response_id`,
@@ -67,6 +68,12 @@ PASSTHROUGH_FIELDS = (
     "mm_processor_kwargs",
     "structured_outputs",
     "priority",
+    "chat_template",
+    "chat_template_kwargs",
+    "cache_salt",
+    "bad_words",
+    "allowed_token_ids",
+    "truncate_prompt_tokens",
 )
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _TEXT_PARTS = ("input_text", "output_text")

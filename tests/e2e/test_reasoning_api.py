@@ -2,11 +2,15 @@
 ("auto" picks the qwen3 parser), the thinking comes as `reasoning_content` and the answer
 as `content`, streamed or not, tool calls parsed from the answer only; a template that
 opens the thinking itself makes the whole answer reasoning until </think>; with the model's
-own template (no <think>) nothing changes. The tiny model's weights are random, so a regex
+own template (no <think>) nothing changes. /v1/responses puts the thinking in a
+`reasoning` item. The tiny model's weights are random, so a regex
 makes it write the shapes."""
 
 from __future__ import annotations
 
+import json
+
+import httpx
 import pytest
 
 from tests.e2e.conftest import MODEL_NAME, run_server
@@ -23,10 +27,20 @@ TOOLS = [{"type": "function", "function": {"name": "get_time", "parameters": {"t
 
 
 @pytest.fixture(scope="module")
-def client(model_dir, tmp_path_factory):
+def server(model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("reasoning") / "server.log"
     with run_server(model_dir, log, "--trust-request-chat-template") as handle:
-        yield openai.OpenAI(base_url=handle.base_url + "/v1", api_key="unused", max_retries=0)
+        yield handle
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def http_base(server):
+    return server.base_url
 
 
 def ask(client, regex: str, *, stream: bool = False, opened: bool = False, template=True, **kw):
@@ -82,3 +96,36 @@ def test_without_think_in_the_template_nothing_is_split(client):
     message = ask(client, regex, template=False).choices[0].message
     assert message.content.startswith("<think>\nraw ")
     assert getattr(message, "reasoning_content", None) is None
+
+
+def test_responses_put_the_thinking_in_a_reasoning_item(client, http_base):
+    """Streamed or not, every event and response validates against openai's types."""
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    regex = r"<think>\nponder [a-z]{2,6}\n</think>\n\nreply [a-z]{2,6}"
+    body = {"model": MODEL_NAME, "input": "Weather in Paris?", "max_output_tokens": 60,
+            "temperature": 0, "chat_template": THINKING_TEMPLATE,
+            "structured_outputs": {"regex": regex}}  # fmt: skip
+    response = httpx.post(http_base + "/v1/responses", json=body, timeout=60).json()
+    Response.model_validate(response, strict=False)
+    reasoning, message = response["output"]
+    assert reasoning["type"] == "reasoning" and reasoning["summary"] == []
+    thought = reasoning["content"][0]["text"]
+    assert thought.startswith("\nponder ")
+    assert message["content"][0]["text"].startswith("reply ")
+    adapter = TypeAdapter(ResponseStreamEvent)
+    deltas, done = "", None
+    with httpx.stream("POST", http_base + "/v1/responses", json={**body, "stream": True},
+                      timeout=60) as stream:  # fmt: skip
+        for line in stream.iter_lines():
+            if line.startswith("data: "):
+                event = json.loads(line[6:])
+                adapter.validate_python(event)
+                if event["type"] == "response.reasoning_text.delta":
+                    deltas += event["delta"]
+                elif event["type"] == "response.completed":
+                    done = event["response"]
+    assert deltas == thought
+    assert [item["type"] for item in done["output"]] == ["reasoning", "message"]
+    assert done["output"][1]["content"][0]["text"] == message["content"][0]["text"]
