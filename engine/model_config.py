@@ -12,7 +12,8 @@ three rows. The vision towers differ (`VisionConfig.variant`), and so do the nam
 Qwen2.5-VL's `hidden_size` / `out_hidden_size`.
 
 Qwen3-VL (`qwen3_vl`) is Qwen3's decoder (q/k head norms, no biases) with interleaved
-M-RoPE and deepstack, behind its own tower (`VisionConfig`).
+M-RoPE and deepstack, behind its own tower (`VisionConfig`). Qwen3-MoE and Qwen3-VL-MoE
+put a mixture of experts in place of the MLP in their sparse layers (`MoEConfig`).
 
 Handles both the flat layout of hub checkpoints and the nested `text_config` layout newer
 `transformers` versions write (and Qwen3-VL's hub checkpoints use).
@@ -37,10 +38,17 @@ SUPPORTED_ARCHITECTURES: dict[str, VisionVariant | None] = {
     "Qwen2ForCausalLM": None,
     "LlamaForCausalLM": None,
     "Qwen3ForCausalLM": None,
+    "Qwen3MoeForCausalLM": None,
+    "Qwen3VLMoeForConditionalGeneration": "qwen3_vl",
 }
 # Decoders that normalise each query and key head (RMSNorm over head_dim) before the rotary
 # embedding: Qwen3's `q_norm` / `k_norm`.
-QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3VLForConditionalGeneration")
+QK_NORM_ARCHITECTURES = (
+    "Qwen3ForCausalLM",
+    "Qwen3VLForConditionalGeneration",
+    "Qwen3MoeForCausalLM",
+    "Qwen3VLMoeForConditionalGeneration",
+)
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,23 @@ class Llama3RopeScaling:
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts MLP (Qwen3-MoE, Qwen3-VL-MoE) in the layers `sparse_layers`
+    (the others keep the dense MLP): a router picks `top_k` of `num_experts` gated MLPs
+    of width `intermediate_size` per token, weighted by their softmax probabilities
+    (renormalised over the picked ones with `normalize`). `fused_checkpoint`: the
+    checkpoint stores each layer's experts as two 3D tensors ([E, hidden, 2 I] and
+    [E, I, hidden], Qwen3-VL-MoE's hub layout) rather than one tensor per expert."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    normalize: bool
+    sparse_layers: tuple[int, ...]
+    fused_checkpoint: bool = False
 
 
 @dataclass(frozen=True)
@@ -120,6 +145,7 @@ class ModelConfig:
     # Qwen3-VL: M-RoPE frequencies go to t, h, w in turn (t h w t h w ...) rather than in
     # three consecutive sections.
     mrope_interleaved: bool = False
+    moe: MoEConfig | None = None  # a mixture-of-experts decoder (Qwen3-MoE, Qwen3-VL-MoE)
     llama3_rope_scaling: Llama3RopeScaling | None = None
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -181,6 +207,7 @@ class ModelConfig:
                 attention_bias=_attention_bias(architecture, text),
                 qk_norm=architecture in QK_NORM_ARCHITECTURES,
                 mrope_interleaved=variant == "qwen3_vl",
+                moe=_moe_config(architecture, text),
                 llama3_rope_scaling=(
                     _llama3_rope_scaling(rope_scaling) if rope_type == "llama3" else None
                 ),
@@ -203,6 +230,11 @@ class ModelConfig:
         the MLP width. Everything else (hidden size, vocabulary, vision tower) is whole."""
         if size == 1:
             return self
+        if self.moe is not None:
+            raise ModelLoadError(
+                "tensor parallelism is not supported for mixture-of-experts models yet; use "
+                "tensor_parallel_size 1"
+            )
         if self.vision is not None and self.vision.deepstack_visual_indexes:
             raise ModelLoadError(
                 "tensor parallelism is not supported for Qwen3-VL yet (its deepstack rows "
@@ -277,6 +309,27 @@ def _vision_config(variant: VisionVariant, vision: dict, decoder_hidden: int) ->
         window_size=vision.get("window_size", 112),
         fullatt_block_indexes=tuple(vision.get("fullatt_block_indexes", (7, 15, 23, 31))),
         tokens_per_second=float(vision.get("tokens_per_second", 4)),
+    )
+
+
+def _moe_config(architecture: str, text: dict) -> MoEConfig | None:
+    """The experts of a Qwen3-MoE or Qwen3-VL-MoE decoder (transformers' defaults), or None."""
+    if "Moe" not in architecture:
+        return None
+    num_experts = text.get("num_experts", text.get("num_local_experts", 0))
+    step = text.get("decoder_sparse_step", 1) or 1
+    dense = set(text.get("mlp_only_layers") or ())
+    sparse = tuple(
+        i for i in range(text["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0
+    )
+    is_vl = architecture == "Qwen3VLMoeForConditionalGeneration"
+    return MoEConfig(
+        num_experts=num_experts,
+        top_k=text["num_experts_per_tok"],
+        intermediate_size=text["moe_intermediate_size"],
+        normalize=True if is_vl else bool(text.get("norm_topk_prob", False)),
+        sparse_layers=sparse if num_experts > 0 else (),
+        fused_checkpoint=is_vl,
     )
 
 

@@ -266,7 +266,10 @@ class ModelRunner:
         self.sampler = Sampler(config.seed)
         self.decode_graphs: DecodeGraphRunner | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
-            self.enable_decode_graphs(use_cuda_graphs=True)
+            if self.model_config.moe is None:
+                self.enable_decode_graphs(use_cuda_graphs=True)
+            else:  # the experts' loop reads the router's picks on the host (models/moe.py)
+                logger.info("decode steps run eagerly: a mixture of experts is not captured")
 
     def _start_shard_workers(self) -> ShardWorkers:
         """Starts tensor-parallel ranks 1..N-1 and joins the group with them (rank 0)."""

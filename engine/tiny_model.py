@@ -13,7 +13,8 @@ benchmarks. Qwen2.5-VL (`architecture="qwen2_5_vl"`): `tiny-qwen2.5-vl` for test
 2 x 2 merged tokens, so small pictures span several, edge windows included),
 `small-qwen2.5-vl` for CPU benchmarks and the real `qwen2.5-vl-3b` / `qwen2.5-vl-7b` shapes.
 Qwen3-VL: `tiny-qwen3-vl` for tests (interleaved M-RoPE, deepstack, a learned position
-table smaller and larger than test pictures; videos frame by frame after their times). Text-only decoders: `tiny-qwen2` (Qwen2ForCausalLM), `tiny-llama` (LlamaForCausalLM,
+table smaller and larger than test pictures; videos frame by frame after their times),
+and the mixtures of experts `tiny-qwen3-moe` and `tiny-qwen3-vl-moe`. Text-only decoders: `tiny-qwen2` (Qwen2ForCausalLM), `tiny-llama` (LlamaForCausalLM,
 with a BOS-adding tokenizer and llama3 rotary scaling) and `tiny-qwen3` (Qwen3ForCausalLM:
 q/k head norms, a head dim that is not hidden / heads). Every size keeps a small trained
 tokenizer; the big ones only pad the embedding / lm_head rows up to the real vocabulary
@@ -75,7 +76,7 @@ PRETOKENIZE_REGEX = (
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 VOCAB_ALIGNMENT = 64
-TEXT_ONLY_ARCHITECTURES = ("qwen2", "llama", "qwen3")
+TEXT_ONLY_ARCHITECTURES = ("qwen2", "llama", "qwen3", "qwen3_moe")
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,10 @@ class TinyModelSpec:
     explicit_head_dim: int | None = None  # config.json's head_dim (Qwen3); None: derived
     num_position_embeddings: int = 0  # qwen3_vl: the learned position table (a square)
     deepstack_visual_indexes: tuple[int, ...] = ()  # qwen3_vl
+    num_experts: int = 0  # qwen3_moe, qwen3_vl_moe: experts per sparse layer
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    mlp_only_layers: tuple[int, ...] = ()  # layers that keep the dense MLP
     vision_intermediate_size: int = 0  # qwen2_5_vl
     window_size: int = 112  # qwen2_5_vl
     fullatt_block_indexes: tuple[int, ...] = ()  # qwen2_5_vl
@@ -127,7 +132,14 @@ class TinyModelSpec:
 
     @property
     def is_qwen3_vl(self) -> bool:
-        return self.architecture == "qwen3_vl"
+        return self.architecture in ("qwen3_vl", "qwen3_vl_moe")
+
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        """The decoder layers whose MLP is a mixture of experts."""
+        if not self.num_experts:
+            return ()
+        return tuple(i for i in range(self.num_hidden_layers) if i not in self.mlp_only_layers)
 
     @property
     def has_vision(self) -> bool:
@@ -317,6 +329,12 @@ SIZES["tiny-qwen3"] = dataclasses.replace(
 # frequencies, so that t also takes the tail, as the real 24 / 20 / 20 do), 16-pixel
 # patches, an 8 x 8 learned position table, and deepstack from vision blocks 0 and 2 into
 # decoder layers 0 and 1.
+# Mixtures of experts: 8 experts of width 48, 2 per token, layer 1 dense (mlp_only_layers).
+# 2 x 48 differs from the hidden size, so a transposed expert tensor cannot pass for the
+# right one (transformers transposes the fused layout only where the shapes tell).
+MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+       "mlp_only_layers": (1,)}  # fmt: skip
+SIZES["tiny-qwen3-moe"] = dataclasses.replace(SIZES["tiny-qwen3"], architecture="qwen3_moe", **MOE)
 SIZES["tiny-qwen3-vl"] = dataclasses.replace(
     SIZES["tiny"],
     architecture="qwen3_vl",
@@ -328,6 +346,9 @@ SIZES["tiny-qwen3-vl"] = dataclasses.replace(
     min_pixels=64 * 64,
     num_position_embeddings=64,
     deepstack_visual_indexes=(0, 2),
+)
+SIZES["tiny-qwen3-vl-moe"] = dataclasses.replace(
+    SIZES["tiny-qwen3-vl"], architecture="qwen3_vl_moe", **MOE
 )
 
 
@@ -404,7 +425,8 @@ def _check_spec(spec: TinyModelSpec) -> None:
         raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
     if spec.vision_embed_dim % spec.vision_num_heads:
         raise ValueError("vision_embed_dim must be a multiple of vision_num_heads")
-    if spec.architecture not in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", *TEXT_ONLY_ARCHITECTURES):
+    known = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", *TEXT_ONLY_ARCHITECTURES)
+    if spec.architecture not in known:
         raise ValueError(f"unknown architecture {spec.architecture!r}")
     if spec.is_qwen3_vl and (
         int(spec.num_position_embeddings**0.5) ** 2 != spec.num_position_embeddings
@@ -497,6 +519,7 @@ def model_config_dict(spec: TinyModelSpec, token_ids: dict[str, int], vocab_size
         "qwen2": ("Qwen2ForCausalLM", "qwen2"),
         "llama": ("LlamaForCausalLM", "llama"),
         "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+        "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
     }[spec.architecture]
     config = {
         "architectures": [architecture],
@@ -537,9 +560,22 @@ def model_config_dict(spec: TinyModelSpec, token_ids: dict[str, int], vocab_size
             del config[key]
     if spec.architecture == "llama":
         config.update(LLAMA_CONFIG)
-    if spec.architecture == "qwen3":
+    if spec.architecture in ("qwen3", "qwen3_moe"):
         config.update(head_dim=spec.head_dim, attention_bias=False)
-    return config
+    return {**config, **_moe_fields(spec)}
+
+
+def _moe_fields(spec: TinyModelSpec) -> dict:
+    if not spec.num_experts:
+        return {}
+    return {
+        "num_experts": spec.num_experts,
+        "num_experts_per_tok": spec.num_experts_per_tok,
+        "moe_intermediate_size": spec.moe_intermediate_size,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": list(spec.mlp_only_layers),
+    }
 
 
 def _qwen3_vl_config(
@@ -573,9 +609,13 @@ def _qwen3_vl_config(
         "dtype": dtype,
         "use_cache": True,
         "vocab_size": vocab_size,
+        **_moe_fields(spec),
     }
+    moe = spec.architecture == "qwen3_vl_moe"
+    if moe:
+        text["model_type"] = "qwen3_vl_moe_text"
     vision = {
-        "model_type": "qwen3_vl",
+        "model_type": "qwen3_vl_moe" if moe else "qwen3_vl",
         "deepstack_visual_indexes": list(spec.deepstack_visual_indexes),
         "depth": spec.vision_depth,
         "hidden_act": "gelu_pytorch_tanh",
@@ -591,8 +631,10 @@ def _qwen3_vl_config(
         "temporal_patch_size": spec.temporal_patch_size,
     }
     return {
-        "architectures": ["Qwen3VLForConditionalGeneration"],
-        "model_type": "qwen3_vl",
+        "architectures": [
+            "Qwen3VLMoeForConditionalGeneration" if moe else "Qwen3VLForConditionalGeneration"
+        ],
+        "model_type": "qwen3_vl_moe" if moe else "qwen3_vl",
         "image_token_id": token_ids["<|image_pad|>"],
         "video_token_id": token_ids["<|video_pad|>"],
         "vision_start_token_id": token_ids["<|vision_start|>"],
@@ -692,7 +734,8 @@ def _tokenizer_config(token_ids: dict[str, int], chat_template: str) -> dict:
 
 
 def _preprocessor_config(spec: TinyModelSpec) -> dict:
-    processor = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor"}
+    processor = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor",
+                 "qwen3_vl_moe": "Qwen3VLProcessor"}  # fmt: skip
     mean, std = ((0.5,) * 3, (0.5,) * 3) if spec.is_qwen3_vl else (CLIP_MEAN, CLIP_STD)
     return {
         "image_processor_type": "Qwen2VLImageProcessor",

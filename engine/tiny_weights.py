@@ -21,6 +21,8 @@ from safetensors.torch import save_file
 if TYPE_CHECKING:
     from engine.tiny_model import TinyModelSpec
 
+QK_NORM_ARCHITECTURES = ("qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe")
+
 MATRIX_GAIN = 1.5
 MAX_SHARD_BYTES = 5 * 10**9  # transformers' historic default; a 7B bf16 file makes 4 shards
 SINGLE_FILE = "model.safetensors"
@@ -50,9 +52,12 @@ def weight_shapes(spec: TinyModelSpec, vocab_size: int) -> list[tuple[str, tuple
             (p + "mlp.up_proj.weight", (spec.intermediate_size, hidden)),
             (p + "mlp.down_proj.weight", (hidden, spec.intermediate_size)),
         ]
-        if spec.architecture in ("llama", "qwen3", "qwen3_vl"):  # no q, k, v biases
+        if spec.architecture in ("llama", *QK_NORM_ARCHITECTURES):  # no q, k, v biases
             layer = [(name, shape) for name, shape in layer if not name.endswith("_proj.bias")]
-        if spec.architecture in ("qwen3", "qwen3_vl"):  # an RMSNorm over each q and k head
+        if i in spec.sparse_layers:  # the MLP becomes a router and experts
+            layer = [entry for entry in layer if ".mlp." not in entry[0]]
+            layer += _expert_shapes(spec, p + "mlp.")
+        if spec.architecture in QK_NORM_ARCHITECTURES:  # an RMSNorm over each q and k head
             layer[2:2] = [(p + "self_attn.q_norm.weight", (spec.head_dim,)),
                           (p + "self_attn.k_norm.weight", (spec.head_dim,))]  # fmt: skip
         shapes += layer
@@ -113,6 +118,21 @@ def _qwen2_5_vision_shapes(spec: TinyModelSpec) -> list[tuple[str, tuple[int, ..
         ("visual.merger.mlp.2.weight", (spec.hidden_size, merged)),
         ("visual.merger.mlp.2.bias", (spec.hidden_size,)),
     ]
+
+
+def _expert_shapes(spec: TinyModelSpec, p: str) -> list[tuple[str, tuple[int, ...]]]:
+    """A sparse layer's router and experts: one tensor each per expert (Qwen3-MoE's hub
+    layout) or two fused [E, in, out] tensors (Qwen3-VL-MoE's)."""
+    hidden, width, count = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts
+    shapes = [(p + "gate.weight", (count, hidden))]
+    if spec.architecture == "qwen3_vl_moe":
+        return shapes + [(p + "experts.gate_up_proj", (count, hidden, 2 * width)),
+                         (p + "experts.down_proj", (count, width, hidden))]  # fmt: skip
+    for e in range(count):
+        shapes += [(f"{p}experts.{e}.gate_proj.weight", (width, hidden)),
+                   (f"{p}experts.{e}.up_proj.weight", (width, hidden)),
+                   (f"{p}experts.{e}.down_proj.weight", (hidden, width))]  # fmt: skip
+    return shapes
 
 
 def _layer_norm_block_shapes(
@@ -212,6 +232,8 @@ def iter_random_weights(
         is_embedding = name.endswith("embed_tokens.weight")
         if is_embedding:
             tensor.normal_(0.0, 1.0, generator=generator)
+        elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [E, in, out]
+            tensor.normal_(0.0, MATRIX_GAIN * shape[1] ** -0.5, generator=generator)
         elif len(shape) >= 2:
             fan_in = math.prod(shape[1:])
             tensor.normal_(0.0, MATRIX_GAIN * fan_in**-0.5, generator=generator)

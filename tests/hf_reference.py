@@ -58,7 +58,7 @@ class HFGreedy:
                 seconds = [v.second_per_grid_t for v in videos]
                 extra["second_per_grid_ts"] = torch.tensor(seconds, dtype=torch.float32)
         expansions = {pad: [pad * n for n in numbers] for pad, numbers in counts.items()}
-        if self.architecture == "Qwen3VLForConditionalGeneration":
+        if self.architecture.startswith("Qwen3VL"):  # Qwen3-VL and Qwen3-VL-MoE
             expansions["<|video_pad|>"] = [_timestamped_frames(v) for v in videos]
         for pad, replacements in expansions.items():
             pieces = text.split(pad)

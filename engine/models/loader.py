@@ -15,6 +15,11 @@ then each expected hub name maps to (our parameter, row range, how to reshape):
     visual.patch_embed.proj.weight [E,C,T,P,P] -> visual.patch_embed.weight [E, C*T*P*P]
     visual.patch_embed.proj.bias             -> visual.patch_embed.bias (Qwen3-VL)
     visual.merger.mlp.{0,2}.*                -> visual.merger.{fc1,fc2}.*
+    model.layers.N.mlp.experts.E.{gate,up}_proj.weight
+                                             -> expert E's rows of ...mlp.experts.gate_up_proj
+    model.layers.N.mlp.experts.E.down_proj.weight -> expert E of ...mlp.experts.down_proj
+    model.layers.N.mlp.experts.{gate_up,down}_proj [E, in, out] (Qwen3-VL-MoE, fused)
+                                             -> the same parameter, transposed to [E, out, in]
 Everything else keeps its name. Missing, mis-shaped or unexpected tensors raise
 `ModelLoadError` naming the tensor.
 
@@ -50,6 +55,8 @@ class _Target:
     param_name: str
     start: int
     shape: tuple[int, ...]  # the checkpoint tensor's expected shape
+    expert: int | None = None  # an expert's slice of a [E, ...] experts parameter
+    transpose: bool = False  # the checkpoint holds [E, in, out]: the parameter is [E, out, in]
 
 
 def load_model(
@@ -193,6 +200,9 @@ def expected_tensors(
             hf_name = param_name.replace("merger.fc1.", "merger.mlp.0.")
             targets[hf_name.replace("merger.fc2.", "merger.mlp.2.")] = _Target(param_name, 0, shape)
             continue
+        if param_name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            targets.update(_expert_targets(config, param_name, shape))
+            continue
         parts = vision_fused if param_name.startswith("visual.") else fused
         fused_key = next((key for key in parts if f".{key}." in param_name), None)
         if fused_key is None:
@@ -206,9 +216,34 @@ def expected_tensors(
     return targets
 
 
+def _expert_targets(
+    config: ModelConfig, param_name: str, shape: tuple[int, ...]
+) -> dict[str, _Target]:
+    """Where a layer's expert tensors go: the fused [E, in, out] tensor transposed, or one
+    tensor per expert (gate and up stacked in gate_up_proj)."""
+    if config.moe is not None and config.moe.fused_checkpoint:
+        num_experts, rows, columns = shape
+        return {param_name: _Target(param_name, 0, (num_experts, columns, rows), transpose=True)}
+    prefix = param_name.rsplit(".", 1)[0]  # model.layers.N.mlp.experts
+    targets = {}
+    for expert in range(shape[0]):
+        if param_name.endswith("gate_up_proj"):
+            width = shape[1] // 2
+            for start, part in ((0, "gate_proj"), (width, "up_proj")):
+                name = f"{prefix}.{expert}.{part}.weight"
+                targets[name] = _Target(param_name, start, (width, shape[2]), expert)
+        else:
+            name = f"{prefix}.{expert}.down_proj.weight"
+            targets[name] = _Target(param_name, 0, shape[1:], expert)
+    return targets
+
+
 def _copy_into(param: torch.nn.Parameter, target: _Target, tensor: torch.Tensor) -> None:
     rows = target.shape[0]
-    destination = param.data[target.start : target.start + rows]
+    data = param.data if target.expert is None else param.data[target.expert]
+    if target.transpose:
+        tensor = tensor.transpose(1, 2)
+    destination = data[target.start : target.start + rows]
     destination.copy_(tensor.reshape(destination.shape))
 
 

@@ -10,7 +10,8 @@ concatenated along the output dim) and one `gate_up_proj` per layer.
 Llama's decoder is this one without the q, k, v biases (`ModelConfig.attention_bias`) and,
 for Llama 3.1 and later, with its rotary scaling (`ModelConfig.llama3_rope_scaling`).
 Qwen3's is this one without the biases and with `q_norm` / `k_norm`, an RMSNorm over each
-query and key head before the rotary embedding (`ModelConfig.qk_norm`).
+query and key head before the rotary embedding (`ModelConfig.qk_norm`); Qwen3-MoE's has
+a mixture of experts (engine/models/moe.py) in place of the MLP in its sparse layers.
 
 Under tensor parallelism (engine/tensor_parallel.py) the config holds this rank's share of
 the heads and the MLP width, and `all_reduce` sums the partial outputs of o_proj and
@@ -35,6 +36,7 @@ from engine.models.layers import (
     rope_inv_freq,
     rotary_tables,
 )
+from engine.models.moe import SparseMoE
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]  # sums over the tensor-parallel ranks
 
@@ -167,13 +169,21 @@ class Qwen2MLP(nn.Module):
 
 class Qwen2DecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, attention: AttentionBackend, all_reduce: AllReduce | None
+        self,
+        config: ModelConfig,
+        attention: AttentionBackend,
+        all_reduce: AllReduce | None,
+        index: int = 0,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Qwen2Attention(config, attention, all_reduce)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = Qwen2MLP(config.hidden_size, config.intermediate_size, all_reduce)
+        self.mlp: nn.Module
+        if config.moe is not None and index in config.moe.sparse_layers:
+            self.mlp = SparseMoE(config.hidden_size, config.moe)
+        else:
+            self.mlp = Qwen2MLP(config.hidden_size, config.intermediate_size, all_reduce)
 
     def forward(
         self,
@@ -205,8 +215,8 @@ class Qwen2Decoder(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             [
-                Qwen2DecoderLayer(config, attention, all_reduce)
-                for _ in range(config.num_hidden_layers)
+                Qwen2DecoderLayer(config, attention, all_reduce, index)
+                for index in range(config.num_hidden_layers)
             ]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

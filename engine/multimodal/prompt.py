@@ -30,6 +30,8 @@ from engine.errors import InvalidRequest, MediaError, ModelLoadError
 IMAGE_PART_TYPES = {"image", "image_url", "input_image", "image_features"}
 VIDEO_PART_TYPES = {"video", "video_url", "video_features"}
 MODALITIES = ("image", "video")
+# config.json model types whose videos go frame by frame after their times (Qwen3-VL).
+QWEN3_VL_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 # Template variables that render_chat sets itself: `chat_template_kwargs` may not replace
 # them (the tools must be the ones the answer is parsed against).
 RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt")
@@ -151,7 +153,7 @@ class PromptProcessor:
             special_tokens=special_tokens,
             eos_token_ids=[int(i) for i in eos_ids or []],
             model_token_ids=model_token_ids,
-            timestamped_video_frames=model_config.get("model_type") == "qwen3_vl",
+            timestamped_video_frames=model_config.get("model_type") in QWEN3_VL_MODEL_TYPES,
         )
 
     # ------------------------------------------------------------------ chat rendering

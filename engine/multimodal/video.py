@@ -53,6 +53,7 @@ from engine.multimodal.image_processor import (
     frame_patches,
     smart_resize,
 )
+from engine.multimodal.prompt import QWEN3_VL_MODEL_TYPES
 
 # transformers' Qwen2VLVideoProcessor default (used when the model folder says nothing).
 DEFAULT_MIN_FRAMES = 4
@@ -179,7 +180,8 @@ def _qwen3_frame_indices(total_frames: int, video_fps: float | None, config: Vid
 
 def _is_qwen3_vl(model_dir: Path) -> bool:
     try:
-        return json.loads((model_dir / "config.json").read_text()).get("model_type") == "qwen3_vl"
+        model_type = json.loads((model_dir / "config.json").read_text()).get("model_type")
+        return model_type in QWEN3_VL_MODEL_TYPES
     except (OSError, ValueError, AttributeError):
         return False
 

@@ -1,5 +1,6 @@
 """Qwen3-VL against transformers' Qwen3VLForConditionalGeneration on a generated checkpoint
-(`tiny-qwen3-vl`: Qwen3's decoder with a head dim of 48, interleaved M-RoPE sections of
+(and Qwen3-VL-MoE against Qwen3VLMoeForConditionalGeneration: `tiny-qwen3-vl-moe`, its MLPs
+mixtures of 8 experts but for layer 1) (`tiny-qwen3-vl`: Qwen3's decoder with a head dim of 48, interleaved M-RoPE sections of
 10 / 7 / 7, 16-pixel patches, an 8 x 8 learned position table, deepstack from vision blocks
 0 and 2 into decoder layers 0 and 1).
 
@@ -46,9 +47,10 @@ GREEDY = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
 GRIDS = [(1, 4, 6), (1, 8, 8), (1, 14, 10), (1, 2, 16), (2, 6, 4)]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("qwen3_vl"), size="tiny-qwen3-vl", seed=5)
+@pytest.fixture(scope="module", params=["tiny-qwen3-vl", "tiny-qwen3-vl-moe"])
+def model_dir(request, tmp_path_factory):
+    """Qwen3-VL, and Qwen3-VL-MoE (its decoder's experts fused in the checkpoint)."""
+    return make_tiny_model(tmp_path_factory.mktemp("qwen3_vl"), size=request.param, seed=5)
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,8 @@
 Qwen2 decoder alone (`tiny-qwen2`, Qwen2ForCausalLM as Qwen2 / Qwen2.5 language models: no
 vision weights, no preprocessor_config.json, plain RoPE), Llama (`tiny-llama`,
 LlamaForCausalLM: no q/k/v biases, llama3 rotary scaling, a tokenizer that puts a BOS before
-raw text) and Qwen3 (`tiny-qwen3`, Qwen3ForCausalLM: q/k head norms, no biases, a head dim
-of its own). Raw and chat prompts in one batch, prefill in chunks; media parts are refused,
+raw text), Qwen3 (`tiny-qwen3`, Qwen3ForCausalLM: q/k head norms, no biases, a head dim
+of its own) and Qwen3-MoE (`tiny-qwen3-moe`: 8 experts, 2 per token, one dense layer). Raw and chat prompts in one batch, prefill in chunks; media parts are refused,
 not crashed on."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ PROMPTS = [
 ]  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=["tiny-qwen2", "tiny-llama", "tiny-qwen3"])
+@pytest.fixture(scope="module", params=["tiny-qwen2", "tiny-llama", "tiny-qwen3", "tiny-qwen3-moe"])
 def model_dir(request, tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp(request.param), size=request.param, seed=4)
 
@@ -57,12 +57,16 @@ def test_the_config_has_no_vision_and_plain_rope(model_dir):
     assert config.vision is None
     assert config.mrope_section == (config.head_dim // 2, 0, 0)
     assert not (model_dir / "preprocessor_config.json").exists()
-    is_llama, is_qwen3 = (config.architecture == name for name in
-                          ("LlamaForCausalLM", "Qwen3ForCausalLM"))  # fmt: skip
+    is_llama = config.architecture == "LlamaForCausalLM"
+    is_qwen3 = config.architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
     assert config.attention_bias is not (is_llama or is_qwen3)
     assert (config.llama3_rope_scaling is not None) is is_llama
     assert config.qk_norm is is_qwen3
     assert is_llama or config.head_dim == (48 if is_qwen3 else 32)
+    if config.architecture == "Qwen3MoeForCausalLM":  # layer 1 keeps its dense MLP
+        assert config.moe.sparse_layers == (0, 2, 3) and config.moe.normalize
+        with pytest.raises(ModelLoadError, match="mixture-of-experts"):
+            config.shard(2)
 
 
 def test_unsupported_variants_are_refused(model_dir):
