@@ -347,6 +347,23 @@ SIZES["tiny-qwen3-vl"] = dataclasses.replace(
     num_position_embeddings=64,
     deepstack_visual_indexes=(0, 2),
 )
+# `small` reshaped as Qwen3-VL (head dim 64 of 14 heads, sections 12 / 10 / 10), with a
+# quarter-width tower of 6 blocks (deepstack from 1, 3 and 5) and the real 48 x 48 learned
+# position table: CPU benchmarks.
+SIZES["small-qwen3-vl"] = dataclasses.replace(
+    SIZES["small"],
+    architecture="qwen3_vl",
+    explicit_head_dim=64,
+    mrope_section=(12, 10, 10),
+    vision_depth=6,
+    vision_embed_dim=256,
+    vision_intermediate_size=1024,
+    patch_size=16,
+    min_pixels=64 * 64,
+    max_pixels=1280 * 32 * 32,
+    num_position_embeddings=2304,
+    deepstack_visual_indexes=(1, 3, 5),
+)
 SIZES["tiny-qwen3-vl-moe"] = dataclasses.replace(
     SIZES["tiny-qwen3-vl"], architecture="qwen3_vl_moe", **MOE
 )
