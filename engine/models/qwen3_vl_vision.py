@@ -122,8 +122,10 @@ class Qwen3VisionTransformer(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         grids = [tuple(int(v) for v in row) for row in grid_thw.tolist()]
-        weight = self.patch_embed.weight
-        x = self.patch_embed(pixel_values.to(device=weight.device, dtype=weight.dtype))
+        # The position table's weight gives device and dtype: on a CPU the linears may be
+        # prepacked (engine/models/cpu_prepack.py) and have no `weight` any more.
+        table = self.pos_embed.weight
+        x = self.patch_embed(pixel_values.to(device=table.device, dtype=table.dtype))
         x = x + self._positions(grids).to(x.dtype)  # [N, embed]
         positions = vision_rotary_positions(grids, self.config.spatial_merge_size)
         cos, sin = self.rotary(to_device(positions, torch.long, x.device))

@@ -29,6 +29,7 @@ from engine import LLM, SamplingParams  # noqa: E402
 from engine.attention import get_attention_backend  # noqa: E402
 from engine.errors import ModelLoadError  # noqa: E402
 from engine.model_config import ModelConfig  # noqa: E402
+from engine.models.cpu_prepack import PrepackedLinear, can_prepack  # noqa: E402
 from engine.models.loader import load_model  # noqa: E402
 from engine.multimodal.video import (  # noqa: E402
     VideoConfig,
@@ -177,3 +178,27 @@ def test_timestamps_and_sampling_follow_the_qwen3_video_processor(model_dir):
         expected = smart_resize(frames, height, width, factor=frame.factor,
                                 min_pixels=frame.min_pixels, max_pixels=frame.max_pixels)  # fmt: skip
         assert frame_size(height, width, frames, config) == expected
+
+
+def test_bfloat16_on_a_cpu_with_prepacked_linears(model_dir):
+    """bfloat16 on a CPU swaps every linear for a prepacked one without a `weight`
+    (engine/models/cpu_prepack.py); the tower must not need one. Its rows stay within
+    bfloat16's rounding of float32's."""
+    if not can_prepack(torch.device("cpu"), torch.bfloat16):
+        pytest.skip("this CPU has no oneDNN bfloat16 kernels")
+    image = picture(128, 96, 2)
+    prompt, _ = chat([{"type": "image", "image": image}], "What is it?")
+    with LLM(str(model_dir), num_kv_blocks=64, dtype="bfloat16") as llm:
+        [result] = llm.generate([prompt], GREEDY)
+        model = llm.engine.runner.model
+        assert isinstance(model.visual.patch_embed, PrepackedLinear)
+        grid = torch.tensor([[1, 6, 8]])
+        pixels = torch.randn(48, 3 * 2 * 16 * 16, generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            rows = model.encode_images(pixels, grid).float()
+    assert result.error is None and len(result.token_ids) == NUM_NEW
+    reference = load_model(str(model_dir), dtype=torch.float32, device=torch.device("cpu"),
+                           attention=get_attention_backend("torch"))  # fmt: skip
+    with torch.no_grad():
+        expected = reference.encode_images(pixels, grid)
+    torch.testing.assert_close(rows, expected, atol=0.1, rtol=0.05)
