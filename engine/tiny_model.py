@@ -11,7 +11,8 @@ Sizes: `tiny` and `tiny2` for tests, `small` (a ~0.5B decoder) for CPU benchmark
 `qwen2-vl-2b` / `qwen2-vl-7b`, the real Qwen2-VL shapes (parameter for parameter) for GPU
 benchmarks. Qwen2.5-VL (`architecture="qwen2_5_vl"`): `tiny-qwen2.5-vl` for tests (windows of
 2 x 2 merged tokens, so small pictures span several, edge windows included),
-`small-qwen2.5-vl` for CPU benchmarks and the real `qwen2.5-vl-3b` / `qwen2.5-vl-7b` shapes.
+`small-qwen2.5-vl` for CPU benchmarks and the real `qwen2.5-vl-3b` / `qwen2.5-vl-7b` shapes;
+`small-qwen3-vl` and the real `qwen3-vl-2b` / `qwen3-vl-4b` shapes likewise.
 Qwen3-VL: `tiny-qwen3-vl` for tests (interleaved M-RoPE, deepstack, a learned position
 table smaller and larger than test pictures; videos frame by frame after their times),
 and the mixtures of experts `tiny-qwen3-moe` and `tiny-qwen3-vl-moe`. Text-only decoders: `tiny-qwen2` (Qwen2ForCausalLM), `tiny-llama` (LlamaForCausalLM,
@@ -288,6 +289,42 @@ SIZES: dict[str, TinyModelSpec] = {
         fullatt_block_indexes=(7, 15, 23, 31),
     ),
 }
+
+
+# The real Qwen3-VL-2B / 4B shapes (2,127,532,032 and 4,437,815,808 parameters: Qwen3-1.7B's
+# / 4B's decoder, the 24-block tower, deepstack from blocks 5, 11 and 17), with the small
+# tokenizer: GPU benchmarks.
+SIZES["qwen3-vl-2b"] = TinyModelSpec(
+    bpe_vocab_size=8192,
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    mrope_section=(24, 20, 20),  # head_dim 128
+    max_position_embeddings=262144,
+    vision_depth=24,
+    vision_embed_dim=1024,
+    vision_num_heads=16,
+    max_pixels=16777216,
+    min_pixels=65536,
+    dtype=torch.bfloat16,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+    architecture="qwen3_vl",
+    explicit_head_dim=128,
+    vision_intermediate_size=4096,
+    patch_size=16,
+    num_position_embeddings=2304,
+    deepstack_visual_indexes=(5, 11, 17),
+)
+SIZES["qwen3-vl-4b"] = dataclasses.replace(
+    SIZES["qwen3-vl-2b"],
+    hidden_size=2560,
+    intermediate_size=9728,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+)
 
 
 # Sizes that vary one above, by what they change.
