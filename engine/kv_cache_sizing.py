@@ -18,7 +18,10 @@ most of an 80 GB GPU or does not fit a small one:
    scratch KV cache (`run_largest_step`) and read PyTorch's peak allocation (the weights
    included).
 3. The KV cache gets `utilization x total`, less that peak, less what the process
-   holds outside PyTorch's allocator (CUDA libraries' own allocations).
+   holds outside PyTorch's allocator (CUDA libraries' own allocations), less what a full
+   encoder cache will hold (`encoder_cache_bytes`: `encoder_cache_tokens` rows of the
+   encoder's width, which for Qwen3-VL is the decoder's hidden size times 1 + its
+   deepstack levels).
 
 What this does not count: CUDA-graph pools and FlashInfer's plan buffers are allocated
 after the KV cache, out of the `1 - utilization` share (decode graphs are small next to
@@ -108,20 +111,32 @@ def check_free_at_start(total: int, used_at_start: int, utilization: float) -> N
         )
 
 
-def kv_cache_bytes(use: DeviceMemoryUse, utilization: float, block_bytes: int) -> int:
-    """What `utilization x total` leaves for the KV cache; raises when not two blocks."""
+def kv_cache_bytes(
+    use: DeviceMemoryUse, utilization: float, block_bytes: int, reserved: int = 0
+) -> int:
+    """What `utilization x total` leaves for the KV cache beside `reserved` bytes (the
+    encoder cache); raises when not two blocks."""
     budget = int(utilization * use.total)
-    left = budget - use.torch_peak - use.non_torch
+    left = budget - use.torch_peak - use.non_torch - reserved
     if left < 2 * block_bytes:  # one block for requests, one scratch block
         raise MemoryBudgetError(
             f"gpu_memory_utilization={utilization} of the device's {use.total / GIB:.1f} GiB "
             f"leaves no room for the KV cache: the weights and the largest step take "
             f"{use.torch_peak / GIB:.2f} GiB, other CUDA allocations "
-            f"{use.non_torch / GIB:.2f} GiB; raise --gpu-memory-utilization, lower "
-            "--max-num-batched-tokens or --max-encoder-tokens-per-step, or set "
+            f"{use.non_torch / GIB:.2f} GiB, the encoder cache {reserved / GIB:.2f} GiB; "
+            "raise --gpu-memory-utilization, lower --max-num-batched-tokens, "
+            "--max-encoder-tokens-per-step or --encoder-cache-tokens, or set "
             "--kv-cache-memory-gib"
         )
     return left
+
+
+def encoder_cache_bytes(model_config: ModelConfig, config: EngineConfig, dtype: torch.dtype) -> int:
+    """What a full encoder cache holds: `encoder_cache_tokens` rows of the encoder's width."""
+    if model_config.vision is None:
+        return 0
+    element = torch.empty((), dtype=dtype).element_size()
+    return config.encoder_cache_tokens * model_config.encoder_width * element
 
 
 class CudaMemoryProbe:
@@ -269,7 +284,9 @@ def profile_kv_cache_bytes(
         ) from exc
     use = probe.read()
     probe.release_cached()
-    return kv_cache_bytes(use, config.gpu_memory_utilization, block_bytes), use
+    dtype = next(model.parameters()).dtype
+    reserved = encoder_cache_bytes(model.config, config, dtype)
+    return kv_cache_bytes(use, config.gpu_memory_utilization, block_bytes, reserved), use
 
 
 def log_sizing(num_blocks: int, block_bytes: int, block_size: int, source: str) -> None:

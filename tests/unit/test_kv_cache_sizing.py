@@ -14,6 +14,7 @@ from engine.kv_cache_sizing import (
     MemoryBudgetError,
     blocks_in,
     check_free_at_start,
+    encoder_cache_bytes,
     kv_block_bytes,
     kv_cache_bytes,
     largest_frame_grid,
@@ -53,6 +54,20 @@ def test_the_kv_cache_gets_the_budget_less_peak_and_non_torch_memory():
     # Memory other processes held at the start is not this engine's to count.
     busy = DeviceMemoryUse(total=80 * GIB, used_at_start=30 * GIB, torch_peak=6 * GIB, non_torch=0)
     assert kv_cache_bytes(busy, 0.5, block_bytes=1 << 20) == 34 * GIB
+
+
+def test_the_encoder_cache_is_kept_aside_at_its_full_width(tmp_path):
+    config = EngineConfig(model="unused", encoder_cache_tokens=1000)
+    qwen2_vl = ModelConfig.from_model_dir(make_tiny_model(tmp_path / "a", size="tiny"))
+    qwen3_vl = ModelConfig.from_model_dir(make_tiny_model(tmp_path / "b", size="tiny-qwen3-vl"))
+    text = ModelConfig.from_model_dir(make_tiny_model(tmp_path / "c", size="tiny-qwen2"))
+    assert encoder_cache_bytes(qwen2_vl, config, torch.bfloat16) == 1000 * 128 * 2
+    assert encoder_cache_bytes(qwen3_vl, config, torch.bfloat16) == 1000 * 128 * 3 * 2
+    assert encoder_cache_bytes(text, config, torch.bfloat16) == 0
+    use = DeviceMemoryUse(total=80 * GIB, used_at_start=0, torch_peak=6 * GIB, non_torch=0)
+    assert kv_cache_bytes(use, 0.5, 1 << 20, reserved=GIB) == 33 * GIB
+    with pytest.raises(MemoryBudgetError, match="encoder-cache-tokens"):
+        kv_cache_bytes(use, 0.5, 1 << 20, reserved=34 * GIB)
 
 
 def test_no_room_for_the_kv_cache_is_an_error_naming_the_fixes():
@@ -165,7 +180,8 @@ def test_profiling_reads_the_peak_around_the_largest_step(model_dir, monkeypatch
     )
     assert probe.calls == ["reset_peak", "prompt", "read", "release_cached"]
     assert seen["prompt"] == 64 and seen["logits"] == [3, 64]
-    assert (num_bytes, read) == (34 * GIB, use)
+    # A full encoder cache (16384 rows of the tiny model's width, float32) is kept aside.
+    assert (num_bytes, read) == (34 * GIB - 16384 * 128 * 4, use)
 
 
 def test_a_largest_step_that_runs_out_of_memory_names_the_settings(model_dir):
