@@ -64,6 +64,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     # its other tokens end the prompt and output so far (transformers' `bad_words_ids`).
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     structured_output: StructuredOutput | None = None
+    # The grammar holds only after the output has written these tokens (the end of a
+    # reasoning model's thinking, `</think>`); empty: from the first token.
+    structured_output_after: tuple[int, ...] = ()
 
     @property
     def is_greedy(self) -> bool:

@@ -122,6 +122,9 @@ class Request:
         self.logprobs: list[TokenLogprob] | None = [] if sampling.logprobs is not None else None
         # Where the output stands in `sampling.structured_output`'s grammar (set at admission).
         self.grammar: GrammarMatcher | None = None
+        # The grammar holds once the output has written `structured_output_after` (at once
+        # without it); the tokens before, and those, are not the grammar's.
+        self.grammar_active = not sampling.structured_output_after
         # sampling.allowed_token_ids as a bitmask over the logits (set by EngineCore).
         self.allowed_token_mask: torch.Tensor | None = None
         # sampling.prompt_logprobs: the scores of prompt tokens 1 .. len(...), as computed.
@@ -137,7 +140,7 @@ class Request:
         """The bitmask of the tokens its next pick may take (grammar and
         `allowed_token_ids` together), or None for any token."""
         fixed = self.allowed_token_mask
-        if self.grammar is None:
+        if self.grammar is None or not self.grammar_active:
             return fixed
         mask = self.grammar.allowed_tokens()
         return mask if fixed is None else mask & fixed
@@ -171,6 +174,13 @@ class Request:
         if start >= num_prompt:  # decode: never copy the whole history
             return self.output_token_ids[start - num_prompt : end - num_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
+    def note_output_token(self) -> None:
+        """After a token joins the output: the grammar starts to hold once the output ends
+        with `structured_output_after`."""
+        after = self.sampling.structured_output_after
+        if not self.grammar_active and tuple(self.output_token_ids[-len(after) :]) == after:
+            self.grammar_active = True
 
     @property
     def is_finished(self) -> bool:

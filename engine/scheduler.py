@@ -445,7 +445,8 @@ class Scheduler:
             if not chunk.samples:
                 continue  # mid-prefill: no token this step
             token_id = sampled_token_ids[request.request_id]
-            if request.grammar is not None and not request.grammar.accept(token_id):
+            grammar = request.grammar if request.grammar_active else None
+            if grammar is not None and not grammar.accept(token_id):
                 # The grammar ran out of its limits, or min_tokens / stop-token bans left
                 # nothing it allows: the request fails, without the token.
                 request.error = grammar_failure(request.grammar.error, request.sampling)
@@ -453,6 +454,7 @@ class Scheduler:
                 outputs.append(self._output(request, []))
                 continue
             request.output_token_ids.append(token_id)
+            request.note_output_token()
             if request.first_token_time is None:
                 request.first_token_time = time.monotonic()
             token_logprob = logprobs.get(request.request_id)
@@ -471,7 +473,7 @@ class Scheduler:
             return RequestStatus.FINISHED_STOPPED
         if token_id in sampling.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        if request.grammar is not None and request.grammar.is_complete:
+        if request.grammar is not None and request.grammar_active and request.grammar.is_complete:
             return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= sampling.max_tokens:
             return RequestStatus.FINISHED_LENGTH

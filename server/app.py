@@ -55,7 +55,7 @@ from server.openai_models import (
     dump,
 )
 from server.prompt_echo import PromptEcho
-from server.reasoning import prompt_opens_thinking, reasoning_format
+from server.reasoning import THINK_END, prompt_opens_thinking, reasoning_format
 from server.request_limits import RequestLimitMiddleware
 from server.request_log import RequestLogMiddleware, record_of
 from server.response_events import ResponseShaper, stream_response
@@ -416,6 +416,11 @@ def _job(state: AppState, body: Any, prompt: Any, *, prefix: str) -> GenerationJ
     if body.bad_words:
         banned = bad_word_token_ids(body.bad_words, state.processor.tokenizer)
         sampling = msgspec.structs.replace(sampling, bad_words_token_ids=banned)
+    thinking_opened = _thinking_opened(state, body, prompt)
+    if thinking_opened and sampling.structured_output is not None:
+        # The model thinks first: the grammar (a format, a required tool) holds after it.
+        after = tuple(state.processor.encode(THINK_END))
+        sampling = msgspec.structs.replace(sampling, structured_output_after=after)
     if body.cache_salt is not None:
         prompt = dataclasses.replace(prompt, cache_salt=body.cache_salt)
     return GenerationJob(
@@ -432,7 +437,7 @@ def _job(state: AppState, body: Any, prompt: Any, *, prefix: str) -> GenerationJ
         tokens_as_ids=body.return_tokens_as_token_ids,
         prompt_only=getattr(body, "prompt_only", False),
         tools=_tool_plan(state, body),
-        thinking_opened=_thinking_opened(state, body, prompt),
+        thinking_opened=thinking_opened,
         priority=body.priority,
     )
 

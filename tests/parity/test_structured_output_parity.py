@@ -193,3 +193,28 @@ def test_a_grammar_that_runs_out_of_its_limits_fails_only_its_request(model_dir)
     assert failed.error is not None and failed.error.param == "structured_output"
     assert "grammar failed" in failed.error.message and failed.token_ids == []
     assert answered.token_ids == alone[0].token_ids
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_grammar_after_a_marker_holds_from_there_on(model_dir, overlap):
+    """`structured_output_after` (the end of a reasoning model's thinking): tokens before
+    the marker, and the marker, are free; the grammar holds after it and ends the answer.
+    The marker is one token here, forced first by a logit bias that the grammar then
+    masks away."""
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    marker = tokenizer.token_to_id(".")
+    digits = StructuredOutput(regex="[0-9]{3}")
+    params = {"max_tokens": 12, "temperature": 0.0, "logit_bias": ((marker, 100.0),)}
+    with LLM(str(model_dir), num_kv_blocks=64) as llm:
+        llm.engine.overlaps_steps = overlap
+        after, at_once, never = llm.generate(
+            ["the quick brown fox"] * 3,
+            [SamplingParams(structured_output=digits, structured_output_after=(marker,), **params),
+             SamplingParams(structured_output=digits, **params),
+             SamplingParams(structured_output=digits, structured_output_after=(0, 0), **params)],
+        )  # fmt: skip
+    assert after.token_ids[0] == marker and re.fullmatch("[0-9]{3}", after.text[1:])
+    assert after.finish_reason == "stop" and len(after.token_ids) == 4
+    assert re.fullmatch("[0-9]{3}", at_once.text) and marker not in at_once.token_ids
+    # A marker that never comes leaves the answer free (here: the biased token throughout).
+    assert never.token_ids == [marker] * 12 and never.finish_reason == "length"

@@ -420,3 +420,22 @@ def test_http_requests_are_counted_by_route_template_and_status(model_dir):
     assert counts[("unmatched", "404")] == 1  # the template, never the raw path
     assert counts[("/v1/chat/completions", "413")] == 1  # cut off while streaming in
     assert counts[("unmatched", "413")] == 1  # refused before routing
+
+
+def test_a_grammar_waits_for_the_thinking_a_template_opens(model_dir):
+    """With a template that leaves <think> open, a format's grammar holds only after the
+    model's </think> (engine: structured_output_after); otherwise from the first token."""
+    opening = ("{% for m in messages %}{{ m['content'] }}{% endfor %}<|im_start|>assistant\n"
+               "{% if think %}<think>\n{% endif %}")  # fmt: skip
+    client, engine = _client(model_dir, trust_request_chat_template=True)
+    end = tuple(engine.tokenizer.encode("</think>", add_special_tokens=False).ids)
+    with client:
+        for think, expected in ((True, end), (False, ())):
+            response = chat(client, max_tokens=2, chat_template=opening,
+                            chat_template_kwargs={"think": think},
+                            response_format={"type": "json_object"})  # fmt: skip
+            assert response.status_code == 200, response.text
+            assert engine.requests[-1].sampling.structured_output_after == expected
+        assert chat(client, max_tokens=2, chat_template=opening,
+                    chat_template_kwargs={"think": True}).status_code == 200  # fmt: skip
+        assert engine.requests[-1].sampling.structured_output_after == ()  # no grammar
