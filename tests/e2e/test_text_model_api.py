@@ -23,7 +23,7 @@ NUM_NEW = 12
 GREEDY = {"temperature": 0, "max_tokens": NUM_NEW, "extra_body": {"ignore_eos": True}}
 
 
-@pytest.fixture(scope="module", params=["tiny-qwen2", "tiny-llama", "tiny-qwen3"])
+@pytest.fixture(scope="module", params=["tiny-qwen2", "tiny-llama", "tiny-qwen3", "tiny-qwen3-moe"])
 def model_dir(request, tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp(request.param), size=request.param, seed=6)
 
