@@ -108,3 +108,20 @@ def test_padding_rows_only_touch_the_scratch_block(model_dir):
     for before, cache in zip(scheduler_blocks, runner.kv_caches, strict=True):
         assert torch.equal(before, cache[: runner.num_kv_blocks])
         assert cache[runner.num_kv_blocks].abs().sum() > 0  # the scratch block was written
+
+
+def test_qwen3_vl_goes_through_the_graph_path_as_eagerly(tmp_path, monkeypatch):
+    """Qwen3's q/k head norms and interleaved M-RoPE on the padded, static-buffer path
+    (the picture's deepstack rows are prefill's: decode steps carry none)."""
+    model_dir = make_tiny_model(tmp_path, seed=3, size="tiny-qwen3-vl")
+    options = dict(dtype="float32", max_num_seqs=16, block_size=8)
+    expected = generate(LLM(str(model_dir), **options))
+    llm = LLM(str(model_dir), **options, cuda_graph_max_batch_size=16)
+    llm.engine.runner.enable_decode_graphs(use_cuda_graphs=False)
+    graphs = llm.engine.runner.decode_graphs
+    steps = []
+    real_run = graphs.run
+    monkeypatch.setattr(graphs, "run", lambda inputs: steps.append(1) or real_run(inputs))
+    got = generate(llm)
+    assert steps, "no decode step went through the graph path"
+    assert [r.token_ids for r in got] == [r.token_ids for r in expected]
