@@ -2,19 +2,28 @@
 
     router   softmax(x W_gate^T) in float32 -> the top_k experts per token, their
              probabilities (renormalised over the picked ones with `normalize`)
-    experts  for every expert picked by some token, in expert order: its tokens'
-             silu(gate) * up -> down, times the token's weight, added into the output
+    experts  every token's picked experts: silu(gate) * up -> down, times the token's
+             weight, added into its output row expert by expert, in expert order
 
 The experts' weights are two 3D parameters, `gate_up_proj` [E, 2 I, hidden] and
 `down_proj` [E, hidden, I] (transformers' in-memory layout; engine/models/loader.py fills
 them from per-expert or fused checkpoint tensors).
 
-The loop over experts reads which experts were picked on the host, so a step with MoE
-layers syncs once per layer and cannot be captured in a CUDA graph (the model runner runs
-such models eagerly). A fused grouped-GEMM kernel is the GPU path still to build.
+Two ways to run the experts, equal in float32 (tests/unit/test_moe.py):
+
+* grouped (`F.grouped_mm`, where the widths suit it): the T x k (token, expert) rows sorted
+  by expert, then one grouped matmul for gate-up and one for down over the experts'
+  groups. Group sizes stay on the device: no host sync, two matmul launches per layer.
+* a loop over the picked experts (transformers' own), reading which were picked on the
+  host: one sync per layer. Used where grouped_mm is missing or refuses the shapes.
+
+The model runner still decodes mixture-of-experts models eagerly on CUDA (no CUDA graphs):
+the grouped path has not been captured on a GPU yet.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +31,11 @@ from torch import nn
 
 from engine.model_config import MoEConfig
 from engine.models.layers import SiluAndMul
+
+logger = logging.getLogger(__name__)
+
+# grouped_mm's rule: every non-unit stride a multiple of 16 bytes.
+GROUPED_MM_ALIGNMENT = 16
 
 
 class SparseMoE(nn.Module):
@@ -47,10 +61,44 @@ class MoEExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(config.num_experts, 2 * width, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(config.num_experts, hidden_size, width))
         self.act = SiluAndMul()
+        self.use_grouped = hasattr(F, "grouped_mm")  # off for good if it ever fails
 
     def forward(
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:  # x [T, hidden], experts / weights [T, k] -> [T, hidden]
+        if self.use_grouped and self._suits_grouped(x):
+            try:
+                return self.grouped(x, experts, weights)
+            except RuntimeError:  # e.g. a GPU whose grouped GEMM kernels it lacks
+                logger.warning("grouped_mm failed; the experts run one by one", exc_info=True)
+                self.use_grouped = False
+        return self.loop(x, experts, weights)
+
+    def _suits_grouped(self, x: torch.Tensor) -> bool:
+        element = x.element_size()
+        hidden, width = self.down_proj.shape[1:]
+        return (hidden * element) % GROUPED_MM_ALIGNMENT == 0 and (
+            width * element
+        ) % GROUPED_MM_ALIGNMENT == 0
+
+    def grouped(
+        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        num_experts, top_k = self.gate_up_proj.shape[0], experts.shape[1]
+        picks = experts.flatten()  # [T * k], token-major
+        order = torch.argsort(picks, stable=True)  # rows grouped by expert, ascending
+        tokens = order // top_k  # [T * k] the token of each sorted row
+        counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, picks, torch.ones_like(picks, dtype=torch.int32))
+        ends = counts.cumsum(0, dtype=torch.int32)  # [E] each group's end row
+        hidden = F.grouped_mm(x[tokens], self.gate_up_proj.transpose(1, 2), offs=ends)
+        hidden = self.act(hidden)  # [T * k, I]
+        hidden = F.grouped_mm(hidden, self.down_proj.transpose(1, 2), offs=ends)
+        hidden = hidden * weights.flatten()[order, None]  # [T * k, hidden]
+        # Sorted rows reach each output row in expert order, as the loop adds them.
+        return torch.zeros_like(x).index_add_(0, tokens, hidden.to(x.dtype))
+
+    def loop(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
         by_slot = experts.T  # [k, T]: rows gathered slot by slot, as transformers does
         for expert in experts.unique().tolist():  # ascending, as transformers' loop
