@@ -9,7 +9,8 @@ The experts' weights are two 3D parameters, `gate_up_proj` [E, 2 I, hidden] and
 `down_proj` [E, hidden, I] (transformers' in-memory layout; engine/models/loader.py fills
 them from per-expert or fused checkpoint tensors).
 
-Two ways to run the experts, equal in float32 (tests/unit/test_moe.py):
+Two ways to run the experts, equal in float32 at the test widths and within float32
+rounding at real ones (tests/unit/test_moe.py, bench/moe.py):
 
 * grouped (`F.grouped_mm`, where the widths suit it): the T x k (token, expert) rows sorted
   by expert, then one grouped matmul for gate-up and one for down over the experts'
