@@ -16,7 +16,10 @@ rounding at real ones (tests/unit/test_moe.py, bench/moe.py):
   by expert, then one grouped matmul for gate-up and one for down over the experts'
   groups. Group sizes stay on the device: no host sync, two matmul launches per layer.
 * a loop over the picked experts (transformers' own), reading which were picked on the
-  host: one sync per layer. Used where grouped_mm is missing or refuses the shapes.
+  host: one sync per layer. Used in float32 on a CPU, where it is transformers'
+  arithmetic bit for bit (what the float32 parity tests compare against, as
+  cpu_prepack.py keeps float32 on F.linear), and where grouped_mm is missing or refuses
+  the shapes.
 
 The model runner still decodes mixture-of-experts models eagerly on CUDA (no CUDA graphs):
 the grouped path has not been captured on a GPU yet.
@@ -76,6 +79,8 @@ class MoEExperts(nn.Module):
         return self.loop(x, experts, weights)
 
     def _suits_grouped(self, x: torch.Tensor) -> bool:
+        if x.dtype == torch.float32 and x.device.type == "cpu":
+            return False  # the reference arithmetic (see the module docstring)
         element = x.element_size()
         hidden, width = self.down_proj.shape[1:]
         return (hidden * element) % GROUPED_MM_ALIGNMENT == 0 and (
