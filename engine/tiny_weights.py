@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 if TYPE_CHECKING:
-    from engine.tiny_model import TinyModelSpec
+    from engine.tiny_sizes import TinyModelSpec
 
 QK_NORM_ARCHITECTURES = ("qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe")
 
