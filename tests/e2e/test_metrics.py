@@ -119,7 +119,10 @@ def test_request_counters_and_latency_histograms_move(http):
     assert moved("tessera:request_generation_tokens_sum") == num_generated
     # one gap per token after the first of each request
     assert moved("tessera:inter_token_latency_seconds_count") == (5 - 1) + (4 - 1)
-    assert moved("tessera:inter_token_latency_seconds_sum") > 0
+    # Gaps inside one output are 0 (tokens the server read together), so a fast tiny model
+    # whose tokens all arrive in one output each leaves a sum of 0: only its bounds hold.
+    gaps = moved("tessera:inter_token_latency_seconds_sum")
+    assert 0 <= gaps <= moved("tessera:e2e_request_latency_seconds_sum")
     assert moved("tessera:request_prefill_time_seconds_sum") > 0
     assert moved("tessera:request_decode_time_seconds_sum") > 0
     # the decode phase fits inside the end-to-end latency the server measured
