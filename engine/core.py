@@ -326,22 +326,25 @@ class EngineCore:
             # A negative count would fail the sampler's or the scorer's topk for the batch.
             if (getattr(request.sampling, name) or 0) < 0:
                 raise InvalidRequest(f"{name} must not be negative", param=name)
+
+        def in_vocabulary(token_ids: Sequence[int]) -> bool:
+            return all(0 <= token_id < mc.vocab_size for token_id in token_ids)
+
         for token_id, bias in request.sampling.logit_bias:
             # An id past the logits would fail the sampler's step for the whole batch.
-            if not 0 <= token_id < mc.vocab_size or not math.isfinite(bias):
+            if not in_vocabulary((token_id,)) or not math.isfinite(bias):
                 raise InvalidRequest(
                     f"logit_bias needs token ids in [0, {mc.vocab_size}) and finite biases",
                     param="logit_bias",
                 )
         allowed = request.sampling.allowed_token_ids
-        in_vocabulary = allowed is None or all(0 <= t < mc.vocab_size for t in allowed)
-        if allowed is not None and (not allowed or not in_vocabulary):
+        if allowed is not None and not (allowed and in_vocabulary(allowed)):
             raise InvalidRequest(
                 f"allowed_token_ids needs at least one token id, each in [0, {mc.vocab_size})",
                 param="allowed_token_ids",
             )
         for word in request.sampling.bad_words_token_ids:
-            if not word or not all(0 <= t < mc.vocab_size for t in word):
+            if not (word and in_vocabulary(word)):
                 raise InvalidRequest(
                     f"bad words need at least one token, each id in [0, {mc.vocab_size})",
                     param="bad_words",

@@ -268,7 +268,7 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager:
             if self.model_config.moe is None:
                 self.enable_decode_graphs(use_cuda_graphs=True)
-            else:  # the experts' loop reads the router's picks on the host (models/moe.py)
+            else:  # not yet captured on a GPU (engine/models/moe.py)
                 logger.info("decode steps run eagerly: a mixture of experts is not captured")
 
     def _start_shard_workers(self) -> ShardWorkers:

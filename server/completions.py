@@ -19,7 +19,6 @@ from server.openai_models import (
     ResponseToolCall,
 )
 from server.prompt_echo import PromptEcho
-from server.reasoning import ReasoningSplitter
 from server.streaming import ChoiceResult, GenerationJob, usage_of
 
 
@@ -111,8 +110,9 @@ def _message(job: GenerationJob, result: ChoiceResult) -> tuple[ResponseMessage,
     the job has a reasoning parser; with tools, the tool calls found in the rest of the
     text (content None when there is none besides them)."""
     reasoning, text = None, result.text
-    if job.thinking_opened is not None:
-        reasoning, text = ReasoningSplitter(opened=job.thinking_opened).split(text)
+    splitter = job.reasoning_splitter()
+    if splitter is not None:
+        reasoning, text = splitter.split(text)
     tools = job.tools
     if tools is None:
         return ResponseMessage(content=text, reasoning_content=reasoning), result.finish_reason

@@ -51,8 +51,16 @@ class ReasoningSplitter:
         self._held = ""
         self.has_reasoning = opened
 
-    def feed(self, text: str) -> tuple[str, str]:
-        """(reasoning, content) that may go out now."""
+    def feed(self, text: str, *, last: bool = False) -> tuple[str, str]:
+        """(reasoning, content) that may go out now; with `last` (the answer's end), all
+        that is held too."""
+        reasoning, content = self._feed(text)
+        if last:
+            more_reasoning, more_content = self.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        return reasoning, content
+
+    def _feed(self, text: str) -> tuple[str, str]:
         self._held += text
         reasoning = content = ""
         while True:
@@ -97,7 +105,5 @@ class ReasoningSplitter:
 
     def split(self, text: str) -> tuple[str | None, str]:
         """A whole answer's (reasoning or None, content)."""
-        reasoning, content = self.feed(text)
-        more_reasoning, more_content = self.finish()
-        reasoning += more_reasoning
-        return (reasoning if self.has_reasoning else None), content + more_content
+        reasoning, content = self.feed(text, last=True)
+        return (reasoning if self.has_reasoning else None), content

@@ -3,8 +3,9 @@
 An answer is a list of output items: a `reasoning` item with the thinking when the chat
 has a reasoning parser and the model thought (server/reasoning.py; one `reasoning_text`
 part), one `message` whose content is one `output_text` part (with `logprobs` when asked),
-then one `function_call` item per tool call found in the text (server/tool_calls.py). A choice that hit `max_output_tokens` makes the response
-`incomplete` (`incomplete_details.reason` "max_output_tokens"), anything else `completed`.
+then one `function_call` item per tool call found in the text (server/tool_calls.py). A
+choice that hit `max_output_tokens` makes the response `incomplete`
+(`incomplete_details.reason` "max_output_tokens"), anything else `completed`.
 
 A stream is `event: <type>` / `data: {...}` pairs (no [DONE]), numbered by
 `sequence_number`:
@@ -21,9 +22,8 @@ A stream is `event: <type>` / `data: {...}` pairs (no [DONE]), numbered by
     response.completed | response.incomplete            the whole response, with usage
 
 Calls go out as server/tool_calls.py's stream gives them: a named function's arguments
-as they are generated, a Hermes call in "auto" whole once its block closes, others whole
-at the end. An error after the stream started is an `error`
-event and then `response.failed`.
+as they are generated, any other call whole as soon as its text closes. An error after
+the stream started is an `error` event and then `response.failed`.
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ from engine.protocol import TokenLogprob
 from server.generation import GenerationTotals
 from server.logprobs import chat_logprobs
 from server.openai_models import dump
-from server.reasoning import ReasoningSplitter
 from server.responses import ResponsesRequest
 from server.streaming import ChoiceResult, GenerationJob, OnFinished, run_job
 from server.tool_calls import ToolCall
@@ -128,8 +127,9 @@ class ResponseShaper:
     def final(self, result: ChoiceResult, totals: GenerationTotals) -> dict[str, Any]:
         """The Response of a finished, non-streamed choice."""
         text, calls, reasoning = result.text, [], None
-        if self.job.thinking_opened is not None:
-            reasoning, text = ReasoningSplitter(opened=self.job.thinking_opened).split(text)
+        splitter = self.job.reasoning_splitter()
+        if splitter is not None:
+            reasoning, text = splitter.split(text)
         if self.job.tools is not None:
             text, calls = self.job.tools.split(text)
         status = response_status(result.finish_reason)
@@ -326,18 +326,13 @@ async def stream_response(
     yield event("response.in_progress", response=shaper.response("in_progress", []))
     streamed = _StreamedOutput(shaper, event)
     extractor = job.tools.extractor() if job.tools is not None else None
-    splitter = None
-    if job.thinking_opened is not None:
-        splitter = ReasoningSplitter(opened=job.thinking_opened)
+    splitter = job.reasoning_splitter()
     try:
         async with contextlib.aclosing(run_job(job, engine, tokenizer, totals)) as deltas:
             async for delta in deltas:
                 text, call_deltas = delta.text, []
                 if splitter is not None:  # the thinking first, then the answer
-                    reasoning, text = splitter.feed(text)
-                    if delta.finish_reason is not None:
-                        more_reasoning, more_text = splitter.finish()
-                        reasoning, text = reasoning + more_reasoning, text + more_text
+                    reasoning, text = splitter.feed(text, last=delta.finish_reason is not None)
                     for chunk in streamed.add_reasoning(reasoning):
                         yield chunk
                 if extractor is not None:

@@ -65,6 +65,12 @@ class GenerationJob:
     priority: int = 0  # --scheduling-policy priority: lower runs first
     created: int = field(default_factory=lambda: int(time.time()))
 
+    def reasoning_splitter(self) -> ReasoningSplitter | None:
+        """A splitter for one choice's answer, when the job's answers carry reasoning."""
+        if self.thinking_opened is None:
+            return None
+        return ReasoningSplitter(opened=self.thinking_opened)
+
 
 @dataclass
 class ChoiceResult:
@@ -125,13 +131,6 @@ class _ChunkWriter:
         if usage is not None:
             body["usage"] = dump(usage)
         return sse(body)
-
-
-def reasoning_splitters(job: GenerationJob) -> list[ReasoningSplitter] | None:
-    """One splitter per choice when the job's answers carry reasoning."""
-    if job.thinking_opened is None:
-        return None
-    return [ReasoningSplitter(opened=job.thinking_opened) for _ in range(job.n)]
 
 
 def usage_of(totals: GenerationTotals) -> UsageInfo:
@@ -205,7 +204,7 @@ async def stream_chat(
     for index in range(job.n):
         yield chunk([choice(index, {"role": "assistant", "content": ""})])
     extractors = [job.tools.extractor() for _ in range(job.n)] if job.tools else None
-    splitters = reasoning_splitters(job)
+    splitters = [job.reasoning_splitter() for _ in range(job.n)]
     wants_prompt_logprobs = job.sampling.prompt_logprobs is not None
     async with contextlib.aclosing(_guarded(run_job(job, engine, tokenizer, totals))) as pieces:
         async for piece in pieces:
@@ -213,12 +212,9 @@ async def stream_chat(
                 yield piece
                 return
             text, finish, call_deltas, reasoning = piece.text, piece.finish_reason, [], ""
-            if splitters is not None:  # the thinking first, then the answer
-                splitter = splitters[piece.index]
-                reasoning, text = splitter.feed(text)
-                if finish is not None:
-                    more_reasoning, more_text = splitter.finish()
-                    reasoning, text = reasoning + more_reasoning, text + more_text
+            splitter = splitters[piece.index]
+            if splitter is not None:  # the thinking first, then the answer
+                reasoning, text = splitter.feed(text, last=finish is not None)
             if extractors is not None:  # content up to a tool call now, the calls at the end
                 extractor = extractors[piece.index]
                 text, call_deltas = extractor.feed_stream(text)
@@ -242,8 +238,8 @@ async def stream_chat(
                 continue
             logprobs = None
             if with_logprobs:
-                entries = piece.logprobs
-                logprobs = dump(chat_logprobs(tokenizer, entries, as_ids=job.tokens_as_ids))
+                entries = chat_logprobs(tokenizer, piece.logprobs, as_ids=job.tokens_as_ids)
+                logprobs = dump(entries)
             delta: dict[str, Any] = {"content": text}
             if reasoning:
                 delta["reasoning_content"] = reasoning
