@@ -87,3 +87,15 @@ def _timestamped_frames(video) -> str:
         f"<{seconds:.1f} seconds><|vision_start|>" + "<|video_pad|>" * per_frame + "<|vision_end|>"
         for seconds in video.frame_seconds
     )
+
+
+def hf_text_tokens(model_dir, prompt: str, **generate_options) -> list[int]:
+    """transformers' greedy continuation of raw text `prompt` (its EOS kept: it can stop),
+    with generate()'s own options (max_new_tokens, bad_words_ids, sequence_bias, ...)."""
+    architecture = json.loads((Path(model_dir) / "config.json").read_text())["architectures"][0]
+    model = getattr(transformers, architecture).from_pretrained(model_dir, dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    ids = tokenizer(prompt, return_tensors="pt")
+    with torch.no_grad():
+        out = model.eval().generate(**ids, do_sample=False, **generate_options)
+    return out[0, ids["input_ids"].shape[1] :].tolist()

@@ -14,6 +14,7 @@ import torch  # noqa: E402
 from engine import LLM, SamplingParams, StructuredOutput  # noqa: E402
 from engine.sampler import Sampler, SamplingRow, token_bitmask  # noqa: E402
 from engine.tiny_model import make_tiny_model  # noqa: E402
+from tests.hf_reference import hf_text_tokens  # noqa: E402
 
 PROMPT = "the quick brown fox"
 ALLOWED = (5, 17, 99, 230, 231, 1000, 1500)
@@ -25,15 +26,8 @@ def model_dir(tmp_path_factory):
 
 
 def hf_tokens(model_dir, prompt: str, allowed: tuple[int, ...]) -> list[int]:
-    model = transformers.Qwen2VLForConditionalGeneration.from_pretrained(
-        model_dir, dtype=torch.float32
-    ).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    ids = tokenizer(prompt, return_tensors="pt")
-    with torch.no_grad():
-        out = model.generate(**ids, max_new_tokens=10, min_new_tokens=10, do_sample=False,
-                             prefix_allowed_tokens_fn=lambda batch, so_far: list(allowed))  # fmt: skip
-    return out[0, ids["input_ids"].shape[1] :].tolist()
+    return hf_text_tokens(model_dir, prompt, max_new_tokens=10, min_new_tokens=10,
+                          prefix_allowed_tokens_fn=lambda batch, so_far: list(allowed))  # fmt: skip
 
 
 @pytest.mark.parametrize("budget", [2048, 3])  # 3: the prompt arrives in chunks

@@ -9,10 +9,10 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-import torch  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.tiny_model import make_tiny_model  # noqa: E402
+from tests.hf_reference import hf_text_tokens  # noqa: E402
 
 PROMPT = "the quick brown fox"
 NUM_TOKENS = 12
@@ -24,15 +24,8 @@ def model_dir(tmp_path_factory):
 
 
 def hf_tokens(model_dir, bad_words: list[list[int]]) -> list[int]:
-    model = transformers.Qwen2VLForConditionalGeneration.from_pretrained(
-        model_dir, dtype=torch.float32
-    ).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    ids = tokenizer(PROMPT, return_tensors="pt")
-    with torch.no_grad():
-        out = model.generate(**ids, max_new_tokens=NUM_TOKENS, min_new_tokens=NUM_TOKENS,
-                             do_sample=False, bad_words_ids=bad_words)  # fmt: skip
-    return out[0, ids["input_ids"].shape[1] :].tolist()
+    return hf_text_tokens(model_dir, PROMPT, max_new_tokens=NUM_TOKENS,
+                          min_new_tokens=NUM_TOKENS, bad_words_ids=bad_words)  # fmt: skip
 
 
 def greedy(**extra) -> SamplingParams:

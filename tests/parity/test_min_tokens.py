@@ -10,10 +10,10 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-import torch  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.tiny_model import make_tiny_model  # noqa: E402
+from tests.hf_reference import hf_text_tokens  # noqa: E402
 
 PROMPTS = ["the quick brown fox", "a b c d e f g h"]
 
@@ -30,15 +30,8 @@ def llm(model_dir):
 
 
 def hf_tokens(model_dir, prompt: str, min_new: int, biased: int) -> list[int]:
-    model = transformers.Qwen2VLForConditionalGeneration.from_pretrained(
-        model_dir, dtype=torch.float32
-    ).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    ids = tokenizer(prompt, return_tensors="pt")
-    with torch.no_grad():
-        out = model.generate(**ids, max_new_tokens=12, do_sample=False, min_new_tokens=min_new,
-                             sequence_bias=[[[biased], 100.0]])  # fmt: skip
-    return out[0, ids["input_ids"].shape[1] :].tolist()
+    return hf_text_tokens(model_dir, prompt, max_new_tokens=12, min_new_tokens=min_new,
+                          sequence_bias=[[[biased], 100.0]])  # fmt: skip
 
 
 def params(eos: int, min_tokens: int, **extra) -> SamplingParams:
