@@ -21,7 +21,7 @@ def small_kv_server(model_dir, tmp_path_factory):
 
 
 def test_soak_under_preemption_is_correct_and_leak_free(small_kv_server):
-    config = SoakConfig(num_requests=60, concurrency=16, max_tokens=16, num_distinct=24)
+    config = SoakConfig(num_requests=60, concurrency=16, max_tokens=48, num_distinct=24)
     report = run_soak(small_kv_server.base_url, small_kv_server.process.pid, config)
     assert report.passed, f"{report.failures}\n{small_kv_server.log_tail()}"
     assert report.completed == 60
