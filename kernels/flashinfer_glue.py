@@ -29,6 +29,7 @@ This module never imports `engine/`.
 
 from __future__ import annotations
 
+import builtins
 import importlib
 from dataclasses import dataclass
 from typing import Any
@@ -124,11 +125,40 @@ def gather_page_indices(
 def import_flashinfer() -> Any:
     """The flashinfer module, or ImportError naming the extra that installs it."""
     try:
-        return importlib.import_module("flashinfer")
+        flashinfer = importlib.import_module("flashinfer")
     except ImportError as exc:
         raise ImportError(
             "flashinfer is not installed; install the GPU extra: pip install 'tessera[gpu]'"
         ) from exc
+    for name in PLANNING_MODULES:
+        use_tensor_max_in(importlib.import_module(name))
+    return flashinfer
+
+
+# FlashInfer's modules whose plan() takes `max(lengths_tensor).item()` of host tensors.
+PLANNING_MODULES = ("flashinfer.decode", "flashinfer.prefill")
+
+
+def tensor_aware_max(*args: Any, **kwargs: Any) -> Any:
+    """builtins.max, but one reduction for a single non-empty 1-D tensor.
+
+    FlashInfer 0.6's plan() calls the builtin `max()` on a host tensor of sequence lengths:
+    Python walks it row by row (an unbind, then a compare, a bool and an item per row).
+    On the H100, at 128 decode rows, that was ~0.5 ms of host time per step, the largest
+    host cost of a CUDA-graph decode step besides the graph launch (torch profile of
+    `scripts/gpu_session.sh decode-2b`, 2026-11-26). `tensor.max()` returns the same 0-d
+    tensor value in one op; every other call is the builtin's.
+    """
+    if len(args) == 1 and not kwargs:
+        (values,) = args
+        if isinstance(values, torch.Tensor) and values.dim() == 1 and values.numel() > 0:
+            return values.max()
+    return builtins.max(*args, **kwargs)
+
+
+def use_tensor_max_in(module: Any) -> None:
+    """Shadow the builtin `max` in one module's globals (name lookups try them first)."""
+    module.max = tensor_aware_max
 
 
 @dataclass(frozen=True)
