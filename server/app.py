@@ -57,7 +57,7 @@ from server.openai_models import (
 from server.prompt_echo import PromptEcho
 from server.reasoning import THINK_END, prompt_opens_thinking, reasoning_format
 from server.request_limits import RequestLimitMiddleware
-from server.request_log import RequestLogMiddleware, record_of
+from server.request_log import RequestLogMiddleware, arrival_of, record_of
 from server.response_events import ResponseShaper, stream_response
 from server.responses import ResponsesRequest, chat_request
 from server.settings import ServerSettings
@@ -259,7 +259,7 @@ def _add_api_routes(api: APIRouter) -> None:
                 state.engine,
                 state.processor.tokenizer,
                 with_logprobs=with_logprobs,
-                on_finished=_finisher(state, time.monotonic(), request),
+                on_finished=_finisher(state, request),
             )
             return EventStreamResponse(_releasing(stream, ticket), headers=SSE_HEADERS)
         try:
@@ -286,7 +286,7 @@ def _add_api_routes(api: APIRouter) -> None:
                 state.engine,
                 state.processor.tokenizer,
                 echo=echo,
-                on_finished=_finisher(state, time.monotonic(), request),
+                on_finished=_finisher(state, request),
             )
             return EventStreamResponse(_releasing(stream, ticket), headers=SSE_HEADERS)
         try:
@@ -313,7 +313,7 @@ def _add_api_routes(api: APIRouter) -> None:
                 state.engine,
                 state.processor.tokenizer,
                 shaper,
-                on_finished=_finisher(state, time.monotonic(), request),
+                on_finished=_finisher(state, request),
             )
             return EventStreamResponse(_releasing(stream, ticket), headers=SSE_HEADERS)
         try:
@@ -476,9 +476,10 @@ def _tool_plan(state: AppState, body: Any) -> ToolPlan | None:
     return dataclasses.replace(plan, format=call_format(state.settings.tool_call_parser, template))
 
 
-def _finisher(
-    state: AppState, start: float, request: Request
-) -> Callable[[GenerationTotals], None]:
+def _finisher(state: AppState, request: Request) -> Callable[[GenerationTotals], None]:
+    """Records a finished request's metrics, its latencies counted from its arrival."""
+    start = arrival_of(request)
+
     def on_finished(totals: GenerationTotals) -> None:
         ttft = None if totals.first_token_time is None else totals.first_token_time - start
         state.metrics.on_request_finished(
@@ -514,7 +515,6 @@ async def _wait_for_disconnect(request: Request) -> None:
 async def _collect_until_disconnect(request: Request, state: AppState, job: GenerationJob):
     """Run a non-streaming generation; cancel it (aborting in the engine) if the client
     disconnects first."""
-    start = time.monotonic()
     totals = GenerationTotals()
     work = asyncio.create_task(collect(job, state.engine, state.processor.tokenizer, totals))
     watcher = asyncio.create_task(_wait_for_disconnect(request))
@@ -530,5 +530,5 @@ async def _collect_until_disconnect(request: Request, state: AppState, job: Gene
         logger.info("client disconnected; request %s aborted", job.request_id)
         raise ClientDisconnected(job.request_id)
     results = work.result()
-    _finisher(state, start, request)(totals)
+    _finisher(state, request)(totals)
     return totals, results

@@ -100,7 +100,7 @@ METRICS: tuple[MetricSpec, ...] = (
     # Per-request latency histograms (seconds).
     _histogram(
         "tessera:time_to_first_token_seconds",
-        "Time from request arrival to its first generated token.",
+        "Time from the request's arrival at the HTTP server to its first generated token (media fetching and preprocessing included).",
         LATENCY_BUCKETS,
     ),
     _histogram(
@@ -110,7 +110,7 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
     _histogram(
         "tessera:e2e_request_latency_seconds",
-        "Time from request arrival to its last token.",
+        "Time from the request's arrival at the HTTP server to its last token.",
         LATENCY_BUCKETS,
     ),
     _histogram(

@@ -30,6 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 REQUEST_ID_HEADER = "x-request-id"
 MAX_REQUEST_ID_CHARS = 128
 _SCOPE_KEY = "tessera.request_log"
+_ARRIVED_KEY = "tessera.arrived"  # time.monotonic() when the request's headers came in
 
 logger = logging.getLogger("tessera.request")
 
@@ -66,6 +67,13 @@ def record_of(request: Any) -> RequestLogRecord | None:
     return request.scope.get(_SCOPE_KEY)
 
 
+def arrival_of(request: Any) -> float:
+    """time.monotonic() when the request arrived (now, outside the middleware). Latency
+    metrics start here, so they include the API process's own work: reading and parsing the
+    body, fetching and preprocessing media, rendering and tokenizing the prompt."""
+    return request.scope.get(_ARRIVED_KEY) or time.monotonic()
+
+
 class RequestLogMiddleware:
     """Assigns the request id, echoes it in the response, logs one line per request."""
 
@@ -82,6 +90,7 @@ class RequestLogMiddleware:
         start = time.monotonic()
         record = RequestLogRecord(request_id=_request_id(scope), method=scope["method"])
         scope[_SCOPE_KEY] = record
+        scope[_ARRIVED_KEY] = start
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":

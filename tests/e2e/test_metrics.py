@@ -16,6 +16,7 @@ import threading
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
@@ -153,6 +154,60 @@ def test_vision_encoder_time_moves(http):
     assert (
         after["tessera:vision_encoder_seconds_sum"] > before["tessera:vision_encoder_seconds_sum"]
     )
+
+
+IMAGE_DELAY_S = 0.6
+
+
+class _SlowImageHandler(BaseHTTPRequestHandler):
+    """Serves one PNG after IMAGE_DELAY_S, like a slow image host."""
+
+    def do_GET(self) -> None:
+        time.sleep(IMAGE_DELAY_S)
+        body = png_bytes(picture(64, 48, 5))
+        self.send_response(200)
+        self.send_header("Content-Type", "image/png")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def slow_image_url():
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _SlowImageHandler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}/slow.png"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_latencies_count_from_arrival_including_media_fetching(http, slow_image_url, stream):
+    """TTFT and e2e latency start when the request reaches the HTTP server, so the API
+    process's own work (here an image that takes IMAGE_DELAY_S to fetch) is in them, as a
+    client sees it. They used to start after the prompt was ready, media included."""
+    before, _ = scrape(http)
+    content = [
+        {"type": "image_url", "image_url": {"url": slow_image_url}},
+        {"type": "text", "text": "what is it"},
+    ]
+    body = {"model": MODEL_NAME, "max_tokens": 2, "stream": stream,
+            "messages": [{"role": "user", "content": content}]}  # fmt: skip
+    sent = time.monotonic()
+    response = http.post("/v1/chat/completions", json=body)
+    seen_by_client = time.monotonic() - sent
+    assert response.status_code == 200, response.text
+    name = "tessera:e2e_request_latency_seconds_count"
+    after, _ = wait_for(http, lambda samples, _: samples[name] > before[name])
+    for histogram in ("tessera:time_to_first_token_seconds", "tessera:e2e_request_latency_seconds"):
+        assert after[f"{histogram}_count"] - before[f"{histogram}_count"] == 1
+        moved = after[f"{histogram}_sum"] - before[f"{histogram}_sum"]
+        assert IMAGE_DELAY_S <= moved <= seen_by_client, histogram
 
 
 def test_process_metrics_are_exported(http):
