@@ -208,8 +208,8 @@ def process_image(image: Image.Image, config: ImageProcessorConfig) -> Processed
         min_pixels=config.min_pixels,
         max_pixels=config.max_pixels,
     )
-    resized = rgb.resize((resized_width, resized_height), resample=config.resample)
-    patches, grid_h, grid_w = frame_patches(np.asarray(resized), config)  # [rows, C, P*P]
+    resized = np.asarray(rgb.resize((resized_width, resized_height), resample=config.resample))
+    patches, grid_h, grid_w = frame_patches(resized, config)  # [rows, C, P*P]
     # A still image fills every temporal slot with the same patch: [rows, C, T, P*P].
     levels = np.repeat(patches[:, :, None], config.temporal_patch_size, axis=2)
     return ProcessedImage(
@@ -217,7 +217,7 @@ def process_image(image: Image.Image, config: ImageProcessorConfig) -> Processed
         normalization=config.normalization,
         grid_thw=(1, grid_h, grid_w),
         num_tokens=grid_h * grid_w // config.merge_size**2,
-        content_hash=image_content_hash(rgb, config),
+        content_hash=image_content_hash(resized, config),
     )
 
 

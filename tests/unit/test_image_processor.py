@@ -181,27 +181,43 @@ def test_grayscale_image_is_processed_as_rgb():
 # ---------------------------------------------------------------------- hashing
 
 
+def pixels(image: Image.Image) -> np.ndarray:
+    return np.asarray(image.convert("RGB"))
+
+
 def test_image_hash_same_image_same_hash():
     first, second = _random_image(40, 30, seed=1), _random_image(40, 30, seed=1)
-    assert image_content_hash(first, CONFIG) == image_content_hash(second, CONFIG)
-    assert process_image(first, CONFIG).content_hash == image_content_hash(first, CONFIG)
+    assert process_image(first, CONFIG).content_hash == process_image(second, CONFIG).content_hash
+
+
+def test_image_hash_names_the_resized_pixels():
+    """What the encoder sees decides: the hash is of the resized pixels, so an image that
+    smart_resize keeps as it is hashes as its pixels, and two images that resize to the
+    same pixels share a hash (and rightly their encoder rows)."""
+    kept = _random_image(56, 56, seed=3)  # a multiple of 28 inside the pixel bounds
+    assert process_image(kept, CONFIG).content_hash == image_content_hash(pixels(kept), CONFIG)
+    grey = [Image.new("RGB", size, (90, 120, 30)) for size in ((112, 112), (140, 140))]
+    bounded = CONFIG.with_overrides(max_pixels=56 * 56)
+    hashes = {process_image(image, bounded).content_hash for image in grey}
+    assert len(hashes) == 1
+    with pytest.raises(ValueError, match="uint8"):
+        image_content_hash(pixels(kept).astype(np.float32), CONFIG)
 
 
 def test_image_hash_changes_with_pixels_size_and_parameters():
-    image = _random_image(40, 30, seed=1)
-    base = image_content_hash(image, CONFIG)
-    assert image_content_hash(_random_image(40, 30, seed=2), CONFIG) != base
-    assert image_content_hash(image.resize((30, 40)), CONFIG) != base
-    # Same bytes, other shape: 40x30 and 30x40 have equally many pixels.
-    reshaped = Image.frombytes("RGB", (30, 40), image.tobytes())
-    assert image_content_hash(reshaped, CONFIG) != base
+    image = _random_image(56, 28, seed=1)
+    base = image_content_hash(pixels(image), CONFIG)
+    assert image_content_hash(pixels(_random_image(56, 28, seed=2)), CONFIG) != base
+    # Same bytes, other shape.
+    reshaped = Image.frombytes("RGB", (28, 56), image.tobytes())
+    assert image_content_hash(pixels(reshaped), CONFIG) != base
     for changed in (
         CONFIG.with_overrides(max_pixels=112 * 112),
         CONFIG.with_overrides(min_pixels=28 * 28),
         ImageProcessorConfig(min_pixels=3136, max_pixels=50176, image_mean=(0.5, 0.5, 0.5)),
         ImageProcessorConfig(min_pixels=3136, max_pixels=50176, merge_size=1),
     ):
-        assert image_content_hash(image, changed) != base
+        assert image_content_hash(pixels(image), changed) != base
 
 
 def test_bytes_hash():
