@@ -228,7 +228,7 @@ def run_largest_step(
         None if encoded is None else torch.arange(media_rows, device=device),
     )  # [T, hidden]
     num_rows = min(config.max_num_seqs, num_tokens)
-    logits = model.compute_logits(hidden[-num_rows:])  # [S, vocab] float32
+    logits = model.compute_logits(hidden[-num_rows:])  # [S, vocab], cast by the sampler
     # A min_tokens ban and a grammar mask on every row too (the mask's [S, V] biases).
     allow_all = torch.full(((logits.shape[1] + 31) // 32,), -1, dtype=torch.int32)
     row = SamplingRow(HEAVIEST_SAMPLING, [0] * num_tokens, [0], banned_token_ids=(0,),

@@ -479,7 +479,7 @@ class ModelRunner:
             last_rows = to_device([query_ends[row] - 1 for row, _ in sampling], torch.long,
                                   self.device)  # fmt: skip
             last_hidden = hidden.index_select(0, last_rows)  # [S, hidden]
-        logits = self.model.compute_logits(last_hidden)  # [S, vocab] float32
+        logits = self.model.compute_logits(last_hidden)  # [S, vocab], the model's dtype
         rows = [
             SamplingRow(
                 chunk.request.sampling,

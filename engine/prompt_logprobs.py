@@ -69,7 +69,8 @@ def score_prompt_tokens(
     targets = to_device(targets_list, torch.long, hidden.device)  # [n]
     chosen, ranks, top_values, top_ids = [], [], [], []
     for start in range(0, hidden.shape[0], SLICE_ROWS):
-        logprobs = torch.log_softmax(compute_logits(hidden[start : start + SLICE_ROWS]), dim=-1)
+        logits = compute_logits(hidden[start : start + SLICE_ROWS]).float()  # [m, V]
+        logprobs = torch.log_softmax(logits, dim=-1)
         target = targets[start : start + SLICE_ROWS].unsqueeze(1)  # [m, 1]
         token_logprob = logprobs.gather(1, target)  # [m, 1]
         chosen.append(token_logprob.squeeze(1))

@@ -78,7 +78,7 @@ class PendingSample:
 
 
 class Sampler:
-    """Samples one token per row of a [S, V] float32 logits tensor."""
+    """Samples one token per row of a [S, V] logits tensor."""
 
     def __init__(self, seed: int = 0) -> None:
         self._generators: dict[torch.device, torch.Generator] = {}
@@ -93,8 +93,10 @@ class Sampler:
         return self.sample(logits, rows).result()
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> PendingSample:
-        """Queues the sampling of every row; no host sync."""
-        # logits [S, V] float32
+        """Queues the sampling of every row; no host sync. `logits` [S, V] in any float
+        dtype: what computes with them does so in float32, as transformers does."""
+        if logits.dtype != torch.float32 and not all(_plain_greedy(row) for row in rows):
+            logits = logits.float()
         vocab = logits.shape[1]
         device = logits.device
         params = [row.params for row in rows]
@@ -138,6 +140,22 @@ class Sampler:
                 own = torch.empty(probs.shape[1]).exponential_(generator=row.generator)  # [V]
                 noise[index] = to_device(own, noise.dtype, device)
         return (probs / noise).argmax(dim=-1)  # [S]
+
+
+def _plain_greedy(row: SamplingRow) -> bool:
+    """The row only reads which logit is largest. Casting to float32 is exact, so argmax
+    over the model's bf16 logits picks the same token, and a batch of such rows skips the
+    [S, V] float32 copy (at batch 128 and Qwen2's 151,936 tokens, 78 MB written and read
+    again per step)."""
+    params = row.params
+    return (
+        params.is_greedy
+        and params.logprobs is None
+        and not params.has_penalties
+        and not params.logit_bias
+        and not row.banned_token_ids
+        and row.allowed_tokens is None
+    )
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -118,7 +118,9 @@ class Qwen2VLForConditionalGeneration(nn.Module):
             self.tensor_parallel.send_forward(embeds, positions, attn_metadata)
         return self.model(embeds, positions, kv_caches, attn_metadata, deepstack)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, V] fp32
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[S, hidden] -> [S, V] in the model's dtype: the sampler casts to float32 what it
+        computes with (engine/sampler.py), and skips the cast for plain greedy picks."""
         if self.lm_head is None:  # tied: the embedding matrix is the LM head
-            return F.linear(hidden, self.model.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+            return F.linear(hidden, self.model.embed_tokens.weight)
+        return self.lm_head(hidden)

@@ -304,5 +304,5 @@ def test_bfloat16_runs_close_to_float32(checkpoint, model):
         runner.add(ids, positions, mm)
         runner.step([(0, len(ids))])
         results.append(runner.logits(0))
-    assert results[1].dtype == torch.float32
-    torch.testing.assert_close(results[1], results[0], atol=0.15, rtol=0.05)
+    assert results[1].dtype == torch.bfloat16  # the sampler casts what it computes with
+    torch.testing.assert_close(results[1].float(), results[0], atol=0.15, rtol=0.05)

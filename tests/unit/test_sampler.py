@@ -101,3 +101,30 @@ def test_logit_bias_steers_greedy_and_random_rows_of_its_request_only():
     expected = torch.log_softmax(logits[0], -1)[2].item()
     assert out.token_ids == [2] and math.isclose(out.logprobs[0].logprob, expected, rel_tol=1e-6)
     assert logits[0].tolist() == [0.25, 2.0, -1.0, 0.5]  # not modified in place
+
+
+def test_plain_greedy_rows_take_model_dtype_logits_without_a_float32_copy(monkeypatch):
+    """bf16 logits: plain greedy rows argmax them as they are (the cast is exact, so the
+    token is the same); any row that computes with logits gets them in float32."""
+    logits = (torch.randn(4, 1000, generator=torch.Generator().manual_seed(3)) * 4).bfloat16()
+    logits[1, 7] = logits[1, 9] = logits[1].max() + 1  # a tie: the first index, both ways
+    expected = logits.float().argmax(dim=-1).tolist()
+    casts = []
+    original_float = torch.Tensor.float
+    monkeypatch.setattr(torch.Tensor, "float", lambda t: casts.append(t.shape) or original_float(t))
+    greedy = [row(temperature=0.0) for _ in range(4)]
+    assert Sampler()(logits, greedy).token_ids == expected
+    assert casts == [] and expected[1] == 7
+
+    for computing in (
+        {"logprobs": 2},
+        {"repetition_penalty": 1.3},
+        {"logit_bias": ((5, 3.0),)},
+        {"temperature": 0.8, "seed": 11},
+    ):
+        params = {"temperature": 0.0, **computing}
+        from_bf16 = Sampler(seed=5)(logits, [row(**params), *greedy[1:]])
+        assert casts == [(4, 1000)]
+        casts.clear()
+        from_float32 = Sampler(seed=5)(original_float(logits), [row(**params), *greedy[1:]])
+        assert from_bf16 == from_float32
