@@ -29,6 +29,9 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=
     param: str = "structured_output"  # the request field it came from, for error messages
 
 
+GREEDY_BELOW_TEMPERATURE = 1e-5  # vLLM's _SAMPLING_EPS
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """How to pick tokens for one sequence. Validated by the server before sending.
 
@@ -70,7 +73,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        # As vLLM: a temperature this small is greedy. Dividing by it would overflow
+        # float32 logits to inf below ~1e-37 (softmax NaN, a garbage token).
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:

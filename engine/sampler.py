@@ -125,7 +125,7 @@ class Sampler:
         device = logits.device
         params = [row.params for row in rows]
         temperature = to_device(
-            [p.temperature if p.temperature > 0 else 1.0 for p in params], logits.dtype, device
+            [1.0 if p.is_greedy else p.temperature for p in params], logits.dtype, device
         )
         logits = logits / temperature.unsqueeze(1)  # [S, V]
         logits = apply_top_k_top_p(logits, params)

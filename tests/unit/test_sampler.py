@@ -128,3 +128,11 @@ def test_plain_greedy_rows_take_model_dtype_logits_without_a_float32_copy(monkey
         casts.clear()
         from_float32 = Sampler(seed=5)(original_float(logits), [row(**params), *greedy[1:]])
         assert from_bf16 == from_float32
+
+
+def test_a_tiny_temperature_is_greedy():
+    """As vLLM: below 1e-5 a row is greedy. 1e-40 used to overflow the scaled logits to inf
+    (softmax NaN) and pick token 0."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(8)) * 5
+    rows = [row(temperature=t, seed=1) for t in (1e-40, 1e-6, 0.0)]
+    assert Sampler()(logits, rows).token_ids == logits.argmax(dim=-1).tolist()
