@@ -36,6 +36,7 @@ from server.chat import messages_as_dicts, prepare_chat_prompt
 from server.completions import chat_response, completion_response, prepare_completion_prompt
 from server.errors import error_body, install_error_handlers
 from server.generation import (
+    OPENAI_DEFAULTS,
     GenerationTotals,
     PreparedPrompt,
     bad_word_token_ids,
@@ -43,6 +44,7 @@ from server.generation import (
     check_structured_output,
     check_token_ids,
 )
+from server.generation_defaults import SamplingDefaults
 from server.media_fetch import MediaFetchConfig, MediaFetcher
 from server.metrics import ServerMetrics
 from server.openai_models import (
@@ -88,10 +90,26 @@ class AppState:
     model_name: str
     max_model_len: int
     vocab_size: int
+    sampling_defaults: SamplingDefaults = OPENAI_DEFAULTS  # --generation-config
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise ModelNotFound(f"the model {model!r} does not exist", param="model")
+
+
+def load_sampling_defaults(settings: ServerSettings) -> SamplingDefaults:
+    """The sampling defaults `--generation-config` names (GenerationConfigError if bad);
+    logs them when they are not OpenAI's."""
+    defaults = SamplingDefaults.load(
+        settings.generation_config, settings.engine.model, settings.override_generation_config
+    )
+    if defaults.changed():
+        logger.warning(
+            "sampling defaults from the generation config (for fields a request leaves out): "
+            "%s; --generation-config none keeps OpenAI's",
+            ", ".join(f"{name}={value}" for name, value in defaults.changed().items()),
+        )
+    return defaults
 
 
 def _make_fetcher(settings: ServerSettings, metrics: ServerMetrics) -> MediaFetcher | None:
@@ -148,6 +166,7 @@ def build_app(settings: ServerSettings, engine: Any) -> FastAPI:
         ready = await _ensure_started(engine)
         metrics.on_engine_ready(ready)
         processor = await asyncio.to_thread(PromptProcessor.from_model_dir, settings.engine.model)
+        sampling_defaults = load_sampling_defaults(settings)
         fetcher = _make_fetcher(settings, metrics)
         with contextlib.suppress(AttributeError):
             engine.add_stats_listener(metrics.on_engine_stats)
@@ -160,6 +179,7 @@ def build_app(settings: ServerSettings, engine: Any) -> FastAPI:
             model_name=model_name,
             max_model_len=ready.max_model_len,
             vocab_size=ready.vocab_size,
+            sampling_defaults=sampling_defaults,
         )
         try:
             yield
@@ -411,7 +431,10 @@ def _job(state: AppState, body: Any, prompt: Any, *, prefix: str) -> GenerationJ
     check_token_ids([token_id for token_id, _ in body.logit_bias_pairs], state.vocab_size,
                     "logit_bias")  # fmt: skip
     sampling = build_sampling_params(
-        body, num_prompt_tokens=len(prompt.token_ids), max_model_len=state.max_model_len
+        body,
+        num_prompt_tokens=len(prompt.token_ids),
+        max_model_len=state.max_model_len,
+        defaults=state.sampling_defaults,
     )
     if body.bad_words:
         banned = bad_word_token_ids(body.bad_words, state.processor.tokenizer)

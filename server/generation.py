@@ -31,6 +31,7 @@ from engine.protocol import (
 )
 from server.detokenizer import SequenceDetokenizer
 from server.errors import error_info_to_exception
+from server.generation_defaults import SamplingDefaults
 from server.openai_models import SamplingFields
 
 logger = logging.getLogger(__name__)
@@ -129,10 +130,18 @@ async def check_structured_output(request: SamplingFields) -> None:
         raise InvalidRequest(f"invalid {param}: {error[:500]}", param=param)
 
 
+OPENAI_DEFAULTS = SamplingDefaults()
+
+
 def build_sampling_params(
-    request: SamplingFields, *, num_prompt_tokens: int, max_model_len: int
+    request: SamplingFields,
+    *,
+    num_prompt_tokens: int,
+    max_model_len: int,
+    defaults: SamplingDefaults = OPENAI_DEFAULTS,
 ) -> SamplingParams:
-    """Validate the sampling fields against the model and build the engine's params."""
+    """Validate the sampling fields against the model and build the engine's params; a
+    field the request leaves out takes its value from `defaults`."""
     requested = request.requested_max_tokens  # type: ignore[attr-defined]
     room = max_model_len - num_prompt_tokens
     if requested is None:
@@ -142,7 +151,7 @@ def build_sampling_params(
                 f"in this model's context length of {max_model_len} tokens",
                 param="messages" if hasattr(request, "messages") else "prompt",
             )
-        max_tokens = room
+        max_tokens = defaults.max_tokens_for(None, room)
     else:
         if num_prompt_tokens + requested > max_model_len:
             raise ContextLengthExceeded(
@@ -151,28 +160,30 @@ def build_sampling_params(
                 f"tokens ({num_prompt_tokens + requested} in all)",
                 param="max_tokens",
             )
-        max_tokens = requested
+        max_tokens = defaults.max_tokens_for(requested, room)
     if request.min_tokens > max_tokens:
         raise InvalidRequest(
             f"min_tokens ({request.min_tokens}) must not exceed max_tokens ({max_tokens})",
             param="min_tokens",
         )
     num_logprobs = request.num_logprobs  # type: ignore[attr-defined]
-    top_k = request.top_k if request.top_k is not None else 0
+    top_k = request.top_k if request.top_k is not None else defaults.top_k
     constraint = request.structured_output
     return SamplingParams(
         max_tokens=max_tokens,
         min_tokens=request.min_tokens,
-        temperature=1.0 if request.temperature is None else request.temperature,
-        top_p=1.0 if request.top_p is None else request.top_p,
+        temperature=defaults.temperature if request.temperature is None else request.temperature,
+        top_p=defaults.top_p if request.top_p is None else request.top_p,
         top_k=0 if top_k < 0 else top_k,
-        min_p=request.min_p or 0.0,
+        min_p=defaults.min_p if request.min_p is None else request.min_p,
         seed=request.seed,
         stop_token_ids=tuple(request.stop_token_ids or ()),
         ignore_eos=request.ignore_eos,
         presence_penalty=request.presence_penalty or 0.0,
         frequency_penalty=request.frequency_penalty or 0.0,
-        repetition_penalty=request.repetition_penalty or 1.0,
+        repetition_penalty=defaults.repetition_penalty
+        if request.repetition_penalty is None
+        else request.repetition_penalty,
         logprobs=num_logprobs,
         prompt_logprobs=request.num_prompt_logprobs,  # type: ignore[attr-defined]
         logit_bias=request.logit_bias_pairs,

@@ -83,6 +83,8 @@ class ServerSettings:
     trust_request_chat_template: bool = False  # accept a request's own `chat_template`
     tool_call_parser: str = "auto"  # "auto" (from the chat template) | "hermes" (<tool_call> blocks: Qwen2.5) | "llama3_json" ({"name", "parameters"}: Llama 3.1)
     reasoning_parser: str = "auto"  # "auto" (qwen3 when the chat template writes <think>) | "qwen3" (<think>...</think> becomes reasoning_content) | "none"
+    generation_config: str = "auto"  # sampling defaults for fields a request leaves out: "auto" = the model folder's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty; max_new_tokens caps max_tokens), as vLLM; "none" = OpenAI's; or a folder holding one
+    override_generation_config: str | None = None  # JSON object laid over those defaults, e.g. '{"temperature": 0.5}'
     engine_startup_timeout_s: float = 600.0  # model load + KV allocation deadline
     shutdown_timeout_s: float = 30.0  # drain in-flight requests on SIGTERM, then stop
     engine_inbox_address: str | None = None  # tcp://HOST:PORT; None = private ipc:// socket
