@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, Response
 
 from engine.errors import EngineDeadError, InvalidRequest, ModelNotFound, ServerOverloaded
 from engine.multimodal.image_processor import ImageProcessorConfig
-from engine.multimodal.prompt import PromptProcessor
+from engine.multimodal.prompt import PromptProcessor, chat_template_from_setting
 from engine.multimodal.video import VideoConfig
 from server.admission import AdmissionController, ServerDraining, Ticket
 from server.auth import check_api_key
@@ -95,6 +95,13 @@ class AppState:
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise ModelNotFound(f"the model {model!r} does not exist", param="model")
+
+
+def server_chat_template(settings: ServerSettings) -> str | None:
+    """`--chat-template`'s source (ChatTemplateError if unusable); None = the model's."""
+    if settings.chat_template is None:
+        return None
+    return chat_template_from_setting(settings.chat_template)
 
 
 def load_sampling_defaults(settings: ServerSettings) -> SamplingDefaults:
@@ -165,7 +172,9 @@ def build_app(settings: ServerSettings, engine: Any) -> FastAPI:
     async def lifespan(app: FastAPI):
         ready = await _ensure_started(engine)
         metrics.on_engine_ready(ready)
-        processor = await asyncio.to_thread(PromptProcessor.from_model_dir, settings.engine.model)
+        processor = await asyncio.to_thread(
+            PromptProcessor.from_model_dir, settings.engine.model, server_chat_template(settings)
+        )
         sampling_defaults = load_sampling_defaults(settings)
         fetcher = _make_fetcher(settings, metrics)
         with contextlib.suppress(AttributeError):

@@ -26,6 +26,7 @@ import uvicorn
 
 from engine.errors import EngineDeadError
 from engine.logging_utils import configure_logging
+from engine.multimodal.prompt import ChatTemplateError, chat_template_from_setting
 from server.engine_client import EngineClient
 from server.generation_defaults import GenerationConfigError, SamplingDefaults
 from server.settings import ServerSettings, SettingsError, load_settings
@@ -47,10 +48,12 @@ def serve_main(argv: Sequence[str]) -> int:
         return EXIT_USAGE
     configure_logging(settings.log_level, settings.log_format)
     settings = _resolve_default_model(settings)
-    try:  # a bad generation config fails before the engine loads (the app loads it again)
+    try:  # bad settings of the API layer fail before the engine loads (the app reads them again)
         SamplingDefaults.load(settings.generation_config, settings.engine.model,
                               settings.override_generation_config)  # fmt: skip
-    except GenerationConfigError as exc:
+        if settings.chat_template is not None:
+            chat_template_from_setting(settings.chat_template)
+    except (GenerationConfigError, ChatTemplateError) as exc:
         print(f"tessera serve: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     if settings.api_key is None and not _is_loopback(settings.host):

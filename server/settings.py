@@ -81,6 +81,7 @@ class ServerSettings:
     max_waiting_requests: int = 256  # beyond max_num_seqs running; more -> 503 + Retry-After
     max_waiting_tokens: int = 1_000_000  # prompt tokens of all admitted unfinished requests
     trust_request_chat_template: bool = False  # accept a request's own `chat_template`
+    chat_template: str | None = None  # a Jinja chat template over the model's: a file, or the template itself (vLLM's --chat-template)
     tool_call_parser: str = "auto"  # "auto" (from the chat template) | "hermes" (<tool_call> blocks: Qwen2.5) | "llama3_json" ({"name", "parameters"}: Llama 3.1)
     reasoning_parser: str = "auto"  # "auto" (qwen3 when the chat template writes <think>) | "qwen3" (<think>...</think> becomes reasoning_content) | "none"
     generation_config: str = "auto"  # sampling defaults for fields a request leaves out: "auto" = the model folder's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty; max_new_tokens caps max_tokens), as vLLM; "none" = OpenAI's; or a folder holding one

@@ -118,7 +118,11 @@ class PromptProcessor:
         return None if token is None else self.tokenizer.token_to_id(token)
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path) -> PromptProcessor:
+    def from_model_dir(
+        cls, model_dir: str | Path, chat_template: str | None = None
+    ) -> PromptProcessor:
+        """The folder's tokenizer and chat template; `chat_template` (a template's source,
+        see `chat_template_from_setting`) replaces the folder's."""
         folder = Path(model_dir)
         tokenizer_path = folder / "tokenizer.json"
         if not tokenizer_path.is_file():
@@ -149,7 +153,7 @@ class PromptProcessor:
             eos_ids = [eos_ids]
         return cls(
             tokenizer,
-            _find_chat_template(folder, tokenizer_config),
+            chat_template or _find_chat_template(folder, tokenizer_config),
             special_tokens=special_tokens,
             eos_token_ids=[int(i) for i in eos_ids or []],
             model_token_ids=model_token_ids,
@@ -427,6 +431,28 @@ def _token_content(token: Any) -> str | None:
     if isinstance(token, dict):  # older tokenizer_config.json: {"content": "...", ...}
         token = token.get("content")
     return token if isinstance(token, str) else None
+
+
+class ChatTemplateError(ValueError):
+    """A server-wide chat template (`--chat-template`) that cannot be used."""
+
+
+def chat_template_from_setting(value: str) -> str:
+    """`--chat-template` (vLLM's): a file holding a Jinja chat template, or, when the value
+    holds a `{`, the template itself. Its syntax is checked here, at start-up."""
+    source = value
+    if "{" not in value:
+        path = Path(value)
+        if not path.is_file():
+            raise ChatTemplateError(f"chat_template: no file {value}")
+        source = path.read_text(encoding="utf-8")
+    try:
+        _compile_template(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ChatTemplateError(
+            f"chat_template has a syntax error on line {exc.lineno}: {exc.message}"
+        ) from None
+    return source
 
 
 def _find_chat_template(folder: Path, tokenizer_config: dict) -> str | None:
