@@ -26,6 +26,7 @@ import torch
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.errors import InvalidRequest, TesseraError
+from engine.generation_defaults import SamplingDefaults
 from engine.model_runner import error_info
 from engine.multimodal.placement import place_media
 from engine.protocol import (
@@ -60,11 +61,24 @@ class GenerationResult:
 class LLM:
     """An in-process engine for offline batch generation."""
 
-    def __init__(self, model: str, **engine_options: Any) -> None:
+    def __init__(
+        self,
+        model: str,
+        *,
+        generation_config: str = "auto",
+        override_generation_config: str | None = None,
+        **engine_options: Any,
+    ) -> None:
+        """`generation_config` / `override_generation_config`: where `generate()` without
+        sampling params takes its defaults from, as the server's flags of the same names
+        (engine/generation_defaults.py)."""
         from engine.multimodal.image_processor import ImageProcessorConfig
         from engine.multimodal.prompt import PromptProcessor
         from engine.multimodal.video import VideoConfig
 
+        self.sampling_defaults = SamplingDefaults.load(
+            generation_config, model, override_generation_config
+        )
         self.engine = EngineCore(EngineConfig(model=model, **engine_options))
         self.prompt_processor = PromptProcessor.from_model_dir(model)
         self.image_config = self.video_config = None  # a text-only model takes no media
@@ -92,6 +106,21 @@ class LLM:
 
         return MediaProcessing(self.image_config, self.video_config)
 
+    def default_sampling_params(self) -> SamplingParams:
+        """What `generate()` uses without sampling params (vLLM's
+        `get_default_sampling_params`): the model's recommendations from its
+        generation_config.json over SamplingParams' defaults; max_new_tokens, if the file
+        sets it, as max_tokens."""
+        defaults = self.sampling_defaults
+        return SamplingParams(
+            max_tokens=defaults.max_tokens or SamplingParams().max_tokens,
+            temperature=defaults.temperature,
+            top_p=defaults.top_p,
+            top_k=defaults.top_k,
+            min_p=defaults.min_p,
+            repetition_penalty=defaults.repetition_penalty,
+        )
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -106,7 +135,7 @@ class LLM:
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.default_sampling_params()
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else params
         if len(params_list) != len(prompts):
             raise ValueError("pass one SamplingParams or one per prompt")

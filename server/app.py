@@ -27,6 +27,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from engine.errors import EngineDeadError, InvalidRequest, ModelNotFound, ServerOverloaded
+from engine.generation_defaults import SamplingDefaults
 from engine.multimodal.image_processor import ImageProcessorConfig
 from engine.multimodal.prompt import PromptProcessor, chat_template_from_setting
 from engine.multimodal.video import VideoConfig
@@ -44,7 +45,6 @@ from server.generation import (
     check_structured_output,
     check_token_ids,
 )
-from server.generation_defaults import SamplingDefaults
 from server.media_fetch import MediaFetchConfig, MediaFetcher
 from server.metrics import ServerMetrics
 from server.openai_models import (

@@ -25,10 +25,10 @@ from pathlib import Path
 import uvicorn
 
 from engine.errors import EngineDeadError
+from engine.generation_defaults import GenerationConfigError, SamplingDefaults
 from engine.logging_utils import configure_logging
 from engine.multimodal.prompt import ChatTemplateError, chat_template_from_setting
 from server.engine_client import EngineClient
-from server.generation_defaults import GenerationConfigError, SamplingDefaults
 from server.settings import ServerSettings, SettingsError, load_settings
 
 logger = logging.getLogger("tessera.cli")

@@ -21,6 +21,7 @@ import msgspec
 from tokenizers import Tokenizer
 
 from engine.errors import ContextLengthExceeded, EngineDeadError, InvalidRequest, TesseraError
+from engine.generation_defaults import SamplingDefaults
 from engine.protocol import (
     EngineRequest,
     FinishReason,
@@ -31,7 +32,6 @@ from engine.protocol import (
 )
 from server.detokenizer import SequenceDetokenizer
 from server.errors import error_info_to_exception
-from server.generation_defaults import SamplingDefaults
 from server.openai_models import SamplingFields
 
 logger = logging.getLogger(__name__)

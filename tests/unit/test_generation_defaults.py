@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from server.generation_defaults import GenerationConfigError, SamplingDefaults
+from engine.generation_defaults import GenerationConfigError, SamplingDefaults
 
 QWEN2_VL_INSTRUCT = {  # the hub's Qwen2-VL-7B-Instruct generation_config.json
     "bos_token_id": 151643,

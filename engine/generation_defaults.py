@@ -16,7 +16,9 @@ Tessera does the same, with vLLM's rules, so that clients see the same answers:
 * `--generation-config none` keeps OpenAI's defaults (temperature 1, no top-k/top-p/min-p,
   no repetition penalty); a folder path reads that folder's generation_config.json.
 
-A request's own values always win. The offline `LLM` takes `SamplingParams` as given.
+A request's own values always win. The offline `LLM` applies the same defaults when
+`generate()` gets no sampling params (`LLM.default_sampling_params()`, vLLM's
+`get_default_sampling_params`).
 """
 
 from __future__ import annotations
