@@ -58,8 +58,14 @@ class SamplingDefaults:
         folder holding a generation_config.json. `override`: a JSON object laid over it."""
         values: dict[str, Any] = {}
         if source != "none":
-            folder = Path(model_dir) if source == "auto" else Path(source)
-            values = _recommended(_read(folder / FILE_NAME, missing_ok=source == "auto"))
+            path = (Path(model_dir) if source == "auto" else Path(source)) / FILE_NAME
+            values = _recommended(_read(path, missing_ok=source == "auto"))
+            try:
+                cls.from_values(values)
+            except GenerationConfigError as exc:
+                raise GenerationConfigError(
+                    f"{path}: {exc} (--generation-config none leaves the file out)"
+                ) from None
         if override:
             values.update(_parse_override(override))
         return cls.from_values(values)

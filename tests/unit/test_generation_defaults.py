@@ -86,3 +86,10 @@ def test_max_new_tokens_caps_every_request():
     assert defaults.max_tokens_for(500, room=1000) == 64
     assert defaults.max_tokens_for(10, room=1000) == 10
     assert SamplingDefaults().max_tokens_for(None, room=1000) == 1000
+
+
+def test_a_bad_value_in_the_file_names_the_file(tmp_path):
+    folder = folder_with(tmp_path, {"temperature": 3.5})
+    with pytest.raises(GenerationConfigError, match="generation_config.json: temperature"):
+        SamplingDefaults.load("auto", folder)
+    assert SamplingDefaults.load("none", folder) == SamplingDefaults()
