@@ -211,7 +211,7 @@ def test_sigterm_drains_then_exits_zero(model_dir, tmp_path):
         result: dict = {}
 
         def in_flight() -> None:
-            body = _long(max_tokens=300, stream=True)
+            body = _long(stream=True)  # 1500 tokens: still in flight after the probes below
             lines = []
             with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=60) as r:
                 for line in r.iter_lines():
