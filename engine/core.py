@@ -458,8 +458,8 @@ class EngineCore:
                     param=param,
                 )
             _check_pixel_encoding(pixel_values, media.normalization, vision.in_channels, param)
-        elif media.feature is not None:
-            pass  # fetched by the FeatureFetcher before the request is scheduled
+        elif media.feature is not None:  # fetched before the request is scheduled
+            _check_feature_rows(media, param)
         elif media.content_hash.startswith("uuid:"):
             if cache_key not in self.runner.encoder_cache:
                 raise MediaError(
@@ -535,3 +535,27 @@ def _check_pixel_encoding(
         )
     elif normalization is not None:
         raise MediaError("a normalization applies to uint8 pixel values only", param=param)
+
+
+def _check_feature_rows(media: MediaInput, param: str) -> None:
+    """A part of a feature file (one temporal patch) is one patch's rows of a file of the
+    same frame size."""
+    source = media.feature
+    if source is None or (source.rows is None and source.file_grid_thw is None):
+        return
+    t, h, w = media.grid_thw
+    if source.rows is None or source.file_grid_thw is None:
+        raise MediaError("a feature part needs both its rows and its file's grid", param=param)
+    start, stop = source.rows
+    file_t, file_h, file_w = source.file_grid_thw
+    whole = media.num_tokens * file_t
+    if (
+        (t, file_h, file_w) != (1, h, w)
+        or stop - start != media.num_tokens
+        or not (0 <= start and stop <= whole and start % media.num_tokens == 0)
+    ):
+        raise MediaError(
+            f"feature rows {source.rows} are not one temporal patch of a file of grid "
+            f"{tuple(source.file_grid_thw)}",
+            param=param,
+        )

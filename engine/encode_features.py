@@ -12,7 +12,8 @@ levels beside the merged rows) and `grid_thw` [3] (int64). OUT is a local folder
 `s3://bucket/prefix` (aioboto3; `--s3-endpoint-url` or the standard AWS env). One JSON line
 per file goes to stdout: {"image" or "video", "url", "grid_thw", "num_tokens"} and, for a
 video, "second_per_grid_t" (the seconds one temporal patch spans, by which Qwen2.5-VL spaces
-video positions): what a chat request's `image_features` / `video_features` part needs.
+video positions) and "frame_seconds" (each temporal patch's time, which Qwen3-VL writes
+into the prompt): what a chat request's `image_features` / `video_features` part needs.
 """
 
 from __future__ import annotations
@@ -124,6 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         line["num_tokens"] = embeds.shape[0]
         if kind == "video":
             line["second_per_grid_t"] = image.second_per_grid_t
+            line["frame_seconds"] = list(image.frame_seconds)
         print(json.dumps(line))
     if output.startswith("s3://"):
         asyncio.run(_upload(files, args.s3_endpoint_url))

@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from engine.config import EngineConfig
 from engine.feature_fetcher import FeatureFetcher, FeatureJob, FetchConfig, FetchResult
@@ -37,7 +40,8 @@ class FeatureAdmission:
         self.runner = runner
         self.scheduler = scheduler
         self._fetcher: FeatureFetcher | None = None
-        self._fetching: dict[str, tuple[Request, list[int], list[FeatureJob]]] = {}
+        # request id -> (request, per job the media items it fills, the jobs)
+        self._fetching: dict[str, tuple[Request, list[list[FeatureUse]], list[FeatureJob]]] = {}
 
     @property
     def num_fetching(self) -> int:
@@ -63,19 +67,19 @@ class FeatureAdmission:
         return self._fetcher
 
     def submit(self, request: Request, media: Sequence[MediaInput]) -> bool:
-        """Starts fetching `request`'s features; False if it has none (schedule it now)."""
-        indices = [i for i, item in enumerate(media) if item.feature is not None]
-        if not indices:
-            return False
+        """Starts fetching `request`'s features; False if it has none (schedule it now).
+        One job per file: the temporal patches of a Qwen3-VL video, each its own item,
+        share their file's one download."""
         hidden_size = self.runner.model_config.encoder_width  # deepstack levels too
-        jobs = [
-            FeatureJob(
-                media[i].feature.url,  # type: ignore[union-attr]
-                FeatureSpec(hidden_size, media[i].num_tokens, tuple(media[i].grid_thw)),
-            )
-            for i in indices
-        ]
-        self._fetching[request.request_id] = (request, indices, jobs)
+        uses: dict[FeatureJob, list[FeatureUse]] = {}
+        for index, item in enumerate(media):
+            if item.feature is not None:
+                job = FeatureJob(item.feature.url, _file_spec(item, hidden_size))
+                uses.setdefault(job, []).append(FeatureUse(index, item.feature.rows))
+        if not uses:
+            return False
+        jobs = list(uses)
+        self._fetching[request.request_id] = (request, list(uses.values()), jobs)
         self.fetcher.submit(request.request_id, jobs)
         return True
 
@@ -97,47 +101,54 @@ class FeatureAdmission:
             entry = self._fetching.pop(result.request_id, None)
             if entry is None:
                 continue  # aborted meanwhile
-            request, indices, jobs = entry
+            request, uses, jobs = entry
             if result.error is not None:
                 outputs.append(
                     request.unscheduled_output(FinishReason.ERROR, error_info(result.error))
                 )
                 continue
-            if not self._is_complete(result):
+            if not self._is_complete(result, uses):
                 # A reused entry was evicted while we checked its version: download again.
                 self._fetching[request.request_id] = entry
                 self._fetcher.submit(request.request_id, jobs, force=True)
                 continue
             try:
-                self._admit(request, indices, result)
+                self._admit(request, uses, result)
             except Exception as exc:  # noqa: BLE001 - one request never stops the engine
                 logger.exception("could not admit fetched request %s", request.request_id)
                 outputs.append(request.unscheduled_output(FinishReason.ERROR, error_info(exc)))
         return outputs
 
-    def _is_complete(self, result: FetchResult) -> bool:
+    def _is_complete(self, result: FetchResult, uses: list[list[FeatureUse]]) -> bool:
+        """Every item has its rows: downloaded, or (a file known unchanged) still cached."""
         cache, manager = self.runner.encoder_cache, self.scheduler.encoder_cache
         return all(
-            f.embeds is not None or (f.content_hash in cache and manager.has(f.content_hash))
-            for f in result.features
+            f.embeds is not None
+            or all(
+                use.key(f.content_hash) in cache and manager.has(use.key(f.content_hash))
+                for use in job_uses
+            )  # fmt: skip
+            for f, job_uses in zip(result.features, uses, strict=True)
         )
 
-    def _admit(self, request: Request, indices: list[int], result: FetchResult) -> None:
+    def _admit(self, request: Request, uses: list[list[FeatureUse]], result: FetchResult) -> None:
         manager, cache = self.scheduler.encoder_cache, self.runner.encoder_cache
-        for index, feature in zip(indices, result.features, strict=True):
-            item = request.media[index]
-            item.content_hash = feature.content_hash
-            # The request keeps its own copy of the rows (like an image keeps its pixels):
-            # if preemption lets them be evicted, the runner puts them back from here.
-            item.embeds = feature.embeds
-            if item.embeds is None:  # reused entry: copy the cached rows to the host
-                item.embeds = cache.get(feature.content_hash).to("cpu")
-            # Holds a reference for this request (or accounts a new entry) so that the
-            # rows survive until its prefill has consumed them.
-            manager.allocate(feature.content_hash, item.num_tokens, request.request_id)
+        for feature, job_uses in zip(result.features, uses, strict=True):
+            for use in job_uses:
+                item = request.media[use.index]
+                item.content_hash = use.key(feature.content_hash)
+                # The request keeps its own copy of the rows (like an image keeps its
+                # pixels): if preemption lets them be evicted, the runner puts them back.
+                if feature.embeds is not None:
+                    item.embeds = use.rows_of(feature.embeds)
+                else:  # reused entry: copy the cached rows to the host
+                    item.embeds = cache.get(item.content_hash).to("cpu")
+                # Holds a reference for this request (or accounts a new entry) so that the
+                # rows survive until its prefill has consumed them.
+                manager.allocate(item.content_hash, item.num_tokens, request.request_id)
         # Entries evicted just now leave the tensor store before new rows go in.
         cache.drop(manager.pop_evicted())
-        for index in indices:
+        for index in (use.index for job_uses in uses for use in job_uses):
             item = request.media[index]
             if item.content_hash not in cache:
                 rows = item.embeds.to(device=self.runner.device, dtype=self.runner.dtype)
@@ -159,3 +170,28 @@ class FeatureAdmission:
     def close(self) -> None:
         if self._fetcher is not None:
             self._fetcher.close()
+
+
+@dataclass(frozen=True)
+class FeatureUse:
+    """One media item a fetched file fills: all its rows, or `rows` [start, stop) of them."""
+
+    index: int  # into the request's media
+    rows: tuple[int, int] | None = None
+
+    def key(self, file_hash: str) -> str:
+        """The item's encoder-cache key: the file's hash, and which rows."""
+        return file_hash if self.rows is None else f"{file_hash}/rows{self.rows[0]}-{self.rows[1]}"
+
+    def rows_of(self, embeds: torch.Tensor) -> torch.Tensor:
+        return embeds if self.rows is None else embeds[self.rows[0] : self.rows[1]]
+
+
+def _file_spec(item: MediaInput, hidden_size: int) -> FeatureSpec:
+    """What the item's file must hold: the item's own grid, or for a part of a file the
+    file's (its temporal patches take equally many rows)."""
+    source = item.feature
+    if source is None or source.rows is None or source.file_grid_thw is None:
+        return FeatureSpec(hidden_size, item.num_tokens, tuple(item.grid_thw))
+    return FeatureSpec(hidden_size, item.num_tokens * source.file_grid_thw[0],
+                       tuple(source.file_grid_thw))  # fmt: skip

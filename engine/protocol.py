@@ -114,6 +114,10 @@ class FeatureSource(msgspec.Struct, frozen=True):
     """Where the engine's FeatureFetcher downloads pre-encoded features from."""
 
     url: str
+    # Part of the file (one temporal patch of a Qwen3-VL video, its own media item): rows
+    # [start, stop) of a file whose whole grid is `file_grid_thw`. None = the whole file.
+    rows: tuple[int, int] | None = None
+    file_grid_thw: tuple[int, int, int] | None = None
 
 
 class PixelNormalization(msgspec.Struct, frozen=True, array_like=True):

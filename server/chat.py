@@ -70,6 +70,7 @@ class MediaPart:
     grid_thw: tuple[int, int, int] | None = None  # feature parts only
     is_feature: bool = False
     second_per_grid_t: float | None = None  # video feature parts only, None = the default
+    frame_seconds: tuple[float, ...] = ()  # video feature parts only: each patch's time
 
 
 def media_parts(messages: list[ChatMessage]) -> list[MediaPart]:
@@ -97,10 +98,9 @@ def media_parts(messages: list[ChatMessage]) -> list[MediaPart]:
                     )
                 modality = Modality.IMAGE if is_image else Modality.VIDEO
                 found.append(
-                    MediaPart(
-                        param, modality, ref.url, None, tuple(grid), True, ref.second_per_grid_t
-                    )
-                )
+                    MediaPart(param, modality, ref.url, None, tuple(grid), True,
+                              ref.second_per_grid_t, tuple(ref.frame_seconds or ()))
+                )  # fmt: skip
     return found
 
 
@@ -269,11 +269,7 @@ async def prepare_chat_prompt(
     for part in features:
         policy.check(part)  # type: ignore[union-attr]
         if processor.timestamped_video_frames and part.modality is Modality.VIDEO:
-            raise InvalidRequest(
-                "this model writes each video frame's time into the prompt, which video "
-                "features do not carry; send the video, or its frames as image_features",
-                param=part.param,
-            )
+            _check_frame_seconds(part)
     processing = fetcher.processing_for(request.mm_processor_kwargs) if pixel_parts else None
     processed = await _load_media(pixel_parts, fetcher, processing)
     media, tensors, counts = [], [], []  # counts: (modality, tokens[, frame times])
@@ -291,6 +287,8 @@ async def prepare_chat_prompt(
                 feature=FeatureSource(part.url),  # type: ignore[arg-type]
                 second_per_grid_t=part.second_per_grid_t or policy.default_second_per_grid_t,  # type: ignore[union-attr]
             )
+            if processor.timestamped_video_frames:
+                frame_seconds = part.frame_seconds
         else:
             item, frame_seconds = _pixel_input(part, processed.get(part.param), tensors)
         media.append(item)
@@ -307,6 +305,20 @@ async def prepare_chat_prompt(
     )
     media, tensors = place_media(media, prompt.spans, tensors)
     return PreparedPrompt(token_ids=prompt.token_ids, media=media, tensors=tensors)
+
+
+def _check_frame_seconds(part: MediaPart) -> None:
+    """The model writes each temporal patch's time into the prompt: a video_features part
+    must say them, one per temporal patch."""
+    num_patches = part.grid_thw[0]  # type: ignore[index]
+    if len(part.frame_seconds) != num_patches:
+        raise InvalidRequest(
+            "this model writes each temporal patch's time into the prompt: video_features "
+            f"need frame_seconds, one time per temporal patch ({num_patches} for grid_thw "
+            f"{list(part.grid_thw)}), got {len(part.frame_seconds)}; `tessera "  # type: ignore[arg-type]
+            "encode-features` prints them",
+            param=part.param + ".frame_seconds",
+        )
 
 
 async def _load_media(

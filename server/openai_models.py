@@ -111,6 +111,10 @@ class FeatureRef(_Request):
     # `tessera encode-features` prints). Qwen2.5-VL spaces video positions by it; default
     # temporal_patch_size / --video-fps, as for a video_url sampled by this server.
     second_per_grid_t: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
+    # Videos of models that write each temporal patch's time into the prompt (Qwen3-VL):
+    # those times in seconds, one per temporal patch (what `tessera encode-features`
+    # prints). Other models leave them out.
+    frame_seconds: list[Annotated[float, Field(ge=0.0, allow_inf_nan=False)]] | None = None
 
 
 class ImageFeaturesPart(_Request):

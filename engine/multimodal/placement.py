@@ -2,8 +2,8 @@
 
 Usually one item, one span: the item gets the span's offset. A video that the prompt lays
 out temporal patch by temporal patch (Qwen3-VL writes each patch's time before it) becomes
-one item per patch: grid (1, h, w), the patch's rows of the video's pixels, and a content
-hash of its own. Qwen3-VL's tower attends within frames and places its learned positions
+one item per patch: grid (1, h, w), the patch's rows of the video's pixels (or of its
+pre-encoded features: `FeatureSource.rows`), and a content hash of its own. Qwen3-VL's tower attends within frames and places its learned positions
 per frame, so a patch encoded alone gives the rows it gets inside the whole video.
 """
 
@@ -39,6 +39,13 @@ def place_media(
             )
             if pixels is not None:
                 pixels = pixels[span.frame * h * w : (span.frame + 1) * h * w]
+            if item.feature is not None:  # the patch's rows of the file, fetched once
+                start = span.frame * span.num_tokens
+                changes["feature"] = msgspec.structs.replace(
+                    item.feature,
+                    rows=(start, start + span.num_tokens),
+                    file_grid_thw=tuple(item.grid_thw),
+                )
         if pixels is not None:
             changes["pixel_values"] = tensor_ref(len(carried), pixels)
             carried.append(pixels)

@@ -2,7 +2,7 @@
 Qwen3VLForConditionalGeneration does: a picture by data: URL, the same picture as
 `image_features` written by `tessera encode-features` (whose rows carry the deepstack
 levels beside the merged ones), and a video laid out frame by frame after each temporal
-patch's time, sent whole or by its uuid alone."""
+patch's time, sent whole, by its uuid alone, or as its video_features with those times."""
 
 from __future__ import annotations
 
@@ -77,9 +77,10 @@ def test_a_picture_and_its_features_match_transformers(client, model_dir, tmp_pa
     )
 
 
-def test_a_video_frame_by_frame_matches_transformers(client, model_dir):
-    """A video_url, then the same video by its uuid alone (its frames' times remembered);
-    video_features cannot carry the times, so they are a 400 naming the part."""
+def test_a_video_frame_by_frame_matches_transformers(client, model_dir, tmp_path):
+    """A video_url, then the same video by its uuid alone (its frames' times remembered),
+    then as the video_features `tessera encode-features` writes, with the times it prints
+    (without them, or with too few, a 400 naming the field)."""
     reference = HFGreedy(model_dir)
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     clip = video_bytes(moving_pictures(96, 64, 19, salt=2), fps=4)  # 10 frames: 5 patches
@@ -91,7 +92,21 @@ def test_a_video_frame_by_frame_matches_transformers(client, model_dir):
     part = {"type": "video_url", "video_url": {"url": data_url(clip, "video/mp4")}}
     assert answer(client, [{**part, "uuid": "clip-q3"}, QUESTION]) == expected
     assert answer(client, [{"type": "video_url", "uuid": "clip-q3"}, QUESTION]) == expected
-    features = {"url": "data:application/octet-stream;base64,AAAA", "grid_thw": [2, 4, 4]}
-    with pytest.raises(openai.BadRequestError) as info:
-        answer(client, [{"type": "video_features", "video_features": features}, QUESTION])
-    assert info.value.body["param"] == "messages[0].content[0]"
+
+    (tmp_path / "clip.mp4").write_bytes(clip)
+    output = io.StringIO()
+    with contextlib.redirect_stdout(output):
+        assert encode_main(["--model", str(model_dir), "--output", str(tmp_path),
+                            str(tmp_path / "clip.mp4")]) == 0  # fmt: skip
+    line = json.loads(output.getvalue().strip().splitlines()[-1])
+    assert line["frame_seconds"] == list(video.frame_seconds)
+    features = {"url": data_url((tmp_path / "clip.safetensors").read_bytes()),
+                "grid_thw": line["grid_thw"], "frame_seconds": line["frame_seconds"]}  # fmt: skip
+    content = [{"type": "video_features", "video_features": features}, QUESTION]
+    assert answer(client, content) == expected
+    for wrong in (None, line["frame_seconds"][:-1]):
+        content[0]["video_features"] = {**features, "frame_seconds": wrong}
+        with pytest.raises(openai.BadRequestError) as info:
+            answer(client, content)
+        assert info.value.body["param"] == "messages[0].content[0].frame_seconds"
+        assert "one time per temporal patch (5 for grid_thw" in info.value.body["message"]
