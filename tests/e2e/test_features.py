@@ -343,3 +343,53 @@ def test_bench_stream_times_raises_when_the_stream_fails(fhttp, objects):
     missing = objects.put("bench/missing", b"", status=404)
     with pytest.raises(RuntimeError, match="streamed request failed"):
         stream_times(fhttp, [feature_part(missing), {"type": "text", "text": "hi"}], 2)
+
+
+@pytest.fixture(scope="module")
+def qwen3_vl_features(tmp_path_factory, s3_endpoint):
+    """A tiny Qwen3-VL server fetching features from the moto S3 store; yields (client,
+    model folder)."""
+    from engine.tiny_model import make_tiny_model
+
+    model = make_tiny_model(tmp_path_factory.mktemp("q3vl_features"), size="tiny-qwen3-vl")
+    log_path = tmp_path_factory.mktemp("logs") / "q3vl_feature_server.log"
+    flags = ("--enable-feature-inputs", "--s3-endpoint-url", s3_endpoint,
+             "--allow-private-feature-urls", "--feature-fetch-timeout-s", "4")  # fmt: skip
+    with run_server(model, log_path, *flags) as handle:
+        with httpx.Client(base_url=handle.base_url, timeout=60) as session:
+            yield session, model
+
+
+def test_qwen3_vl_video_features_from_s3_are_fetched_once_and_reused(
+    qwen3_vl_features, tmp_path, s3_endpoint, capsys
+):
+    """A Qwen3-VL video's features take one download for all its temporal patches, and a
+    repeat of the unchanged object takes none: its patches' rows come from the cache."""
+    from engine.encode_features import main as encode_main
+
+    http, model = qwen3_vl_features
+    clip = tmp_path / "q3clip.mp4"
+    clip.write_bytes(video_bytes(moving_pictures(96, 64, 19, salt=6), fps=4))
+    argv = ["--model", str(model), "--output", f"s3://{BUCKET}/q3",
+            "--s3-endpoint-url", s3_endpoint]  # fmt: skip
+    assert encode_main([*argv, str(clip)]) == 0
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert line["grid_thw"][0] == len(line["frame_seconds"]) == 5
+    video_part = {"type": "video_url", "video_url": {"url": data_url(clip.read_bytes())}}
+    with_video = text_of(chat(http, [video_part], max_tokens=8))
+    part = {
+        "type": "video_features",
+        "video_features": {
+            "url": line["url"],
+            "grid_thw": line["grid_thw"],
+            "frame_seconds": line["frame_seconds"],
+        },
+    }
+    size = len(boto3.client("s3", endpoint_url=s3_endpoint).get_object(
+        Bucket=BUCKET, Key="q3/q3clip.safetensors")["Body"].read())  # fmt: skip
+    before = metric(http, "tessera:feature_fetch_bytes_total")
+    assert text_of(chat(http, [part], max_tokens=8)) == with_video
+    downloaded = metric(http, "tessera:feature_fetch_bytes_total")
+    assert downloaded - before == size  # one download for five patches
+    assert text_of(chat(http, [part], max_tokens=8)) == with_video
+    assert metric(http, "tessera:feature_fetch_bytes_total") == downloaded  # reused
