@@ -41,6 +41,8 @@ MAX_TOOLS = 128  # tools, and tool calls in one message
 MAX_TOOL_NAME_CHARS = 64
 MAX_REGEX_CHARS = 4096  # structured_outputs.regex
 ANY_JSON_OBJECT = '{"type": "object"}'  # response_format json_object
+# vLLM's older request fields -> the `structured_outputs` key each one is
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice"}
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # tokens per request, as OpenAI's API allows
 MAX_ABS_LOGIT_BIAS = 100.0
@@ -255,6 +257,27 @@ class SamplingFields(_Request):
     # Constrained decoding (engine/structured_output.py); at most one of the two.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _guided_fields(cls, data: Any) -> Any:
+        """vLLM's older names of `structured_outputs` (`guided_json`, `guided_regex`,
+        `guided_choice`), which clients still send: mapped onto it, since ignoring one as
+        an unknown field would drop the constraint without a word."""
+        if not isinstance(data, dict):
+            return data
+        if data.get("guided_grammar") is not None:
+            raise InvalidRequest("guided_grammar is not supported; constrain the answer with "
+                                 "a JSON Schema, a regex or choices", param="guided_grammar")  # fmt: skip
+        given = [name for name in GUIDED_FIELDS if data.get(name) is not None]
+        if not given:
+            return data
+        if len(given) > 1 or data.get("structured_outputs") is not None:
+            raise InvalidRequest(
+                f"give one of {', '.join(GUIDED_FIELDS)} and structured_outputs", param=given[-1]
+            )
+        name = given[0]
+        return {**data, "structured_outputs": {GUIDED_FIELDS[name]: data[name]}}
 
     @field_validator("structured_outputs")
     @classmethod

@@ -71,6 +71,28 @@ def test_vllm_regex_and_choice(client):
     assert completion.choices[0].text in choices
 
 
+@pytest.mark.parametrize(
+    ("guided", "structured"),
+    [
+        ({"guided_json": SCHEMA}, {"json": SCHEMA}),
+        ({"guided_regex": r"(red|blue) [0-9]{3}"}, {"regex": r"(red|blue) [0-9]{3}"}),
+        ({"guided_choice": ["yes", "no"]}, {"choice": ["yes", "no"]}),
+    ],
+)
+def test_vllms_older_guided_fields_constrain_as_structured_outputs(client, guided, structured):
+    """guided_json / guided_regex / guided_choice (vLLM before 0.10) are still sent by
+    clients: the same constraint, not an ignored field."""
+    answers = [
+        create(client, max_tokens=48, temperature=0.7, seed=3, extra_body=extra)
+        .choices[0]
+        .message.content
+        for extra in (guided, {"structured_outputs": structured})
+    ]
+    assert answers[0] == answers[1]
+    free = create(client, max_tokens=48, temperature=0.7, seed=3).choices[0].message.content
+    assert free != answers[0]
+
+
 def test_constrained_and_free_requests_share_steps(client):
     def constrained(seed: int) -> str:
         return create(client, max_tokens=64, temperature=0.8, seed=seed,
@@ -105,6 +127,10 @@ def test_constrained_and_free_requests_share_steps(client):
         ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
         ({"structured_outputs": {"grammar": "start: x"}}, "structured_outputs.grammar"),
+        ({"guided_grammar": "start: x"}, "guided_grammar"),
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+        ({"guided_regex": "a", "structured_outputs": {"regex": "a"}}, "guided_regex"),
+        ({"guided_regex": "a(b"}, "structured_outputs.regex"),
         (
             {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
             "structured_outputs",
