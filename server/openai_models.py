@@ -50,6 +50,7 @@ MAX_INT64 = 2**63 - 1
 MAX_CHAT_TEMPLATE_CHARS = 64 * 1024
 MAX_CHAT_TEMPLATE_KWARGS = 64
 MAX_CACHE_SALT_CHARS = 256
+MAX_FRAME_SECONDS = 4096  # video_features.frame_seconds: temporal patches of one video
 MAX_ALLOWED_TOKEN_IDS = 2**18  # more than any vocabulary served
 
 # ---------------------------------------------------------------------------- requests
@@ -116,7 +117,9 @@ class FeatureRef(_Request):
     # Videos of models that write each temporal patch's time into the prompt (Qwen3-VL):
     # those times in seconds, one per temporal patch (what `tessera encode-features`
     # prints). Other models leave them out.
-    frame_seconds: list[Annotated[float, Field(ge=0.0, allow_inf_nan=False)]] | None = None
+    frame_seconds: list[Annotated[float, Field(ge=0.0, allow_inf_nan=False)]] | None = Field(
+        default=None, max_length=MAX_FRAME_SECONDS
+    )
 
 
 class ImageFeaturesPart(_Request):

@@ -49,6 +49,13 @@ def test_max_completion_tokens_wins_and_logprobs():
         ({**BASE, "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {}}]}]}, "messages[0].content[0].image_url.url"),
         ({**BASE, "top_logprobs": 50}, "top_logprobs"),
+        ({**BASE, "messages": [{"role": "user", "content": [{"type": "video_features",
+          "video_features": {"url": "s3://b/k", "grid_thw": [2, 4, 4], "frame_seconds": [-1]}}]}]},
+         "messages[0].content[0].video_features.frame_seconds[0]"),
+        ({**BASE, "messages": [{"role": "user", "content": [{"type": "video_features",
+          "video_features": {"url": "s3://b/k", "grid_thw": [2, 4, 4],
+                             "frame_seconds": [0.5] * 5000}}]}]},
+         "messages[0].content[0].video_features.frame_seconds"),
     ],
 )
 def test_validation_error_param_paths(body, param):
