@@ -17,6 +17,8 @@
 #               transformers' tower; profiles of 1 and 32 images (added to profiles.tar)
 #   serving-2b  bench/gpu_serving.py: Tessera vs transformers on issue 8's load
 #   serving-7b
+#   serving-2b-threads8   serving-2b with --image-decode-threads 8 (the default is 2)
+#   serving-qwen3-vl-2b   the same load on the Qwen3-VL 2B shape (checkpoint written first)
 #
 # Every call first installs the wheel bundle of scripts/device_wheels.sh (carried in .whl/)
 # into /tmp/site, once per machine. A step that fails is reported and the next one runs.
@@ -74,10 +76,11 @@ run_vision() {  # the 2B and 7B towers differ only in the merger's output width
     tar -C /tmp -cf "$out/profiles.tar" profiles
 }
 
-run_serving() {  # $1: qwen2-vl-2b | qwen2-vl-7b
+run_serving() {  # $1: a size (qwen2-vl-2b, qwen2-vl-7b, qwen3-vl-2b); $2: a run name
+    local name=${2:-$1}
     python3 bench/gpu_serving.py --size "$1" --model-root "$models" \
-        --log-dir "/tmp/serving-$1" --out "$out/serving-$1.json"
-    tar -C /tmp -cf "$out/serving-$1.tar" "serving-$1" 2>/dev/null || true  # logs, metrics
+        --log-dir "/tmp/serving-$name" --out "$out/serving-$name.json" "${@:3}"
+    tar -C /tmp -cf "$out/serving-$name.tar" "serving-$name" 2>/dev/null || true  # logs, metrics
 }
 
 setup || exit 1
@@ -93,6 +96,9 @@ for step in "$@"; do
         vision-2b) fn=run_vision ;;
         serving-2b) fn="run_serving qwen2-vl-2b" ;;
         serving-7b) fn="run_serving qwen2-vl-7b" ;;
+        serving-2b-threads8) fn="run_serving qwen2-vl-2b qwen2-vl-2b-threads8 \
+--tessera-arg=--image-decode-threads --tessera-arg=8" ;;
+        serving-qwen3-vl-2b) fn="run_serving qwen3-vl-2b" ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac
     export -f prepare run_tests run_decode run_vision run_serving
