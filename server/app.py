@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response
 from engine.errors import EngineDeadError, InvalidRequest, ModelNotFound, ServerOverloaded
 from engine.generation_defaults import SamplingDefaults
 from engine.multimodal.image_processor import ImageProcessorConfig
-from engine.multimodal.prompt import PromptProcessor, chat_template_from_setting
+from engine.multimodal.prompt import PromptProcessor
 from engine.multimodal.video import VideoConfig
 from server.admission import AdmissionController, ServerDraining, Ticket
 from server.auth import check_api_key
@@ -97,19 +97,10 @@ class AppState:
             raise ModelNotFound(f"the model {model!r} does not exist", param="model")
 
 
-def server_chat_template(settings: ServerSettings) -> str | None:
-    """`--chat-template`'s source (ChatTemplateError if unusable); None = the model's."""
-    if settings.chat_template is None:
-        return None
-    return chat_template_from_setting(settings.chat_template)
-
-
 def load_sampling_defaults(settings: ServerSettings) -> SamplingDefaults:
     """The sampling defaults `--generation-config` names (GenerationConfigError if bad);
     logs them when they are not OpenAI's."""
-    defaults = SamplingDefaults.load(
-        settings.generation_config, settings.engine.model, settings.override_generation_config
-    )
+    defaults = settings.sampling_defaults()
     if defaults.changed():
         logger.warning(
             "sampling defaults from the generation config (for fields a request leaves out): "
@@ -173,7 +164,7 @@ def build_app(settings: ServerSettings, engine: Any) -> FastAPI:
         ready = await _ensure_started(engine)
         metrics.on_engine_ready(ready)
         processor = await asyncio.to_thread(
-            PromptProcessor.from_model_dir, settings.engine.model, server_chat_template(settings)
+            PromptProcessor.from_model_dir, settings.engine.model, settings.chat_template_source()
         )
         sampling_defaults = load_sampling_defaults(settings)
         fetcher = _make_fetcher(settings, metrics)

@@ -25,9 +25,9 @@ from pathlib import Path
 import uvicorn
 
 from engine.errors import EngineDeadError
-from engine.generation_defaults import GenerationConfigError, SamplingDefaults
+from engine.generation_defaults import GenerationConfigError
 from engine.logging_utils import configure_logging
-from engine.multimodal.prompt import ChatTemplateError, chat_template_from_setting
+from engine.multimodal.prompt import ChatTemplateError
 from server.engine_client import EngineClient
 from server.settings import ServerSettings, SettingsError, load_settings
 
@@ -49,10 +49,8 @@ def serve_main(argv: Sequence[str]) -> int:
     configure_logging(settings.log_level, settings.log_format)
     settings = _resolve_default_model(settings)
     try:  # bad settings of the API layer fail before the engine loads (the app reads them again)
-        SamplingDefaults.load(settings.generation_config, settings.engine.model,
-                              settings.override_generation_config)  # fmt: skip
-        if settings.chat_template is not None:
-            chat_template_from_setting(settings.chat_template)
+        settings.sampling_defaults()
+        settings.chat_template_source()
     except (GenerationConfigError, ChatTemplateError) as exc:
         print(f"tessera serve: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

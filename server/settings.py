@@ -36,7 +36,9 @@ from typing import Any
 import yaml
 
 from engine.config import EngineConfig
+from engine.generation_defaults import SamplingDefaults
 from engine.logging_utils import LOG_FORMATS, LOG_LEVELS
+from engine.multimodal.prompt import chat_template_from_setting
 from server.reasoning import REASONING_PARSERS
 from server.tool_calls import TOOL_CALL_PARSERS
 
@@ -139,6 +141,20 @@ class ServerSettings:
 
     def replace(self, **changes: Any) -> ServerSettings:
         return dataclasses.replace(self, **changes)
+
+    def sampling_defaults(self) -> SamplingDefaults:
+        """What `generation_config` and `override_generation_config` name (reads the
+        model folder; GenerationConfigError if unusable)."""
+        return SamplingDefaults.load(
+            self.generation_config, self.engine.model, self.override_generation_config
+        )
+
+    def chat_template_source(self) -> str | None:
+        """`chat_template`'s source, read and syntax-checked (ChatTemplateError if
+        unusable); None = the model's own."""
+        if self.chat_template is None:
+            return None
+        return chat_template_from_setting(self.chat_template)
 
 
 @dataclass(frozen=True)
