@@ -127,7 +127,7 @@ class FeatureAdmission:
             or all(
                 use.key(f.content_hash) in cache and manager.has(use.key(f.content_hash))
                 for use in job_uses
-            )  # fmt: skip
+            )
             for f, job_uses in zip(result.features, uses, strict=True)
         )
 

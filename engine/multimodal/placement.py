@@ -3,8 +3,9 @@
 Usually one item, one span: the item gets the span's offset. A video that the prompt lays
 out temporal patch by temporal patch (Qwen3-VL writes each patch's time before it) becomes
 one item per patch: grid (1, h, w), the patch's rows of the video's pixels (or of its
-pre-encoded features: `FeatureSource.rows`), and a content hash of its own. Qwen3-VL's tower attends within frames and places its learned positions
-per frame, so a patch encoded alone gives the rows it gets inside the whole video.
+pre-encoded features: `FeatureSource.rows`), and a content hash of its own. Qwen3-VL's
+tower attends within frames and places its learned positions per frame, so a patch
+encoded alone gives the rows it gets inside the whole video.
 """
 
 from __future__ import annotations
