@@ -144,17 +144,23 @@ def test_encode_features_gives_the_same_completion_as_the_image(
     assert mixed  # features and an image in one request
 
 
+def encode_to_s3(model_dir, path, prefix: str, s3_endpoint: str, capsys) -> dict:
+    """`tessera encode-features` of one file to s3://BUCKET/prefix: the JSON line it
+    prints."""
+    from engine.encode_features import main as encode_main
+
+    argv = ["--model", str(model_dir), "--output", f"s3://{BUCKET}/{prefix}",
+            "--s3-endpoint-url", s3_endpoint, str(path)]  # fmt: skip
+    assert encode_main(argv) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
 def test_encode_features_of_a_video_give_the_same_completion_as_the_video(
     fhttp, model_dir, tmp_path, s3_endpoint, capsys
 ):
-    from engine.encode_features import main as encode_main
-
     clip = tmp_path / "clip.mp4"
     clip.write_bytes(video_bytes(moving_pictures(160, 120, 12, salt=4), fps=4))
-    argv = ["--model", str(model_dir), "--output", f"s3://{BUCKET}/encoded",
-            "--s3-endpoint-url", s3_endpoint]  # fmt: skip
-    assert encode_main([*argv, str(clip)]) == 0
-    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    line = encode_to_s3(model_dir, clip, "encoded", s3_endpoint, capsys)
     assert (line["video"], line["grid_thw"], line["num_tokens"]) == (str(clip), [3, 8, 12], 72)
     assert line["second_per_grid_t"] == 1.0  # 6 of 12 frames at 4 fps: sampled at 2 fps
     video_part = {"type": "video_url", "video_url": {"url": data_url(clip.read_bytes())}}
@@ -365,15 +371,10 @@ def test_qwen3_vl_video_features_from_s3_are_fetched_once_and_reused(
 ):
     """A Qwen3-VL video's features take one download for all its temporal patches, and a
     repeat of the unchanged object takes none: its patches' rows come from the cache."""
-    from engine.encode_features import main as encode_main
-
     http, model = qwen3_vl_features
     clip = tmp_path / "q3clip.mp4"
     clip.write_bytes(video_bytes(moving_pictures(96, 64, 19, salt=6), fps=4))
-    argv = ["--model", str(model), "--output", f"s3://{BUCKET}/q3",
-            "--s3-endpoint-url", s3_endpoint]  # fmt: skip
-    assert encode_main([*argv, str(clip)]) == 0
-    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    line = encode_to_s3(model, clip, "q3", s3_endpoint, capsys)
     assert line["grid_thw"][0] == len(line["frame_seconds"]) == 5
     video_part = {"type": "video_url", "video_url": {"url": data_url(clip.read_bytes())}}
     with_video = text_of(chat(http, [video_part], max_tokens=8))

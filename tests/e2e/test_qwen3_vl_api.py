@@ -54,6 +54,17 @@ def answer(client, content: list[dict]) -> tuple[int, str]:
     return response.usage.prompt_tokens, response.choices[0].message.content
 
 
+def encode_features(model_dir, path) -> tuple[dict, bytes]:
+    """`tessera encode-features` of one file into its folder: the JSON line it prints, and
+    the feature file's bytes."""
+    output = io.StringIO()
+    with contextlib.redirect_stdout(output):
+        assert encode_main(["--model", str(model_dir), "--output", str(path.parent),
+                            str(path)]) == 0  # fmt: skip
+    line = json.loads(output.getvalue().strip().splitlines()[-1])
+    return line, path.with_suffix(".safetensors").read_bytes()
+
+
 def test_a_picture_and_its_features_match_transformers(client, model_dir, tmp_path):
     reference = HFGreedy(model_dir)
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
@@ -65,13 +76,8 @@ def test_a_picture_and_its_features_match_transformers(client, model_dir, tmp_pa
     part = {"type": "image_url", "image_url": {"url": data_url(png, "image/png")}}
     assert answer(client, [part, QUESTION]) == expected
     (tmp_path / "picture.png").write_bytes(png)
-    output = io.StringIO()
-    with contextlib.redirect_stdout(output):
-        assert encode_main(["--model", str(model_dir), "--output", str(tmp_path),
-                            str(tmp_path / "picture.png")]) == 0  # fmt: skip
-    line = json.loads(output.getvalue().strip().splitlines()[-1])
-    features = {"url": data_url((tmp_path / "picture.safetensors").read_bytes()),
-                "grid_thw": line["grid_thw"]}  # fmt: skip
+    line, encoded = encode_features(model_dir, tmp_path / "picture.png")
+    features = {"url": data_url(encoded), "grid_thw": line["grid_thw"]}
     assert answer(client, [{"type": "image_features", "image_features": features}, QUESTION]) == (
         expected
     )
@@ -94,14 +100,10 @@ def test_a_video_frame_by_frame_matches_transformers(client, model_dir, tmp_path
     assert answer(client, [{"type": "video_url", "uuid": "clip-q3"}, QUESTION]) == expected
 
     (tmp_path / "clip.mp4").write_bytes(clip)
-    output = io.StringIO()
-    with contextlib.redirect_stdout(output):
-        assert encode_main(["--model", str(model_dir), "--output", str(tmp_path),
-                            str(tmp_path / "clip.mp4")]) == 0  # fmt: skip
-    line = json.loads(output.getvalue().strip().splitlines()[-1])
+    line, encoded = encode_features(model_dir, tmp_path / "clip.mp4")
     assert line["frame_seconds"] == list(video.frame_seconds)
-    features = {"url": data_url((tmp_path / "clip.safetensors").read_bytes()),
-                "grid_thw": line["grid_thw"], "frame_seconds": line["frame_seconds"]}  # fmt: skip
+    features = {"url": data_url(encoded), "grid_thw": line["grid_thw"],
+                "frame_seconds": line["frame_seconds"]}  # fmt: skip
     content = [{"type": "video_features", "video_features": features}, QUESTION]
     assert answer(client, content) == expected
     for wrong in (None, line["frame_seconds"][:-1]):
