@@ -48,6 +48,7 @@ from engine.kv_cache_sizing import (
     profile_kv_cache_bytes,
 )
 from engine.model_config import ModelConfig
+from engine.models import moe
 from engine.models.cpu_prepack import can_prepack, prepack_linears
 from engine.models.loader import load_model
 from engine.multimodal.image_processor import normalize_pixels
@@ -266,10 +267,13 @@ class ModelRunner:
         self.sampler = Sampler(config.seed)
         self.decode_graphs: DecodeGraphRunner | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
-            if self.model_config.moe is None:
+            if moe.runs_without_sync(self.model, self.dtype, self.device):
                 self.enable_decode_graphs(use_cuda_graphs=True)
-            else:  # not yet captured on a GPU (engine/models/moe.py)
-                logger.info("decode steps run eagerly: a mixture of experts is not captured")
+            else:
+                logger.info(
+                    "decode steps run eagerly: the mixture-of-experts layers need a host "
+                    "sync here (engine/models/moe.py)"
+                )
 
     def _start_shard_workers(self) -> ShardWorkers:
         """Starts tensor-parallel ranks 1..N-1 and joins the group with them (rank 0)."""

@@ -6,18 +6,21 @@
 #   scripts/gpu_session.sh serving-2b serving-7b
 #
 #   prepare     FlashInfer's JIT modules (scripts/flashinfer_jit.py) while the 2B and 7B
-#               checkpoints are written (engine.tiny_model, drawn on the GPU)
+#               checkpoints are written (engine.tiny_model, drawn on the GPU; SIZES="..."
+#               writes other ones)
 #   tests       tests/gpu
 #   decode-2b   bench/gpu_decode.py, batch 1 / 32 / 128, graphs with and without overlap
-#               scheduling; with a torch profile of batch 1 and 128 (profiles.tar: Chrome
-#               traces)
+#               scheduling, and graphs with split-KV at every batch size (the A/B of
+#               graph_decode_splits_kv); with a torch profile of batch 1 and 128
+#               (profiles.tar: Chrome traces)
 #   decode-7b
 #   vision-2b   bench/gpu_vision.py: the vision tower at 1 / 8 / 32 images of 448x448 per
 #               call against its FLOP floor, PyTorch's SDPA kernels forced one by one, and
 #               transformers' tower; profiles of 1 and 32 images (added to profiles.tar)
 #   serving-2b  bench/gpu_serving.py: Tessera vs transformers on issue 8's load
 #   serving-7b
-#   serving-2b-threads8   serving-2b with --image-decode-threads 8 (the default is 2)
+#   serving-2b-tessera    serving-2b, Tessera's run alone
+#   serving-2b-threads8   the same with --image-decode-threads 8 (the default is 2)
 #   serving-qwen3-vl-2b   the same load on the Qwen3-VL 2B shape (checkpoint written first)
 #
 # Every call first installs the wheel bundle of scripts/device_wheels.sh (carried in .whl/)
@@ -48,7 +51,7 @@ setup() {
 prepare() {
     python3 scripts/flashinfer_jit.py --head-dim 128 --kv-cache-dtype auto fp8 &
     local jit=$!
-    for size in qwen2-vl-2b qwen2-vl-7b; do
+    for size in ${SIZES:-qwen2-vl-2b qwen2-vl-7b}; do
         python3 -c "import sys; from pathlib import Path; from bench.gpu_decode import ensure_model
 ensure_model(Path('$models'), '$size', 'cuda')" || return 1
     done
@@ -61,12 +64,13 @@ run_tests() {
 }
 
 run_decode() {  # $1: qwen2-vl-2b | qwen2-vl-7b; the 2B run also profiles batch 1 and 128
-    local profile=()
+    local profile=() modes=(graphs graphs-serial)
     if [ "$1" = qwen2-vl-2b ]; then
         profile=(--profile-dir /tmp/profiles --profile-batch-sizes 1 128)
+        modes+=(graphs-split-kv)
     fi
     python3 bench/gpu_decode.py --sizes "$1" --batch-sizes 1 32 128 --model-root "$models" \
-        --modes graphs graphs-serial --out "$out/decode-$1.json" "${profile[@]}" || return 1
+        --modes "${modes[@]}" --out "$out/decode-$1.json" "${profile[@]}" || return 1
     if [ -d /tmp/profiles ]; then tar -C /tmp -cf "$out/profiles.tar" profiles; fi
 }
 
@@ -96,7 +100,8 @@ for step in "$@"; do
         vision-2b) fn=run_vision ;;
         serving-2b) fn="run_serving qwen2-vl-2b" ;;
         serving-7b) fn="run_serving qwen2-vl-7b" ;;
-        serving-2b-threads8) fn="run_serving qwen2-vl-2b qwen2-vl-2b-threads8 \
+        serving-2b-tessera) fn="run_serving qwen2-vl-2b qwen2-vl-2b-tessera --runs tessera" ;;
+        serving-2b-threads8) fn="run_serving qwen2-vl-2b qwen2-vl-2b-threads8 --runs tessera \
 --tessera-arg=--image-decode-threads --tessera-arg=8" ;;
         serving-qwen3-vl-2b) fn="run_serving qwen3-vl-2b" ;;
         *) echo "unknown step $step" >&2; exit 2 ;;

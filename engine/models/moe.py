@@ -21,13 +21,16 @@ rounding at real ones (tests/unit/test_moe.py, bench/moe.py):
   cpu_prepack.py keeps float32 on F.linear), and where grouped_mm is missing or refuses
   the shapes.
 
-The model runner still decodes mixture-of-experts models eagerly on CUDA (no CUDA graphs):
-the grouped path has not been captured on a GPU yet.
+On CUDA the model runner captures decode steps in CUDA graphs when `runs_without_sync`
+says the grouped path queues no host sync on this device and dtype (a graph cannot
+capture a sync); otherwise such a model decodes eagerly.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -113,3 +116,39 @@ class MoEExperts(nn.Module):
             hidden = F.linear(hidden, self.down_proj[expert]) * weights[tokens, slot, None]
             out.index_add_(0, tokens, hidden.to(out.dtype))
         return out
+
+
+def runs_without_sync(model: nn.Module, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether every mixture-of-experts layer of `model` runs its grouped path on `device`
+    in `dtype` without a host sync (True for a model without one): probed once, on two
+    tokens of the first layer's experts, under `torch.cuda.set_sync_debug_mode("error")`,
+    since a fallback inside `grouped_mm` could itself read the group sizes on the host."""
+    layers = [module for module in model.modules() if isinstance(module, MoEExperts)]
+    if not layers:
+        return True
+    experts = layers[0]
+    hidden_size = experts.down_proj.shape[1]
+    x = torch.zeros(2, hidden_size, dtype=dtype, device=device)
+    if device.type != "cuda" or not (experts.use_grouped and experts._suits_grouped(x)):
+        return False
+    picks = torch.zeros(2, 1, dtype=torch.long, device=device)
+    weights = torch.ones(2, 1, dtype=dtype, device=device)
+    try:
+        with torch.no_grad(), sync_debug_errors():
+            experts.grouped(x, picks, weights)
+        torch.cuda.synchronize(device)
+    except RuntimeError:
+        logger.info("the grouped experts sync or fail here", exc_info=True)
+        return False
+    return True
+
+
+@contextmanager
+def sync_debug_errors() -> Iterator[None]:
+    """A host sync on CUDA raises RuntimeError inside this block."""
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)

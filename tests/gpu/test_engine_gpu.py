@@ -62,14 +62,31 @@ def assert_all_track(candidate, reference, tol: float, min_agreed: float = 0.5) 
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
 @pytest.mark.parametrize(
     "size,seed",
-    [("tiny-hd128", 2), ("tiny2", 1), ("tiny-qwen3-vl", 5)],  # Qwen3-VL: q/k norms, deepstack
-    ids=["hd128", "tiny2", "qwen3-vl"],
+    # Qwen3-VL: q/k norms, deepstack; its MoE: the experts in float32 on the GPU
+    [("tiny-hd128", 2), ("tiny2", 1), ("tiny-qwen3-vl", 5), ("tiny-qwen3-vl-moe", 7)],
+    ids=["hd128", "tiny2", "qwen3-vl", "qwen3-vl-moe"],
 )
 def test_float32_torch_backend_matches_cpu(tmp_path, prompts, enforce_eager, size, seed):
     model_dir = make_tiny_model(tmp_path, seed=seed, size=size)
     cpu = generate(model_dir, prompts, device="cpu", dtype="float32")
     gpu = generate(model_dir, prompts, device="cuda", dtype="float32", enforce_eager=enforce_eager)
     assert_all_track(gpu, cpu, FLOAT32_TOL)
+
+
+def test_mixture_of_experts_decodes_in_graphs(tmp_path, prompts, monkeypatch):
+    """bf16 experts run grouped, with no host sync, so decode steps are captured and
+    replayed; the graphs' output tracks the eager run's."""
+    model_dir = make_tiny_model(tmp_path, seed=7, size="tiny-qwen3-vl-moe")
+    options = dict(device="cuda", dtype="bfloat16", attention_backend="torch")
+    eager = generate(model_dir, prompts, enforce_eager=True, **options)
+    llm = LLM(str(model_dir), num_kv_blocks=512, **options)
+    graphs = llm.engine.runner.decode_graphs
+    assert graphs is not None
+    replayed = []
+    real_run = graphs.run
+    monkeypatch.setattr(graphs, "run", lambda inputs: replayed.append(1) or real_run(inputs))
+    assert_all_track(llm.generate(prompts, GREEDY), eager, BF16_TOL)
+    assert len(replayed) >= NUM_NEW - 2
 
 
 @needs_flashinfer

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model_config import MoEConfig
-from engine.models.moe import SparseMoE
+from engine.models.moe import SparseMoE, runs_without_sync
 
 pytestmark = pytest.mark.skipif(not hasattr(F, "grouped_mm"), reason="torch lacks grouped_mm")
 
@@ -81,3 +81,11 @@ def test_widths_grouped_mm_refuses_run_the_loop(monkeypatch):
         out = module(x)
     assert not called and out.shape == (4, 60)
     assert module.experts.use_grouped  # the shape was refused, not the operator
+
+
+def test_only_cuda_decodes_a_mixture_of_experts_in_graphs():
+    """The runner captures decode graphs where `runs_without_sync` holds: any model without
+    experts; never a CPU (tests/gpu/test_engine_gpu.py probes a GPU)."""
+    assert runs_without_sync(torch.nn.Linear(4, 4), torch.bfloat16, torch.device("cpu"))
+    model = torch.nn.Sequential(moe(64, 48, torch.bfloat16))
+    assert not runs_without_sync(model, torch.bfloat16, torch.device("cpu"))
