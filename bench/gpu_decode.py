@@ -14,9 +14,6 @@ bookkeeping. Modes:
                     step is launched before this one's tokens are read
     graphs-serial   CUDA graphs, overlap_scheduling=False: each step waits for the last
     eager           no graphs (overlap on)
-    graphs-split-kv graphs, every graph planned with FlashInfer's split-KV (and its merge
-                    kernel), as before graphs with many rows turned it off
-                    (kernels/flashinfer_glue.py, `graph_decode_splits_kv`): the A/B of that
 
 "forward" is the device time of the decoder alone (CUDA events around it).
 
@@ -29,12 +26,11 @@ bytes read + written). Issue 8's targets: step <= 1.5x the floor at batch 1, <= 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import random
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -51,7 +47,7 @@ PROFILE_STEPS = 5
 @dataclass(frozen=True)
 class DecodeResult:
     size: str
-    mode: str  # "graphs" | "graphs-serial" | "eager" | "graphs-split-kv"
+    mode: str  # "graphs" | "graphs-serial" | "eager"
     batch_size: int
     step_ms: float  # median over the timed steps
     forward_ms: float  # median device time of the decoder forward
@@ -133,7 +129,7 @@ def random_prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
 
 
 def run_batch(core: EngineCore, timer: ForwardTimer, batch_size: int,
-              args: argparse.Namespace, vocab: int, mode: str) -> tuple[float, float]:  # fmt: skip
+              args: argparse.Namespace, vocab: int) -> tuple[float, float]:  # fmt: skip
     """Median step and forward times (ms) of `args.steps` decode steps at `batch_size`."""
     rng = random.Random(batch_size)
     sampling = SamplingParams(max_tokens=max_new_tokens(args), temperature=0.0, ignore_eos=True)
@@ -163,7 +159,7 @@ def run_batch(core: EngineCore, timer: ForwardTimer, batch_size: int,
             )
     forward_ms = timer.pop_ms()
     if args.profile_dir and batch_size in args.profile_batch_sizes:
-        profile_steps(core, f"{mode}-{core.config.attention_backend}-b{batch_size}", args)
+        profile_steps(core, f"{core.config.attention_backend}-b{batch_size}", args)
     core.abort_requests(ids)
     while core.has_unfinished_requests():
         core.step()
@@ -181,7 +177,10 @@ def profile_steps(core: EngineCore, name: str, args: argparse.Namespace) -> None
     with profile(activities=activities, with_stack=True) as prof:
         for _ in range(PROFILE_STEPS):
             core.step_overlapped()
-    path = Path(args.profile_dir) / f"{Path(core.config.model).name}-{name}.json.gz"
+    mode = "eager" if core.config.enforce_eager else "graphs"
+    if not core.config.overlap_scheduling:
+        mode += "-serial"
+    path = Path(args.profile_dir) / f"{Path(core.config.model).name}-{mode}-{name}.json.gz"
     path.parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(path))
     print_top_ops(prof, f"{path.name}, {PROFILE_STEPS} steps")
@@ -209,22 +208,6 @@ def max_new_tokens(args: argparse.Namespace) -> int:
 def median(values: Sequence[float]) -> float:
     ordered = sorted(values)
     return ordered[len(ordered) // 2]
-
-
-@contextlib.contextmanager
-def always_split_kv(enabled: bool) -> Iterator[None]:
-    """While `enabled`, every FlashInfer decode graph captured plans split-KV."""
-    if not enabled:
-        yield
-        return
-    from kernels import flashinfer_glue
-
-    policy = flashinfer_glue.graph_decode_splits_kv
-    flashinfer_glue.graph_decode_splits_kv = lambda *_: True
-    try:
-        yield
-    finally:
-        flashinfer_glue.graph_decode_splits_kv = policy
 
 
 def ensure_model(root: Path, size: str, device: str) -> Path:
@@ -256,14 +239,13 @@ def bench_size(size: str, args: argparse.Namespace, bandwidth: float) -> list[De
             num_kv_blocks=max_batch * (-(-max_len // 16)) + 16,
             enable_prefix_caching=False,
         )
-        with always_split_kv(mode == "graphs-split-kv"):
-            core = EngineCore(config)  # graphs are captured (and their plans fixed) here
+        core = EngineCore(config)
         timer = ForwardTimer(core)
         weight_bytes = decoder_weight_bytes(core.runner.model)
         per_token = kv_bytes_per_token(core)
         vocab = plain_token_ids(core)
         for batch_size in args.batch_sizes:
-            step_ms, forward_ms = run_batch(core, timer, batch_size, args, vocab, mode)
+            step_ms, forward_ms = run_batch(core, timer, batch_size, args, vocab)
             history = args.context_len + args.warmup_steps + args.steps // 2
             kv_bytes = batch_size * history * per_token
             floor_ms = (weight_bytes + kv_bytes) / bandwidth * 1000
@@ -290,7 +272,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--model-root", default="/tmp/tessera-models")
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 32, 128])
     parser.add_argument("--modes", nargs="+", default=["graphs", "graphs-serial", "eager"],
-                        choices=["graphs", "graphs-serial", "eager", "graphs-split-kv"])  # fmt: skip
+                        choices=["graphs", "graphs-serial", "eager"])  # fmt: skip
     parser.add_argument("--attention-backend", default="flashinfer")
     parser.add_argument("--context-len", type=int, default=512)
     parser.add_argument("--warmup-steps", type=int, default=5)

@@ -175,11 +175,7 @@ class PlanGeometry:
 
 
 def _plan_decode(
-    wrapper: Any,
-    plan: PagedKVPlan,
-    kv_indices: torch.Tensor,
-    geometry: PlanGeometry,
-    split_kv: bool = True,
+    wrapper: Any, plan: PagedKVPlan, kv_indices: torch.Tensor, geometry: PlanGeometry
 ) -> None:
     wrapper.plan(
         plan.kv_indptr,
@@ -193,22 +189,7 @@ def _plan_decode(
         q_data_type=geometry.q_dtype,
         kv_data_type=geometry.kv_dtype,
         sm_scale=geometry.scale,
-        disable_split_kv=not split_kv,
     )
-
-
-def graph_decode_splits_kv(batch_size: int, num_kv_heads: int, num_sms: int) -> bool:
-    """Whether a decode graph of `batch_size` rows splits histories over several blocks.
-
-    FlashInfer's decode in CUDA-graph mode always plans split-KV: each (sequence, KV head)
-    may be cut into chunks, one thread block each, and a merge kernel runs after every
-    layer's attention, split or not. That pays while one block per (sequence, KV head)
-    would leave SMs idle. Once there are at least as many of those as SMs, the chunks are
-    whole histories and the merge only copies: 3.3 us a layer, 0.09 ms of a 3.38 ms step
-    for the 2B shape at 128 rows on the H100 (torch profile of `gpu_session.sh decode-2b`,
-    2026-11-26). Those graphs plan with split-KV off.
-    """
-    return batch_size * num_kv_heads < num_sms
 
 
 class GraphDecodeWrapper:
@@ -218,18 +199,20 @@ class GraphDecodeWrapper:
     buffers allocated here, at addresses a captured graph keeps. `plan()` runs on the host
     before every warm-up, capture and replay: it writes this step's table into the buffers
     and FlashInfer's split-KV schedule into its workspace (fixed-size in graph mode, so any
-    history fits the captured launch). `run()` is what a graph captures. `split_kv` is fixed
-    for the wrapper's life, as the captured kernels depend on it (`graph_decode_splits_kv`).
+    history fits the captured launch). `run()` is what a graph captures.
+
+    Split-KV stays on at every batch size, although at 128 rows of the 2B shape its merge
+    kernel only copies (3.3 us a layer): FlashInfer 0.6.18's graph mode pads the grid and
+    masks the padding blocks only when it splits. Planned with `disable_split_kv=True`,
+    the padding blocks read stale work indices: an illegal memory access in tests/gpu on
+    the H100 (2026-11-26); the step also measured 3.42 ms at 128 rows against 3.32 split.
     """
 
-    def __init__(
-        self, workspace: torch.Tensor, batch_size: int, max_pages: int, split_kv: bool = True
-    ) -> None:
+    def __init__(self, workspace: torch.Tensor, batch_size: int, max_pages: int) -> None:
         flashinfer = import_flashinfer()
         device = workspace.device
         self.batch_size = batch_size
         self.max_pages = max_pages
-        self.split_kv = split_kv
         self._indptr = torch.zeros(batch_size + 1, dtype=torch.int32, device=device)
         self._indices = torch.zeros(max_pages, dtype=torch.int32, device=device)
         self._last_page_len = torch.ones(batch_size, dtype=torch.int32, device=device)
@@ -252,7 +235,7 @@ class GraphDecodeWrapper:
             )
         if kv_indices.shape[0] > self.max_pages:
             raise ValueError(f"{kv_indices.shape[0]} pages exceed the {self.max_pages} planned")
-        _plan_decode(self._wrapper, plan, kv_indices, geometry, self.split_kv)
+        _plan_decode(self._wrapper, plan, kv_indices, geometry)
 
     def run(self, query: torch.Tensor, kv_cache: torch.Tensor,
             k_scale: float | None = None, v_scale: float | None = None) -> torch.Tensor:  # fmt: skip

@@ -104,15 +104,10 @@ class FlashInferAttentionBackend:
         batch_size, width = metadata.block_tables.shape
         wrapper = self._graph_wrappers.get(batch_size)
         if wrapper is None:
-            device = metadata.block_tables.device
-            num_sms = torch.cuda.get_device_properties(device).multi_processor_count
             wrapper = flashinfer_glue.GraphDecodeWrapper(
-                self._eager_wrappers(device).workspace,
+                self._eager_wrappers(metadata.block_tables.device).workspace,
                 batch_size,
                 max_pages=batch_size * width,
-                split_kv=flashinfer_glue.graph_decode_splits_kv(
-                    batch_size, self.shape.num_kv_heads, num_sms
-                ),
             )
             self._graph_wrappers[batch_size] = wrapper
         self._plan(wrapper, metadata)

@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 from engine.attention.base import AttentionMetadata, AttentionShape  # noqa: E402
 from engine.attention.flashinfer_backend import FlashInferAttentionBackend  # noqa: E402
 from engine.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from kernels import flashinfer_glue, reference  # noqa: E402
+from kernels import reference  # noqa: E402
 
 DEVICE = torch.device("cuda")
 
@@ -148,12 +148,9 @@ def test_fp8_cache_matches_dequantized_reference(query_lens, context_lens):
     torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2)
 
 
-@pytest.mark.parametrize("split_kv", [True, False], ids=["split-kv", "whole-histories"])
-def test_graph_decode_replays_new_page_tables(monkeypatch, split_kv):
+def test_graph_decode_replays_new_page_tables():
     """One decode graph of 4 rows, captured once, replayed over two different batches whose
-    buffers and plan change between replays: each replay equals the torch backend, with
-    FlashInfer's split-KV (and merge) as small graphs plan it, and without, as large ones."""
-    monkeypatch.setattr(flashinfer_glue, "graph_decode_splits_kv", lambda *_: split_kv)
+    buffers and plan change between replays: each replay equals the torch backend."""
     num_heads, num_kv_heads, head_dim, block_size, width = 8, 2, 128, 16, 16
     scale = 1 / math.sqrt(head_dim)
     query_lens = [1, 1, 1, 1]
@@ -187,11 +184,11 @@ def test_graph_decode_replays_new_page_tables(monkeypatch, split_kv):
         return static_metadata(batch.seq_lens)
 
     backend = FlashInferAttentionBackend(shape_of(query, kv_cache, scale))
-    backend.plan_cuda_graph(metadata := load(static[4]))
-    assert backend._graph_wrappers[4].split_kv is split_kv
     static_q, static_k, static_v = query.clone(), key.clone(), value.clone()
     cache = torch.zeros(kv_cache.shape[0] + 64, *kv_cache.shape[1:], dtype=kv_cache.dtype,
                         device=DEVICE)  # fmt: skip
+    metadata = load(static[4])
+    backend.plan_cuda_graph(metadata)
     backend.forward(static_q, static_k, static_v, cache, metadata, scale)  # warm-up
     torch.cuda.synchronize()
     backend.plan_cuda_graph(metadata)

@@ -17,12 +17,7 @@ from engine.attention import get_attention_backend
 from engine.attention.base import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from kernels import reference
-from kernels.flashinfer_glue import (
-    build_paged_kv_plan,
-    gather_page_indices,
-    graph_decode_splits_kv,
-    use_tensor_max_in,
-)
+from kernels.flashinfer_glue import build_paged_kv_plan, gather_page_indices, use_tensor_max_in
 
 
 def random_paged_batch(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size,
@@ -187,23 +182,3 @@ def test_planning_max_reduces_a_tensor_in_one_op_and_is_the_builtin_otherwise():
     assert planner.biggest(torch.tensor([[1, 2], [3, 4]]).flatten()).item() == 4
     with pytest.raises(ValueError):
         planner.biggest([])
-
-
-@pytest.mark.parametrize(
-    "batch_size,num_kv_heads,expected",
-    [
-        (1, 2, True),
-        (32, 2, True),
-        (65, 2, True),
-        (66, 2, False),
-        (128, 2, False),
-        (33, 4, False),
-        (16, 8, True),
-    ],
-)
-def test_decode_graphs_split_kv_only_while_whole_histories_leave_sms_idle(
-    batch_size, num_kv_heads, expected
-):
-    """On an H100 (132 SMs): the 2B shape (2 KV heads) splits at 1 and 32 rows, not at 128,
-    where every split is one whole history and the merge kernel only copies."""
-    assert graph_decode_splits_kv(batch_size, num_kv_heads, num_sms=132) is expected
