@@ -11,6 +11,7 @@ single placeholder into that many copies and records where each item's span star
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -82,6 +83,12 @@ class PromptProcessor:
         # the patch's own <|vision_start|> pads <|vision_end|> (its processor's layout).
         self.timestamped_video_frames = timestamped_video_frames
         self.chat_template = chat_template
+        if chat_template is not None:
+            # Compiled now, not by the first requests: lru_cache does not stop threads that
+            # miss at once from each compiling it (~10 ms of held GIL for a small template).
+            # A broken template stays a per-request error (render_chat).
+            with contextlib.suppress(jinja2.TemplateSyntaxError):
+                _compile_template(chat_template)
         self.special_tokens = dict(special_tokens or {})
         ids = dict(model_token_ids or {})
 

@@ -7,6 +7,8 @@ import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer, models
 
 from engine.errors import InvalidRequest, MediaError, ModelLoadError
 from engine.multimodal.prompt import PlaceholderSpan, PromptProcessor
@@ -154,6 +156,24 @@ def test_process_chat_end_to_end(processor):
     assert result.token_ids[span.offset + 5] == processor.vision_end_token_id
     rendered = processor.encode(processor.render_chat(messages))
     assert len(result.token_ids) == len(rendered) + 4
+
+
+def test_the_model_template_compiles_once_before_concurrent_first_requests(monkeypatch):
+    """Threads that all miss the template cache at once would each compile it (~10 ms of
+    held GIL apiece for this small one) in the server's first burst of requests."""
+    source = "{% for m in messages %}<{{ m['role'] }}>{% endfor %}{# compiles-once #}"
+    processor = PromptProcessor(Tokenizer(models.WordLevel({"x": 0}, unk_token="x")), source)
+    compiles = []
+    real = ImmutableSandboxedEnvironment.from_string
+    monkeypatch.setattr(ImmutableSandboxedEnvironment, "from_string",
+                        lambda self, *a, **k: compiles.append(1) or real(self, *a, **k))  # fmt: skip
+    with ThreadPoolExecutor(8) as pool:
+        texts = list(pool.map(lambda _: processor.render_chat([{"role": "user", "content": "x"}]),
+                              range(16)))  # fmt: skip
+    assert texts == ["<user>"] * 16 and compiles == []
+    broken = PromptProcessor(processor.tokenizer, "{% for %}")  # still a per-request error
+    with pytest.raises(InvalidRequest, match="syntax error"):
+        broken.render_chat([{"role": "user", "content": "x"}])
 
 
 def test_custom_template_and_template_errors(processor):
