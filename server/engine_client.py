@@ -119,14 +119,19 @@ class EngineClient:
             raise RuntimeError("EngineClient.start() called twice")
         inbox_address, outbox_address = self._bind()
         spawn = multiprocessing.get_context("spawn")
-        self._process = spawn.Process(
+        process = spawn.Process(
             target=run_engine,
             args=(self.config, inbox_address, outbox_address, os.getpid()),
             kwargs=self._engine_kwargs,
             name="tessera-engine",
             daemon=True,  # never outlive the server, even if shutdown() is skipped
         )
-        self._process.start()
+        try:
+            process.start()
+        except OSError as exc:  # e.g. no memory to fork: a start-up failure like the others
+            self._close_sockets()
+            raise EngineDeadError(f"could not start the engine process: {exc}") from exc
+        self._process = process  # only a started one: shutdown() joins it
         logger.info("engine process %d starting (model %s)", self._process.pid, self.config.model)
         try:
             self.ready = await self._wait_ready()

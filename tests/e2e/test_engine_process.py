@@ -5,6 +5,7 @@ engine death and step failure. (SIGKILLing the engine or the server under a real
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 import pickle
 import signal
@@ -154,6 +155,25 @@ def test_start_fails_clearly_without_a_model(tmp_path: Path) -> None:
         client = EngineClient(EngineConfig(model=str(tmp_path / "nothing")), startup_timeout=60)
         with pytest.raises(EngineDeadError, match="start-up failed"):
             await client.start()
+        assert not client.is_alive
+
+    asyncio.run(scenario())
+
+
+def test_a_process_that_cannot_start_is_a_start_up_failure(tmp_path: Path, monkeypatch) -> None:
+    """Before, `start()` raised the OSError itself, and the server's shutdown() then
+    joined a process that never started (an AssertionError)."""
+
+    def no_memory(self) -> None:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(multiprocessing.get_context("spawn").Process, "start", no_memory)
+
+    async def scenario() -> None:
+        client = EngineClient(EngineConfig(model=str(tmp_path)), startup_timeout=60)
+        with pytest.raises(EngineDeadError, match="could not start the engine process: .*memory"):
+            await client.start()
+        await client.shutdown()
         assert not client.is_alive
 
     asyncio.run(scenario())
