@@ -16,6 +16,9 @@ engine process from /proc before and after each load:
   text   --input-len random words
   image  the same plus one distinct --image-size PNG image per request (a data: URL:
          base64, PNG decode, resize, normalise, patchify, hash on the API process)
+  image-same  one image shared by every request: after the first, the processed-image
+         cache answers, so image minus image-same is what decoding and preprocessing
+         cost (pass --max-tokens 1 to leave streaming out of the numbers)
 
 It prints API CPU ms per request, API CPU us per output token, and engine CPU, per load;
 with a baseline, also this / baseline. CPU time is less noisy than wall time on a shared
@@ -34,7 +37,11 @@ from pathlib import Path
 
 from bench.servers import REPO_ROOT, TINY_MODEL_NAME, cpu_seconds, engine_pid, tiny_server
 
-LOADS = {"text": ["--dataset", "text"], "image": ["--dataset", "image"]}
+LOADS = {
+    "text": ["--dataset", "text"],
+    "image": ["--dataset", "image"],
+    "image-same": ["--dataset", "image", "--image-repeat-ratio", "1"],  # overrides common's 0
+}
 SERVER_FLAGS = ("--num-kv-blocks", "4096", "--max-model-len", "2048")
 
 
@@ -105,7 +112,7 @@ def table(results: dict[str, dict[str, dict]], loads: Sequence[str]) -> str:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline-repo", type=Path, help="another checkout, measured first")
-    parser.add_argument("--loads", nargs="+", choices=list(LOADS), default=list(LOADS))
+    parser.add_argument("--loads", nargs="+", choices=list(LOADS), default=["text", "image"])
     parser.add_argument("--num-requests", type=int, default=128)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=128)
