@@ -14,6 +14,9 @@ bookkeeping. Modes:
                     step is launched before this one's tokens are read
     graphs-serial   CUDA graphs, overlap_scheduling=False: each step waits for the last
     eager           no graphs (overlap on)
+    graphs-penalties  graphs, every request with repetition_penalty 1.05 (what Qwen2-VL
+                    and Qwen2.5-VL checkpoints ask for): the penalties count the token in
+                    flight on the device, so these steps overlap too
 
 "forward" is the device time of the decoder alone (CUDA events around it).
 
@@ -47,7 +50,7 @@ PROFILE_STEPS = 5
 @dataclass(frozen=True)
 class DecodeResult:
     size: str
-    mode: str  # "graphs" | "graphs-serial" | "eager"
+    mode: str  # "graphs" | "graphs-serial" | "eager" | "graphs-penalties"
     batch_size: int
     step_ms: float  # median over the timed steps
     forward_ms: float  # median device time of the decoder forward
@@ -129,10 +132,12 @@ def random_prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
 
 
 def run_batch(core: EngineCore, timer: ForwardTimer, batch_size: int,
-              args: argparse.Namespace, vocab: int) -> tuple[float, float]:  # fmt: skip
+              args: argparse.Namespace, vocab: int, mode: str) -> tuple[float, float]:  # fmt: skip
     """Median step and forward times (ms) of `args.steps` decode steps at `batch_size`."""
     rng = random.Random(batch_size)
-    sampling = SamplingParams(max_tokens=max_new_tokens(args), temperature=0.0, ignore_eos=True)
+    penalty = 1.05 if mode == "graphs-penalties" else 1.0
+    sampling = SamplingParams(max_tokens=max_new_tokens(args), temperature=0.0, ignore_eos=True,
+                              repetition_penalty=penalty)  # fmt: skip
     ids = [f"b{batch_size}-{i}" for i in range(batch_size)]
     for request_id in ids:
         prompt = random_prompt(rng, args.context_len, vocab)
@@ -159,7 +164,7 @@ def run_batch(core: EngineCore, timer: ForwardTimer, batch_size: int,
             )
     forward_ms = timer.pop_ms()
     if args.profile_dir and batch_size in args.profile_batch_sizes:
-        profile_steps(core, f"{core.config.attention_backend}-b{batch_size}", args)
+        profile_steps(core, f"{mode}-{core.config.attention_backend}-b{batch_size}", args)
     core.abort_requests(ids)
     while core.has_unfinished_requests():
         core.step()
@@ -177,10 +182,7 @@ def profile_steps(core: EngineCore, name: str, args: argparse.Namespace) -> None
     with profile(activities=activities, with_stack=True) as prof:
         for _ in range(PROFILE_STEPS):
             core.step_overlapped()
-    mode = "eager" if core.config.enforce_eager else "graphs"
-    if not core.config.overlap_scheduling:
-        mode += "-serial"
-    path = Path(args.profile_dir) / f"{Path(core.config.model).name}-{mode}-{name}.json.gz"
+    path = Path(args.profile_dir) / f"{Path(core.config.model).name}-{name}.json.gz"
     path.parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(path))
     print_top_ops(prof, f"{path.name}, {PROFILE_STEPS} steps")
@@ -245,7 +247,7 @@ def bench_size(size: str, args: argparse.Namespace, bandwidth: float) -> list[De
         per_token = kv_bytes_per_token(core)
         vocab = plain_token_ids(core)
         for batch_size in args.batch_sizes:
-            step_ms, forward_ms = run_batch(core, timer, batch_size, args, vocab)
+            step_ms, forward_ms = run_batch(core, timer, batch_size, args, vocab, mode)
             history = args.context_len + args.warmup_steps + args.steps // 2
             kv_bytes = batch_size * history * per_token
             floor_ms = (weight_bytes + kv_bytes) / bandwidth * 1000
@@ -272,7 +274,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--model-root", default="/tmp/tessera-models")
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 32, 128])
     parser.add_argument("--modes", nargs="+", default=["graphs", "graphs-serial", "eager"],
-                        choices=["graphs", "graphs-serial", "eager"])  # fmt: skip
+                        choices=["graphs", "graphs-serial", "eager", "graphs-penalties"])  # fmt: skip
     parser.add_argument("--attention-backend", default="flashinfer")
     parser.add_argument("--context-len", type=int, default=512)
     parser.add_argument("--warmup-steps", type=int, default=5)

@@ -16,9 +16,10 @@ attention plan, graph launch) runs while the device computes N:
 
 A decode row of N+1 whose token N is still sampling gets it on the device
 (`InFlightTokens`). A request that N's token stops (EOS, a stop token) has computed one
-token in N+1 that is dropped; length limits are known ahead and never cost one. A step
-whose requests need their output history to sample (penalties, a structured output's
-grammar) is not overlapped.
+token in N+1 that is dropped; length limits are known ahead and never cost one.
+Penalties count the outputs so far on the device, N's token included while it is in
+flight. A step whose requests need their output history on the host to sample (a
+structured output's grammar, bad words of several tokens) is not overlapped.
 """
 
 from __future__ import annotations
@@ -199,9 +200,9 @@ class EngineCore:
             return False  # nothing in flight, or requests that the finish will fail
         if not self.scheduler.has_unfinished_requests():
             return False
-        # Penalties and grammars read the output so far: the next token needs this one.
+        # A grammar reads the output so far on the host: the next token needs this one.
         return not any(
-            chunk.samples and chunk.request.sampling.reads_output
+            chunk.samples and chunk.request.sampling.needs_output_on_host
             for chunk in step.scheduler_output.chunks
         )
 

@@ -55,7 +55,7 @@ from engine.multimodal.image_processor import normalize_pixels
 from engine.prompt_logprobs import PendingPromptLogprobs, score_prompt_tokens, scored_positions
 from engine.protocol import ErrorInfo, TokenLogprob
 from engine.request import MediaItem, Request
-from engine.sampler import PendingSample, Sampler, SamplingRow
+from engine.sampler import InFlightOutputs, PendingSample, Sampler, SamplingRow
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 from engine.shard_worker import ShardWorkers
 from engine.step_inputs import InFlightTokens, StepInputs, gather_step_inputs
@@ -164,12 +164,35 @@ def error_info(exc: Exception) -> ErrorInfo:
     return ErrorInfo("internal error while running the model", type="internal_error", status=500)
 
 
+def _in_flight_outputs(
+    sampling: list[tuple[int, ScheduledChunk]],
+    inputs: StepInputs,
+    in_flight: InFlightTokens | None,
+    device: torch.device,
+) -> InFlightOutputs | None:
+    """The newest output token of each sampling row whose request has one in flight (the
+    previous step sampled it and it is not in `output_token_ids` yet), for the penalties;
+    None when no row has penalties or no token is in flight."""
+    if in_flight is None or not any(c.request.sampling.has_penalties for _, c in sampling):
+        return None
+    position = {request_id: i for i, request_id in enumerate(inputs.pending_request_ids)}
+    pairs = [
+        (row, position[chunk.request.request_id])
+        for row, (_, chunk) in enumerate(sampling)
+        if chunk.request.request_id in position
+    ]
+    if not pairs:
+        return None
+    rows, sources = to_device(list(zip(*pairs, strict=True)), torch.long, device)  # [2, P]
+    return InFlightOutputs(rows, in_flight.token_ids.index_select(0, sources))
+
+
 def _banned_token_ids(chunk: ScheduledChunk) -> tuple[int, ...]:
     """The last tokens of bad words the sequence would complete, and EOS and stop tokens
     while the token this chunk samples is one of the first `min_tokens` outputs. Counted
     from the chunk's end, not from `output_token_ids`, which lags a token behind while the
     previous step's token is in flight (a request with bad words of several tokens is
-    never launched ahead: `SamplingParams.reads_output`)."""
+    never launched ahead: `SamplingParams.needs_output_on_host`)."""
     request = chunk.request
     sampling = request.sampling
     banned = _bad_word_ends(request, chunk.end) if sampling.bad_words_token_ids else ()
@@ -471,7 +494,8 @@ class ModelRunner:
         self, chunks: list[ScheduledChunk], previous: PendingStep | None
     ) -> tuple[PendingSample | None, list[str], list[PendingPromptLogprobs]]:
         inputs = gather_step_inputs(chunks, self.block_size, self.encoder_cache)
-        hidden = self._forward(inputs, self._in_flight_tokens(inputs, previous))  # [T, hidden]
+        in_flight = self._in_flight_tokens(inputs, previous)
+        hidden = self._forward(inputs, in_flight)  # [T, hidden]
         prompt_logprobs = self._score_prompts(chunks, inputs, hidden)
         sampling = [(row, chunk) for row, chunk in enumerate(chunks) if chunk.samples]
         if not sampling:
@@ -496,7 +520,8 @@ class ModelRunner:
             for _, chunk in sampling
         ]
         request_ids = [c.request.request_id for _, c in sampling]
-        return self.sampler.sample(logits, rows), request_ids, prompt_logprobs
+        outputs_in_flight = _in_flight_outputs(sampling, inputs, in_flight, self.device)
+        return self.sampler.sample(logits, rows, outputs_in_flight), request_ids, prompt_logprobs
 
     def _score_prompts(
         self, chunks: list[ScheduledChunk], inputs: StepInputs, hidden: torch.Tensor

@@ -43,6 +43,16 @@ class SamplingRow:
 
 
 @dataclass(frozen=True)
+class InFlightOutputs:
+    """The newest output token of some rows, still on the device: the step in flight
+    sampled it, and it is not in their `output_token_ids` yet (overlap scheduling). The
+    penalties count it as an output."""
+
+    rows: torch.Tensor  # [P] int64: rows of the logits
+    token_ids: torch.Tensor  # [P] int64
+
+
+@dataclass(frozen=True)
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
@@ -92,7 +102,12 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         return self.sample(logits, rows).result()
 
-    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> PendingSample:
+    def sample(
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        in_flight: InFlightOutputs | None = None,
+    ) -> PendingSample:
         """Queues the sampling of every row; no host sync. `logits` [S, V] in any float
         dtype: what computes with them does so in float32, as transformers does."""
         if logits.dtype != torch.float32 and not all(_plain_greedy(row) for row in rows):
@@ -104,7 +119,7 @@ class Sampler:
         wants_logprobs = any(p.logprobs is not None for p in params)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None  # [S, V]
 
-        logits = apply_logit_bias(apply_penalties(logits, rows), params)
+        logits = apply_logit_bias(apply_penalties(logits, rows, in_flight), params)
         logits = apply_allowed_tokens(apply_bans(logits, rows), rows)
         sampled = logits.argmax(dim=-1)  # [S]
         if not all(p.is_greedy for p in params):
@@ -158,8 +173,11 @@ def _plain_greedy(row: SamplingRow) -> bool:
     )
 
 
-def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Repetition (HF), presence and frequency (OpenAI) penalties; [S, V] -> [S, V]."""
+def apply_penalties(
+    logits: torch.Tensor, rows: list[SamplingRow], in_flight: InFlightOutputs | None = None
+) -> torch.Tensor:
+    """Repetition (HF), presence and frequency (OpenAI) penalties; [S, V] -> [S, V]. The
+    outputs so far are each row's `output_token_ids` plus its token in `in_flight`."""
     params = [row.params for row in rows]
     if not any(p.has_penalties for p in params):
         return logits
@@ -170,6 +188,10 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     output_counts = torch.zeros(num_rows, vocab + 1, device=device)  # [S, V + pad]
     outputs = _padded([row.output_token_ids for row in rows], vocab, device)  # [S, Lo]
     output_counts.scatter_add_(1, outputs, torch.ones_like(outputs, dtype=logits.dtype))
+    if in_flight is not None:  # one more output per row, on the device (no sync)
+        newest = torch.full((num_rows, 1), vocab, dtype=torch.long, device=device)  # pad col
+        newest.index_copy_(0, in_flight.rows, in_flight.token_ids.unsqueeze(1))
+        output_counts.scatter_add_(1, newest, torch.ones_like(newest, dtype=logits.dtype))
     output_counts = output_counts[:, :vocab]
     logits = logits.clone()
     if has_repetition:

@@ -10,8 +10,8 @@
 #               writes other ones)
 #   tests       tests/gpu
 #   decode-2b   bench/gpu_decode.py, batch 1 / 32 / 128, graphs with and without overlap
-#               scheduling; with a torch profile of batch 1 and 128 (profiles.tar: Chrome
-#               traces)
+#               scheduling and with repetition_penalty 1.05 (graphs-penalties); with a
+#               torch profile of batch 1 and 128 (profiles.tar: Chrome traces)
 #   decode-7b
 #   vision-2b   bench/gpu_vision.py: the vision tower at 1 / 8 / 32 images of 448x448 per
 #               call against its FLOP floor, PyTorch's SDPA kernels forced one by one, and
@@ -68,7 +68,8 @@ run_decode() {  # $1: qwen2-vl-2b | qwen2-vl-7b; the 2B run also profiles batch 
         profile=(--profile-dir /tmp/profiles --profile-batch-sizes 1 128)
     fi
     python3 bench/gpu_decode.py --sizes "$1" --batch-sizes 1 32 128 --model-root "$models" \
-        --modes graphs graphs-serial --out "$out/decode-$1.json" "${profile[@]}" || return 1
+        --modes graphs graphs-serial graphs-penalties --out "$out/decode-$1.json" \
+        "${profile[@]}" || return 1
     if [ -d /tmp/profiles ]; then tar -C /tmp -cf "$out/profiles.tar" profiles; fi
 }
 

@@ -162,14 +162,16 @@ def fail_on_a_sync_at_launch(llm, monkeypatch) -> list[bool]:
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
 def test_launch_never_waits_for_the_device(model_dir, prompts, monkeypatch, backend,
                                            enforce_eager):  # fmt: skip
-    """Everything a step queues — encoder, inputs, forward, sampling — goes without a host
-    sync; the sampled tokens are read back only in `PendingStep.result()`."""
+    """Everything a step queues — encoder, inputs, forward, sampling with penalties that
+    count a token in flight — goes without a host sync; the sampled tokens are read back
+    only in `PendingStep.result()`."""
     llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", attention_backend=backend,
               num_kv_blocks=512, enforce_eager=enforce_eager)  # fmt: skip
     llm.generate(prompts[:2], SamplingParams(max_tokens=2))  # lazy initialisation first
     launched_ahead = fail_on_a_sync_at_launch(llm, monkeypatch)
     sampling = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, top_k=20, logprobs=3,
-                              ignore_eos=True)  # fmt: skip
+                              ignore_eos=True, repetition_penalty=1.05,
+                              presence_penalty=0.5)  # fmt: skip
     results = llm.generate(prompts, sampling)
     assert [r.error for r in results] == [None] * len(prompts)
     assert all(len(r.token_ids) == 8 for r in results)

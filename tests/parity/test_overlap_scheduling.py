@@ -121,19 +121,43 @@ def test_chunked_prefill_preemption_and_prefix_cache(model_dir):
     assert_same_outputs(got, want)
 
 
-def test_penalties_wait_for_the_previous_token(model_dir):
-    """Penalties read the output so far: steps sampling such a request are not overlapped,
-    and its tokens still equal the plain loop's."""
-    batch = prompts(3)
+def test_penalties_overlap_and_count_the_token_in_flight(model_dir):
+    """Penalties read the output so far; the sampler counts the token still in flight on
+    the device, so such steps overlap and still equal the plain loop's. (Qwen2-VL and
+    Qwen2.5-VL checkpoints set repetition_penalty 1.05, applied by default: before, none
+    of their steps overlapped.)"""
+    batch = prompts(4)
     params = [
         greedy(12, ignore_eos=True, repetition_penalty=1.5, frequency_penalty=0.5),
         greedy(24, ignore_eos=True),
         greedy(24, ignore_eos=True, presence_penalty=1.0),
+        # Rewards for repeating: the token just written (in flight, in the overlapped run)
+        # decides the next one, so leaving it uncounted changes the answer.
+        greedy(24, ignore_eos=True, repetition_penalty=0.5, frequency_penalty=-2.0),
     ]
     want, _, _ = generate(model_dir, batch, params, overlap=False)
+    unpenalized, _, _ = generate(model_dir, batch, [greedy(p.max_tokens, ignore_eos=True)
+                                                    for p in params], overlap=False)  # fmt: skip
+    for row in (0, 2, 3):  # the penalties bite
+        assert want[row].token_ids != unpenalized[row].token_ids
     got, ahead, _ = generate(model_dir, batch, params, overlap=True)
     assert_same_outputs(got, want)
-    assert ahead == 0  # the presence-penalty request runs to the end
+    assert ahead > 15
+
+
+def test_bad_words_of_several_tokens_wait_for_the_previous_token(model_dir):
+    """Which bad word's last token to ban depends on the tokens just written, on the
+    host: steps sampling such a request are not launched ahead."""
+    batch = prompts(2)
+    first, _, _ = generate(model_dir, batch, greedy(8, ignore_eos=True), overlap=False)
+    word = tuple(first[0].token_ids[2:4])  # written by the plain run: banned, it changes
+    params = [greedy(8, ignore_eos=True, bad_words_token_ids=(word,)),
+              greedy(8, ignore_eos=True)]  # fmt: skip
+    want, _, _ = generate(model_dir, batch, params, overlap=False)
+    assert want[0].token_ids != first[0].token_ids
+    got, ahead, _ = generate(model_dir, batch, params, overlap=True)
+    assert_same_outputs(got, want)
+    assert ahead == 0
 
 
 def test_overlap_scheduling_setting_turns_it_off(model_dir):

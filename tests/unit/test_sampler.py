@@ -5,7 +5,13 @@ import math
 import torch
 
 from engine.protocol import SamplingParams
-from engine.sampler import Sampler, SamplingRow, apply_penalties, apply_top_k_top_p
+from engine.sampler import (
+    InFlightOutputs,
+    Sampler,
+    SamplingRow,
+    apply_penalties,
+    apply_top_k_top_p,
+)
 
 
 def row(prompt=(1,), output=(), seed=None, **params) -> SamplingRow:
@@ -50,6 +56,21 @@ def test_presence_and_frequency_penalties_over_output_only():
     sampling_row = row(prompt=[3], output=[1, 1, 2], presence_penalty=0.5, frequency_penalty=0.25)
     penalized = apply_penalties(logits, [sampling_row])
     assert penalized.tolist() == [[0.0, -1.0, -0.75, 0.0]]
+
+
+def test_a_token_in_flight_counts_as_an_output():
+    """With overlap scheduling a row's newest token is still on the device: penalised as if
+    it were in `output_token_ids` already (rows 0 and 2 have one in flight, row 1 none)."""
+    logits = torch.randn(3, 6, generator=torch.Generator().manual_seed(0))
+    params = dict(repetition_penalty=1.7, presence_penalty=0.5, frequency_penalty=0.25)
+    known = [row(prompt=[5], output=[1, 2], **params), row(output=[3], **params),
+             row(prompt=[0], **params)]  # fmt: skip
+    caught_up = [row(prompt=[5], output=[1, 2, 2], **params), row(output=[3], **params),
+                 row(prompt=[0], output=[4], **params)]  # fmt: skip
+    in_flight = InFlightOutputs(torch.tensor([0, 2]), torch.tensor([2, 4]))
+    expected = apply_penalties(logits, caught_up)
+    assert torch.equal(apply_penalties(logits, known, in_flight), expected)
+    assert not torch.equal(apply_penalties(logits, known), expected)
 
 
 def test_seeded_rows_do_not_depend_on_batch():
