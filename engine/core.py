@@ -18,8 +18,10 @@ A decode row of N+1 whose token N is still sampling gets it on the device
 (`InFlightTokens`). A request that N's token stops (EOS, a stop token) has computed one
 token in N+1 that is dropped; length limits are known ahead and never cost one.
 Penalties count the outputs so far on the device, N's token included while it is in
-flight. A step whose requests need their output history on the host to sample (a
-structured output's grammar, bad words of several tokens) is not overlapped.
+flight. A request that needs its output history on the host to sample (a structured
+output's grammar, bad words of several tokens) sits out N+1 while its token from N is in
+flight and takes every other step; a step where every sampling row is such a request is
+not overlapped.
 """
 
 from __future__ import annotations
@@ -200,11 +202,11 @@ class EngineCore:
             return False  # nothing in flight, or requests that the finish will fail
         if not self.scheduler.has_unfinished_requests():
             return False
-        # A grammar reads the output so far on the host: the next token needs this one.
-        return not any(
-            chunk.samples and chunk.request.sampling.needs_output_on_host
-            for chunk in step.scheduler_output.chunks
-        )
+        # A request that needs its output on the host to sample (a grammar) sits out the
+        # step launched ahead (Scheduler.schedule). If every row of this step does, that
+        # step would only hold what is left: launch it once their tokens are known.
+        sampled = [chunk.request for chunk in step.scheduler_output.chunks if chunk.samples]
+        return not sampled or not all(r.sampling.needs_output_on_host for r in sampled)
 
     def launch_step(self, previous: InFlightStep | None = None) -> InFlightStep:
         """Schedules a step and queues its device work. Until `finish_step`, requests may

@@ -254,7 +254,11 @@ class Scheduler:
         decodes: list[Request] = []
         prefills: list[Request] = []
         for request in self.running:
-            if request.num_pending_tokens and self._pending_token_ends(request):
+            if request.num_pending_tokens and (
+                request.sampling.needs_output_on_host or self._pending_token_ends(request)
+            ):
+                # Its next token needs the one in flight on the host (a grammar's mask, a
+                # bad word's ban), or that token ends it: it sits this step out.
                 continue
             num_left = request.num_scheduled_tokens - request.num_computed_tokens
             if num_left == 1:

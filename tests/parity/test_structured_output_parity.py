@@ -180,6 +180,41 @@ def test_overlap_scheduling_and_preemption_keep_to_the_grammar(model_dir):
         check_text("json", result.text)
 
 
+def test_a_constrained_row_sits_out_steps_launched_ahead_for_the_rows_beside_it(
+    model_dir, monkeypatch
+):
+    """Beside unconstrained rows, steps are launched ahead (they overlap); a constrained
+    row is never scheduled while its token is in flight (its mask needs that token on the
+    host), so it takes every other step. Every answer equals the serial loop's."""
+    constrained = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                                 structured_output=SPECS["json"])  # fmt: skip
+    plain = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    prompts = PROMPTS[:3]
+    params = [constrained, plain, plain]
+    with LLM(str(model_dir), num_kv_blocks=64) as llm:
+        reference = llm.generate(prompts, params)
+    masked_with_a_token_in_flight, launched_ahead = [], []
+    with LLM(str(model_dir), num_kv_blocks=64) as llm:
+        llm.engine.overlaps_steps = True
+        real_launch = llm.engine.launch_step
+
+        def launch_step(previous=None):
+            step = real_launch(previous)
+            launched_ahead.append(previous is not None)
+            masked_with_a_token_in_flight.extend(
+                chunk.request.num_pending_tokens > 1 for chunk in step.scheduler_output.chunks
+                if chunk.samples and chunk.request.sampling.structured_output is not None
+            )  # fmt: skip
+            return step
+
+        monkeypatch.setattr(llm.engine, "launch_step", launch_step)
+        results = llm.generate(prompts, params)
+    assert [r.token_ids for r in results] == [r.token_ids for r in reference]
+    check_text("json", results[0].text)
+    assert sum(launched_ahead) >= MAX_TOKENS // 2
+    assert masked_with_a_token_in_flight and not any(masked_with_a_token_in_flight)
+
+
 def test_a_grammar_that_runs_out_of_its_limits_fails_only_its_request(model_dir):
     """`a{1000000}` passes the server's grammar-level check but needs more regex work than
     grammar_lexer_fuel allows: its request ends with an error naming it, and no token of
