@@ -38,7 +38,7 @@ class EngineConfig:
     enforce_eager: bool = False  # never replay decode steps from CUDA graphs (GPU only)
     overlap_scheduling: bool = True  # GPU: launch step N+1 before reading step N's tokens
     cuda_graph_max_batch_size: int | None = None  # largest captured decode batch; None = max_num_seqs
-    cuda_graph_max_seq_len: int = 8192  # decode steps with a longer history run eagerly
+    cuda_graph_max_seq_len: int | None = None  # decode steps with a longer history run eagerly; None = the whole context with flashinfer (its cost does not grow with the bound), 8192 with torch (which pads keys to it)
     num_threads: int | None = None  # torch intra-op threads on CPU (per rank); None = torch default
     tensor_parallel_size: int = 1  # ranks the decoder layers are split over (CPU, gloo); each rank is a process
     seed: int = 0  # engine-wide sampling seed for requests without their own

@@ -39,6 +39,21 @@ from engine.step_inputs import InFlightTokens
 logger = logging.getLogger(__name__)
 
 
+# The torch backend pads every graph's keys to the bound, so its cost grows with it.
+TORCH_BACKEND_GRAPH_MAX_SEQ_LEN = 8192
+
+
+def graph_max_seq_len(setting: int | None, attention_backend: str, max_model_len: int) -> int:
+    """The longest history a decode graph serves (`cuda_graph_max_seq_len`; longer ones
+    decode eagerly, ~7x slower for the 2B shape on the H100). Unset: the whole context with
+    FlashInfer, whose kernels read each sequence's own pages (the bound only sizes the
+    block-table buffers), and TORCH_BACKEND_GRAPH_MAX_SEQ_LEN with the torch backend."""
+    if setting is None:
+        flashinfer = attention_backend == "flashinfer"
+        setting = max_model_len if flashinfer else TORCH_BACKEND_GRAPH_MAX_SEQ_LEN
+    return min(setting, max_model_len)
+
+
 def graph_batch_sizes(max_batch_size: int) -> list[int]:
     """1, 2, 4, 8, then every multiple of 8, up to and including `max_batch_size`."""
     if max_batch_size < 1:

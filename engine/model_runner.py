@@ -32,7 +32,7 @@ import torch
 from engine.attention import check_attention_backend, get_attention_backend
 from engine.attention.base import AttentionMetadata, AttentionShape
 from engine.config import EngineConfig
-from engine.cuda_graphs import DecodeGraphRunner, DecodeInputs
+from engine.cuda_graphs import DecodeGraphRunner, DecodeInputs, graph_max_seq_len
 from engine.device_io import DeviceTimer, to_device
 from engine.encoder_cache import EncoderCache
 from engine.errors import MediaError, TesseraError
@@ -323,7 +323,11 @@ class ModelRunner:
             self.kv_caches,
             self.attention,
             max_batch_size=self.config.cuda_graph_max_batch_size or self.config.max_num_seqs,
-            max_seq_len=min(self.config.cuda_graph_max_seq_len, self.max_model_len),
+            max_seq_len=graph_max_seq_len(
+                self.config.cuda_graph_max_seq_len,
+                self.config.attention_backend,
+                self.max_model_len,
+            ),
             block_size=self.block_size,
             scratch_block=self.num_kv_blocks,
             use_cuda_graphs=use_cuda_graphs,

@@ -131,6 +131,9 @@ def test_decode_steps_replay_graphs(model_dir, prompts, monkeypatch, backend):
               num_kv_blocks=512, cuda_graph_max_batch_size=8)  # fmt: skip
     graphs = llm.engine.runner.decode_graphs
     assert graphs is not None and graphs.batch_sizes == [1, 2, 4, 8]
+    # FlashInfer's graphs serve every history the context allows (engine/cuda_graphs.py).
+    bound = llm.engine.runner.max_model_len if backend == "flashinfer" else 8192
+    assert graphs.max_seq_len == -(-min(bound, llm.engine.runner.max_model_len) // 16) * 16
     replayed = []
     real_run = graphs.run
     monkeypatch.setattr(graphs, "run", lambda inputs: replayed.append(1) or real_run(inputs))
