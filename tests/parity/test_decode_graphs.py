@@ -59,7 +59,7 @@ def test_batch_sizes():
 
 
 def test_flashinfer_graphs_serve_the_whole_context_by_default():
-    """Decode steps past the bound run eagerly (16.8 against 2.2 ms a step for the 2B
+    """Decode steps past the bound run eagerly (16.8 against 3.3 ms a step for the 2B
     shape on the H100). FlashInfer's graphs read each sequence's own pages, so unset, the
     bound is the context; the torch backend pads keys to it, so it keeps 8192."""
     assert graph_max_seq_len(None, "flashinfer", 32768) == 32768
