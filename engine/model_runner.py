@@ -191,8 +191,8 @@ def _banned_token_ids(chunk: ScheduledChunk) -> tuple[int, ...]:
     """The last tokens of bad words the sequence would complete, and EOS and stop tokens
     while the token this chunk samples is one of the first `min_tokens` outputs. Counted
     from the chunk's end, not from `output_token_ids`, which lags a token behind while the
-    previous step's token is in flight (a request with bad words of several tokens is
-    never launched ahead: `SamplingParams.needs_output_on_host`)."""
+    previous step's token is in flight (a request with bad words of several tokens is never
+    scheduled while a token of it is in flight: `SamplingParams.needs_output_on_host`)."""
     request = chunk.request
     sampling = request.sampling
     banned = _bad_word_ends(request, chunk.end) if sampling.bad_words_token_ids else ()
