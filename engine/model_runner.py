@@ -517,7 +517,7 @@ class ModelRunner:
                 chunk.request.sampling,
                 chunk.request.prompt_token_ids,
                 chunk.request.output_token_ids,
-                chunk.request.generator,
+                chunk.request.generator_on(self.device),
                 _banned_token_ids(chunk),
                 chunk.request.allowed_tokens(),
             )

@@ -34,7 +34,7 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    generator: torch.Generator | None = None  # CPU generator of a seeded request
+    generator: torch.Generator | None = None  # a seeded request's, on the logits' device
     banned_token_ids: tuple[int, ...] = ()  # may not be picked (`min_tokens` not reached)
     # [ceil(V / 32)] int32 host bitmask of the only tokens a grammar and `allowed_token_ids`
     # allow (bit t % 32 of word t // 32 is token t); None = unconstrained. See
@@ -150,10 +150,9 @@ class Sampler:
             threshold = to_device(min_p, probs.dtype, device).unsqueeze(1) * probs.amax(-1, True)
             probs = probs.masked_fill(probs < threshold, 0.0)
         noise = torch.empty_like(probs).exponential_(generator=self._generator(device))  # [S, V]
-        for index, row in enumerate(rows):
+        for index, row in enumerate(rows):  # a seeded row draws its own, on the device
             if row.generator is not None and not row.params.is_greedy:
-                own = torch.empty(probs.shape[1]).exponential_(generator=row.generator)  # [V]
-                noise[index] = to_device(own, noise.dtype, device)
+                noise[index].exponential_(generator=row.generator)  # [V]
         return (probs / noise).argmax(dim=-1)  # [S]
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 
+import msgspec
 import pytest
 import torch
 
@@ -175,7 +176,8 @@ def test_launch_never_waits_for_the_device(model_dir, prompts, monkeypatch, back
     sampling = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, top_k=20, logprobs=3,
                               ignore_eos=True, repetition_penalty=1.05,
                               presence_penalty=0.5)  # fmt: skip
-    results = llm.generate(prompts, sampling)
+    seeded = msgspec.structs.replace(sampling, seed=11)  # its own stream, on the device
+    results = llm.generate(prompts, [seeded, *[sampling] * (len(prompts) - 1)])
     assert [r.error for r in results] == [None] * len(prompts)
     assert all(len(r.token_ids) == 8 for r in results)
     assert sum(launched_ahead) >= 5  # steps taking in-flight tokens queued no sync either
