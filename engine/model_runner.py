@@ -187,6 +187,14 @@ def _in_flight_outputs(
     return InFlightOutputs(rows, in_flight.token_ids.index_select(0, sources))
 
 
+def _token_ids_for_sampling(request: Request) -> tuple[list[int] | torch.Tensor, ...]:
+    """(prompt ids, output ids) of a SamplingRow: kept host tensors for a row with
+    penalties, which reads both every step; the lists otherwise (left unread)."""
+    if request.sampling.has_penalties:
+        return request.token_id_tensors()
+    return request.prompt_token_ids, request.output_token_ids
+
+
 def _banned_token_ids(chunk: ScheduledChunk) -> tuple[int, ...]:
     """The last tokens of bad words the sequence would complete, and EOS and stop tokens
     while the token this chunk samples is one of the first `min_tokens` outputs. Counted
@@ -515,8 +523,7 @@ class ModelRunner:
         rows = [
             SamplingRow(
                 chunk.request.sampling,
-                chunk.request.prompt_token_ids,
-                chunk.request.output_token_ids,
+                *_token_ids_for_sampling(chunk.request),
                 chunk.request.generator_on(self.device),
                 _banned_token_ids(chunk),
                 chunk.request.allowed_tokens(),

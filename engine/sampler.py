@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from engine.device_io import HostCopy, copy_to_host, to_device
 from engine.protocol import SamplingParams, TokenLogprob
@@ -32,8 +33,9 @@ class SamplingRow:
     """What the sampler needs to know about one row."""
 
     params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    # Lists, or int64 host tensors (Request.token_id_tensors: what rows with penalties get)
+    prompt_token_ids: Sequence[int] | torch.Tensor
+    output_token_ids: Sequence[int] | torch.Tensor
     generator: torch.Generator | None = None  # a seeded request's, on the logits' device
     banned_token_ids: tuple[int, ...] = ()  # may not be picked (`min_tokens` not reached)
     # [ceil(V / 32)] int32 host bitmask of the only tokens a grammar and `allowed_token_ids`
@@ -300,11 +302,11 @@ def apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> tor
     return logits.masked_fill(mask, float("-inf"))
 
 
-def _padded(lists: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+def _padded(
+    lists: Sequence[Sequence[int] | torch.Tensor], pad: int, device: torch.device
+) -> torch.Tensor:
     """[S, max_len] int64 with `pad` (an out-of-vocab column index) filling short rows."""
-    width = max(1, max(len(ids) for ids in lists))
-    out = torch.full((len(lists), width), pad, dtype=torch.long)
-    for index, ids in enumerate(lists):
-        if ids:
-            out[index, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-    return to_device(out, torch.long, device)
+    rows = [torch.as_tensor(ids, dtype=torch.long) for ids in lists]  # tensors as they are
+    if max(len(row) for row in rows) == 0:
+        return to_device(torch.full((len(rows), 1), pad, dtype=torch.long), torch.long, device)
+    return to_device(pad_sequence(rows, batch_first=True, padding_value=pad), torch.long, device)
