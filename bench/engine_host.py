@@ -1,6 +1,7 @@
 """Benchmark (not a test): the engine's host-side work per decode step, by phase.
 
     PYTHONPATH=. python bench/engine_host.py --batch 128 --prompt-len 450
+    PYTHONPATH=. python bench/engine_host.py --repetition-penalty 1.05   # with penalties
 
 On a GPU the device runs a 2B decode step at batch 128 in ~3.2 ms (docs/gpu.md); with
 overlap scheduling the host prepares the next step meanwhile, so the host work per step
@@ -80,7 +81,8 @@ def _run(model_dir: Path, args: argparse.Namespace, totals: Counter) -> dict[str
     core = EngineCore(
         EngineConfig(model=str(model_dir), num_kv_blocks=args.num_kv_blocks, max_model_len=4096)
     )
-    sampling = SamplingParams(max_tokens=args.steps + 64, ignore_eos=True, temperature=0.0)
+    sampling = SamplingParams(max_tokens=args.steps + 64, ignore_eos=True, temperature=0.0,
+                              repetition_penalty=args.repetition_penalty)  # fmt: skip
     for i in range(args.batch):
         prompt = [(i * 7 + j) % 1000 + 10 for j in range(args.prompt_len)]
         core.add_request(EngineRequest(request_id=f"r{i}", prompt_token_ids=prompt,
@@ -102,6 +104,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=450)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--num-kv-blocks", type=int, default=8192)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0,
+                        help="1.05: what Qwen2-VL checkpoints ask for (the sampler then "
+                             "reads every prompt and output)")  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -116,7 +121,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             per_step = measure(make_tiny_model(Path(tmp) / "tiny"), args)
     finally:
         torch.set_num_threads(threads)
-    print(f"batch {args.batch}, prompt {args.prompt_len} tokens, {args.steps} decode steps:")
+    print(f"batch {args.batch}, prompt {args.prompt_len} tokens, {args.steps} decode steps, "
+          f"repetition_penalty {args.repetition_penalty}:")  # fmt: skip
     per_step["host"] = per_step["step"] - per_step.get("forward", 0.0)
     for label in ("step", "forward", "host", "schedule", "allocate_slots", "gather", "update"):
         print(f"  {label:15s} {per_step.get(label, 0.0):8.3f} ms/step")
