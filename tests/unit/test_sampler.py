@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from engine.protocol import SamplingParams
@@ -101,6 +102,20 @@ def test_penalty_rows_read_token_ids_kept_between_steps():
     as_lists = apply_penalties(logits, [row([4, 5, 5], request.output_token_ids, **params)])
     as_kept = apply_penalties(logits, [SamplingRow(SamplingParams(**params), prompt, outputs)])
     assert torch.equal(as_kept, as_lists)
+
+
+def test_top_k_one_is_greedy_without_the_random_path(monkeypatch):
+    """top_k 1 leaves one candidate: the argmax of the processed logits (penalties and
+    biases applied), taken without sorting, softmax and noise over the vocabulary, which
+    Qwen2-VL's defaults (top_k 1, top_p 0.001, temperature 0.01) made every request pay."""
+    qwen_defaults = dict(top_k=1, top_p=0.001, temperature=0.01)
+    assert SamplingParams(**qwen_defaults).is_greedy
+    assert not SamplingParams(top_k=2, temperature=0.01).is_greedy
+    monkeypatch.setattr(Sampler, "_sample_random", lambda *a: pytest.fail("sampled randomly"))
+    logits = torch.tensor([[0.0, 3.0, 2.9, 1.0], [5.0, 1.0, 1.0, 0.0]])
+    rows = [row(output=[1], repetition_penalty=2.0, **qwen_defaults),
+            row(logit_bias=((3, 10.0),), **qwen_defaults)]  # fmt: skip
+    assert Sampler()(logits, rows).token_ids == [2, 3]
 
 
 def test_seeded_rows_do_not_depend_on_batch():
