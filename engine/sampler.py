@@ -44,6 +44,11 @@ class SamplingRow:
     allowed_tokens: torch.Tensor | None = None
 
 
+# The most candidates a row may keep (top_k) for the random draw to run over a top-k of
+# the logits instead of the whole vocabulary (Sampler._sample_random).
+TOP_K_CANDIDATES = 1024
+
+
 @dataclass(frozen=True)
 class InFlightOutputs:
     """The newest output token of some rows, still on the device: the step in flight
@@ -139,23 +144,52 @@ class Sampler:
         return PendingSample(copy_to_host(torch.cat(packed, dim=1)), params, num_top, sampled)
 
     def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """One token per row ([S]), drawn from its processed logits under its temperature,
+        top-k, top-p and min-p, from the engine's random stream; a seeded row draws alone
+        from its own, so that its tokens depend on nothing but its request."""
         device = logits.device
         params = [row.params for row in rows]
-        temperature = to_device(
-            [1.0 if p.is_greedy else p.temperature for p in params], logits.dtype, device
-        )
-        logits = logits / temperature.unsqueeze(1)  # [S, V]
-        logits = apply_top_k_top_p(logits, params)
-        probs = torch.softmax(logits, dim=-1)  # [S, V]
-        min_p = [p.min_p for p in params]
-        if any(m > 0 for m in min_p):
-            threshold = to_device(min_p, probs.dtype, device).unsqueeze(1) * probs.amax(-1, True)
-            probs = probs.masked_fill(probs < threshold, 0.0)
-        noise = torch.empty_like(probs).exponential_(generator=self._generator(device))  # [S, V]
-        for index, row in enumerate(rows):  # a seeded row draws its own, on the device
-            if row.generator is not None and not row.params.is_greedy:
-                noise[index].exponential_(generator=row.generator)  # [V]
-        return (probs / noise).argmax(dim=-1)  # [S]
+        picked = _draw(logits, params, self._generator(device))
+        seeded = [
+            index
+            for index, row in enumerate(rows)
+            if row.generator is not None and not row.params.is_greedy
+        ]
+        if not seeded:
+            return picked
+        own = [_draw(logits[i : i + 1], [params[i]], rows[i].generator) for i in seeded]
+        return picked.index_copy(0, to_device(seeded, torch.long, device), torch.cat(own))
+
+
+def _draw(
+    logits: torch.Tensor, params: list[SamplingParams], generator: torch.Generator | None
+) -> torch.Tensor:  # [S, V] -> [S]
+    """Exponential race over the probabilities (the Gumbel-max trick). Where every random
+    row keeps at most TOP_K_CANDIDATES tokens (top_k), only those candidates are scaled,
+    normalised and raced, not the vocabulary: the same distribution without a sort over
+    [S, V] (Qwen3-VL's defaults, top_k 20 and top_p 0.8: 377 against 11 ms a step for 32
+    rows of 152k logits on one CPU thread)."""
+    device = logits.device
+    temperature = to_device(
+        [1.0 if p.is_greedy else p.temperature for p in params], logits.dtype, device
+    )
+    top_k = [1 if p.is_greedy else p.top_k for p in params]
+    candidates = None
+    if all(0 < k <= TOP_K_CANDIDATES for k in top_k):
+        logits, candidates = logits.topk(max(top_k), dim=-1)  # [S, K] each, best first
+        logits = mask_sorted_top_k_top_p(logits / temperature.unsqueeze(1), params)
+    else:
+        logits = apply_top_k_top_p(logits / temperature.unsqueeze(1), params)  # [S, V]
+    probs = torch.softmax(logits, dim=-1)  # [S, V], or [S, K] over the candidates
+    min_p = [p.min_p for p in params]
+    if any(m > 0 for m in min_p):
+        threshold = to_device(min_p, probs.dtype, device).unsqueeze(1) * probs.amax(-1, True)
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    picked = (probs / noise).argmax(dim=-1)  # [S]
+    if candidates is None:
+        return picked
+    return candidates.gather(1, picked.unsqueeze(1)).squeeze(1)
 
 
 def _plain_greedy(row: SamplingRow) -> bool:
@@ -280,26 +314,34 @@ def _bit_biases(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
 
 def apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Masks (to -inf) tokens outside each row's top-k and top-p nucleus; [S, V] -> [S, V]."""
-    use_top_k = any(p.top_k > 0 for p in params)
-    use_top_p = any(p.top_p < 1.0 for p in params)
-    if not use_top_k and not use_top_p:
+    if not any(p.top_k > 0 for p in params) and not any(p.top_p < 1.0 for p in params):
         return logits
-    num_rows, vocab = logits.shape
-    device = logits.device
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # [S, V]
-    remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
-    if use_top_k:
-        top_k = to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.long, device)
-        ranks = torch.arange(vocab, device=device).unsqueeze(0)  # [1, V]
-        remove |= ranks >= top_k.unsqueeze(1)
-    if use_top_p:
-        top_p = to_device([p.top_p for p in params], logits.dtype, device)
-        probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs  # [S, V] mass of better tokens
-        remove |= mass_before >= top_p.unsqueeze(1)
-        remove[:, 0] = False  # always keep the best token
+    remove = mask_sorted_top_k_top_p(sorted_logits, params).isneginf()
     mask = torch.zeros_like(remove).scatter(1, order, remove)
     return logits.masked_fill(mask, float("-inf"))
+
+
+def mask_sorted_top_k_top_p(
+    sorted_logits: torch.Tensor, params: list[SamplingParams]
+) -> torch.Tensor:
+    """Rows sorted best first ([S, N]: the vocabulary, or a top-N of it): ranks past each
+    row's top_k, then tokens past its top_p nucleus of what is left, become -inf; the best
+    token always stays."""
+    num_rows, width = sorted_logits.shape
+    device = sorted_logits.device
+    remove = sorted_logits.isneginf()  # masked before (bans, a grammar) stay masked
+    if any(p.top_k > 0 for p in params):
+        top_k = to_device([p.top_k if p.top_k > 0 else width for p in params], torch.long, device)
+        ranks = torch.arange(width, device=device).unsqueeze(0)  # [1, N]
+        remove |= ranks >= top_k.unsqueeze(1)
+    if any(p.top_p < 1.0 for p in params):
+        top_p = to_device([p.top_p for p in params], sorted_logits.dtype, device)
+        probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # [S, N] mass of better tokens
+        remove |= mass_before >= top_p.unsqueeze(1)
+    remove[:, 0] = False  # always keep the best token
+    return sorted_logits.masked_fill(remove, float("-inf"))
 
 
 def _padded(

@@ -47,6 +47,20 @@ def test_min_p_and_top_k_restrict_random_samples():
     assert set(out.token_ids) == {0}
 
 
+def test_top_k_candidates_draw_as_the_whole_vocabulary_does():
+    """Rows keeping at most TOP_K_CANDIDATES tokens draw over a top-k of the logits; a row
+    without top_k beside them sends the batch over the vocabulary. Both keep the same
+    tokens (top_k 3, then the top_p 0.6 nucleus of those: the first two, at 0.714 /
+    0.286) and draw them as often."""
+    logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]])).repeat(400, 1)
+    nucleus = row(top_k=3, top_p=0.6)
+    candidates = Sampler(seed=1)(logits, [nucleus] * 400).token_ids
+    vocabulary = Sampler(seed=1)(logits, [nucleus] * 399 + [row()]).token_ids[:399]
+    for tokens in (candidates, vocabulary):
+        assert set(tokens) == {0, 1}
+        assert abs(tokens.count(0) / len(tokens) - 0.714) < 0.07
+
+
 def test_repetition_penalty_hf_semantics():
     logits = torch.tensor([[2.0, -2.0, 1.0, 1.0]])
     penalized = apply_penalties(logits, [row(prompt=[0], output=[1], repetition_penalty=2.0)])
@@ -126,6 +140,14 @@ def test_seeded_rows_do_not_depend_on_batch():
     batch = [row(), row(temperature=0.0), seeded, row(top_p=0.9)]
     in_batch = Sampler(seed=123)(logits, batch).token_ids[2]
     assert in_batch == alone
+    # A top-k row alone draws over its candidates; beside a row without top_k the batch
+    # draws over the vocabulary: the seeded row's tokens stay its own either way.
+    draws = [row(seed=5, top_k=20) for _ in range(3)]
+    alone = [Sampler()(logits[:1], [draws[0]]).token_ids[0] for _ in range(6)]
+    beside_top_k = [Sampler()(logits[:2], [draws[1], row(top_k=4)]).token_ids[0]
+                    for _ in range(6)]  # fmt: skip
+    beside_full = [Sampler()(logits[:2], [draws[2], row()]).token_ids[0] for _ in range(6)]
+    assert alone == beside_top_k == beside_full and len(set(alone)) > 1
     # the same seed reproduces a whole sequence of draws
     a, b = row(seed=3), row(seed=3)
     first = [Sampler(seed=9)(logits[:1], [a]).token_ids[0] for _ in range(5)]
