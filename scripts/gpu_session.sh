@@ -21,6 +21,10 @@
 #   serving-2b-tessera    serving-2b, Tessera's run alone
 #   serving-2b-threads8   the same with --image-decode-threads 8 (the default is 2)
 #   serving-qwen3-vl-2b   the same load on the Qwen3-VL 2B shape (checkpoint written first)
+#   serving-2b-qwen-defaults  Tessera alone, with Qwen2-VL-Instruct's generation_config
+#               defaults (top_k 1, top_p 0.001, temperature 0.01, repetition_penalty
+#               1.05), which the generated checkpoints do not carry; the client still sends
+#               temperature 0, so what it adds is the penalty on every request
 #
 # Every call first installs the wheel bundle of scripts/device_wheels.sh (carried in .whl/)
 # into /tmp/site, once per machine. A step that fails is reported and the next one runs.
@@ -103,6 +107,9 @@ for step in "$@"; do
         serving-2b-threads8) fn="run_serving qwen2-vl-2b qwen2-vl-2b-threads8 --runs tessera \
 --tessera-arg=--image-decode-threads --tessera-arg=8" ;;
         serving-qwen3-vl-2b) fn="run_serving qwen3-vl-2b" ;;
+        serving-2b-qwen-defaults) fn="run_serving qwen2-vl-2b qwen2-vl-2b-qwen-defaults \
+--runs tessera --tessera-arg=--override-generation-config --tessera-arg='{\"top_k\": 1, \
+\"top_p\": 0.001, \"temperature\": 0.01, \"repetition_penalty\": 1.05}'" ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac
     export -f prepare run_tests run_decode run_vision run_serving

@@ -191,9 +191,11 @@ def test_logit_bias_steers_greedy_and_random_rows_of_its_request_only():
     assert logits[0].tolist() == [0.25, 2.0, -1.0, 0.5]  # not modified in place
 
 
-def test_plain_greedy_rows_take_model_dtype_logits_without_a_float32_copy(monkeypatch):
-    """bf16 logits: plain greedy rows argmax them as they are (the cast is exact, so the
-    token is the same); any row that computes with logits gets them in float32."""
+def test_greedy_rows_pick_the_same_token_from_bf16_logits(monkeypatch):
+    """bf16 logits, on a CPU: cast to float32 first, also for plain greedy rows (a CPU's
+    bf16 argmax is not vectorised; a GPU skips the cast for them, which
+    tests/gpu/test_sampler_cuda.py checks), and the token is the one from float32 logits,
+    for greedy rows and for rows that compute with the logits."""
     logits = (torch.randn(4, 1000, generator=torch.Generator().manual_seed(3)) * 4).bfloat16()
     logits[1, 7] = logits[1, 9] = logits[1].max() + 1  # a tie: the first index, both ways
     expected = logits.float().argmax(dim=-1).tolist()
@@ -202,7 +204,8 @@ def test_plain_greedy_rows_take_model_dtype_logits_without_a_float32_copy(monkey
     monkeypatch.setattr(torch.Tensor, "float", lambda t: casts.append(t.shape) or original_float(t))
     greedy = [row(temperature=0.0) for _ in range(4)]
     assert Sampler()(logits, greedy).token_ids == expected
-    assert casts == [] and expected[1] == 7
+    assert casts == [(4, 1000)] and expected[1] == 7
+    casts.clear()
 
     for computing in (
         {"logprobs": 2},
