@@ -176,7 +176,8 @@ def _draw(
     top_k = [1 if p.is_greedy else p.top_k for p in params]
     candidates = None
     if all(0 < k <= TOP_K_CANDIDATES for k in top_k):
-        logits, candidates = logits.topk(max(top_k), dim=-1)  # [S, K] each, best first
+        width = min(max(top_k), logits.shape[1])  # a top_k past the vocabulary keeps it all
+        logits, candidates = logits.topk(width, dim=-1)  # [S, K] each, best first
         logits = mask_sorted_top_k_top_p(logits / temperature.unsqueeze(1), params)
     else:
         logits = apply_top_k_top_p(logits / temperature.unsqueeze(1), params)  # [S, V]

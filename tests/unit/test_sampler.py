@@ -61,6 +61,12 @@ def test_top_k_candidates_draw_as_the_whole_vocabulary_does():
         assert abs(tokens.count(0) / len(tokens) - 0.714) < 0.07
 
 
+def test_a_top_k_past_the_vocabulary_keeps_every_token():
+    logits = torch.zeros(64, 8)
+    tokens = Sampler(seed=2)(logits, [row(top_k=20)] * 64).token_ids
+    assert set(tokens) == set(range(8))
+
+
 def test_repetition_penalty_hf_semantics():
     logits = torch.tensor([[2.0, -2.0, 1.0, 1.0]])
     penalized = apply_penalties(logits, [row(prompt=[0], output=[1], repetition_penalty=2.0)])
