@@ -1,4 +1,4 @@
-"""The engine process: builds an EngineCore and runs the busy loop between two ZMQ sockets.
+"""The engine process: builds an EngineCore and runs the busy loop between ZMQ sockets.
 
     server PUSH ──inbox──▶ [PULL]  engine  [PUSH] ──outbox──▶ PULL server
 
@@ -8,11 +8,19 @@ temp dir, or `tcp://HOST:PORT`) and starts this process with multiprocessing "sp
 
     drain inbox (blocking poll only when idle) -> add / abort -> step() -> send outputs
 
+With several API processes (`--api-server-count`, server/api_servers.py) each one binds an
+inbox and an outbox of its own and the engine connects to all of them. A request's outputs
+go back through the outbox of the API process whose inbox it came from. `Ready` and
+`EngineFailed` go to every API process. API process 0 gets every message, and only it
+exports the engine's stats on /metrics, so counters are counted once. The others get a
+message only when it holds their outputs.
+
 On a GPU (`core.overlaps_steps`), steps overlap (`EngineCore.step_overlapped`): while a
 launched step runs, the inbox is drained and the next step is launched; then the first
 one's sampled tokens are read.
 
-It exits 0 on `Shutdown`, exits by itself when its parent (the server) is gone, and on an
+It ignores SIGINT and SIGTERM (the server stops it once it has drained). It exits 0 on
+`Shutdown` or STOP_SIGNAL, exits by itself when its parent (the server) is gone, and on an
 unrecoverable error sends `EngineFailed` and exits non-zero so the server fails too.
 Undecodable inbox messages are logged and dropped; the engine lives on.
 """
@@ -23,7 +31,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
@@ -50,45 +58,66 @@ IDLE_POLL_MS = 500  # blocking poll when idle; also how often a lost parent is n
 STALLED_POLL_MS = 2  # when requests exist but nothing was schedulable (e.g. fetching)
 EXIT_FAILED = 1
 EXIT_PARENT_GONE = 3
+STOP_SIGNAL = signal.SIGUSR1
+# The API process that gets every EngineOutputs and exports the engine's stats.
+STATS_API_SERVER = 0
 # Timing fields change every step; a message is worth sending only if something else did.
 _TIMING_FIELDS = ("step_seconds", "vision_encoder_seconds")
 
 
 def run_engine(
     config: EngineConfig,
-    inbox_address: str,
-    outbox_address: str,
+    inbox_addresses: Sequence[str],
+    outbox_addresses: Sequence[str],
     parent_pid: int,
     *,
     log_level: str = "info",
     log_format: str = "text",
     core_factory: Callable[[EngineConfig], Any] | None = None,
 ) -> None:
-    """Entry point of the engine process (a multiprocessing "spawn" target).
+    """Entry point of the engine process (a multiprocessing "spawn" target). Address i
+    of `inbox_addresses` and of `outbox_addresses` belong to API process i.
 
     `core_factory` builds the core (default `engine.core.EngineCore`); it must be a
     module-level callable so that spawn can pass it. Never returns normally on failure:
     exits with EXIT_FAILED after sending `EngineFailed`.
     """
     configure_logging(log_level, log_format)
-    # Ctrl-C in a terminal reaches the whole process group; the server shuts us down.
+    # Ctrl-C in a terminal reaches the whole process group, and systemd signals every
+    # process of the service: the server drains first, then shuts us down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # How the launcher of several API processes stops us once they have drained: unwind,
+    # so that `core.close()` stops tensor-parallel workers and fetchers.
+    signal.signal(STOP_SIGNAL, _exit_on_stop_signal)
+    if len(inbox_addresses) != len(outbox_addresses) or not inbox_addresses:
+        raise ValueError("one inbox and one outbox address per API process")
     context = zmq.Context()
-    inbox = context.socket(zmq.PULL)
-    outbox = context.socket(zmq.PUSH)
-    inbox.connect(inbox_address)
-    outbox.connect(outbox_address)
+    inboxes = [_connected(context, zmq.PULL, address) for address in inbox_addresses]
+    outboxes = [_connected(context, zmq.PUSH, address) for address in outbox_addresses]
     try:
-        exit_code = _serve(config, inbox, outbox, parent_pid, core_factory)
+        exit_code = _serve(config, inboxes, outboxes, parent_pid, core_factory)
     finally:
-        inbox.close(linger=0)
-        outbox.close(linger=2000)  # let a final EngineOutputs / EngineFailed go out
+        for inbox in inboxes:
+            inbox.close(linger=0)
+        for outbox in outboxes:
+            outbox.close(linger=2000)  # let a final EngineOutputs / EngineFailed go out
         context.term()
     if exit_code:
         sys.exit(exit_code)
 
 
-def _serve(config, inbox, outbox, parent_pid, core_factory) -> int:
+def _exit_on_stop_signal(signum: int, frame: Any) -> None:
+    raise SystemExit(0)
+
+
+def _connected(context: zmq.Context, kind: int, address: str) -> zmq.Socket:
+    socket = context.socket(kind)
+    socket.connect(address)
+    return socket
+
+
+def _serve(config, inboxes, outboxes, parent_pid, core_factory) -> int:
     try:
         if core_factory is None:
             from engine.core import EngineCore
@@ -98,7 +127,7 @@ def _serve(config, inbox, outbox, parent_pid, core_factory) -> int:
         ready = core.ready
     except Exception as exc:  # noqa: BLE001 - report why start-up failed, then exit
         logger.exception("engine start-up failed")
-        _send(outbox, EngineFailed(f"engine start-up failed: {_describe(exc)}"))
+        _send_to_all(outboxes, EngineFailed(f"engine start-up failed: {_describe(exc)}"))
         return EXIT_FAILED
     logger.info(
         "engine ready: model=%s device=%s dtype=%s kv_blocks=%d max_model_len=%d",
@@ -108,13 +137,13 @@ def _serve(config, inbox, outbox, parent_pid, core_factory) -> int:
         ready.num_kv_blocks,
         ready.max_model_len,
     )
-    _send(outbox, ready)
-    loop = EngineLoop(core, inbox, outbox, parent_pid)
+    _send_to_all(outboxes, ready)
+    loop = EngineLoop(core, inboxes, outboxes, parent_pid)
     try:
         return loop.run()
     except Exception as exc:  # noqa: BLE001 - the server must learn why we died
         logger.exception("engine loop failed")
-        _send(outbox, EngineFailed(f"engine step failed: {_describe(exc)}"))
+        _send_to_all(outboxes, EngineFailed(f"engine step failed: {_describe(exc)}"))
         return EXIT_FAILED
     finally:
         close = getattr(core, "close", None)  # test cores may have none
@@ -123,18 +152,30 @@ def _serve(config, inbox, outbox, parent_pid, core_factory) -> int:
 
 
 class EngineLoop:
-    """The busy loop around one core. `run()` returns the process exit code."""
+    """The busy loop around one core. `run()` returns the process exit code.
 
-    def __init__(self, core: Any, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int):
+    `inboxes[i]` and `outboxes[i]` are API process i's (see the module docstring)."""
+
+    def __init__(
+        self,
+        core: Any,
+        inboxes: Sequence[zmq.Socket],
+        outboxes: Sequence[zmq.Socket],
+        parent_pid: int,
+    ):
         self.core = core
-        self.inbox = inbox
-        self.outbox = outbox
+        self.inboxes = list(inboxes)
+        self.outboxes = list(outboxes)
         self.parent_pid = parent_pid
         self.poller = zmq.Poller()
-        self.poller.register(inbox, zmq.POLLIN)
+        for inbox in self.inboxes:
+            self.poller.register(inbox, zmq.POLLIN)
         self.last_stats: EngineStats | None = None
         self.refused: list[RequestOutput] = []  # admission failures to report next send
         self.is_shutdown = False
+        # request id -> the API process it came from; kept only with several of them
+        self.api_server_of: dict[str, int] = {}
+        self.is_dropping_stats = False
 
     def run(self) -> int:
         while True:
@@ -165,20 +206,23 @@ class EngineLoop:
         """Handle every queued message; wait up to `timeout_ms` for the first one."""
         if timeout_ms and not self.poller.poll(timeout_ms):
             return
-        while not self.is_shutdown:
-            try:
-                frames = self.inbox.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            self._handle([frame.buffer for frame in frames])
+        for api_server, inbox in enumerate(self.inboxes):
+            while not self.is_shutdown:
+                try:
+                    frames = inbox.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._handle([frame.buffer for frame in frames], api_server)
 
-    def _handle(self, frames: list[memoryview]) -> None:
+    def _handle(self, frames: list[memoryview], api_server: int = 0) -> None:
         try:
             message, tensors = decode_engine_inbox(frames)
         except MessageDecodeError as exc:
             logger.warning("dropped an undecodable inbox message: %s", exc.message)
             return
         if isinstance(message, EngineRequest):
+            if len(self.outboxes) > 1:
+                self.api_server_of[message.request_id] = api_server
             self._add_request(message, tensors)
         elif isinstance(message, AbortRequests):
             self.core.abort_requests(message.request_ids)
@@ -209,7 +253,35 @@ class EngineLoop:
         if not outputs and not _stats_changed(self.last_stats, result.stats):
             return
         self.last_stats = result.stats
-        _send(self.outbox, EngineOutputs(outputs, result.stats))
+        if len(self.outboxes) == 1:
+            _send(self.outboxes[0], EngineOutputs(outputs, result.stats))
+            return
+        routed: list[list[RequestOutput]] = [[] for _ in self.outboxes]
+        for output in outputs:
+            if output.finish_reason is None:
+                api_server = self.api_server_of.get(output.request_id, 0)
+            else:
+                api_server = self.api_server_of.pop(output.request_id, 0)
+            routed[api_server].append(output)
+        for api_server, (outbox, own) in enumerate(zip(self.outboxes, routed, strict=True)):
+            if own:
+                _send(outbox, EngineOutputs(own, result.stats))
+            elif api_server == STATS_API_SERVER:
+                self._send_stats_only(outbox, EngineOutputs([], result.stats))
+
+    def _send_stats_only(self, outbox: zmq.Socket, message: EngineOutputs) -> None:
+        """Never wait to send API process 0 stats alone: in a drain it may have exited
+        while others still stream, and a full queue of unread stats would block the
+        engine. A full queue (SNDHWM messages behind) drops them: metrics lose a little;
+        outputs are never dropped."""
+        try:
+            outbox.send_multipart(encode_message(message), flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            if not self.is_dropping_stats:
+                logger.warning("API process 0 is not reading; dropping engine stats for now")
+            self.is_dropping_stats = True
+            return
+        self.is_dropping_stats = False
 
     def _parent_alive(self) -> bool:
         # Re-parented (to init or a subreaper) means the server died, even by SIGKILL.
@@ -232,6 +304,11 @@ def _stats_changed(previous: EngineStats | None, current: EngineStats) -> bool:
 
 def _send(outbox: zmq.Socket, message: Any) -> None:
     outbox.send_multipart(encode_message(message), copy=False)
+
+
+def _send_to_all(outboxes: Sequence[zmq.Socket], message: Any) -> None:
+    for outbox in outboxes:
+        _send(outbox, message)
 
 
 def _describe(exc: BaseException) -> str:

@@ -8,7 +8,9 @@ ALL its sequences fit — `n > 1` is all-or-nothing — under
     prompt tokens: max_waiting_tokens
 
 An idle server admits any one request (so a single large one is never refused forever).
-A refused request gets 503 `server_overloaded` with `Retry-After`. While draining (SIGTERM)
+With several API processes (server/api_servers.py) each admits its `share` of every
+budget, so that together they admit what one would. A refused request gets 503
+`server_overloaded` with `Retry-After`. While draining (SIGTERM)
 every new request gets 503 `server_draining`. Counting happens here, on the event loop
 thread, so no lock is needed.
 """
@@ -18,6 +20,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.errors import ServerOverloaded
+
+
+def share(total: int, count: int, index: int) -> int:
+    """Part `index` of `total` split into `count` parts that differ by at most one and add
+    up to `total`."""
+    return total // count + (index < total % count)
 
 
 class ServerDraining(ServerOverloaded):

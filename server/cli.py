@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import uvicorn
 
@@ -29,6 +30,9 @@ from engine.generation_defaults import GenerationConfigError
 from engine.logging_utils import configure_logging
 from engine.multimodal.prompt import ChatTemplateError
 from server.engine_client import EngineClient
+
+if TYPE_CHECKING:
+    from server.api_servers import ApiServerSlot
 from server.settings import ServerSettings, SettingsError, load_settings
 
 logger = logging.getLogger("tessera.cli")
@@ -37,6 +41,7 @@ EXIT_OK = 0
 EXIT_ENGINE_FAILED = 1
 EXIT_USAGE = 2
 HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+API_PROCESS_DRAIN_SIGNAL = signal.SIGUSR1  # one of several API processes drains on it
 
 
 def serve_main(argv: Sequence[str]) -> int:
@@ -61,6 +66,10 @@ def serve_main(argv: Sequence[str]) -> int:
             settings.host,
             settings.port,
         )
+    if settings.api_server_count > 1:
+        from server.api_servers import run_api_servers
+
+        return run_api_servers(settings)
     return asyncio.run(run_server(settings))
 
 
@@ -88,8 +97,11 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-async def run_server(settings: ServerSettings) -> int:
-    """Engine first (wait for Ready), then the HTTP server; returns the exit code."""
+async def run_server(settings: ServerSettings, slot: ApiServerSlot | None = None) -> int:
+    """Engine first (wait for Ready), then the HTTP server; returns the exit code.
+
+    With `slot` this is one of several API processes (server/api_servers.py): it attaches
+    to the launcher's engine and serves on the launcher's listening socket."""
     server: uvicorn.Server | None = None
     death_reasons: list[str] = []
 
@@ -102,17 +114,20 @@ async def run_server(settings: ServerSettings) -> int:
     engine = EngineClient(
         settings.engine,
         startup_timeout=settings.engine_startup_timeout_s,
-        inbox_address=settings.engine_inbox_address,
-        outbox_address=settings.engine_outbox_address,
+        inbox_address=slot.inbox_address if slot else settings.engine_inbox_address,
+        outbox_address=slot.outbox_address if slot else settings.engine_outbox_address,
         on_engine_death=on_engine_death,
         log_level=settings.log_level,
         log_format=settings.log_format,
+        engine_pid=slot.engine_pid if slot else None,
     )
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
+    # An API process of several stops on its launcher's signal alone (server/api_servers.py).
+    stop_signal = API_PROCESS_DRAIN_SIGNAL if slot else signal.SIGTERM
     try:
         # Until uvicorn takes over the signals, SIGTERM aborts the (possibly long) start-up.
-        loop.add_signal_handler(signal.SIGTERM, task.cancel)
+        loop.add_signal_handler(stop_signal, task.cancel)
         try:
             await engine.start()
         except EngineDeadError as exc:
@@ -122,11 +137,11 @@ async def run_server(settings: ServerSettings) -> int:
             logger.info("stopped during start-up")
             return EXIT_OK
         finally:
-            loop.remove_signal_handler(signal.SIGTERM)
+            loop.remove_signal_handler(stop_signal)
         from server.app import build_app
 
         config = uvicorn.Config(
-            build_app(settings, engine),
+            build_app(settings, engine, api_server_index=slot.index if slot else 0),
             host=settings.host,
             port=settings.port,
             http="h11",  # so that the h11 header-size backstop below applies
@@ -141,7 +156,9 @@ async def run_server(settings: ServerSettings) -> int:
             lifespan="on",
         )
         server = GracefulServer(config)
-        await server.serve()
+        if slot is not None:
+            server.handled_signals = (API_PROCESS_DRAIN_SIGNAL,)
+        await server.serve(sockets=[slot.listener] if slot else None)
         if death_reasons or not server.started:
             return EXIT_ENGINE_FAILED
         return EXIT_OK
@@ -159,6 +176,7 @@ class GracefulServer(uvicorn.Server):
 
     _loop: asyncio.AbstractEventLoop | None = None
     _is_draining = False
+    handled_signals: tuple[signal.Signals, ...] = HANDLED_SIGNALS
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -189,7 +207,7 @@ class GracefulServer(uvicorn.Server):
         if threading.current_thread() is not threading.main_thread():
             yield
             return
-        originals = {sig: signal.signal(sig, self.handle_exit) for sig in HANDLED_SIGNALS}
+        originals = {sig: signal.signal(sig, self.handle_exit) for sig in self.handled_signals}
         try:
             yield
         finally:

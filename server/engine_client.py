@@ -3,7 +3,10 @@
     EngineClient ──PUSH (inbox)──▶ engine process ──PUSH (outbox)──▶ EngineClient
       generate()  one OutputCollector per request id  ◀── _output_loop routes RequestOutputs
 
-Both sockets are bound here (ipc:// paths in a private 0700 temp dir by default). One
+Both sockets are bound here (ipc:// paths in a private 0700 temp dir by default). With
+several API processes (server/api_servers.py) the launcher starts the engine and each API
+process's client attaches to it (`engine_pid`): it binds its own sockets, never stops the
+engine, and watches it by pid. One
 background task reads the outbox, routes each `RequestOutput` to its request's collector
 (server/output_collector.py: outputs the consumer has not taken yet are merged),
 folds `EngineStats` into `stats`, and notices the engine's death within ~1 s: every
@@ -24,6 +27,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -85,8 +89,14 @@ class EngineClient:
         log_level: str = "info",
         log_format: str = "text",
         core_factory: Callable[[EngineConfig], Any] | None = None,
+        engine_pid: int | None = None,
     ) -> None:
+        """`engine_pid`: attach to that engine, started by our parent (the launcher of
+        several API processes), instead of spawning one; the addresses must be given."""
+        if engine_pid is not None and (inbox_address is None or outbox_address is None):
+            raise ValueError("attaching to an engine needs its inbox and outbox addresses")
         self.config = config
+        self._engine_pid = engine_pid
         self.startup_timeout = startup_timeout
         self.on_engine_death = on_engine_death
         self.stats = EngineStatsAccumulator()
@@ -100,7 +110,7 @@ class EngineClient:
         }
         self._collectors: dict[str, OutputCollector] = {}
         self._stats_listeners: list[Callable[[EngineStats], Any]] = []
-        self._process: multiprocessing.process.BaseProcess | None = None
+        self._process: multiprocessing.process.BaseProcess | AttachedEngine | None = None
         self._context: zmq.asyncio.Context | None = None
         self._inbox: zmq.asyncio.Socket | None = None  # we PUSH requests into the engine's inbox
         self._outbox: zmq.asyncio.Socket | None = None  # we PULL the engine's outputs
@@ -118,10 +128,25 @@ class EngineClient:
         if self._process is not None:
             raise RuntimeError("EngineClient.start() called twice")
         inbox_address, outbox_address = self._bind()
+        if self._engine_pid is not None:
+            self._process = AttachedEngine(self._engine_pid, launcher_pid=os.getppid())
+            logger.info("waiting for engine process %d", self._engine_pid)
+        else:
+            self._spawn(inbox_address, outbox_address)
+        try:
+            self.ready = await self._wait_ready()
+        except BaseException:
+            await self._stop_process(timeout=2.0)
+            self._close_sockets()
+            raise
+        self._output_task = asyncio.create_task(self._output_loop(), name="engine-outputs")
+        return self.ready
+
+    def _spawn(self, inbox_address: str, outbox_address: str) -> None:
         spawn = multiprocessing.get_context("spawn")
         process = spawn.Process(
             target=run_engine,
-            args=(self.config, inbox_address, outbox_address, os.getpid()),
+            args=(self.config, [inbox_address], [outbox_address], os.getpid()),
             kwargs=self._engine_kwargs,
             name="tessera-engine",
             daemon=True,  # never outlive the server, even if shutdown() is skipped
@@ -133,14 +158,6 @@ class EngineClient:
             raise EngineDeadError(f"could not start the engine process: {exc}") from exc
         self._process = process  # only a started one: shutdown() joins it
         logger.info("engine process %d starting (model %s)", self._process.pid, self.config.model)
-        try:
-            self.ready = await self._wait_ready()
-        except BaseException:
-            await self._stop_process(timeout=2.0)
-            self._close_sockets()
-            raise
-        self._output_task = asyncio.create_task(self._output_loop(), name="engine-outputs")
-        return self.ready
 
     def _bind(self) -> tuple[str, str]:
         inbox_address, outbox_address = self._addresses
@@ -167,17 +184,20 @@ class EngineClient:
                     raise EngineDeadError(message.message)
                 continue
             if not self._process.is_alive():
-                raise EngineDeadError(
-                    f"engine process exited with code {self._process.exitcode} during start-up"
-                )
+                raise EngineDeadError(f"{self._exit_description()} during start-up")
         raise EngineDeadError(f"engine not ready after {self.startup_timeout:.0f} s")
 
     async def shutdown(self, timeout: float = 10.0) -> None:
-        """Ask the engine to exit, wait up to `timeout` s, then kill it. Idempotent."""
+        """Ask the engine to exit, wait up to `timeout` s, then kill it (an attached
+        engine is left to the launcher). Idempotent."""
         if self._is_shutting_down:
             return
         self._is_shutting_down = True
-        if self._process is not None and self._process.is_alive() and self._inbox is not None:
+        if (
+            isinstance(self._process, multiprocessing.process.BaseProcess)
+            and self._process.is_alive()
+            and self._inbox is not None
+        ):
             with contextlib.suppress(zmq.ZMQError):
                 await self._inbox.send_multipart(encode_message(Shutdown()))
         await self._stop_process(timeout)
@@ -190,8 +210,8 @@ class EngineClient:
 
     async def _stop_process(self, timeout: float) -> None:
         process = self._process
-        if process is None:
-            return
+        if not isinstance(process, multiprocessing.process.BaseProcess):
+            return  # none, or attached: the launcher stops it
         deadline = time.monotonic() + timeout
         while process.is_alive() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -301,7 +321,7 @@ class EngineClient:
                     await self._route_queued()
                     continue
                 if not self._process.is_alive():
-                    self._on_death(f"engine process exited with code {self._process.exitcode}")
+                    self._on_death(self._exit_description())
                     return
         except asyncio.CancelledError:
             raise
@@ -337,6 +357,11 @@ class EngineClient:
             logger.error("engine failed: %s", message.message)
             self._on_death(message.message)
 
+    def _exit_description(self) -> str:
+        if isinstance(self._process, AttachedEngine):
+            return self._process.describe_exit()
+        return f"engine process exited with code {self._process.exitcode}"
+
     def _decode(self, frames: list) -> Any:
         try:
             return decode_server_inbox([frame.buffer for frame in frames])
@@ -361,6 +386,38 @@ class EngineClient:
         # The client sees a generic message; the reason (exit code, traceback) is logged.
         for collector in self._collectors.values():
             collector.fail(EngineDeadError("the engine is not running"))
+
+
+class AttachedEngine:
+    """An engine process started and reaped by the launcher, our parent. It counts as
+    alive while its pid runs (a zombie has exited) and while the launcher lives: the
+    engine exits when the launcher is gone."""
+
+    def __init__(self, pid: int, *, launcher_pid: int):
+        self.pid = pid
+        self.launcher_pid = launcher_pid
+
+    def is_alive(self) -> bool:
+        return os.getppid() == self.launcher_pid and _is_running(self.pid)
+
+    def describe_exit(self) -> str:
+        if os.getppid() != self.launcher_pid:
+            return f"the launcher (process {self.launcher_pid}) is gone"
+        return f"engine process {self.pid} exited"
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else (pid reuse): not our engine
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:  # exited since the kill(0), or no /proc (not Linux)
+        return not Path("/proc/self").exists()  # no /proc: kill(0) found it
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _consume_exception(future: asyncio.Future) -> None:

@@ -8,10 +8,19 @@ route TEMPLATE (`/v1/chat/completions`), never the raw path, so a scan of random
 cannot blow up the label set. The standard process and platform collectors
 (`process_cpu_seconds_total`, `process_resident_memory_bytes`, `python_info`, ...) live on
 the same registry.
+
+With several API processes (server/api_servers.py) the launcher sets
+PROMETHEUS_MULTIPROC_DIR before they start: prometheus_client then keeps each process's
+values in files there, and whichever process answers /metrics reads all of them
+(counters and histograms summed). Only API process 0 exports the engine's stats (it is the
+one the engine sends every step to), so they are counted once, and its gauges are read
+with the "mostrecent" mode. The process collectors are left out in that mode: they would
+describe only the process that answered.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 from prometheus_client import (
@@ -24,11 +33,13 @@ from prometheus_client import (
     Gauge,
     Histogram,
     generate_latest,
+    multiprocess,
 )
 
 from engine.protocol import EngineStats, Ready
 from server.metric_names import METRICS
 
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client reads it at import
 _KINDS = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
 
 # EngineStats delta fields -> counters, and gauge fields -> gauges.
@@ -52,26 +63,39 @@ _STATS_GAUGES = {
 
 
 class ServerMetrics:
-    """All metrics of one server app, keyed by their exported name."""
+    """All metrics of one server app, keyed by their exported name.
 
-    def __init__(self, model_name: str):
+    `exports_engine_stats` False: engine stats and start-up facts are ignored (an API
+    process other than 0, see the module docstring)."""
+
+    def __init__(self, model_name: str, *, exports_engine_stats: bool = True):
         self.registry = CollectorRegistry()
-        for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
-            self.registry.register(collector)  # stateless readers of this process
+        self.multiprocess_dir = os.environ.get(MULTIPROC_DIR_ENV)
+        if self.multiprocess_dir is None:
+            for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+                self.registry.register(collector)  # stateless readers of this process
         self.model_name = model_name
+        self.exports_engine_stats = exports_engine_stats
         self._metrics = {}
         for spec in METRICS:
-            extra = {"buckets": spec.buckets} if spec.type == "histogram" else {}
+            extra = {}
+            if spec.type == "histogram":
+                extra["buckets"] = spec.buckets
+            elif spec.type == "gauge":  # only engine gauges, set by one process
+                extra["multiprocess_mode"] = "mostrecent"
             self._metrics[spec.name] = _KINDS[spec.type](
                 spec.client_name, spec.help, list(spec.labels), registry=self.registry, **extra
             )
-        for name in _STATS_GAUGES.values():
-            self._metrics[name].labels(model_name).set(0)
+        if exports_engine_stats:
+            for name in _STATS_GAUGES.values():
+                self._metrics[name].labels(model_name).set(0)
 
     def _labelled(self, name: str, *labels: str):
         return self._metrics[name].labels(self.model_name, *labels)
 
     def on_engine_stats(self, stats: EngineStats) -> None:
+        if not self.exports_engine_stats:
+            return
         for field, name in _STATS_GAUGES.items():
             self._labelled(name).set(getattr(stats, field))
         for field, name in _STATS_COUNTERS.items():
@@ -92,6 +116,8 @@ class ServerMetrics:
     def on_engine_ready(self, ready: Ready) -> None:
         """Facts fixed at start-up (the KV cache's size: on a GPU it depends on the memory
         the weights and the largest step left, engine/kv_cache_sizing.py)."""
+        if not self.exports_engine_stats:
+            return
         capacity = ready.num_kv_blocks * ready.block_size
         self._labelled("tessera:kv_cache_capacity_tokens").set(capacity)
 
@@ -140,4 +166,8 @@ class ServerMetrics:
                 histogram.observe(value)
 
     def render(self) -> tuple[bytes, str]:
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry, path=self.multiprocess_dir)
+        return generate_latest(registry), CONTENT_TYPE_LATEST

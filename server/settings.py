@@ -47,6 +47,7 @@ CONFIG_ENV = "TESSERA_CONFIG"
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 _NONE = ("none", "null")
+MAX_API_SERVERS = 64
 
 
 class SettingsError(ValueError):
@@ -90,6 +91,7 @@ class ServerSettings:
     override_generation_config: str | None = None  # JSON object laid over those defaults, e.g. '{"temperature": 0.5}'
     engine_startup_timeout_s: float = 600.0  # model load + KV allocation deadline
     shutdown_timeout_s: float = 30.0  # drain in-flight requests on SIGTERM, then stop
+    api_server_count: int = 1  # processes that parse requests, preprocess media and stream tokens for one engine; more when that work bounds TTFT (docs/deploy.md)
     engine_inbox_address: str | None = None  # tcp://HOST:PORT; None = private ipc:// socket
     engine_outbox_address: str | None = None  # set together with engine_inbox_address
     timeout_keep_alive_s: int = 5  # idle HTTP keep-alive
@@ -133,6 +135,15 @@ class ServerSettings:
             raise SettingsError("media_fetch_timeout_s must be positive")
         if (self.engine_inbox_address is None) != (self.engine_outbox_address is None):
             raise SettingsError("set both engine_inbox_address and engine_outbox_address, or none")
+        if not 1 <= self.api_server_count <= MAX_API_SERVERS:
+            raise SettingsError(
+                f"api_server_count must be in 1..{MAX_API_SERVERS}, got {self.api_server_count}"
+            )
+        if self.api_server_count > 1 and self.engine_inbox_address is not None:
+            raise SettingsError(
+                "api_server_count > 1 connects its processes over private ipc:// sockets; "
+                "unset engine_inbox_address and engine_outbox_address"
+            )
 
     @property
     def model_name(self) -> str:

@@ -439,3 +439,20 @@ def test_a_grammar_waits_for_the_thinking_a_template_opens(model_dir):
         assert chat(client, max_tokens=2, chat_template=opening,
                     chat_template_kwargs={"think": True}).status_code == 200  # fmt: skip
         assert engine.requests[-1].sampling.structured_output_after == ()  # no grammar
+
+
+def test_each_api_process_admits_its_share_and_only_the_first_exports_engine_stats(model_dir):
+    settings = ServerSettings(
+        engine=EngineConfig(model=str(model_dir), max_num_seqs=7),
+        max_waiting_requests=10,
+        max_waiting_tokens=1001,
+        api_server_count=3,
+    )
+    engine = FakeEngine(str(model_dir / "tokenizer.json"))
+    apps = [build_app(settings, engine, api_server_index=index) for index in range(3)]
+    admissions = [app.state.admission for app in apps]
+    assert [a.max_running for a in admissions] == [3, 2, 2]
+    assert [a.max_waiting_requests for a in admissions] == [4, 3, 3]
+    assert [a.max_waiting_tokens for a in admissions] == [334, 334, 333]
+    single = build_app(settings.replace(api_server_count=1), engine).state.admission
+    assert (single.max_running, single.max_waiting_tokens) == (7, 1001)

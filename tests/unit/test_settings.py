@@ -83,6 +83,17 @@ def test_types_and_optional_values(tmp_path: Path) -> None:
         load_settings(["--log-format", "xml"], {})
 
 
+def test_api_server_count_is_checked() -> None:
+    assert load_settings(["--api-server-count", "4"], {}).api_server_count == 4
+    with pytest.raises(SettingsError, match="api_server_count must be in 1..64"):
+        load_settings(["--api-server-count", "0"], {})
+    addresses = ["--engine-inbox-address", "tcp://127.0.0.1:5001",
+                 "--engine-outbox-address", "tcp://127.0.0.1:5002"]  # fmt: skip
+    assert load_settings(addresses, {}).api_server_count == 1
+    with pytest.raises(SettingsError, match="unset engine_inbox_address"):
+        load_settings([*addresses, "--api-server-count", "2"], {})
+
+
 def test_yaml_errors_and_nested_engine_section(tmp_path: Path) -> None:
     with pytest.raises(SettingsError, match="unknown setting 'max_num_seq'"):
         load_settings(["--config", _yaml(tmp_path, "max_num_seq: 4\n")], {})

@@ -114,7 +114,7 @@ def test_loop_admits_what_arrives_while_a_step_runs(model_dir):
         core = OverlappingCore(config, calls, on_launch=arrive_mid_step)
         core.add_request(request("early", 12))
         core.add_request(request("doomed", 14))
-        loop = EngineLoop(core, inbox, outbox, os.getppid())
+        loop = EngineLoop(core, [inbox], [outbox], os.getppid())
         tokens: dict[str, list[int]] = {}
         reasons: dict[str, FinishReason] = {}
         for _ in range(40):

@@ -1,0 +1,218 @@
+"""Several API processes in front of one engine: `tessera serve --api-server-count N`.
+
+One API process parses every request, decodes and preprocesses its images, detokenizes
+and streams every token. On a GPU host that Python process, not the GPU, bounds time to
+first token under load (docs/gpu.md: 27-35 ms of its CPU per image request, a whole core
+busy). With N > 1, `tessera serve` is a launcher:
+
+    launcher ─┬─ spawn ─▶ engine process: one inbox and one outbox socket per API process
+              └─ spawn ─▶ API process i (i < N): EngineClient attached to the engine by
+                          pid + uvicorn accepting on the launcher's listening socket
+
+* The launcher binds the HTTP port once and hands the socket to every API process; the
+  kernel gives each new connection to one of the processes accepting on it.
+* Each API process binds its own inbox and outbox (ipc:// in the launcher's private 0700
+  directory); the engine connects to all of them and answers each request through the
+  outbox of the process it came from (engine/process.py).
+* Each API process admits its share of `max_num_seqs`, `max_waiting_requests` and
+  `max_waiting_tokens` (server/admission.py), and keeps its own processed-image cache.
+* /metrics: prometheus_client's multiprocess mode, in a directory of the launcher's; any
+  process answers with the sum (server/metrics.py). API process 0 exports the engine's
+  stats.
+* Stopping: SIGTERM or SIGINT to the launcher is passed on as SIGUSR1 to each API
+  process, which drains like a single server (cli.GracefulServer); a second signal stops
+  them sooner. API processes and the engine ignore SIGINT and SIGTERM themselves, so a
+  terminal's Ctrl-C (the process group) or systemd (every process of the service) reach
+  them once, through the launcher. When they have all exited the launcher stops the
+  engine (its STOP_SIGNAL) and exits 0.
+* Failure: when the engine or an API process exits unasked, the launcher stops the rest
+  and exits 1, so a supervisor restarts the whole server. API processes notice a dead
+  engine or launcher by pid (server/engine_client.py's `AttachedEngine`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+from dataclasses import dataclass
+
+from engine.logging_utils import configure_logging
+from engine.process import STOP_SIGNAL, run_engine
+from server.cli import API_PROCESS_DRAIN_SIGNAL, run_server
+from server.settings import ServerSettings
+
+logger = logging.getLogger("tessera.api_servers")
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+LISTEN_BACKLOG = 2048  # uvicorn's default; each API process listens with it
+WATCH_INTERVAL_S = 0.2
+ENGINE_STOP_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class ApiServerSlot:
+    """What API process `index` needs from the launcher (passed through spawn)."""
+
+    index: int
+    inbox_address: str
+    outbox_address: str
+    engine_pid: int
+    listener: socket.socket
+
+
+def run_api_servers(settings: ServerSettings) -> int:
+    """The launcher: start the engine and the API processes, watch them, stop them;
+    returns the exit code (0 after a clean stop, 1 when a process failed)."""
+    run_dir = tempfile.mkdtemp(prefix="tessera-")  # mode 0700: only us
+    try:
+        listener = _listen(settings.host, settings.port)
+    except OSError as exc:
+        logger.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return EXIT_FAILED
+    metrics_dir = os.path.join(run_dir, "metrics")
+    os.mkdir(metrics_dir)
+    # Read by prometheus_client when each spawned API process imports it.
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    count = settings.api_server_count
+    inboxes = [f"ipc://{run_dir}/inbox-{index}" for index in range(count)]
+    outboxes = [f"ipc://{run_dir}/outbox-{index}" for index in range(count)]
+    spawn = multiprocessing.get_context("spawn")
+    engine = spawn.Process(
+        target=run_engine,
+        args=(settings.engine, inboxes, outboxes, os.getpid()),
+        kwargs={"log_level": settings.log_level, "log_format": settings.log_format},
+        name="tessera-engine",
+        daemon=True,
+    )
+    api_servers: list[multiprocessing.process.BaseProcess] = []
+    launcher = _Launcher()
+    try:
+        with launcher.capturing_signals():
+            engine.start()
+            logger.info("engine process %d starting (model %s)", engine.pid, settings.engine.model)
+            for index in range(count):
+                slot = ApiServerSlot(index, inboxes[index], outboxes[index], engine.pid, listener)
+                process = spawn.Process(
+                    target=serve_api_process,
+                    args=(settings, slot),
+                    name=f"tessera-api-{index}",
+                    daemon=True,
+                )
+                process.start()
+                logger.info("API process %d (index %d) starting", process.pid, index)
+                api_servers.append(process)
+            listener.close()  # the API processes hold their own copies
+            return launcher.watch(engine, api_servers)
+    except OSError as exc:  # e.g. no memory to start a process
+        logger.error("could not start a process: %s", exc)
+        return EXIT_FAILED
+    finally:
+        listener.close()
+        for process in api_servers:  # exited already, unless the launcher itself failed
+            _stop(process, API_PROCESS_DRAIN_SIGNAL, settings.shutdown_timeout_s)
+        _stop(engine, STOP_SIGNAL, ENGINE_STOP_TIMEOUT_S)
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+class _Launcher:
+    """Signals in, SIGTERMs out, and the watch over the children."""
+
+    def __init__(self) -> None:
+        self.num_signals = 0
+        self.num_forwarded = 0
+        self.failed = False
+
+    @contextlib.contextmanager
+    def capturing_signals(self):
+        def on_signal(signum: int, frame) -> None:
+            self.num_signals += 1
+
+        originals = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in originals.items():
+                signal.signal(sig, handler)
+
+    def watch(self, engine, api_servers) -> int:
+        """Until every API process has exited; then the caller stops the engine."""
+        remaining = list(api_servers)
+        while remaining:
+            sentinels = [process.sentinel for process in (engine, *remaining)]
+            multiprocessing.connection.wait(sentinels, timeout=WATCH_INTERVAL_S)
+            if self.num_signals > self.num_forwarded:
+                if self.num_forwarded == 0:
+                    logger.info("stopping: draining the API processes")
+                self.num_forwarded = self.num_signals
+                _signal_all(remaining)
+            for process in [p for p in remaining if not p.is_alive()]:
+                remaining.remove(process)
+                # -API_PROCESS_DRAIN_SIGNAL: asked to stop before it could install its handler
+                asked = self.num_forwarded > 0 and process.exitcode in (
+                    0,
+                    -API_PROCESS_DRAIN_SIGNAL,
+                )
+                if not asked:
+                    self._fail(f"API process {process.pid} exited with code {process.exitcode}")
+            if not engine.is_alive() and remaining and not self.failed:
+                self._fail(f"engine process {engine.pid} exited with code {engine.exitcode}")
+            if self.failed and self.num_forwarded == 0:
+                self.num_forwarded = self.num_signals = 1
+                _signal_all(remaining)  # they drain; a dead engine fails their requests
+        return EXIT_FAILED if self.failed else EXIT_OK
+
+    def _fail(self, reason: str) -> None:
+        if not self.failed:
+            logger.error("%s; stopping the server", reason)
+        self.failed = True
+
+
+def _signal_all(processes) -> None:
+    for process in processes:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, API_PROCESS_DRAIN_SIGNAL)
+
+
+def _stop(process: multiprocessing.process.BaseProcess, signum: int, timeout: float) -> None:
+    """Send `signum` to `process` if it runs, SIGKILL it after `timeout` s (never started:
+    nothing to do)."""
+    if process.pid is None:
+        return
+    if process.is_alive():
+        os.kill(process.pid, signum)
+        process.join(timeout)
+    if process.is_alive():
+        process.kill()
+        process.join(2.0)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+    except OSError:
+        listener.close()
+        raise
+    listener.set_inheritable(True)
+    return listener
+
+
+def serve_api_process(settings: ServerSettings, slot: ApiServerSlot) -> None:
+    """Entry point of API process `slot.index` (a multiprocessing "spawn" target)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the launcher passes them on, once
+        signal.signal(sig, signal.SIG_IGN)
+    configure_logging(settings.log_level, settings.log_format)
+    sys.exit(asyncio.run(run_server(settings, slot)))

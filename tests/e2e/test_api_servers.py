@@ -1,0 +1,208 @@
+"""`tessera serve --api-server-count 2`: a launcher, one engine and two API processes on
+one port (server/api_servers.py), against the real server.
+
+Checked: each request gets its own answer (the same as a one-process server gives), both
+processes serve, /metrics sums both and exports the engine's stats once, SIGTERM drains
+and exits 0, and a dead engine or API process stops the whole server with exit code 1 and
+leaves no process behind."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.e2e.conftest import MODEL_NAME, ServerHandle, is_gone, run_server
+
+API_SERVERS = ("--api-server-count", "2")
+
+
+def _pids(log_path: Path) -> tuple[int, list[int]]:
+    """(engine pid, API process pids) from the launcher's log."""
+    text = log_path.read_text()
+    engine = int(re.search(r"engine process (\d+) starting", text).group(1))
+    api = [int(pid) for pid in re.findall(r"API process (\d+) \(index \d\) starting", text)]
+    assert len(api) == 2, text[-3000:]
+    return engine, api
+
+
+def _serving_processes(log_path: Path) -> set[str]:
+    """The API processes that logged a chat completion."""
+    return set(
+        re.findall(r"(tessera-api-\d) tessera\.request: .*route=/v1/chat", log_path.read_text())
+    )
+
+
+def _chat(base_url: str, prompt: str, **fields) -> httpx.Response:
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": 12, "temperature": 0, **fields}  # fmt: skip
+    return httpx.post(base_url + "/v1/chat/completions", json=body, timeout=120)
+
+
+def _streamed_text(base_url: str, prompt: str) -> str:
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": 12, "temperature": 0, "stream": True}  # fmt: skip
+    text = []
+    with httpx.stream("POST", base_url + "/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                delta = json.loads(line[6:])["choices"][0]["delta"]
+                text.append(delta.get("content") or "")
+    return "".join(text)
+
+
+def _samples(base_url: str) -> dict[tuple[str, tuple], float]:
+    found = {}
+    text = httpx.get(base_url + "/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            found[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return found
+
+
+def _wait_all_gone(pids: list[int], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(is_gone(pid) for pid in pids):
+        assert time.monotonic() < deadline, f"{[p for p in pids if not is_gone(p)]} outlived it"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def two_api_servers(model_dir, tmp_path_factory) -> Iterator[ServerHandle]:
+    log_path = tmp_path_factory.mktemp("logs") / "api_servers.log"
+    with run_server(model_dir, log_path, *API_SERVERS) as handle:
+        yield handle
+
+
+def test_every_request_gets_its_own_answer_from_both_processes(two_api_servers, server):
+    prompts = [f"tell me about tile number {i}" for i in range(24)]
+    expected = {
+        p: _chat(server.base_url, p).json()["choices"][0]["message"]["content"] for p in prompts
+    }
+
+    def ask(i_prompt):
+        i, prompt = i_prompt
+        if i % 2:
+            return prompt, _streamed_text(two_api_servers.base_url, prompt)
+        response = _chat(two_api_servers.base_url, prompt)
+        assert response.status_code == 200, response.text
+        return prompt, response.json()["choices"][0]["message"]["content"]
+
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        answers = dict(pool.map(ask, enumerate(prompts)))
+    assert answers == expected  # no output went to another request, or was lost
+    # The kernel picks the process for each connection: ask until both have served.
+    for _ in range(25):
+        if len(_serving_processes(two_api_servers.log_path)) == 2:
+            break
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            list(
+                pool.map(
+                    lambda j: _chat(two_api_servers.base_url, f"more {j}", max_tokens=1), range(8)
+                )
+            )
+    assert _serving_processes(two_api_servers.log_path) == {"tessera-api-0", "tessera-api-1"}
+
+
+def test_metrics_add_up_both_processes(two_api_servers):
+    base = two_api_servers.base_url
+    success = (
+        "tessera:request_success_total",
+        (("finished_reason", "length"), ("model_name", MODEL_NAME)),
+    )
+    before = _samples(base).get(success, 0.0)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        statuses = list(
+            pool.map(lambda i: _chat(base, f"metric {i}", max_tokens=3).status_code, range(16))
+        )
+    assert statuses == [200] * 16
+    # Whichever process answers the scrape, it counts both processes' requests.
+    for _ in range(6):
+        samples = _samples(base)
+        assert samples[success] - before == 16
+        # The engine's gauges come from API process 0 alone: one series, no pid label.
+        capacity = [k for k in samples if k[0] == "tessera:kv_cache_capacity_tokens"]
+        assert capacity == [("tessera:kv_cache_capacity_tokens", (("model_name", MODEL_NAME),))]
+        assert samples[capacity[0]] == 512 * 16
+        running = [k for k in samples if k[0] == "tessera:num_requests_running"]
+        assert len(running) == 1
+    # Engine counters are counted once, not once per API process: the engine looked up in
+    # its prefix cache exactly the prompt tokens that the API processes counted.
+    totals = {}
+    for (name, _), value in _samples(base).items():
+        totals[name] = totals.get(name, 0.0) + value
+    prompt_tokens = totals["tessera:prompt_tokens_total"]
+    assert prompt_tokens > 0
+    assert totals["tessera:prefix_cache_queries_total"] == prompt_tokens
+
+
+def test_sigterm_drains_both_processes_then_exits_zero(model_dir, tmp_path):
+    log_path = tmp_path / "drain.log"
+    with run_server(model_dir, log_path, *API_SERVERS, "--shutdown-timeout-s", "30") as handle:
+        base = handle.base_url
+        engine, api = _pids(log_path)
+        result: dict = {}
+        first_chunk = threading.Event()
+
+        def in_flight() -> None:
+            body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "go on"}],
+                    "max_tokens": 1500, "ignore_eos": True, "temperature": 0, "stream": True}  # fmt: skip
+            lines = []
+            with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        lines.append(line)
+                        first_chunk.set()
+            result["lines"] = lines
+
+        thread = threading.Thread(target=in_flight)
+        thread.start()
+        assert first_chunk.wait(60)
+        handle.process.send_signal(signal.SIGTERM)  # the launcher alone, as `docker stop` does
+        thread.join(60)
+        assert result["lines"][-1] == "data: [DONE]"
+        assert any('"finish_reason":"length"' in line for line in result["lines"])
+        assert handle.process.wait(30) == 0, handle.log_tail()
+        _wait_all_gone([engine, *api], timeout=5)
+        assert "draining" in log_path.read_text()
+
+
+def test_engine_death_stops_the_whole_server(model_dir, tmp_path):
+    log_path = tmp_path / "engine_killed.log"
+    with run_server(model_dir, log_path, *API_SERVERS) as handle:
+        engine, api = _pids(log_path)
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            pending = [pool.submit(_chat, handle.base_url, f"long {i}", max_tokens=1900,
+                                   ignore_eos=True) for i in range(4)]  # fmt: skip
+            running = ("tessera:num_requests_running", (("model_name", MODEL_NAME),))
+            deadline = time.monotonic() + 30
+            while _samples(handle.base_url)[running] < 4 and time.monotonic() < deadline:
+                time.sleep(0.02)  # all four are in the engine
+            os.kill(engine, signal.SIGKILL)
+            responses = [future.result(30) for future in pending]
+        for response in responses:  # an error, never a hang
+            assert response.status_code == 503, response.text
+            assert response.json()["error"]["code"] == "engine_dead"
+        assert handle.process.wait(30) == 1, handle.log_tail()
+        _wait_all_gone(api, timeout=5)
+
+
+def test_a_dead_api_process_stops_the_whole_server(model_dir, tmp_path):
+    log_path = tmp_path / "api_killed.log"
+    with run_server(model_dir, log_path, *API_SERVERS) as handle:
+        engine, api = _pids(log_path)
+        os.kill(api[1], signal.SIGKILL)
+        assert handle.process.wait(30) == 1, handle.log_tail()  # a supervisor restarts it
+        _wait_all_gone([engine, api[0]], timeout=5)
+        assert "exited with code -9" in log_path.read_text()
