@@ -169,7 +169,9 @@ def test_sigterm_drains_both_processes_then_exits_zero(model_dir, tmp_path):
         thread = threading.Thread(target=in_flight)
         thread.start()
         assert first_chunk.wait(60)
-        handle.process.send_signal(signal.SIGTERM)  # the launcher alone, as `docker stop` does
+        # The whole process group, as systemd or a terminal would: each process must get
+        # the drain once, through the launcher, and the engine must outlive the drain.
+        os.killpg(handle.process.pid, signal.SIGTERM)
         thread.join(60)
         assert result["lines"][-1] == "data: [DONE]"
         assert any('"finish_reason":"length"' in line for line in result["lines"])

@@ -202,7 +202,10 @@ def test_poisoned_request_fails_alone(busy_server):
     )
 
 
-def test_sigterm_drains_then_exits_zero(model_dir, tmp_path):
+@pytest.mark.parametrize("to_group", [False, True], ids=["server", "process-group"])
+def test_sigterm_drains_then_exits_zero(model_dir, tmp_path, to_group):
+    """SIGTERM to the server alone (`docker stop`, Kubernetes) or to its whole process
+    group (systemd's default, a terminal): the engine must live on until the drain ends."""
     log_path = tmp_path / "drain.log"
     with run_server(model_dir, log_path, "--shutdown-timeout-s", "30") as handle:
         base = handle.base_url
@@ -223,7 +226,10 @@ def test_sigterm_drains_then_exits_zero(model_dir, tmp_path):
         thread = threading.Thread(target=in_flight)
         thread.start()
         assert first_chunk.wait(60)
-        handle.process.send_signal(signal.SIGTERM)
+        if to_group:
+            os.killpg(handle.process.pid, signal.SIGTERM)
+        else:
+            handle.process.send_signal(signal.SIGTERM)
         time.sleep(0.2)
         assert httpx.get(base + "/health", timeout=5).status_code == 503
         refused = httpx.post(base + "/v1/chat/completions", json=_long(max_tokens=2), timeout=5)
