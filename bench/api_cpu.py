@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python bench/api_cpu.py
     PYTHONPATH=. python bench/api_cpu.py --baseline-repo /tmp/old   # side by side
+    PYTHONPATH=. python bench/api_cpu.py --api-server-counts 1 2     # one API process, then two
 
 Why: on a GPU the engine makes tokens faster than one Python process can stream them if
 every token costs hundreds of microseconds there (issue 8's 2B serving run: the API
@@ -20,8 +21,12 @@ engine process from /proc before and after each load:
          cache answers, so image minus image-same is what decoding and preprocessing
          cost (pass --max-tokens 1 to leave streaming out of the numbers)
 
-It prints API CPU ms per request, API CPU us per output token, and engine CPU, per load;
-with a baseline, also this / baseline. CPU time is less noisy than wall time on a shared
+With --api-server-counts, this checkout's server runs once per count
+(--api-server-count, server/api_servers.py); API CPU is then the sum over its API
+processes.
+
+It prints API CPU ms per request, API CPU us per output token, engine CPU, output
+tokens/s and p50 TTFT, per load; with several servers, also each / the first. CPU time is less noisy than wall time on a shared
 machine, but the client runs on the same cores: compare within one run.
 """
 
@@ -35,7 +40,14 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.servers import REPO_ROOT, TINY_MODEL_NAME, cpu_seconds, engine_pid, tiny_server
+from bench.servers import (
+    REPO_ROOT,
+    TINY_MODEL_NAME,
+    cpu_seconds,
+    engine_pid,
+    launched_pids,
+    tiny_server,
+)
 
 LOADS = {
     "text": ["--dataset", "text"],
@@ -56,7 +68,14 @@ def run_load(base_url: str, flags: list[str], out: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def measure(name: str, repo: Path, model_dir: Path, args: argparse.Namespace, work: Path) -> dict:
+def measure(
+    name: str,
+    repo: Path,
+    model_dir: Path,
+    args: argparse.Namespace,
+    work: Path,
+    api_server_count: int = 1,
+) -> dict:
     common = [
         "--num-requests", str(args.num_requests), "--concurrency", str(args.concurrency),
         "--max-tokens", str(args.max_tokens), "--ignore-eos", "--input-len",
@@ -65,17 +84,29 @@ def measure(name: str, repo: Path, model_dir: Path, args: argparse.Namespace, wo
     results = {}
     # One engine thread: the engine's matmuls then leave the second core to the API
     # process and the client, as a GPU engine would.
-    server = tiny_server(model_dir, work / f"{name}.log", *SERVER_FLAGS, engine_threads=1,
-                         repo=repo)  # fmt: skip
+    log = work / f"{name.replace(' ', '-')}.log"
+    flags = [*SERVER_FLAGS]
+    if api_server_count > 1:
+        flags += ["--api-server-count", str(api_server_count)]
+    server = tiny_server(model_dir, log, *flags, engine_threads=1, repo=repo)
     with server as (base_url, process):
-        engine = engine_pid(process.pid)
+        if api_server_count > 1:
+            engine, api_pids = launched_pids(log)
+        else:
+            engine, api_pids = engine_pid(process.pid), [process.pid]
+
+        def api_cpu() -> float:
+            return sum(cpu_seconds(pid) for pid in api_pids)
+
         warmup = [*common[:1], "8", *common[2:], "--dataset", "image", "--seed", "999"]
-        run_load(base_url, warmup, work / f"{name}-warmup.json")
+        run_load(base_url, warmup, log.with_name(f"{log.stem}-warmup.json"))
         for load in args.loads:
-            api_before, engine_before = cpu_seconds(process.pid), cpu_seconds(engine)
-            flags = [*common, *LOADS[load], "--seed", str(args.seed)]
-            summary = run_load(base_url, flags, work / f"{name}-{load}.json")["summary"]
-            api_s = cpu_seconds(process.pid) - api_before
+            api_before, engine_before = api_cpu(), cpu_seconds(engine)
+            load_flags = [*common, *LOADS[load], "--seed", str(args.seed)]
+            summary = run_load(base_url, load_flags, log.with_name(f"{log.stem}-{load}.json"))[
+                "summary"
+            ]
+            api_s = api_cpu() - api_before
             engine_s = cpu_seconds(engine) - engine_before
             tokens = summary["total_output_tokens"]
             results[load] = {
@@ -93,19 +124,25 @@ def measure(name: str, repo: Path, model_dir: Path, args: argparse.Namespace, wo
 
 def table(results: dict[str, dict[str, dict]], loads: Sequence[str]) -> str:
     names = list(results)
-    lines = ["| load | server | API ms/request | API us/token | engine CPU s | out tok/s |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| load | server | API ms/request | API us/token | engine CPU s | out tok/s "
+             "| p50 TTFT ms |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     for load in loads:
         for name in names:
             row = results[name][load]
             lines.append(
                 f"| {load} | {name} | {row['api_ms_per_request']:.1f} | "
                 f"{row['api_us_per_token']:.0f} | {row['engine_cpu_s']:.1f} | "
-                f"{row['output_throughput']:.0f} |"
+                f"{row['output_throughput']:.0f} | {row['p50_ttft_ms']:.0f} |"
             )
-        if len(names) == 2:
-            base, this = (results[name][load]["api_ms_per_request"] for name in names)
-            lines.append(f"| {load} | this / baseline | {this / base:.2f} | | | |")
+        first = results[names[0]][load]
+        for name in names[1:]:
+            row = results[name][load]
+            lines.append(
+                f"| {load} | {name} / {names[0]} "
+                f"| {row['api_ms_per_request'] / first['api_ms_per_request']:.2f} | | "
+                f"| {row['output_throughput'] / first['output_throughput']:.2f} "
+                f"| {row['p50_ttft_ms'] / first['p50_ttft_ms']:.2f} |"
+            )
     return "\n".join(lines)
 
 
@@ -119,6 +156,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--input-len", type=int, default=200)
     parser.add_argument("--image-size", default="448x448")
     parser.add_argument("--seed", type=int, default=3)
+    parser.add_argument("--api-server-counts", type=int, nargs="+", default=[1],
+                        help="run this checkout's server once with each --api-server-count")  # fmt: skip
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     return parser.parse_args(argv)
 
@@ -130,16 +169,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="tessera-api-cpu-") as tmp:
         work = Path(tmp)
         model_dir = make_tiny_model(work / "tiny")
-        servers = [("this", REPO_ROOT)]
+        servers = [(_name(count), REPO_ROOT, count) for count in args.api_server_counts]
         if args.baseline_repo is not None:
-            servers.insert(0, ("baseline", args.baseline_repo.resolve()))
+            servers.insert(0, ("baseline", args.baseline_repo.resolve(), 1))
         results = {}
-        for name, repo in servers:
-            results[name] = measure(name, repo, model_dir, args, work)
+        for name, repo, count in servers:
+            results[name] = measure(name, repo, model_dir, args, work, count)
     print(table(results, args.loads))
     if args.out is not None:
         args.out.write_text(json.dumps(results, indent=2))
     return 0
+
+
+def _name(api_server_count: int) -> str:
+    return "this" if api_server_count == 1 else f"this x{api_server_count}"
 
 
 if __name__ == "__main__":

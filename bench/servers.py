@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -34,6 +35,7 @@ def repo_pythonpath(repo: Path = REPO_ROOT) -> str:
 
 
 HOST = "127.0.0.1"
+API_PROCESS_LINE = re.compile(r"API process (\d+) \(index \d+\) starting")
 
 
 @dataclass(frozen=True)
@@ -166,6 +168,16 @@ def child_pids(pid: int) -> list[int]:
             continue
         children += [int(child) for child in listed.split()]
     return children
+
+
+def launched_pids(log: Path) -> tuple[int, list[int]]:
+    """(engine pid, API process pids) of a server started with --api-server-count > 1,
+    from its launcher's log lines (server/api_servers.py)."""
+    text = log.read_text(errors="replace")
+    engine = re.search(r"engine process (\d+) starting", text)
+    if engine is None:
+        raise RuntimeError(f"no engine process in {log}")
+    return int(engine.group(1)), [int(pid) for pid in API_PROCESS_LINE.findall(text)]
 
 
 def engine_pid(server_pid: int) -> int:

@@ -22,17 +22,15 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.servers import launched_pids
 from tests.e2e.conftest import MODEL_NAME, ServerHandle, is_gone, run_server
 
 API_SERVERS = ("--api-server-count", "2")
 
 
 def _pids(log_path: Path) -> tuple[int, list[int]]:
-    """(engine pid, API process pids) from the launcher's log."""
-    text = log_path.read_text()
-    engine = int(re.search(r"engine process (\d+) starting", text).group(1))
-    api = [int(pid) for pid in re.findall(r"API process (\d+) \(index \d\) starting", text)]
-    assert len(api) == 2, text[-3000:]
+    engine, api = launched_pids(log_path)
+    assert len(api) == 2, log_path.read_text()[-3000:]
     return engine, api
 
 

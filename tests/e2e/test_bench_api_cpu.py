@@ -30,3 +30,16 @@ def test_api_cpu_reports_every_load(tmp_path, capsys):
     table = capsys.readouterr().out
     assert "| text | this |" in table and "| image | this |" in table
     assert "| image-same | this |" in table
+
+
+def test_api_cpu_compares_api_server_counts(tmp_path, capsys):
+    out = tmp_path / "api_cpu.json"
+    flags = ["--num-requests", "16", "--concurrency", "4", "--max-tokens", "16"]
+    assert main([*flags, "--loads", "text", "--input-len", "20", "--api-server-counts", "1",
+                 "2", "--out", str(out)]) == 0  # fmt: skip
+    results = json.loads(out.read_text())
+    assert set(results) == {"this", "this x2"}
+    for name in results:
+        assert results[name]["text"]["completed"] == 16
+        assert results[name]["text"]["api_cpu_s"] > 0  # x2: summed over both API processes
+    assert "| text | this x2 / this |" in capsys.readouterr().out
