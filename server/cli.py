@@ -5,7 +5,9 @@
 
 `serve` exits 0 after a clean shutdown (SIGTERM / SIGINT: stop accepting, drain in-flight
 requests for up to `shutdown_timeout_s`, stop the engine), 1 when the engine fails to
-start or dies (so a supervisor restarts the server), 2 on bad settings.
+start or dies (so a supervisor restarts the server), 2 on bad settings. With
+`--api-server-count N` > 1 it is the launcher of server/api_servers.py, with the same
+exit codes; each of its API processes runs `run_server` here.
 """
 
 from __future__ import annotations

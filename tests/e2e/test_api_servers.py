@@ -3,8 +3,8 @@ one port (server/api_servers.py), against the real server.
 
 Checked: each request gets its own answer (the same as a one-process server gives), both
 processes serve, /metrics sums both and exports the engine's stats once, SIGTERM drains
-and exits 0, and a dead engine or API process stops the whole server with exit code 1 and
-leaves no process behind."""
+and exits 0, and an engine that cannot start or a dead engine or API process stops the
+whole server with exit code 1 and leaves no process behind."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -22,7 +24,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.servers import launched_pids
+from bench.servers import free_port, launched_pids, repo_pythonpath
 from tests.e2e.conftest import MODEL_NAME, ServerHandle, is_gone, run_server
 
 API_SERVERS = ("--api-server-count", "2")
@@ -206,3 +208,21 @@ def test_a_dead_api_process_stops_the_whole_server(model_dir, tmp_path):
         assert handle.process.wait(30) == 1, handle.log_tail()  # a supervisor restarts it
         _wait_all_gone([engine, api[0]], timeout=5)
         assert "exited with code -9" in log_path.read_text()
+
+
+def test_an_engine_that_cannot_start_fails_the_launcher(tmp_path):
+    model = tmp_path / "broken"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    log_path = tmp_path / "broken.log"
+    command = [sys.executable, "-m", "server.cli", "serve", "--model", str(model),
+               "--host", "127.0.0.1", "--port", str(free_port()), *API_SERVERS]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": repo_pythonpath()}
+    with open(log_path, "wb") as log:
+        process = subprocess.run(
+            command, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=120
+        )
+    assert process.returncode == 1, log_path.read_text()[-3000:]
+    engine, api = _pids(log_path)
+    _wait_all_gone([engine, *api], timeout=5)
+    assert "unsupported architecture" in log_path.read_text()
