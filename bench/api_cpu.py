@@ -44,8 +44,7 @@ from bench.servers import (
     REPO_ROOT,
     TINY_MODEL_NAME,
     cpu_seconds,
-    engine_pid,
-    launched_pids,
+    server_processes,
     tiny_server,
 )
 
@@ -90,10 +89,7 @@ def measure(
         flags += ["--api-server-count", str(api_server_count)]
     server = tiny_server(model_dir, log, *flags, engine_threads=1, repo=repo)
     with server as (base_url, process):
-        if api_server_count > 1:
-            engine, api_pids = launched_pids(log)
-        else:
-            engine, api_pids = engine_pid(process.pid), [process.pid]
+        engine, api_pids = server_processes(process.pid)
 
         def api_cpu() -> float:
             return sum(cpu_seconds(pid) for pid in api_pids)

@@ -29,7 +29,15 @@ from pathlib import Path
 
 import httpx
 
-from bench.servers import HOST, ServerSpec, free_port, repo_pythonpath, running
+from bench.servers import (
+    HOST,
+    ServerSpec,
+    cpu_seconds,
+    free_port,
+    repo_pythonpath,
+    server_processes,
+    started,
+)
 
 SERVED_MODEL_NAME = "bench"
 COLUMNS = [  # (summary key, title)
@@ -40,6 +48,7 @@ COLUMNS = [  # (summary key, title)
     ("p99_ttft_ms", "TTFT p99 ms"),
     ("mean_itl_ms", "ITL mean ms"),
     ("duration_s", "wall s"),
+    ("api_cpu_s", "API CPU s"),  # tessera: user + system of its API process(es)
 ]
 
 
@@ -72,7 +81,7 @@ def run_tessera(args: argparse.Namespace, model_dir: Path, work: Path) -> dict:
 
     port = free_port()
     spec = tessera_spec(args, model_dir, port)
-    with running(spec, port, work, args.startup_timeout) as base_url:
+    with started(spec, port, work, args.startup_timeout) as (base_url, process):
         common = ["--base-url", base_url, "--model", SERVED_MODEL_NAME, "--ignore-eos",
                   "--no-progress"]  # fmt: skip
         warm = ["--num-requests", str(args.warmup_requests), "--concurrency",
@@ -80,12 +89,17 @@ def run_tessera(args: argparse.Namespace, model_dir: Path, work: Path) -> dict:
                 "--seed", str(args.seed + 1000), "--out", str(work / "warmup.json")]  # fmt: skip
         bench_main(common + warm)
         out = work / "tessera.json"
+        _, api_pids = server_processes(process.pid)
+        api_before = sum(cpu_seconds(pid) for pid in api_pids)
         bench_main(common + load_flags(args) + ["--concurrency", str(args.concurrency),
                    "--max-tokens", str(args.max_tokens), "--out", str(out)])  # fmt: skip
+        api_cpu_s = sum(cpu_seconds(pid) for pid in api_pids) - api_before
         # Where the server's time went (encoder, steps, queues), for the run's notes.
         metrics = httpx.get(f"{base_url}/metrics", timeout=30.0, trust_env=False)
         (work / "metrics.txt").write_text(metrics.text)
-    return json.loads(out.read_text())
+    result = json.loads(out.read_text())
+    result["summary"]["api_cpu_s"] = api_cpu_s
+    return result
 
 
 def run_hf(args: argparse.Namespace, model_dir: Path, work: Path) -> dict:

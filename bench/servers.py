@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -35,7 +34,6 @@ def repo_pythonpath(repo: Path = REPO_ROOT) -> str:
 
 
 HOST = "127.0.0.1"
-API_PROCESS_LINE = re.compile(r"API process (\d+) \(index \d+\) starting")
 
 
 @dataclass(frozen=True)
@@ -170,20 +168,24 @@ def child_pids(pid: int) -> list[int]:
     return children
 
 
-def launched_pids(log: Path) -> tuple[int, list[int]]:
-    """(engine pid, API process pids) of a server started with --api-server-count > 1,
-    from its launcher's log lines (server/api_servers.py)."""
-    text = log.read_text(errors="replace")
-    engine = re.search(r"engine process (\d+) starting", text)
-    if engine is None:
-        raise RuntimeError(f"no engine process in {log}")
-    return int(engine.group(1)), [int(pid) for pid in API_PROCESS_LINE.findall(text)]
+def process_name(pid: int) -> str:
+    """What `ps -o comm` shows (Tessera names its processes: engine/logging_utils.py)."""
+    return Path(f"/proc/{pid}/comm").read_text().strip()
+
+
+def server_processes(server_pid: int) -> tuple[int, list[int]]:
+    """(engine pid, API process pids) of a running `tessera serve` (Linux /proc): the API
+    process is the server itself, or with --api-server-count > 1 its tessera-api-N
+    children."""
+    children = child_pids(server_pid)
+    names = {child: process_name(child) for child in children}
+    engines = [child for child, name in names.items() if name == "tessera-engine"]
+    if len(engines) != 1:
+        raise RuntimeError(f"no single engine process among the children {names}")
+    api = sorted(child for child, name in names.items() if name.startswith("tessera-api-"))
+    return engines[0], api or [server_pid]
 
 
 def engine_pid(server_pid: int) -> int:
-    """The engine process among the server's children (not multiprocessing's helpers)."""
-    children = child_pids(server_pid)
-    for child in children:
-        if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
-            return child
-    raise RuntimeError(f"no engine process among the children {children}")
+    """The engine process among the server's children."""
+    return server_processes(server_pid)[0]

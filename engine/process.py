@@ -38,7 +38,7 @@ import zmq
 
 from engine.config import EngineConfig
 from engine.errors import TesseraError
-from engine.logging_utils import configure_logging
+from engine.logging_utils import configure_logging, name_this_process
 from engine.protocol import (
     AbortRequests,
     EngineFailed,
@@ -58,6 +58,7 @@ IDLE_POLL_MS = 500  # blocking poll when idle; also how often a lost parent is n
 STALLED_POLL_MS = 2  # when requests exist but nothing was schedulable (e.g. fetching)
 EXIT_FAILED = 1
 EXIT_PARENT_GONE = 3
+ENGINE_PROCESS_NAME = "tessera-engine"  # in log lines and ps / top
 STOP_SIGNAL = signal.SIGUSR1
 # The API process that gets every EngineOutputs and exports the engine's stats.
 STATS_API_SERVER = 0
@@ -82,6 +83,7 @@ def run_engine(
     module-level callable so that spawn can pass it. Never returns normally on failure:
     exits with EXIT_FAILED after sending `EngineFailed`.
     """
+    name_this_process(ENGINE_PROCESS_NAME)
     configure_logging(log_level, log_format)
     # Ctrl-C in a terminal reaches the whole process group, and systemd signals every
     # process of the service: the server drains first, then shuts us down.

@@ -16,7 +16,6 @@ server exits non-zero for its supervisor to restart: no rank outlives the others
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import subprocess
 import sys
@@ -30,7 +29,7 @@ from engine.attention import get_attention_backend
 from engine.attention.base import AttentionShape
 from engine.config import EngineConfig
 from engine.kv_cache_sizing import allocate_kv_caches
-from engine.logging_utils import configure_logging, current_logging
+from engine.logging_utils import configure_logging, current_logging, name_this_process
 from engine.model_config import ModelConfig
 from engine.models.cpu_prepack import can_prepack, prepack_linears
 from engine.models.loader import load_model
@@ -197,7 +196,7 @@ def _next_message(group: ShardGroup, parent_pid: int):
 
 def main() -> None:
     spec = msgspec.json.decode(sys.stdin.buffer.read(), type=WorkerSpec)
-    multiprocessing.current_process().name = f"tp-rank-{spec.rank}"  # in every log line
+    name_this_process(f"tessera-tp-{spec.rank}")  # in log lines and ps / top
     configure_logging(spec.log_level, spec.log_format)
     try:
         code = serve(spec)

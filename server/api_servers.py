@@ -45,7 +45,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
-from engine.logging_utils import configure_logging
+from engine.logging_utils import configure_logging, name_this_process
 from engine.process import STOP_SIGNAL, run_engine
 from server.cli import API_PROCESS_DRAIN_SIGNAL, run_server
 from server.settings import ServerSettings
@@ -57,6 +57,11 @@ EXIT_FAILED = 1
 LISTEN_BACKLOG = 2048  # uvicorn's default; each API process listens with it
 WATCH_INTERVAL_S = 0.2
 ENGINE_STOP_TIMEOUT_S = 10.0
+
+
+def api_process_name(index: int) -> str:
+    """What API process `index` is called in log lines and ps / top."""
+    return f"tessera-api-{index}"
 
 
 @dataclass(frozen=True)
@@ -106,7 +111,7 @@ def run_api_servers(settings: ServerSettings) -> int:
                 process = spawn.Process(
                     target=serve_api_process,
                     args=(settings, slot),
-                    name=f"tessera-api-{index}",
+                    name=api_process_name(index),
                     daemon=True,
                 )
                 process.start()
@@ -214,5 +219,6 @@ def serve_api_process(settings: ServerSettings, slot: ApiServerSlot) -> None:
     """Entry point of API process `slot.index` (a multiprocessing "spawn" target)."""
     for sig in (signal.SIGINT, signal.SIGTERM):  # the launcher passes them on, once
         signal.signal(sig, signal.SIG_IGN)
+    name_this_process(api_process_name(slot.index))
     configure_logging(settings.log_level, settings.log_format)
     sys.exit(asyncio.run(run_server(settings, slot)))

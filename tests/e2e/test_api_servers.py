@@ -24,15 +24,18 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.servers import free_port, launched_pids, repo_pythonpath
+from bench.servers import free_port, process_name, repo_pythonpath, server_processes
 from tests.e2e.conftest import MODEL_NAME, ServerHandle, is_gone, run_server
 
 API_SERVERS = ("--api-server-count", "2")
 
 
 def _pids(log_path: Path) -> tuple[int, list[int]]:
-    engine, api = launched_pids(log_path)
-    assert len(api) == 2, log_path.read_text()[-3000:]
+    """(engine pid, API process pids) from the launcher's log (they may have exited)."""
+    text = log_path.read_text()
+    engine = int(re.search(r"engine process (\d+) starting", text).group(1))
+    api = [int(pid) for pid in re.findall(r"API process (\d+) \(index \d\) starting", text)]
+    assert len(api) == 2, text[-3000:]
     return engine, api
 
 
@@ -113,6 +116,14 @@ def test_every_request_gets_its_own_answer_from_both_processes(two_api_servers, 
                 )
             )
     assert _serving_processes(two_api_servers.log_path) == {"tessera-api-0", "tessera-api-1"}
+
+
+def test_processes_are_named_for_ps_and_top(two_api_servers):
+    engine, api = server_processes(two_api_servers.process.pid)
+    logged_engine, logged_api = _pids(two_api_servers.log_path)
+    assert (engine, set(api)) == (logged_engine, set(logged_api))
+    assert process_name(engine) == "tessera-engine"
+    assert {process_name(pid) for pid in api} == {"tessera-api-0", "tessera-api-1"}
 
 
 def test_metrics_add_up_both_processes(two_api_servers):
