@@ -46,7 +46,7 @@ from server.generation import (
     check_token_ids,
 )
 from server.media_fetch import MediaFetchConfig, MediaFetcher
-from server.metrics import ServerMetrics
+from server.metrics import API_CPU_COUNT_INTERVAL_S, ServerMetrics
 from server.openai_models import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -141,6 +141,12 @@ def _make_fetcher(settings: ServerSettings, metrics: ServerMetrics) -> MediaFetc
     )
 
 
+async def _count_api_cpu(metrics: ServerMetrics) -> None:
+    while True:
+        metrics.count_api_cpu()
+        await asyncio.sleep(API_CPU_COUNT_INTERVAL_S)
+
+
 async def _ensure_started(engine: Any) -> Any:
     ready = getattr(engine, "ready", None)
     if ready is None:
@@ -186,9 +192,11 @@ def build_app(settings: ServerSettings, engine: Any, *, api_server_index: int = 
             vocab_size=ready.vocab_size,
             sampling_defaults=sampling_defaults,
         )
+        cpu_counter = asyncio.create_task(_count_api_cpu(metrics), name="api-cpu")
         try:
             yield
         finally:
+            cpu_counter.cancel()
             if fetcher is not None:
                 await fetcher.aclose()
 

@@ -139,7 +139,13 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
     _histogram("tessera:iteration_tokens", "Tokens scheduled in one engine step.", TOKEN_BUCKETS),
     _histogram("tessera:engine_step_seconds", "Wall time of one engine step.", LATENCY_BUCKETS),
-    # Media preprocessing in the API process (before the engine sees the request).
+    # The API process(es): media preprocessing (before the engine sees the request), CPU.
+    _counter(
+        "tessera:api_server_cpu_seconds_total",
+        "CPU time (user + system) of the API process(es): parsing requests, preprocessing "
+        "media, detokenizing and streaming. A rate near --api-server-count means they bound "
+        "time to first token.",
+    ),
     _histogram(
         "tessera:media_preprocess_seconds",
         "Time to fetch, decode and preprocess one image_url or video_url part in the API "

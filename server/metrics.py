@@ -21,6 +21,7 @@ describe only the process that answered.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable
 
 from prometheus_client import (
@@ -40,6 +41,9 @@ from engine.protocol import EngineStats, Ready
 from server.metric_names import METRICS
 
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client reads it at import
+# With several API processes, the one answering a scrape cannot read the others' CPU: each
+# counts its own this often.
+API_CPU_COUNT_INTERVAL_S = 1.0
 _KINDS = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
 
 # EngineStats delta fields -> counters, and gauge fields -> gauges.
@@ -76,6 +80,7 @@ class ServerMetrics:
                 self.registry.register(collector)  # stateless readers of this process
         self.model_name = model_name
         self.exports_engine_stats = exports_engine_stats
+        self._cpu_counted_s = 0.0  # this process's CPU time up to the last count
         self._metrics = {}
         for spec in METRICS:
             extra = {}
@@ -165,7 +170,16 @@ class ServerMetrics:
             for value in values:
                 histogram.observe(value)
 
+    def count_api_cpu(self) -> None:
+        """Add this process's CPU time since the last call to
+        `tessera:api_server_cpu_seconds_total` (the app calls it every
+        API_CPU_COUNT_INTERVAL_S, and each scrape it answers does). Event loop only."""
+        now = time.process_time()  # user + system, every thread of this process
+        self._labelled("tessera:api_server_cpu_seconds_total").inc(now - self._cpu_counted_s)
+        self._cpu_counted_s = now
+
     def render(self) -> tuple[bytes, str]:
+        self.count_api_cpu()
         if self.multiprocess_dir is None:
             return generate_latest(self.registry), CONTENT_TYPE_LATEST
         registry = CollectorRegistry()

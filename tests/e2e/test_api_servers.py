@@ -24,7 +24,13 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.servers import free_port, process_name, repo_pythonpath, server_processes
+from bench.servers import (
+    cpu_seconds,
+    free_port,
+    process_name,
+    repo_pythonpath,
+    server_processes,
+)
 from tests.e2e.conftest import MODEL_NAME, ServerHandle, is_gone, run_server
 
 API_SERVERS = ("--api-server-count", "2")
@@ -156,6 +162,14 @@ def test_metrics_add_up_both_processes(two_api_servers):
     prompt_tokens = totals["tessera:prompt_tokens_total"]
     assert prompt_tokens > 0
     assert totals["tessera:prefix_cache_queries_total"] == prompt_tokens
+    # The API processes' CPU, summed: as /proc counts it (each reports once a second).
+    time.sleep(1.5)
+    _, api = server_processes(two_api_servers.process.pid)
+    reported = sum(
+        v for k, v in _samples(base).items() if k[0] == "tessera:api_server_cpu_seconds_total"
+    )
+    used = sum(cpu_seconds(pid) for pid in api)
+    assert used - 1.0 < reported <= used + 0.05
 
 
 def test_sigterm_drains_both_processes_then_exits_zero(model_dir, tmp_path):
@@ -237,3 +251,12 @@ def test_an_engine_that_cannot_start_fails_the_launcher(tmp_path):
     engine, api = _pids(log_path)
     _wait_all_gone([engine, *api], timeout=5)
     assert "unsupported architecture" in log_path.read_text()
+
+
+def test_a_killed_launcher_takes_every_process_with_it(model_dir, tmp_path):
+    log_path = tmp_path / "launcher_killed.log"
+    with run_server(model_dir, log_path, *API_SERVERS) as handle:
+        engine, api = _pids(log_path)
+        handle.process.kill()  # SIGKILL: nothing passed on, nothing stopped
+        handle.process.wait(10)
+        _wait_all_gone([engine, *api], timeout=10)  # each noticed its parent is gone

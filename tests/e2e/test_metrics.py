@@ -23,6 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.local_inputs import picture, png_bytes
+from bench.servers import cpu_seconds
 from tests.e2e.conftest import MODEL_NAME, run_server
 
 Samples = dict[str, float]  # sample name -> value summed over label sets
@@ -215,6 +216,17 @@ def test_process_metrics_are_exported(http):
     assert samples["process_cpu_seconds_total"] > 0
     assert samples["process_resident_memory_bytes"] > 1e6
     assert samples["python_info"] == 1
+
+
+def test_api_server_cpu_tracks_the_process(http, server):
+    """tessera:api_server_cpu_seconds_total counts the API process's CPU as /proc does."""
+    name = "tessera:api_server_cpu_seconds_total"
+    completion(http, max_tokens=8)
+    samples, _ = scrape(http)
+    proc = cpu_seconds(server.process.pid)
+    # /proc counts in 10 ms ticks; the scrape itself costs a little
+    assert 0 < samples[name] <= proc + 0.05
+    assert samples[name] > proc - 0.5
 
 
 @pytest.fixture(scope="module")

@@ -341,6 +341,7 @@ def test_engine_death_mid_stream(app):
 def test_health_metrics_tokenize(app):
     client, engine = app
     assert client.get("/health").status_code == 200
+    assert chat(client).status_code == 200  # counted by route, whatever ran before
     metrics = client.get("/metrics").text
     assert 'route="/v1/chat/completions"' in metrics and "tessera:kv_cache_usage_perc" in metrics
     tokens = client.post("/tokenize", json={"prompt": "hello world"}).json()
