@@ -54,9 +54,11 @@ logger = logging.getLogger("tessera.api_servers")
 
 EXIT_OK = 0
 EXIT_FAILED = 1
-LISTEN_BACKLOG = 2048  # uvicorn's default; each API process listens with it
 WATCH_INTERVAL_S = 0.2
 ENGINE_STOP_TIMEOUT_S = 10.0
+# An API process asked to drain exits 0, or dies of the signal if it came before its
+# handler was installed.
+_ASKED_EXIT_CODES = (0, -API_PROCESS_DRAIN_SIGNAL)
 
 
 def api_process_name(index: int) -> str:
@@ -131,11 +133,11 @@ def run_api_servers(settings: ServerSettings) -> int:
 
 
 class _Launcher:
-    """Signals in, SIGTERMs out, and the watch over the children."""
+    """Signals in, drain signals out, and the watch over the children."""
 
     def __init__(self) -> None:
-        self.num_signals = 0
-        self.num_forwarded = 0
+        self.num_signals = 0  # SIGINT / SIGTERM received
+        self.num_drains = 0  # drain signals sent to every API process
         self.failed = False
 
     @contextlib.contextmanager
@@ -156,37 +158,30 @@ class _Launcher:
         while remaining:
             sentinels = [process.sentinel for process in (engine, *remaining)]
             multiprocessing.connection.wait(sentinels, timeout=WATCH_INTERVAL_S)
-            if self.num_signals > self.num_forwarded:
-                if self.num_forwarded == 0:
-                    logger.info("stopping: draining the API processes")
-                self.num_forwarded = self.num_signals
-                _signal_all(remaining)
+            if self.num_signals > self.num_drains:  # a second one stops them sooner
+                self._drain(remaining)
             for process in [p for p in remaining if not p.is_alive()]:
                 remaining.remove(process)
-                # -API_PROCESS_DRAIN_SIGNAL: asked to stop before it could install its handler
-                asked = self.num_forwarded > 0 and process.exitcode in (
-                    0,
-                    -API_PROCESS_DRAIN_SIGNAL,
-                )
-                if not asked:
+                if not (self.num_drains and process.exitcode in _ASKED_EXIT_CODES):
                     self._fail(f"API process {process.pid} exited with code {process.exitcode}")
-            if not engine.is_alive() and remaining and not self.failed:
+            if remaining and not engine.is_alive():
                 self._fail(f"engine process {engine.pid} exited with code {engine.exitcode}")
-            if self.failed and self.num_forwarded == 0:
-                self.num_forwarded = self.num_signals = 1
-                _signal_all(remaining)  # they drain; a dead engine fails their requests
+            if self.failed and not self.num_drains:
+                self._drain(remaining)  # a dead engine fails their requests at once
         return EXIT_FAILED if self.failed else EXIT_OK
+
+    def _drain(self, processes) -> None:
+        if not self.num_drains:
+            logger.info("stopping: draining the API processes")
+        self.num_drains += 1
+        for process in processes:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, API_PROCESS_DRAIN_SIGNAL)
 
     def _fail(self, reason: str) -> None:
         if not self.failed:
             logger.error("%s; stopping the server", reason)
         self.failed = True
-
-
-def _signal_all(processes) -> None:
-    for process in processes:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(process.pid, API_PROCESS_DRAIN_SIGNAL)
 
 
 def _stop(process: multiprocessing.process.BaseProcess, signum: int, timeout: float) -> None:
