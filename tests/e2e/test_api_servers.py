@@ -172,6 +172,28 @@ def test_metrics_add_up_both_processes(two_api_servers):
     assert used - 1.0 < reported <= used + 0.05
 
 
+def test_clients_that_hang_up_free_the_engine_through_either_process(two_api_servers):
+    base = two_api_servers.base_url
+    running = ("tessera:num_requests_running", (("model_name", MODEL_NAME),))
+
+    def hang_up_after_first_chunk(i: int) -> None:
+        body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": f"go {i}"}],
+                "max_tokens": 1500, "ignore_eos": True, "stream": True}  # fmt: skip
+        with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    return
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        list(pool.map(hang_up_after_first_chunk, range(32)))
+    deadline = time.monotonic() + 20
+    while _samples(base)[running] > 0:  # every abort reached the engine
+        assert time.monotonic() < deadline, "requests were not all aborted"
+        time.sleep(0.05)
+    kv = _samples(base)[("tessera:kv_cache_usage_perc", (("model_name", MODEL_NAME),))]
+    assert kv == 0
+
+
 def test_sigterm_drains_both_processes_then_exits_zero(model_dir, tmp_path):
     log_path = tmp_path / "drain.log"
     with run_server(model_dir, log_path, *API_SERVERS, "--shutdown-timeout-s", "30") as handle:
