@@ -101,11 +101,11 @@ def load_sampling_defaults(settings: ServerSettings) -> SamplingDefaults:
     """The sampling defaults `--generation-config` names (GenerationConfigError if bad);
     logs them when they are not OpenAI's."""
     defaults = settings.sampling_defaults()
-    if defaults.changed():
+    if changed := defaults.changed():
         logger.warning(
             "sampling defaults from the generation config (for fields a request leaves out): "
             "%s; --generation-config none keeps OpenAI's",
-            ", ".join(f"{name}={value}" for name, value in defaults.changed().items()),
+            ", ".join(f"{name}={value}" for name, value in changed.items()),
         )
     return defaults
 
