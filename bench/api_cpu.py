@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python bench/api_cpu.py
     PYTHONPATH=. python bench/api_cpu.py --baseline-repo /tmp/old   # side by side
-    PYTHONPATH=. python bench/api_cpu.py --api-server-counts 1 2     # one API process, then two
+    PYTHONPATH=. python bench/api_cpu.py --variants "" "--api-server-count 2"   # two configs
 
 Why: on a GPU the engine makes tokens faster than one Python process can stream them if
 every token costs hundreds of microseconds there (issue 8's 2B serving run: the API
@@ -21,9 +21,9 @@ engine process from /proc before and after each load:
          cache answers, so image minus image-same is what decoding and preprocessing
          cost (pass --max-tokens 1 to leave streaming out of the numbers)
 
-With --api-server-counts, this checkout's server runs once per count
-(--api-server-count, server/api_servers.py); API CPU is then the sum over its API
-processes.
+With --variants, this checkout's server runs once per variant, each a string of extra
+`tessera serve` flags ("" = none); with --api-server-count, API CPU is the sum over the
+API processes.
 
 It prints API CPU ms per request, API CPU us per output token, engine CPU, output
 tokens/s and p50 TTFT, per load; with several servers, also each / the first. CPU time is less noisy than wall time on a shared
@@ -73,7 +73,7 @@ def measure(
     model_dir: Path,
     args: argparse.Namespace,
     work: Path,
-    api_server_count: int = 1,
+    extra_flags: Sequence[str] = (),
 ) -> dict:
     common = [
         "--num-requests", str(args.num_requests), "--concurrency", str(args.concurrency),
@@ -84,10 +84,7 @@ def measure(
     # One engine thread: the engine's matmuls then leave the second core to the API
     # process and the client, as a GPU engine would.
     log = work / f"{name.replace(' ', '-')}.log"
-    flags = [*SERVER_FLAGS]
-    if api_server_count > 1:
-        flags += ["--api-server-count", str(api_server_count)]
-    server = tiny_server(model_dir, log, *flags, engine_threads=1, repo=repo)
+    server = tiny_server(model_dir, log, *SERVER_FLAGS, *extra_flags, engine_threads=1, repo=repo)
     with server as (base_url, process):
         engine, api_pids = server_processes(process.pid)
 
@@ -152,8 +149,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--input-len", type=int, default=200)
     parser.add_argument("--image-size", default="448x448")
     parser.add_argument("--seed", type=int, default=3)
-    parser.add_argument("--api-server-counts", type=int, nargs="+", default=[1],
-                        help="run this checkout's server once with each --api-server-count")  # fmt: skip
+    parser.add_argument("--variants", nargs="+", default=[""],
+                        help='this checkout\'s server once per variant: extra serve flags, "" = none')  # fmt: skip
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     return parser.parse_args(argv)
 
@@ -165,20 +162,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="tessera-api-cpu-") as tmp:
         work = Path(tmp)
         model_dir = make_tiny_model(work / "tiny")
-        servers = [(_name(count), REPO_ROOT, count) for count in args.api_server_counts]
+        servers = [(_name(flags), REPO_ROOT, flags.split()) for flags in args.variants]
         if args.baseline_repo is not None:
-            servers.insert(0, ("baseline", args.baseline_repo.resolve(), 1))
+            servers.insert(0, ("baseline", args.baseline_repo.resolve(), []))
         results = {}
-        for name, repo, count in servers:
-            results[name] = measure(name, repo, model_dir, args, work, count)
+        for name, repo, flags in servers:
+            results[name] = measure(name, repo, model_dir, args, work, flags)
     print(table(results, args.loads))
     if args.out is not None:
         args.out.write_text(json.dumps(results, indent=2))
     return 0
 
 
-def _name(api_server_count: int) -> str:
-    return "this" if api_server_count == 1 else f"this x{api_server_count}"
+def _name(flags: str) -> str:
+    return f"this {flags}".strip()
 
 
 if __name__ == "__main__":

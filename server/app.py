@@ -475,6 +475,7 @@ def _job(state: AppState, body: Any, prompt: Any, *, prefix: str) -> GenerationJ
         tools=_tool_plan(state, body),
         thinking_opened=thinking_opened,
         priority=body.priority,
+        tokens_per_wake=state.settings.stream_interval if body.stream or body.stop_list else None,
     )
 
 

@@ -252,17 +252,19 @@ class EngineClient:
     # ---- requests --------------------------------------------------------------------------
 
     async def generate(
-        self, request: EngineRequest, tensors: Sequence = ()
+        self, request: EngineRequest, tensors: Sequence = (), *, tokens_per_wake: int | None = 1
     ) -> AsyncIterator[RequestOutput]:
         """Send `request` (tensor i of `tensors` = its TensorRef frame i) and yield each of
         its RequestOutputs until one has a finish_reason. Stopping early (client gone)
-        aborts it in the engine; engine death raises EngineDeadError."""
+        aborts it in the engine; engine death raises EngineDeadError. Between the first
+        output and the last, one is yielded once `tokens_per_wake` new tokens wait (None:
+        never; server/output_collector.py)."""
         request_id = request.request_id
         if not self.is_alive:
             raise EngineDeadError("the engine is not running")
         if request_id in self._collectors:
             raise InvalidRequest(f"duplicate request id {request_id!r}", param="request_id")
-        collector = OutputCollector()
+        collector = OutputCollector(tokens_per_wake)
         self._collectors[request_id] = collector
         is_finished = False
         try:

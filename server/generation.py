@@ -255,11 +255,11 @@ def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
 
 
 async def _merge(
-    engine: Any, requests: list[EngineRequest], tensors: list[Any]
+    engine: Any, requests: list[EngineRequest], tensors: list[Any], tokens_per_wake: int | None
 ) -> AsyncIterator[tuple[int, RequestOutput | BaseException]]:
     """Run all engine requests concurrently; yield (choice index, output or exception)."""
     if len(requests) == 1:  # the common case: no task and queue hop per token
-        outputs = engine.generate(requests[0], tensors)
+        outputs = engine.generate(requests[0], tensors, tokens_per_wake=tokens_per_wake)
         try:
             while True:
                 try:
@@ -276,7 +276,9 @@ async def _merge(
 
     async def pump(index: int, engine_request: EngineRequest) -> None:
         try:
-            async for output in engine.generate(engine_request, tensors):
+            async for output in engine.generate(
+                engine_request, tensors, tokens_per_wake=tokens_per_wake
+            ):
                 await queue.put((index, output))
         except asyncio.CancelledError:
             raise
@@ -316,10 +318,12 @@ async def generate_choices(
     include_stop: bool = False,
     keep_output: bool = True,
     score_prompt_once: bool = True,
+    tokens_per_wake: int | None = 1,
 ) -> AsyncIterator[ChoiceDelta]:
     """Yield text deltas of all choices until every choice has finished. Without
     `keep_output` the generated tokens are dropped as they come (a prompt-only answer:
-    no text, logprobs or completion tokens).
+    no text, logprobs or completion tokens). Between a choice's first and last delta, one
+    comes once `tokens_per_wake` new tokens wait (None: none; EngineClient.generate).
 
     Raises the typed error of a failed choice (`EngineDeadError`, `InvalidRequest`, ...).
     """
@@ -338,7 +342,7 @@ async def generate_choices(
     ]
     finished = [False] * n
     totals.num_prompt_tokens = len(prompt.token_ids)
-    merged = _merge(engine, requests, prompt.tensors)
+    merged = _merge(engine, requests, prompt.tensors, tokens_per_wake)
     try:
         async for index, item in merged:
             if finished[index]:

@@ -6,6 +6,11 @@ the consumer takes each one as it comes: one token, one SSE chunk. When it falls
 merged into the waiting one, so one chunk and one socket write carry several tokens.
 The cost per token then falls exactly when the API process is the bottleneck, instead
 of a backlog growing in the queue.
+
+`tokens_per_wake` merges on purpose: the consumer is woken for the first output (time to
+first token) and the last, and in between only once that many new tokens wait
+(`--stream-interval`); None wakes it for nothing in between (an answer nobody reads
+before it ends: not streamed, no stop strings to look for).
 """
 
 from __future__ import annotations
@@ -43,15 +48,24 @@ def _last(first: Any, second: Any) -> Any:
 class OutputCollector:
     """At most one pending (merged) output, plus a failure to raise after it."""
 
-    def __init__(self) -> None:
+    def __init__(self, tokens_per_wake: int | None = 1) -> None:
         self._output: RequestOutput | None = None
         self._failure: BaseException | None = None
-        self._ready = asyncio.Event()
+        self._ready = asyncio.Event()  # set: `get()` has something to return or raise
+        self._tokens_per_wake = tokens_per_wake
+        self._has_given = False
 
     def put(self, output: RequestOutput) -> None:
         pending = self._output
         self._output = output if pending is None else merge_outputs(pending, output)
-        self._ready.set()
+        if self._wakes_consumer(self._output):
+            self._ready.set()
+
+    def _wakes_consumer(self, pending: RequestOutput) -> bool:
+        if not self._has_given or pending.finish_reason is not None:
+            return True  # the first token (time to first token) and the end, at once
+        wanted = self._tokens_per_wake
+        return wanted is not None and len(pending.new_token_ids) >= wanted
 
     def fail(self, failure: BaseException) -> None:
         """`get()` raises `failure` once the output already waiting has been taken."""
@@ -59,10 +73,11 @@ class OutputCollector:
         self._ready.set()
 
     async def get(self) -> RequestOutput:
-        while self._output is None:
-            if self._failure is not None:
-                raise self._failure
-            self._ready.clear()
-            await self._ready.wait()
+        await self._ready.wait()
+        if self._output is None:
+            raise self._failure
         output, self._output = self._output, None
+        self._has_given = True
+        if self._failure is None:
+            self._ready.clear()
         return output

@@ -94,6 +94,7 @@ class ServerSettings:
     api_server_count: int = 1  # processes that parse requests, preprocess media and stream tokens for one engine; more when that work bounds TTFT (docs/deploy.md)
     engine_inbox_address: str | None = None  # tcp://HOST:PORT; None = private ipc:// socket
     engine_outbox_address: str | None = None  # set together with engine_inbox_address
+    stream_interval: int = 1  # new tokens a streamed chunk waits for after the first (vLLM's and SGLang's --stream-interval): more cost the API process less per token and make chunks coarser
     timeout_keep_alive_s: int = 5  # idle HTTP keep-alive
     max_header_bytes: int = 64 * 1024  # request line + headers; over it: 431
     enable_feature_inputs: bool = False  # accept image_features / video_features parts
@@ -126,6 +127,7 @@ class ServerSettings:
             "max_video_tokens",
             "image_decode_threads",
             "video_decode_threads",
+            "stream_interval",
         ):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{name} must be positive")

@@ -63,6 +63,9 @@ class GenerationJob:
     # thinking already (server/reasoning.py)
     thinking_opened: bool | None = None
     priority: int = 0  # --scheduling-policy priority: lower runs first
+    # Tokens a delta waits for after the first (--stream-interval); None: the answer is
+    # read only once it has ended (not streamed, no stop strings to look for).
+    tokens_per_wake: int | None = 1
     created: int = field(default_factory=lambda: int(time.time()))
 
     def reasoning_splitter(self) -> ReasoningSplitter | None:
@@ -166,6 +169,7 @@ def run_job(
         include_stop=job.include_stop,
         keep_output=not job.prompt_only,
         score_prompt_once=not scores_per_choice,
+        tokens_per_wake=job.tokens_per_wake,
     )
 
 

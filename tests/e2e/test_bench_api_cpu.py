@@ -32,14 +32,15 @@ def test_api_cpu_reports_every_load(tmp_path, capsys):
     assert "| image-same | this |" in table
 
 
-def test_api_cpu_compares_api_server_counts(tmp_path, capsys):
+def test_api_cpu_compares_variants(tmp_path, capsys):
     out = tmp_path / "api_cpu.json"
     flags = ["--num-requests", "16", "--concurrency", "4", "--max-tokens", "16"]
-    assert main([*flags, "--loads", "text", "--input-len", "20", "--api-server-counts", "1",
-                 "2", "--out", str(out)]) == 0  # fmt: skip
+    assert main([*flags, "--loads", "text", "--input-len", "20", "--variants", "",
+                 "--api-server-count 2", "--out", str(out)]) == 0  # fmt: skip
     results = json.loads(out.read_text())
-    assert set(results) == {"this", "this x2"}
+    two = "this --api-server-count 2"
+    assert set(results) == {"this", two}
     for name in results:
         assert results[name]["text"]["completed"] == 16
-        assert results[name]["text"]["api_cpu_s"] > 0  # x2: summed over both API processes
-    assert "| text | this x2 / this |" in capsys.readouterr().out
+        assert results[name]["text"]["api_cpu_s"] > 0  # two: summed over both API processes
+    assert f"| text | {two} / this |" in capsys.readouterr().out

@@ -55,7 +55,7 @@ class FakeEngine:
     async def abort(self, request_ids) -> None:
         self.aborted.extend(request_ids)
 
-    async def generate(self, request, tensors=()):
+    async def generate(self, request, tensors=(), *, tokens_per_wake=1):
         self.requests.append(request)
         self.tensors.append(list(tensors))
         finished = False

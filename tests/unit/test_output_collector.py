@@ -97,3 +97,62 @@ def test_the_prompts_scores_survive_a_merge():
     scores = [TokenLogprob(5, -1.5, [], 2)]
     merged = merge_outputs(_output(1, prompt_logprobs=scores), _output(2))
     assert merged.prompt_logprobs == scores and merged.new_token_ids == [1, 2]
+
+
+def test_the_consumer_wakes_every_k_tokens_after_the_first_and_at_the_end():
+    async def run():
+        collector = OutputCollector(tokens_per_wake=3)
+        woken = []
+
+        async def consume():
+            while True:
+                output = await collector.get()
+                woken.append(output.new_token_ids)
+                if output.finish_reason is not None:
+                    return
+
+        consumer = asyncio.create_task(consume())
+        for token in range(1, 9):  # 8 tokens; the consumer takes what it is woken for
+            finish = FinishReason.LENGTH if token == 8 else None
+            collector.put(_output(token, finish_reason=finish))
+            await asyncio.sleep(0)
+        await asyncio.wait_for(consumer, 1)
+        return woken
+
+    # the first token at once (time to first token), then 3 at a time, the rest at the end
+    assert asyncio.run(run()) == [[1], [2, 3, 4], [5, 6, 7], [8]]
+
+
+def test_without_a_token_count_the_consumer_wakes_for_the_first_output_and_the_end():
+    async def run():
+        collector = OutputCollector(tokens_per_wake=None)
+        collector.put(_output(1))
+        first = await collector.get()
+        for token in (2, 3, 4):
+            collector.put(_output(token))
+        waiter = asyncio.create_task(collector.get())
+        await asyncio.sleep(0)
+        assert not waiter.done()  # three tokens wait, and nobody is woken for them
+        collector.put(_output(5, finish_reason=FinishReason.STOP))
+        return first, await asyncio.wait_for(waiter, 1)
+
+    first, last = asyncio.run(run())
+    assert first.new_token_ids == [1] and last.new_token_ids == [2, 3, 4, 5]
+
+
+def test_a_failure_wakes_a_consumer_below_the_token_count():
+    async def run():
+        collector = OutputCollector(tokens_per_wake=4)
+        collector.put(_output(1))
+        await collector.get()
+        collector.put(_output(2))
+        waiter = asyncio.create_task(collector.get())
+        await asyncio.sleep(0)
+        assert not waiter.done()
+        collector.fail(EngineDeadError("the engine is not running"))
+        pending = await asyncio.wait_for(waiter, 1)  # what was produced comes first
+        with pytest.raises(EngineDeadError):
+            await collector.get()
+        return pending
+
+    assert asyncio.run(run()).new_token_ids == [2]
