@@ -24,6 +24,7 @@ import logging
 import multiprocessing
 import os
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -35,7 +36,7 @@ import zmq.asyncio
 
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError, InvalidRequest
-from engine.process import run_engine
+from engine.process import STOP_SIGNAL, run_engine
 from engine.protocol import (
     AbortRequests,
     EngineFailed,
@@ -215,11 +216,14 @@ class EngineClient:
         deadline = time.monotonic() + timeout
         while process.is_alive() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        for stop in (process.terminate, process.kill):
+        # It ignores SIGTERM (engine/process.py): STOP_SIGNAL unwinds it, SIGKILL ends it.
+        for signum in (STOP_SIGNAL, signal.SIGKILL):
             if not process.is_alive():
                 break
-            logger.warning("engine process %d did not exit; sending %s", process.pid, stop.__name__)
-            stop()
+            name = signal.Signals(signum).name
+            logger.warning("engine process %d did not exit; sending %s", process.pid, name)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signum)
             await asyncio.to_thread(process.join, 2.0)
         process.join(0)
 

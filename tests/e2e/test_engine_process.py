@@ -223,3 +223,27 @@ def test_step_failure_sends_engine_failed_and_exits_nonzero(tmp_path: Path) -> N
             await client.shutdown()
 
     asyncio.run(scenario())
+
+
+class _CoreThatLoadsForever:
+    """A stand-in EngineCore whose start-up never ends (a model load that hangs)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        time.sleep(600)
+
+
+def test_an_engine_past_its_start_up_deadline_is_unwound_not_killed(tmp_path: Path) -> None:
+    """The engine ignores SIGTERM (a drain must outlive a process-group SIGTERM); the
+    client's stop signal unwinds it, so what it started is stopped, before any SIGKILL."""
+
+    async def scenario() -> int:
+        client = EngineClient(
+            EngineConfig(model=str(tmp_path)),
+            startup_timeout=3.0,
+            core_factory=_CoreThatLoadsForever,
+        )
+        with pytest.raises(EngineDeadError, match="not ready after"):
+            await client.start()
+        return client._process.exitcode
+
+    assert asyncio.run(scenario()) == 0  # SystemExit from the stop signal; -9 if killed
