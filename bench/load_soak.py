@@ -3,6 +3,7 @@ concurrency against a loopback server, checked against a run at concurrency 1.
 
     python -m bench.load_soak --num-requests 500 --concurrency 64      # starts its own server
     python -m bench.load_soak --base-url http://127.0.0.1:8000 --server-pid 1234
+    python -m bench.load_soak --server-flags "--api-server-count 2"    # another setup
 
 Passes when every request gets exactly one complete 200 response equal to its concurrency-1
 reference, no 5xx, KV usage returns to zero, and server RSS (server + engine child) after the
@@ -227,6 +228,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens", type=int, default=SoakConfig.max_tokens)
     parser.add_argument("--num-distinct", type=int, default=SoakConfig.num_distinct)
     parser.add_argument("--max-duration", type=float, default=SoakConfig.max_duration_s)
+    parser.add_argument("--server-flags", default="",
+                        help='more `tessera serve` flags, e.g. "--api-server-count 2"')  # fmt: skip
     parser.add_argument("--out", help="write the report as JSON here")
     return parser
 
@@ -250,7 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 extra = ("--num-kv-blocks", str(args.num_kv_blocks),
                          "--max-model-len", str(args.max_model_len))  # fmt: skip
                 log = Path(tmp) / "server.log"
-                flags = ("--enable-feature-inputs", *extra)
+                flags = ("--enable-feature-inputs", *extra, *args.server_flags.split())
                 with tiny_server(model_dir, log, *flags) as (url, process):
                     report = run_soak(url, process.pid, config)
     except BenchConfigError as exc:
