@@ -8,6 +8,7 @@ import contextlib
 import functools
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
@@ -60,6 +61,39 @@ def is_gone(pid: int) -> bool:
     except FileNotFoundError:
         return True
     return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def wait_all_gone(pids: list[int], timeout: float) -> None:
+    """Every process of `pids` exits within `timeout` s (a zombie counts as exited)."""
+    deadline = time.monotonic() + timeout
+    while not all(is_gone(pid) for pid in pids):
+        alive = [pid for pid in pids if not is_gone(pid)]
+        assert time.monotonic() < deadline, f"processes {alive} outlived the server"
+        time.sleep(0.05)
+
+
+def stream_in_background(
+    base_url: str, body: dict
+) -> tuple[threading.Thread, dict, threading.Event]:
+    """POST a streaming chat request on a thread; `started` is set once a generated chunk
+    (not just the role chunk, which precedes the engine) arrived. result["lines"]: the
+    data lines so far (a broken stream just ends them early)."""
+    started, result = threading.Event(), {"lines": []}
+
+    def run() -> None:
+        with (
+            contextlib.suppress(httpx.HTTPError),
+            httpx.stream("POST", base_url + "/v1/chat/completions", json=body, timeout=60) as r,
+        ):
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    result["lines"].append(line)
+                    if len(result["lines"]) >= 2:
+                        started.set()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, result, started
 
 
 @pytest.fixture(scope="session")

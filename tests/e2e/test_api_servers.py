@@ -15,7 +15,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,7 +30,13 @@ from bench.servers import (
     repo_pythonpath,
     server_processes,
 )
-from tests.e2e.conftest import MODEL_NAME, ServerHandle, is_gone, run_server
+from tests.e2e.conftest import (
+    MODEL_NAME,
+    ServerHandle,
+    run_server,
+    stream_in_background,
+    wait_all_gone,
+)
 
 API_SERVERS = ("--api-server-count", "2")
 
@@ -78,13 +83,6 @@ def _samples(base_url: str) -> dict[tuple[str, tuple], float]:
         for sample in family.samples:
             found[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
     return found
-
-
-def _wait_all_gone(pids: list[int], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not all(is_gone(pid) for pid in pids):
-        assert time.monotonic() < deadline, f"{[p for p in pids if not is_gone(p)]} outlived it"
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -199,23 +197,10 @@ def test_sigterm_drains_both_processes_then_exits_zero(model_dir, tmp_path):
     with run_server(model_dir, log_path, *API_SERVERS, "--shutdown-timeout-s", "30") as handle:
         base = handle.base_url
         engine, api = _pids(log_path)
-        result: dict = {}
-        first_chunk = threading.Event()
-
-        def in_flight() -> None:
-            body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "go on"}],
-                    "max_tokens": 1500, "ignore_eos": True, "temperature": 0, "stream": True}  # fmt: skip
-            lines = []
-            with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=60) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        lines.append(line)
-                        first_chunk.set()
-            result["lines"] = lines
-
-        thread = threading.Thread(target=in_flight)
-        thread.start()
-        assert first_chunk.wait(60)
+        body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "go on"}],
+                "max_tokens": 1500, "ignore_eos": True, "temperature": 0, "stream": True}  # fmt: skip
+        thread, result, started = stream_in_background(base, body)
+        assert started.wait(60)
         # The whole process group, as systemd or a terminal would: each process must get
         # the drain once, through the launcher, and the engine must outlive the drain.
         os.killpg(handle.process.pid, signal.SIGTERM)
@@ -223,7 +208,7 @@ def test_sigterm_drains_both_processes_then_exits_zero(model_dir, tmp_path):
         assert result["lines"][-1] == "data: [DONE]"
         assert any('"finish_reason":"length"' in line for line in result["lines"])
         assert handle.process.wait(30) == 0, handle.log_tail()
-        _wait_all_gone([engine, *api], timeout=5)
+        wait_all_gone([engine, *api], timeout=5)
         assert "draining" in log_path.read_text()
 
 
@@ -244,7 +229,7 @@ def test_engine_death_stops_the_whole_server(model_dir, tmp_path):
             assert response.status_code == 503, response.text
             assert response.json()["error"]["code"] == "engine_dead"
         assert handle.process.wait(30) == 1, handle.log_tail()
-        _wait_all_gone(api, timeout=5)
+        wait_all_gone(api, timeout=5)
 
 
 def test_a_dead_api_process_stops_the_whole_server(model_dir, tmp_path):
@@ -253,7 +238,7 @@ def test_a_dead_api_process_stops_the_whole_server(model_dir, tmp_path):
         engine, api = _pids(log_path)
         os.kill(api[1], signal.SIGKILL)
         assert handle.process.wait(30) == 1, handle.log_tail()  # a supervisor restarts it
-        _wait_all_gone([engine, api[0]], timeout=5)
+        wait_all_gone([engine, api[0]], timeout=5)
         assert "exited with code -9" in log_path.read_text()
 
 
@@ -271,7 +256,7 @@ def test_an_engine_that_cannot_start_fails_the_launcher(tmp_path):
         )
     assert process.returncode == 1, log_path.read_text()[-3000:]
     engine, api = _pids(log_path)
-    _wait_all_gone([engine, *api], timeout=5)
+    wait_all_gone([engine, *api], timeout=5)
     assert "unsupported architecture" in log_path.read_text()
 
 
@@ -281,4 +266,4 @@ def test_a_killed_launcher_takes_every_process_with_it(model_dir, tmp_path):
         engine, api = _pids(log_path)
         handle.process.kill()  # SIGKILL: nothing passed on, nothing stopped
         handle.process.wait(10)
-        _wait_all_gone([engine, *api], timeout=10)  # each noticed its parent is gone
+        wait_all_gone([engine, *api], timeout=10)  # each noticed its parent is gone

@@ -6,10 +6,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import concurrent.futures
-import contextlib
 import os
 import signal
-import threading
 import time
 from collections.abc import Iterator
 
@@ -20,10 +18,11 @@ from bench.servers import child_pids, engine_pid
 from tests.e2e.conftest import (
     MODEL_NAME,
     ServerHandle,
-    is_gone,
     picture,
     png_bytes,
     run_server,
+    stream_in_background,
+    wait_all_gone,
 )
 
 NUM_DISCONNECTING_CLIENTS = 200
@@ -53,14 +52,6 @@ def _is_idle(base_url: str) -> bool:
     return not any(_gauges(base_url).values())
 
 
-def _wait_all_gone(pids: list[int], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not all(is_gone(pid) for pid in pids):
-        alive = [pid for pid in pids if not is_gone(pid)]
-        assert time.monotonic() < deadline, f"processes {alive} outlived the server"
-        time.sleep(0.05)
-
-
 def _long(content: str = "Talk forever.", **fields) -> dict:
     return {
         "model": MODEL_NAME, "messages": [{"role": "user", "content": content}],
@@ -75,34 +66,11 @@ def busy_server(model_dir, tmp_path_factory) -> Iterator[ServerHandle]:
         yield handle
 
 
-def _stream_in_background(
-    base_url: str, body: dict
-) -> tuple[threading.Thread, dict, threading.Event]:
-    """POST a streaming request on a thread; `started` is set once a generated chunk (not
-    just the role chunk, which precedes the engine) arrived. result["lines"]: data lines."""
-    started, result = threading.Event(), {"lines": []}
-
-    def run() -> None:
-        with (
-            contextlib.suppress(httpx.HTTPError),
-            httpx.stream("POST", base_url + "/v1/chat/completions", json=body, timeout=60) as r,
-        ):
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    result["lines"].append(line)
-                    if len(result["lines"]) >= 2:
-                        started.set()
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread, result, started
-
-
 def test_engine_sigkill_mid_stream(model_dir, tmp_path):
     with run_server(model_dir, tmp_path / "engine_killed.log") as handle:
         base = handle.base_url
         children = child_pids(handle.process.pid)  # the engine and multiprocessing's helper
-        stream, streamed, started = _stream_in_background(base, _long(max_tokens=1900, stream=True))
+        stream, streamed, started = stream_in_background(base, _long(max_tokens=1900, stream=True))
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             plain = pool.submit(
                 httpx.post, base + "/v1/chat/completions", json=_long(max_tokens=1900), timeout=60
@@ -131,19 +99,19 @@ def test_engine_sigkill_mid_stream(model_dir, tmp_path):
         assert response.status_code == 503, response.text
         assert response.json()["error"]["code"] == "engine_dead"
         assert handle.process.wait(20) == 1, handle.log_tail()  # a supervisor restarts it
-        _wait_all_gone(children, timeout=5)
+        wait_all_gone(children, timeout=5)
 
 
 def test_server_sigkill_engine_exits(model_dir, tmp_path):
     with run_server(model_dir, tmp_path / "server_killed.log") as handle:
         children = child_pids(handle.process.pid)
         body = _long(max_tokens=1900, stream=True)
-        stream, _, started = _stream_in_background(handle.base_url, body)
+        stream, _, started = stream_in_background(handle.base_url, body)
         assert started.wait(60), handle.log_tail()  # the engine is busy stepping
         handle.process.kill()  # SIGKILL: no shutdown message, no atexit
         handle.process.wait(10)
         stream.join(30)
-        _wait_all_gone(children, timeout=5)  # the engine noticed its parent is gone
+        wait_all_gone(children, timeout=5)  # the engine noticed its parent is gone
 
 
 def test_many_clients_disconnect_after_the_first_chunk(busy_server):
@@ -210,22 +178,9 @@ def test_sigterm_drains_then_exits_zero(model_dir, tmp_path, to_group):
     with run_server(model_dir, log_path, "--shutdown-timeout-s", "30") as handle:
         base = handle.base_url
         children = child_pids(handle.process.pid)
-        first_chunk = threading.Event()
-        result: dict = {}
-
-        def in_flight() -> None:
-            body = _long(stream=True)  # 1500 tokens: still in flight after the probes below
-            lines = []
-            with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=60) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        lines.append(line)
-                        first_chunk.set()
-            result["lines"] = lines
-
-        thread = threading.Thread(target=in_flight)
-        thread.start()
-        assert first_chunk.wait(60)
+        # 1500 tokens: still in flight after the probes below
+        thread, result, started = stream_in_background(base, _long(stream=True))
+        assert started.wait(60)
         if to_group:
             os.killpg(handle.process.pid, signal.SIGTERM)
         else:
@@ -242,4 +197,4 @@ def test_sigterm_drains_then_exits_zero(model_dir, tmp_path, to_group):
             '"finish_reason":"length"' in line.replace(" ", "") for line in result["lines"]
         )
         assert handle.process.wait(30) == 0, handle.log_tail()
-        _wait_all_gone(children, timeout=5)  # the engine stopped with the server
+        wait_all_gone(children, timeout=5)  # the engine stopped with the server
