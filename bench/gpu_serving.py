@@ -24,10 +24,12 @@ import argparse
 import json
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.servers import (
     HOST,
@@ -49,6 +51,11 @@ COLUMNS = [  # (summary key, title)
     ("mean_itl_ms", "ITL mean ms"),
     ("duration_s", "wall s"),
     ("api_cpu_s", "API CPU s"),  # tessera: user + system of its API process(es)
+    # tessera: the mean TTFT the server measured (arrival to first token, from /metrics),
+    # and the CPU of this process, which is the load client: a client that falls behind
+    # reading 128 streams adds to the TTFT it reports, not to the server's.
+    ("server_mean_ttft_ms", "server TTFT mean ms"),
+    ("client_cpu_s", "client CPU s"),
 ]
 
 
@@ -91,15 +98,39 @@ def run_tessera(args: argparse.Namespace, model_dir: Path, work: Path) -> dict:
         out = work / "tessera.json"
         _, api_pids = server_processes(process.pid)
         api_before = sum(cpu_seconds(pid) for pid in api_pids)
+        ttft_before = ttft_totals(scrape(base_url))
+        client_before = time.process_time()
         bench_main(common + load_flags(args) + ["--concurrency", str(args.concurrency),
                    "--max-tokens", str(args.max_tokens), "--out", str(out)])  # fmt: skip
+        client_cpu_s = time.process_time() - client_before
         api_cpu_s = sum(cpu_seconds(pid) for pid in api_pids) - api_before
         # Where the server's time went (encoder, steps, queues), for the run's notes.
-        metrics = httpx.get(f"{base_url}/metrics", timeout=30.0, trust_env=False)
-        (work / "metrics.txt").write_text(metrics.text)
+        metrics = scrape(base_url)
+        (work / "metrics.txt").write_text(metrics)
+    ttft_sum, ttft_count = (a - b for a, b in zip(ttft_totals(metrics), ttft_before, strict=True))
     result = json.loads(out.read_text())
-    result["summary"]["api_cpu_s"] = api_cpu_s
+    result["summary"].update(
+        api_cpu_s=api_cpu_s,
+        client_cpu_s=client_cpu_s,
+        server_mean_ttft_ms=1000 * ttft_sum / ttft_count if ttft_count else None,
+    )
     return result
+
+
+def scrape(base_url: str) -> str:
+    return httpx.get(f"{base_url}/metrics", timeout=30.0, trust_env=False).text
+
+
+def ttft_totals(metrics: str) -> tuple[float, float]:
+    """(sum, count) of the server's time-to-first-token histogram, over its labels."""
+    totals = {"sum": 0.0, "count": 0.0}
+    for family in text_string_to_metric_families(metrics):
+        if family.name == "tessera:time_to_first_token_seconds":
+            for sample in family.samples:
+                for key in totals:
+                    if sample.name == f"{family.name}_{key}":
+                        totals[key] += sample.value
+    return totals["sum"], totals["count"]
 
 
 def run_hf(args: argparse.Namespace, model_dir: Path, work: Path) -> dict:

@@ -50,6 +50,8 @@ def make_rows(preset: str, args: argparse.Namespace, device: torch.device) -> li
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=device).manual_seed(params.seed)
+        if params.has_penalties:  # as the engine hands them over (Request.token_id_tensors)
+            prompt, outputs = torch.tensor(prompt), torch.tensor(outputs)
         rows.append(SamplingRow(params, prompt, outputs, generator))
     return rows
 

@@ -65,3 +65,29 @@ def test_plain_greedy_rows_take_bf16_logits_without_a_float32_copy(monkeypatch):
     assert Sampler()(logits, rows).token_ids == expected and casts == []
     rows[0] = SamplingRow(SamplingParams(temperature=0.0, logprobs=1), [0], [])
     assert Sampler()(logits, rows).token_ids == expected and casts == [(4, 1000)]
+
+
+def test_repetition_penalty_on_the_device_as_on_the_host_without_a_sync():
+    """The sparse repetition penalty (gather, penalise, scatter over the held tokens, ids
+    held twice included, a token in flight on the device) gives the host's values bit for
+    bit, and queues no host sync."""
+    from engine.sampler import InFlightOutputs, apply_penalties
+
+    generator = torch.Generator().manual_seed(4)
+    vocab = 151936
+    logits = torch.randn(6, vocab, generator=generator) * 4
+    rows = [SamplingRow(SamplingParams(repetition_penalty=1.0 + 0.1 * i),
+                        torch.randint(0, vocab, (300,), generator=generator),
+                        torch.randint(0, 50, (i * 7,), generator=generator))
+            for i in range(6)]  # fmt: skip
+    rows_in_flight, tokens_in_flight = torch.tensor([1, 4, 5]), torch.tensor([3, 3, 151935])
+    on_host = apply_penalties(logits, rows, InFlightOutputs(rows_in_flight, tokens_in_flight))
+    in_flight = InFlightOutputs(rows_in_flight.cuda(), tokens_in_flight.cuda())
+    device_logits = logits.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        on_device = apply_penalties(device_logits, rows, in_flight)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(on_device.cpu(), on_host)

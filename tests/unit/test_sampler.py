@@ -73,6 +73,46 @@ def test_repetition_penalty_hf_semantics():
     assert penalized.tolist() == [[1.0, -4.0, 1.0, 1.0]]
 
 
+def dense_repetition_penalty(logits, rows, newest=None):
+    """The penalty as a dense mask over [S, V], as the sampler computed it before it
+    touched only the tokens a row holds: the reference for that sparse path."""
+    seen = torch.zeros_like(logits, dtype=torch.bool)
+    for index, sampling_row in enumerate(rows):
+        held = [*sampling_row.prompt_token_ids, *sampling_row.output_token_ids]
+        if newest is not None and newest[index] is not None:
+            held.append(newest[index])
+        seen[index, torch.as_tensor(held, dtype=torch.long)] = True
+    penalty = torch.tensor([r.params.repetition_penalty for r in rows]).unsqueeze(1)
+    penalty = penalty.expand_as(logits)
+    return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+
+
+def test_repetition_penalty_touches_only_held_tokens_as_the_dense_mask_did():
+    """Rows with and without a penalty, ids held several times, kept tensors and lists,
+    and tokens in flight: bit for bit the dense computation. The caller's logits are left
+    as they were unless it hands them over (`in_place`)."""
+    generator = torch.Generator().manual_seed(3)
+    vocab = 50
+    logits = torch.randn(5, vocab, generator=generator) * 4
+    logits[:, :3] = 0.0  # zero stays zero either way
+    penalties = [1.3, 1.0, 0.7, 2.0, 1.05]
+    rows, newest = [], [7, None, 0, 49, None]
+    for index, penalty in enumerate(penalties):
+        prompt = torch.randint(0, vocab, (20 + index,), generator=generator)
+        output = torch.randint(0, vocab, (index * 3,), generator=generator).tolist()
+        if index % 2:
+            prompt = prompt.tolist()
+        rows.append(SamplingRow(SamplingParams(repetition_penalty=penalty), prompt, output))
+    in_flight = InFlightOutputs(torch.tensor([0, 2, 3]), torch.tensor([7, 0, 49]))
+    before = logits.clone()
+    penalized = apply_penalties(logits, rows, in_flight)
+    assert torch.equal(logits, before)
+    assert torch.equal(penalized, dense_repetition_penalty(logits, rows, newest))
+    assert not torch.equal(penalized, dense_repetition_penalty(logits, rows))
+    assert apply_penalties(logits, rows, in_flight, in_place=True) is logits
+    assert torch.equal(logits, penalized)
+
+
 def test_presence_and_frequency_penalties_over_output_only():
     logits = torch.zeros(1, 4)
     sampling_row = row(prompt=[3], output=[1, 1, 2], presence_penalty=0.5, frequency_penalty=0.25)
