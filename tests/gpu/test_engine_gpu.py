@@ -285,3 +285,14 @@ def test_prompt_logprobs_on_the_device_match_the_cpu_and_queue_no_sync(model_dir
         for mine, cpus in zip(ours.prompt_logprobs, theirs.prompt_logprobs, strict=True):
             assert mine.token_id == cpus.token_id
             assert abs(mine.logprob - cpus.logprob) < FLOAT32_TOL
+
+
+def test_the_engine_on_a_gpu_runs_one_intra_op_thread(model_dir):
+    """engine.model_runner.intra_op_threads: nothing the engine does on the host is worth
+    a parallel region that a busy core can stall."""
+    threads = torch.get_num_threads()
+    try:
+        LLM(str(model_dir), num_kv_blocks=64, device="cuda")
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)

@@ -7,7 +7,7 @@ import torch
 
 from engine.attention.base import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.model_runner import resolve_dtype
+from engine.model_runner import intra_op_threads, resolve_dtype
 from engine.models.layers import RMSNorm, apply_rotary, apply_rotary_folded, rotary_tables
 from engine.protocol import SamplingParams
 from engine.request import Request
@@ -92,3 +92,13 @@ def test_auto_dtype_policy():
     assert resolve_dtype("auto", cuda, "float32") == torch.bfloat16
     assert resolve_dtype("float32", cpu, "bfloat16") == torch.float32
     assert resolve_dtype("auto", cpu, "bfloat16") in (torch.bfloat16, torch.float32)
+
+
+def test_the_engine_runs_one_intra_op_thread_with_a_gpu_unless_told():
+    """On a GPU the engine's host tensor work is small, and parallel regions stall behind
+    a busy core; on a CPU the model itself runs on those threads."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert intra_op_threads(None, cuda) == 1
+    assert intra_op_threads(None, cpu) is None  # torch's default
+    assert intra_op_threads(4, cuda) == 4
+    assert intra_op_threads(3, cpu) == 3
