@@ -5,7 +5,10 @@ latency, throughput and goodput.
         --dataset image --num-requests 200 --concurrency 16 --out result.json
 
 Requests arrive as a Poisson process at --request-rate (default: all at once), at most
---concurrency in flight. Always bounded: --num-requests requests, and after --max-duration
+--concurrency in flight. --client-processes N splits them over N client processes (every
+N-th request, a share of the concurrency and of the rate each), for loads where one
+Python process cannot read every stream in time: a client that falls behind adds its lag
+to the TTFT and ITL it reports. Always bounded: --num-requests requests, and after --max-duration
 seconds whatever is still outstanding is cancelled and counted failed. Only loopback
 servers unless --allow-remote (a load generator pointed at someone else's server is an
 attack). Exit status: 0 when at least one request completed, 1 when none did, 2 for bad
@@ -19,6 +22,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import multiprocessing
 import random
 import sys
 import time
@@ -65,6 +69,7 @@ class BenchConfig:
     allow_remote: bool
     show_progress: bool
     out: str | None
+    client_processes: int = 1
 
 
 class Progress:
@@ -142,6 +147,71 @@ async def run_requests(
     return [record or cancelled for record in records], duration
 
 
+def run_in_processes(
+    config: BenchConfig, model: str, requests: list[BenchRequest]
+) -> tuple[list[RequestRecord], float]:
+    """`run_requests` split over `config.client_processes` spawned processes: process k
+    sends requests k, k + N, ... with its share of the concurrency and of the rate. The
+    clock starts once every process is ready, and stops when the last one has reported;
+    the records come back in request order."""
+    num = config.client_processes
+    context = multiprocessing.get_context("spawn")  # no forked event loop or sockets
+    ready = context.Barrier(num + 1)
+    results = context.Queue()
+    processes = [
+        context.Process(
+            target=_client_process,
+            args=(index, shard_config(config, index), model, requests[index::num], ready, results),
+            daemon=True,
+        )
+        for index in range(num)
+    ]
+    for process in processes:
+        process.start()
+    records: list[RequestRecord | None] = [None] * len(requests)
+    try:
+        ready.wait(timeout=120)
+        start = time.perf_counter()
+        for _ in processes:
+            index, shard = results.get(timeout=config.max_duration_s + 60)
+            records[index::num] = shard
+        duration = time.perf_counter() - start
+    finally:
+        for process in processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+    missing = RequestRecord(False, error="its client process did not report")
+    return [record or missing for record in records], duration
+
+
+def shard_config(config: BenchConfig, index: int) -> BenchConfig:
+    """Client process `index`'s settings: its share of --concurrency (the shares add up to
+    it) and of --request-rate, and its own arrival seed."""
+    num = config.client_processes
+    limit = config.concurrency or config.dataset.num_requests
+    return dataclasses.replace(
+        config,
+        concurrency=limit // num + (index < limit % num),
+        request_rate=config.request_rate / num,
+        dataset=dataclasses.replace(config.dataset, seed=config.dataset.seed + index),
+        client_processes=1,
+        show_progress=False,
+    )
+
+
+def _client_process(index, config, model, requests, ready, results) -> None:
+    """One client process: waits for the others, sends its requests, reports the records
+    (or, if it failed, one failed record per request with the error)."""
+    ready.wait(timeout=120)
+    try:
+        progress = Progress(len(requests), enabled=False)
+        records, _ = asyncio.run(run_requests(config, model, requests, progress))
+    except Exception as exc:  # reported as failed requests, not as a hung parent
+        records = [RequestRecord(False, error=f"client process failed: {exc!r}")] * len(requests)
+    results.put((index, records))
+
+
 async def resolve_model(config: BenchConfig) -> str:
     """--model, or the first model the server lists."""
     if config.model:
@@ -162,7 +232,10 @@ async def run(config: BenchConfig) -> int:
         raise BenchConfigError(f"cannot reach {config.base_url}: {type(exc).__name__}") from exc
     progress = Progress(len(requests), config.show_progress)
     try:
-        records, duration = await run_requests(config, model, requests, progress)
+        if config.client_processes > 1:
+            records, duration = await asyncio.to_thread(run_in_processes, config, model, requests)
+        else:
+            records, duration = await run_requests(config, model, requests, progress)
     finally:
         progress.close()
     summary = summarize(records, duration, config.slo_ttft_s, config.slo_tpot_s)
@@ -209,6 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-requests", type=int, default=100)
     p.add_argument("--concurrency", type=int, default=None, help="max requests in flight")
     p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson rate, req/s")
+    p.add_argument("--client-processes", type=int, default=1,
+                   help="client processes the requests are split over")  # fmt: skip
     p.add_argument("--max-duration", type=float, default=600.0, help="seconds; then cancel")
     p.add_argument("--input-len", type=int, default=128, help="random text words (~tokens)")
     p.add_argument("--max-tokens", type=int, default=128)
@@ -241,6 +316,10 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         (0.0 <= args.image_repeat_ratio <= 1.0, "--image-repeat-ratio must be in [0, 1]"),
         (min(args.feature_grid_thw) >= 1, "--feature-grid-thw must be positive"),
         (args.dataset != "features" or args.feature_url, "--dataset features needs --feature-url"),
+        (
+            1 <= args.client_processes <= min(args.num_requests, args.concurrency or math.inf, 64),
+            "--client-processes must be 1..64 and at most --num-requests and --concurrency",
+        ),
     ]
     for is_ok, message in checks:
         if not is_ok:
@@ -272,6 +351,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         allow_remote=args.allow_remote,
         show_progress=not args.no_progress,
         out=args.out,
+        client_processes=args.client_processes,
     )
 
 

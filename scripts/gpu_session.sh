@@ -23,6 +23,7 @@
 #   serving-2b-api2, serving-2b-api4   the same with --api-server-count 2 / 4 (API
 #               processes in front of the engine; the default is 1)
 #   serving-2b-si4   the same with --stream-interval 4 (a chunk per 4 tokens; default 1)
+#   serving-2b-clients4   serving-2b-tessera with the load client split over 4 processes
 #   serving-qwen3-vl-2b   the same load on the Qwen3-VL 2B shape (checkpoint written first)
 #   serving-2b-qwen-defaults  Tessera alone, with Qwen2-VL-Instruct's generation_config
 #               defaults (top_k 1, top_p 0.001, temperature 0.01, repetition_penalty
@@ -113,6 +114,8 @@ for step in "$@"; do
 --runs tessera --tessera-arg=--api-server-count --tessera-arg=${step#serving-2b-api}" ;;
         serving-2b-si4) fn="run_serving qwen2-vl-2b qwen2-vl-2b-si4 --runs tessera \
 --tessera-arg=--stream-interval --tessera-arg=4" ;;
+        serving-2b-clients4) fn="run_serving qwen2-vl-2b qwen2-vl-2b-clients4 --runs tessera \
+--client-processes 4" ;;
         serving-qwen3-vl-2b) fn="run_serving qwen3-vl-2b" ;;
         serving-2b-qwen-defaults) fn="run_serving qwen2-vl-2b qwen2-vl-2b-qwen-defaults \
 --runs tessera --tessera-arg=--override-generation-config --tessera-arg='{\"top_k\": 1, \

@@ -146,3 +146,22 @@ def test_mixed_with_features(model_dir, tmp_path):
     assert moved["tessera:generation_tokens_total"] == 18
     assert moved["tessera:prompt_tokens_total"] == summary["total_input_tokens"]
     assert moved["tessera:feature_fetch_seconds_count"] == 2  # two feature requests
+
+
+def test_client_processes_send_every_request_once_in_order(server, http, tmp_path):
+    """Two client processes send the same requests as one: the records come back in
+    request order (the text prompts differ in length), and the server saw each once."""
+    idle(http)
+    flags = ["--num-requests", "7", "--concurrency", "3", "--dataset", "text",
+             "--input-len", "24", "--max-tokens", "3", "--ignore-eos"]  # fmt: skip
+    code, one = run_bench(server, tmp_path, *flags)
+    before = scrape(http)
+    code_split, split = run_bench(server, tmp_path, *flags, "--client-processes", "2")
+    moved = moved_since(http, before)
+    assert code == code_split == 0, split["errors"]
+    prompt_lengths = [record["num_prompt_tokens"] for record in one["requests"]]
+    assert len(set(prompt_lengths)) > 1
+    assert [record["num_prompt_tokens"] for record in split["requests"]] == prompt_lengths
+    assert split["summary"]["completed"] == 7 and split["summary"]["total_output_tokens"] == 21
+    assert moved["tessera:request_success_total"] == 7
+    assert split["config"]["client_processes"] == 2

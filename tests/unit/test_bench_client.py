@@ -12,7 +12,7 @@ from PIL import Image
 from bench.client import _StreamState
 from bench.datasets import DatasetConfig, make_requests
 from bench.safety import BenchConfigError, check_loopback
-from bench.serve import build_parser, config_from_args, main
+from bench.serve import build_parser, config_from_args, main, shard_config
 
 
 def image_urls(requests):
@@ -168,3 +168,26 @@ def test_extra_body_is_merged_into_every_request():
     assert body["ignore_eos"] and body["stream"]
     with pytest.raises(SystemExit):
         parse(["--extra-body", "[1]"])
+
+
+def test_client_processes_share_the_concurrency_and_the_rate():
+    """--client-processes N: process k sends every N-th request with its share of the
+    concurrency (the shares add up to it) and of the rate, and its own arrival seed."""
+    parse = build_parser().parse_args
+    config = config_from_args(
+        parse(["--client-processes", "3", "--concurrency", "8", "--request-rate", "6",
+               "--seed", "5"])
+    )  # fmt: skip
+    shards = [shard_config(config, index) for index in range(3)]
+    assert [shard.concurrency for shard in shards] == [3, 3, 2]
+    assert all(shard.request_rate == 2 and shard.client_processes == 1 for shard in shards)
+    assert [shard.dataset.seed for shard in shards] == [5, 6, 7]
+    unbounded = config_from_args(parse(["--client-processes", "2", "--num-requests", "5"]))
+    assert [shard_config(unbounded, index).concurrency for index in range(2)] == [3, 2]
+    for bad in (
+        ["--client-processes", "0"],
+        ["--client-processes", "5", "--concurrency", "4"],
+        ["--client-processes", "3", "--num-requests", "2"],
+    ):
+        with pytest.raises(BenchConfigError):
+            config_from_args(parse(bad))
