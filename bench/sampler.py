@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.protocol import SamplingParams
+from engine.request import Request, RequestStatus
 from engine.sampler import Sampler, SamplingRow
 
 PRESETS = {
@@ -50,9 +51,13 @@ def make_rows(preset: str, args: argparse.Namespace, device: torch.device) -> li
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=device).manual_seed(params.seed)
-        if params.has_penalties:  # as the engine hands them over (Request.token_id_tensors)
-            prompt, outputs = torch.tensor(prompt), torch.tensor(outputs)
-        rows.append(SamplingRow(params, prompt, outputs, generator))
+        request = None
+        if params.has_penalties:  # as the engine hands them over: with its request, whose
+            request = Request(f"r{index}", prompt, params)  # ids the sampler's table keeps
+            request.output_token_ids = outputs
+            request.status = RequestStatus.RUNNING
+            request.num_pending_tokens = 1  # the token this step samples
+        rows.append(SamplingRow(params, prompt, outputs, generator, request=request))
     return rows
 
 
@@ -63,12 +68,15 @@ def time_preset(preset: str, args: argparse.Namespace) -> float:
     logits = (torch.randn(args.rows, args.vocab, generator=generator) * 3).bfloat16().to(device)
     rows = make_rows(preset, args, device)
     sampler = Sampler(seed=0)
-    sampler.sample(logits, rows).result()  # warm-up
     times = []
-    for _ in range(args.repeats):
+    for repeat in range(args.repeats + 1):  # the first is a warm-up
         started = time.perf_counter()
-        sampler.sample(logits, rows).result()
-        times.append((time.perf_counter() - started) * 1000)
+        token_ids = sampler.sample(logits, rows).result().token_ids
+        if repeat:
+            times.append((time.perf_counter() - started) * 1000)
+        for row, token_id in zip(rows, token_ids, strict=True):  # the scheduler's update
+            if row.request is not None:
+                row.request.output_token_ids.append(token_id)
     return sorted(times)[len(times) // 2]
 
 

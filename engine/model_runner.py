@@ -204,9 +204,11 @@ def _in_flight_outputs(
 
 
 def _token_ids_for_sampling(request: Request) -> tuple[list[int] | torch.Tensor, ...]:
-    """(prompt ids, output ids) of a SamplingRow: kept host tensors for a row with
-    penalties, which reads both every step; the lists otherwise (left unread)."""
-    if request.sampling.has_penalties:
+    """(prompt ids, output ids) of a SamplingRow: kept host tensors for a row with presence
+    or frequency penalties, which read the outputs every step; the lists otherwise (the
+    repetition penalty reads the sampler's device table, engine/held_tokens.py)."""
+    sampling = request.sampling
+    if sampling.presence_penalty != 0.0 or sampling.frequency_penalty != 0.0:
         return request.token_id_tensors()
     return request.prompt_token_ids, request.output_token_ids
 
@@ -544,6 +546,7 @@ class ModelRunner:
                 chunk.request.generator_on(self.device),
                 _banned_token_ids(chunk),
                 chunk.request.allowed_tokens(),
+                chunk.request,
             )
             for _, chunk in sampling
         ]

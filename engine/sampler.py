@@ -19,13 +19,18 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from engine.device_io import HostCopy, copy_to_host, to_device
+from engine.held_tokens import HeldRows, HeldTokens
 from engine.protocol import SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from engine.request import Request
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,9 @@ class SamplingRow:
     # allow (bit t % 32 of word t // 32 is token t); None = unconstrained. See
     # engine/structured_output.py and `token_bitmask`.
     allowed_tokens: torch.Tensor | None = None
+    # The engine's request, whose tokens the repetition penalty then reads from the
+    # sampler's device table (engine/held_tokens.py) rather than from the ids above.
+    request: Request | None = None
 
 
 # The most candidates a row may keep (top_k) for the random draw to run over a top-k of
@@ -99,6 +107,7 @@ class Sampler:
 
     def __init__(self, seed: int = 0) -> None:
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._held: dict[torch.device, HeldTokens] = {}
         self._seed = seed
 
     def _generator(self, device: torch.device) -> torch.Generator:
@@ -127,13 +136,16 @@ class Sampler:
         wants_logprobs = any(p.logprobs is not None for p in params)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None  # [S, V]
 
-        logits = apply_logit_bias(apply_penalties(logits, rows, in_flight, owned), params)
-        logits = apply_allowed_tokens(apply_bans(logits, rows), rows)
+        held_rows = self._held_rows(rows, device)
+        logits = apply_penalties(logits, rows, in_flight, owned, held_rows)
+        logits = apply_allowed_tokens(apply_bans(apply_logit_bias(logits, params), rows), rows)
         sampled = logits.argmax(dim=-1)  # [S]
         if not all(p.is_greedy for p in params):
             greedy = to_device([p.is_greedy for p in params], torch.bool, device)  # [S]
             random_ids = self._sample_random(logits, rows)  # [S]
             sampled = torch.where(greedy, sampled, random_ids)
+        if held_rows is not None:
+            self._held[device].append(held_rows, sampled)
 
         if raw_logprobs is None:
             return PendingSample(copy_to_host(sampled.unsqueeze(1)), params, 0, sampled)
@@ -143,6 +155,19 @@ class Sampler:
             top_values, top_ids = raw_logprobs.topk(num_top, dim=-1)  # [S, N]
             packed += [top_ids.double(), top_values.double()]
         return PendingSample(copy_to_host(torch.cat(packed, dim=1)), params, num_top, sampled)
+
+    def _held_rows(self, rows: list[SamplingRow], device: torch.device) -> HeldRows | None:
+        """The device table's rows for the rows whose request has a repetition penalty."""
+        pairs = [
+            (index, row.request)
+            for index, row in enumerate(rows)
+            if row.request is not None and row.params.repetition_penalty != 1.0
+        ]
+        if not pairs:
+            return None
+        if device not in self._held:
+            self._held[device] = HeldTokens(device)
+        return self._held[device].index(pairs)
 
     def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """One token per row ([S]), drawn from its processed logits under its temperature,
@@ -223,9 +248,11 @@ def apply_penalties(
     rows: list[SamplingRow],
     in_flight: InFlightOutputs | None = None,
     in_place: bool = False,
+    held_rows: HeldRows | None = None,
 ) -> torch.Tensor:
     """Repetition (HF), presence and frequency (OpenAI) penalties; [S, V] -> [S, V]. The
-    outputs so far are each row's `output_token_ids` plus its token in `in_flight`.
+    outputs so far are each row's `output_token_ids` plus its token in `in_flight`; rows in
+    `held_rows` read their tokens from the sampler's device table instead.
     `in_place`: `logits` is the caller's own copy and may be written (a float32 [128,
     152k] copy is ~20 ms on a CPU); otherwise the result is a new tensor."""
     params = [row.params for row in rows]
@@ -234,14 +261,17 @@ def apply_penalties(
     if not (in_place and logits.is_contiguous()):
         logits = logits.clone(memory_format=torch.contiguous_format)
     if any(p.repetition_penalty != 1.0 for p in params):
-        _apply_repetition_penalty(logits, rows, in_flight)
+        _apply_repetition_penalty(logits, rows, in_flight, held_rows)
     if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
         _apply_presence_and_frequency(logits, rows, in_flight)
     return logits
 
 
 def _apply_repetition_penalty(
-    logits: torch.Tensor, rows: list[SamplingRow], in_flight: InFlightOutputs | None
+    logits: torch.Tensor,
+    rows: list[SamplingRow],
+    in_flight: InFlightOutputs | None,
+    held_rows: HeldRows | None,
 ) -> None:
     """HF's repetition penalty, in place on contiguous [S, V] logits: each token a row's
     prompt or output holds is divided by the row's penalty where positive, multiplied
@@ -249,29 +279,38 @@ def _apply_repetition_penalty(
     whole [S, V]: with a dense "seen" mask over 152k tokens, its `where`, `gt` and `div`
     alone took 0.34 ms of device time a step at 128 rows on an H100 (docs/gpu.md,
     2026-11-27). A token held twice gets the same value twice, so duplicates need no
-    dedup."""
+    dedup: the table's padding, and a token in flight that the table holds already."""
     vocab = logits.shape[1]
     device = logits.device
-    pieces, row_starts, factors = [], [], []
+    penalties = to_device([row.params.repetition_penalty for row in rows], logits.dtype, device)
+    indices, factors = [], []  # flat indices (row * V + token) and each one's penalty
+    if held_rows is not None:  # [P, L]: the device table's ids of those rows
+        flat = held_rows.rows.unsqueeze(1) * vocab + held_rows.held
+        indices.append(flat.flatten())
+        factors.append(penalties.index_select(0, held_rows.rows).unsqueeze(1).expand_as(flat))
+    covered = set(held_rows.rows_host) if held_rows is not None else set()
+    pieces, row_starts, lengths = [], [], []
     for index, row in enumerate(rows):
-        penalty = row.params.repetition_penalty
-        if penalty == 1.0:
+        if row.params.repetition_penalty == 1.0 or index in covered:
             continue
         for ids in (row.prompt_token_ids, row.output_token_ids):
             pieces.append(torch.as_tensor(ids, dtype=torch.long))  # kept tensors as they are
             row_starts.append(index * vocab)
-            factors.append(penalty)
-    lengths = torch.tensor([len(piece) for piece in pieces])
-    host_index = torch.cat(pieces) + torch.tensor(row_starts).repeat_interleave(lengths)
-    index = to_device(host_index, torch.long, device)  # [N]: row * V + token
-    penalty = to_device(torch.tensor(factors).repeat_interleave(lengths), logits.dtype, device)
+            lengths.append(len(ids))
+    if pieces:
+        repeats = torch.tensor(lengths)
+        host_index = torch.cat(pieces) + torch.tensor(row_starts).repeat_interleave(repeats)
+        row_index = to_device(host_index, torch.long, device)
+        indices.append(row_index)
+        factors.append(penalties.index_select(0, row_index // vocab))
     if in_flight is not None:  # one more output per row, on the device (no sync)
-        penalties = to_device([row.params.repetition_penalty for row in rows], logits.dtype, device)
-        index = torch.cat([index, in_flight.rows * vocab + in_flight.token_ids])
-        penalty = torch.cat([penalty, penalties.index_select(0, in_flight.rows)])
-    flat = logits.view(-1)
-    seen = flat.index_select(0, index)
-    flat.index_copy_(0, index, torch.where(seen > 0, seen / penalty, seen * penalty))
+        indices.append(in_flight.rows * vocab + in_flight.token_ids)
+        factors.append(penalties.index_select(0, in_flight.rows))
+    index = torch.cat(indices)
+    penalty = torch.cat([factor.flatten() for factor in factors])
+    flat_logits = logits.view(-1)
+    seen = flat_logits.index_select(0, index)
+    flat_logits.index_copy_(0, index, torch.where(seen > 0, seen / penalty, seen * penalty))
 
 
 def _apply_presence_and_frequency(

@@ -182,3 +182,38 @@ def test_overlap_scheduling_setting_turns_it_off(model_dir):
     params = greedy(8, ignore_eos=True)
     _, ahead, _ = generate(model_dir, batch, params, overlap=True, overlap_scheduling=False)
     assert ahead == 0
+
+
+def test_the_device_table_of_held_tokens_penalises_as_the_host_ids_do(model_dir, monkeypatch):
+    """The repetition penalty reads each request's tokens from the sampler's device table
+    (engine/held_tokens.py: written once, appended each step on the device). Through
+    preemption (a tight KV pool), prefill chunks, tokens in flight and finished requests
+    whose slots are reused, it must penalise as the host's ids do (the table turned off:
+    every step's ids built from the requests' lists). A reward for repeating (penalty 0.5)
+    makes any token missing from, or wrongly in, the table change the answer. Each
+    request's ids are written from the host once, at its first sample: preemption keeps
+    its slot, and each step's token is appended on the device."""
+    from engine.held_tokens import HeldTokens
+    from engine.sampler import Sampler
+
+    batch = prompts(6) + prompts(6)[1:4]
+    params = [greedy(10 + 2 * i, ignore_eos=True, repetition_penalty=0.5 if i % 2 else 1.7)
+              for i in range(len(batch))]  # fmt: skip
+    params[2] = greedy(14, ignore_eos=True)  # no penalty beside them
+    options = dict(num_kv_blocks=24, block_size=4, max_num_batched_tokens=16)
+    indexed, written = [], []
+    real_index, real_write = HeldTokens.index, HeldTokens._write
+    monkeypatch.setattr(HeldTokens, "index", lambda self, rows: indexed.append(len(rows))
+                        or real_index(self, rows))  # fmt: skip
+    monkeypatch.setattr(HeldTokens, "_write", lambda self, slot, ids: written.append(slot)
+                        or real_write(self, slot, ids))  # fmt: skip
+    for overlap in (False, True):
+        got, _, preemptions = generate(model_dir, batch, params, overlap=overlap, **options)
+        assert preemptions > 0 and sum(indexed) > 50
+        assert len(written) == len(batch) - 1  # once per request with the penalty
+        with monkeypatch.context() as without_table:
+            without_table.setattr(Sampler, "_held_rows", lambda self, rows, device: None)
+            want, _, _ = generate(model_dir, batch, params, overlap=overlap, **options)
+        assert_same_outputs(got, want)
+        indexed.clear()
+        written.clear()

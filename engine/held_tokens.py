@@ -1,0 +1,146 @@
+"""The tokens each running request holds (its prompt and its outputs so far), kept on the
+sampling device between steps, for the repetition penalty.
+
+The penalty reads, for every row of every step, each token its request holds. Building
+those ids on the host each step costs host work that grows with prompts and outputs (a
+row's ids as a tensor, then concatenated and copied over: ~0.3 ms a step at 128 rows of
+~560 ids on one CPU thread, several times that in parallel regions beside busy cores,
+docs/gpu.md 2026-11-27). Here a request's ids are written once, into its row (slot) of a
+device table, when it first samples with the penalty; after that each step appends the
+token it samples, on the device, behind the sampling itself. A step then only gathers its
+rows' slots: the host work per step is a few small lists, whatever the lengths.
+
+Columns past a row's count hold its first prompt token, a token it holds anyway: the
+penalty may read a row's every column and write each back, since a token held twice is
+penalised to the same value twice.
+
+Bookkeeping (all on the host): a slot keeps its request across preemption (its tokens do
+not change), and is freed once the request has finished. Each step checks that a slot
+holds as many tokens as its request has on the host plus those still in flight; a slot
+that does not (or a new request) is written again from the host's ids, so what the table
+holds never depends on every append having been seen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.device_io import to_device
+
+if TYPE_CHECKING:
+    from engine.request import Request
+
+MIN_WIDTH = 256  # columns of a new table; it doubles as sequences grow past it
+MIN_SLOTS = 16
+
+
+@dataclass(frozen=True)
+class HeldRows:
+    """Some rows of a step, each with its request's slot: what `index` returned, for
+    `append` once the step's tokens are sampled."""
+
+    rows_host: tuple[int, ...]  # rows of the logits
+    slots_host: tuple[int, ...]
+    rows: torch.Tensor  # [P] int64 on the device
+    slots: torch.Tensor  # [P] int64 on the device
+    counts: torch.Tensor  # [P] int64 on the device: where each row's next token goes
+    held: torch.Tensor  # [P, L] int64 on the device: each row's tokens (padded as above)
+
+
+class HeldTokens:
+    """Per-request token ids on one device, one table row (slot) per request."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._table = torch.empty(0, MIN_WIDTH, dtype=torch.long, device=device)
+        self._slot_of: dict[str, int] = {}  # request_id -> slot
+        self._owners: list[Request | None] = []  # slot -> request
+        self._counts: list[int] = []  # slot -> tokens written
+        self._free: list[int] = []
+
+    @property
+    def num_slots_in_use(self) -> int:
+        return len(self._slot_of)
+
+    def index(self, rows: list[tuple[int, Request]]) -> HeldRows:
+        """The slots of (logits row, request) pairs, each request sampling this step;
+        writes the ids of requests that have no slot yet (or a stale one) from the host.
+        Queues device work only."""
+        self._free_finished()
+        slots, counts = [], []
+        for _, request in rows:
+            # Tokens the table must hold: the host's, plus those sampled by steps still in
+            # flight (the scheduler counts this step's token as pending too).
+            expected = request.num_scheduled_tokens - 1
+            slot = self._slot_of.get(request.request_id)
+            if slot is None or self._owners[slot] is not request:
+                slot = self._claim(request)
+            if self._counts[slot] != expected:
+                self._write(slot, request.prompt_token_ids + request.output_token_ids)
+            slots.append(slot)
+            counts.append(self._counts[slot])
+        self._ensure_width(max(counts) + 1)  # room for this step's token
+        logits_rows = [row for row, _ in rows]
+        host = to_device([logits_rows, slots, counts], torch.long, self.device)
+        held = self._table.index_select(0, host[1])[:, : max(counts)]  # [P, L]
+        return HeldRows(tuple(logits_rows), tuple(slots), host[0], host[1], host[2], held)
+
+    def append(self, held_rows: HeldRows, sampled: torch.Tensor) -> None:
+        """Writes each row's sampled token ([S] on the device) after its others."""
+        tokens = sampled.index_select(0, held_rows.rows)
+        self._table.index_put_((held_rows.slots, held_rows.counts), tokens)
+        for slot in held_rows.slots_host:
+            self._counts[slot] += 1
+
+    def _claim(self, request: Request) -> int:
+        stale = self._slot_of.pop(request.request_id, None)
+        if stale is not None:  # another request object under the same id
+            self._release(stale)
+        if not self._free:
+            self._grow_slots()
+        slot = self._free.pop()
+        self._slot_of[request.request_id] = slot
+        self._owners[slot] = request
+        return slot
+
+    def _write(self, slot: int, token_ids: list[int]) -> None:
+        self._ensure_width(len(token_ids) + 1)
+        row = self._table[slot]
+        row.fill_(token_ids[0])  # the padding: a token the row holds
+        row[: len(token_ids)].copy_(to_device(token_ids, torch.long, self.device))
+        self._counts[slot] = len(token_ids)
+
+    def _free_finished(self) -> None:
+        for request_id, slot in list(self._slot_of.items()):
+            owner = self._owners[slot]
+            if owner is None or owner.is_finished:
+                del self._slot_of[request_id]
+                self._release(slot)
+
+    def _release(self, slot: int) -> None:
+        self._owners[slot] = None
+        self._counts[slot] = 0
+        self._free.append(slot)
+
+    def _grow_slots(self) -> None:
+        old = len(self._owners)
+        new = max(MIN_SLOTS, 2 * old)
+        table = torch.empty(new, self._table.shape[1], dtype=torch.long, device=self.device)
+        table[:old] = self._table
+        self._table = table
+        self._owners += [None] * (new - old)
+        self._counts += [0] * (new - old)
+        self._free += range(new - 1, old - 1, -1)
+
+    def _ensure_width(self, width: int) -> None:
+        old = self._table.shape[1]
+        if width <= old:
+            return
+        new = max(2 * old, width)
+        table = torch.empty(self._table.shape[0], new, dtype=torch.long, device=self.device)
+        table[:, :old] = self._table
+        table[:, old:] = self._table[:, :1]  # each row's padding: its first token
+        self._table = table
