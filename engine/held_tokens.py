@@ -12,7 +12,10 @@ rows' slots: the host work per step is a few small lists, whatever the lengths.
 
 Columns past a row's count hold its first prompt token, a token it holds anyway: the
 penalty may read a row's every column and write each back, since a token held twice is
-penalised to the same value twice.
+penalised to the same value twice. The table holds int32 ids and only grows: rows double
+as requests come, columns double up to the longest sequence seen (256 rows of 32k tokens
+take 32 MB). Like CUDA graphs, it comes out of the share of device memory that
+`gpu_memory_utilization` leaves outside the KV cache (engine/kv_cache_sizing.py).
 
 Bookkeeping (all on the host): a slot keeps its request across preemption (its tokens do
 not change), and is freed once the request has finished. Each step checks that a slot
@@ -47,7 +50,7 @@ class HeldRows:
     rows: torch.Tensor  # [P] int64 on the device
     slots: torch.Tensor  # [P] int64 on the device
     counts: torch.Tensor  # [P] int64 on the device: where each row's next token goes
-    held: torch.Tensor  # [P, L] int64 on the device: each row's tokens (padded as above)
+    held: torch.Tensor  # [P, L] int32 on the device: each row's tokens (padded as above)
 
 
 class HeldTokens:
@@ -55,7 +58,7 @@ class HeldTokens:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._table = torch.empty(0, MIN_WIDTH, dtype=torch.long, device=device)
+        self._table = torch.empty(0, MIN_WIDTH, dtype=torch.int32, device=device)
         self._slot_of: dict[str, int] = {}  # request_id -> slot
         self._owners: list[Request | None] = []  # slot -> request
         self._counts: list[int] = []  # slot -> tokens written
@@ -90,7 +93,7 @@ class HeldTokens:
 
     def append(self, held_rows: HeldRows, sampled: torch.Tensor) -> None:
         """Writes each row's sampled token ([S] on the device) after its others."""
-        tokens = sampled.index_select(0, held_rows.rows)
+        tokens = sampled.index_select(0, held_rows.rows).to(torch.int32)
         self._table.index_put_((held_rows.slots, held_rows.counts), tokens)
         for slot in held_rows.slots_host:
             self._counts[slot] += 1
@@ -110,7 +113,7 @@ class HeldTokens:
         self._ensure_width(len(token_ids) + 1)
         row = self._table[slot]
         row.fill_(token_ids[0])  # the padding: a token the row holds
-        row[: len(token_ids)].copy_(to_device(token_ids, torch.long, self.device))
+        row[: len(token_ids)].copy_(to_device(token_ids, torch.int32, self.device))
         self._counts[slot] = len(token_ids)
 
     def _free_finished(self) -> None:
@@ -128,7 +131,7 @@ class HeldTokens:
     def _grow_slots(self) -> None:
         old = len(self._owners)
         new = max(MIN_SLOTS, 2 * old)
-        table = torch.empty(new, self._table.shape[1], dtype=torch.long, device=self.device)
+        table = torch.empty(new, self._table.shape[1], dtype=torch.int32, device=self.device)
         table[:old] = self._table
         self._table = table
         self._owners += [None] * (new - old)
@@ -140,7 +143,7 @@ class HeldTokens:
         if width <= old:
             return
         new = max(2 * old, width)
-        table = torch.empty(self._table.shape[0], new, dtype=torch.long, device=self.device)
+        table = torch.empty(self._table.shape[0], new, dtype=torch.int32, device=self.device)
         table[:, :old] = self._table
         table[:, old:] = self._table[:, :1]  # each row's padding: its first token
         self._table = table

@@ -23,9 +23,10 @@ most of an 80 GB GPU or does not fit a small one:
    encoder's width, which for Qwen3-VL is the decoder's hidden size times 1 + its
    deepstack levels).
 
-What this does not count: CUDA-graph pools and FlashInfer's plan buffers are allocated
-after the KV cache, out of the `1 - utilization` share (decode graphs are small next to
-a full prefill step). With utilization 1.0 they have no room.
+What this does not count: CUDA-graph pools, FlashInfer's plan buffers and the sampler's
+table of held tokens (engine/held_tokens.py) are allocated after the KV cache, out of the
+`1 - utilization` share (decode graphs are small next to a full prefill step; the table
+is ~4 bytes per token of the running requests). With utilization 1.0 they have no room.
 """
 
 from __future__ import annotations
