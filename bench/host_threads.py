@@ -5,9 +5,10 @@ and without other processes keeping cores busy.
     PYTHONPATH=. python bench/host_threads.py --threads 1 16 --busy 8   # a GPU host
 
 Why `engine.model_runner.intra_op_threads` gives the engine one thread on a GPU: its host
-tensor work is small (here: the sampler's repetition-penalty indices for 128 rows of a
-500-token prompt and 64 outputs, ~70k ids: a cat, two repeat_interleave, an add), and a
-parallel region waits for its slowest thread. With --busy processes spinning beside it, as
+tensor work is small (here: the repetition penalty's ids for 128 rows of a 500-token
+prompt and 64 outputs, ~70k ids: a cat, two repeat_interleave, an add, as the sampler
+built them each step before engine/held_tokens.py), and a parallel region waits for its
+slowest thread. With --busy processes spinning beside it, as
 the API process, image decoding and load clients do on a serving host, one descheduled
 thread stalls the whole region. Prints the mean and p90 microseconds of the work per
 thread count, quiet and busy.
@@ -28,7 +29,8 @@ VOCAB = 151936
 
 
 def penalty_indices(pieces: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """What engine/sampler.py's `_apply_repetition_penalty` builds on the host."""
+    """What engine/sampler.py's `_apply_repetition_penalty` built on the host each step
+    (it still does for rows without a request: tests, benchmarks)."""
     lengths = torch.tensor([len(piece) for piece in pieces])
     row_starts = torch.arange(len(pieces)) // 2 * VOCAB
     index = torch.cat(pieces) + row_starts.repeat_interleave(lengths)
