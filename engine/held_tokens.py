@@ -35,6 +35,7 @@ from engine.device_io import to_device
 
 if TYPE_CHECKING:
     from engine.request import Request
+    from engine.sampler import InFlightOutputs
 
 MIN_WIDTH = 256  # columns of a new table; it doubles as sequences grow past it
 MIN_SLOTS = 16
@@ -68,13 +69,18 @@ class HeldTokens:
     def num_slots_in_use(self) -> int:
         return len(self._slot_of)
 
-    def index(self, rows: list[tuple[int, Request]]) -> HeldRows:
+    def index(
+        self, rows: list[tuple[int, Request]], in_flight: InFlightOutputs | None = None
+    ) -> HeldRows:
         """The slots of (logits row, request) pairs, each request sampling this step;
-        writes the ids of requests that have no slot yet (or a stale one) from the host.
-        Queues device work only."""
+        writes the ids of requests that have no slot yet (or a stale one) from the host,
+        and their token in `in_flight` after them. Queues device work only."""
         self._free_finished()
+        in_flight_of = (
+            {} if in_flight is None else {r: i for i, r in enumerate(in_flight.rows_host)}
+        )
         slots, counts = [], []
-        for _, request in rows:
+        for row, request in rows:
             # Tokens the table must hold: the host's, plus those sampled by steps still in
             # flight (the scheduler counts this step's token as pending too).
             expected = request.num_scheduled_tokens - 1
@@ -83,6 +89,8 @@ class HeldTokens:
                 slot = self._claim(request)
             if self._counts[slot] != expected:
                 self._write(slot, request.prompt_token_ids + request.output_token_ids)
+                if row in in_flight_of and self._counts[slot] + 1 == expected:
+                    self._write_in_flight(slot, in_flight, in_flight_of[row])
             slots.append(slot)
             counts.append(self._counts[slot])
         self._ensure_width(max(counts) + 1)  # room for this step's token
@@ -115,6 +123,14 @@ class HeldTokens:
         row.fill_(token_ids[0])  # the padding: a token the row holds
         row[: len(token_ids)].copy_(to_device(token_ids, torch.int32, self.device))
         self._counts[slot] = len(token_ids)
+
+    def _write_in_flight(self, slot: int, in_flight: InFlightOutputs, index: int) -> None:
+        """Appends the token still in flight for the row at `index` of `in_flight` (on the
+        device): without it a slot written while one is in flight would stay a token
+        behind, and be written again every step."""
+        count = self._counts[slot]
+        self._table[slot, count : count + 1].copy_(in_flight.token_ids[index : index + 1])
+        self._counts[slot] = count + 1
 
     def _free_finished(self) -> None:
         for request_id, slot in list(self._slot_of.items()):

@@ -200,8 +200,9 @@ def _in_flight_outputs(
     ]
     if not pairs:
         return None
-    rows, sources = to_device(list(zip(*pairs, strict=True)), torch.long, device)  # [2, P]
-    return InFlightOutputs(rows, in_flight.token_ids.index_select(0, sources))
+    host_rows, host_sources = zip(*pairs, strict=True)
+    rows, sources = to_device([host_rows, host_sources], torch.long, device)  # [2, P]
+    return InFlightOutputs(rows, in_flight.token_ids.index_select(0, sources), host_rows)
 
 
 def _token_ids_for_sampling(request: Request) -> tuple[list[int] | torch.Tensor, ...]:

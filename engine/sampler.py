@@ -65,6 +65,7 @@ class InFlightOutputs:
 
     rows: torch.Tensor  # [P] int64: rows of the logits
     token_ids: torch.Tensor  # [P] int64
+    rows_host: tuple[int, ...] = ()  # `rows` on the host, where the caller knows them
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,7 @@ class Sampler:
         wants_logprobs = any(p.logprobs is not None for p in params)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None  # [S, V]
 
-        held_rows = self._held_rows(rows, device)
+        held_rows = self._held_rows(rows, device, in_flight)
         logits = apply_penalties(logits, rows, in_flight, owned, held_rows)
         logits = apply_allowed_tokens(apply_bans(apply_logit_bias(logits, params), rows), rows)
         sampled = logits.argmax(dim=-1)  # [S]
@@ -156,7 +157,9 @@ class Sampler:
             packed += [top_ids.double(), top_values.double()]
         return PendingSample(copy_to_host(torch.cat(packed, dim=1)), params, num_top, sampled)
 
-    def _held_rows(self, rows: list[SamplingRow], device: torch.device) -> HeldRows | None:
+    def _held_rows(
+        self, rows: list[SamplingRow], device: torch.device, in_flight: InFlightOutputs | None
+    ) -> HeldRows | None:
         """The device table's rows for the rows whose request has a repetition penalty."""
         pairs = [
             (index, row.request)
@@ -167,7 +170,7 @@ class Sampler:
             return None
         if device not in self._held:
             self._held[device] = HeldTokens(device)
-        return self._held[device].index(pairs)
+        return self._held[device].index(pairs, in_flight)
 
     def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """One token per row ([S]), drawn from its processed logits under its temperature,

@@ -203,8 +203,8 @@ def test_the_device_table_of_held_tokens_penalises_as_the_host_ids_do(model_dir,
     options = dict(num_kv_blocks=24, block_size=4, max_num_batched_tokens=16)
     indexed, written = [], []
     real_index, real_write = HeldTokens.index, HeldTokens._write
-    monkeypatch.setattr(HeldTokens, "index", lambda self, rows: indexed.append(len(rows))
-                        or real_index(self, rows))  # fmt: skip
+    monkeypatch.setattr(HeldTokens, "index", lambda self, rows, *rest: indexed.append(len(rows))
+                        or real_index(self, rows, *rest))  # fmt: skip
     monkeypatch.setattr(HeldTokens, "_write", lambda self, slot, ids: written.append(slot)
                         or real_write(self, slot, ids))  # fmt: skip
     for overlap in (False, True):
@@ -212,7 +212,7 @@ def test_the_device_table_of_held_tokens_penalises_as_the_host_ids_do(model_dir,
         assert preemptions > 0 and sum(indexed) > 50
         assert len(written) == len(batch) - 1  # once per request with the penalty
         with monkeypatch.context() as without_table:
-            without_table.setattr(Sampler, "_held_rows", lambda self, rows, device: None)
+            without_table.setattr(Sampler, "_held_rows", lambda *args: None)
             want, _, _ = generate(model_dir, batch, params, overlap=overlap, **options)
         assert_same_outputs(got, want)
         indexed.clear()

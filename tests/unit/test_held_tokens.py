@@ -87,3 +87,31 @@ def test_another_request_under_the_same_id_gets_its_own_tokens():
     step(held, [first], [4])
     second = sampling_request("same", [7])
     assert held_ids(held, [second]) == [[7]]
+
+
+def test_a_slot_written_while_a_token_is_in_flight_takes_that_token_too(monkeypatch):
+    """Written again from the host while a token is in flight, a slot also takes that
+    token (from the device), so it does not stay a token behind and get written again at
+    every step after."""
+    from engine.sampler import InFlightOutputs
+
+    held = HeldTokens(torch.device("cpu"))
+    writes = []
+    real_write = HeldTokens._write
+    monkeypatch.setattr(HeldTokens, "_write", lambda self, slot, ids: writes.append(ids)
+                        or real_write(self, slot, ids))  # fmt: skip
+    a = sampling_request("a", [3, 4])
+    step(held, [a], [8])
+    held._counts[held._slot_of["a"]] = 1  # stale, as if an append had gone missing
+    a.num_pending_tokens = 2  # the previous step's token (6) is still in flight
+    in_flight = InFlightOutputs(torch.tensor([0]), torch.tensor([6]), rows_host=(0,))
+    rows = held.index([(0, a)], in_flight)
+    assert rows.held[0].tolist()[:4] == [3, 4, 8, 6] and len(writes) == 2
+    held.append(rows, torch.tensor([1]))
+    a.output_token_ids.append(6)  # the scheduler's update of the step before
+    assert held_ids(held, [a]) == [[3, 4, 8, 6]]
+    a.output_token_ids.append(1)  # the step that sampled 1 has been read meanwhile
+    a.num_pending_tokens = 1
+    step(held, [a], [2])
+    assert held_ids(held, [a]) == [[3, 4, 8, 6, 1, 2]]
+    assert len(writes) == 2  # none since
