@@ -20,8 +20,9 @@ take 32 MB). Like CUDA graphs, it comes out of the share of device memory that
 Bookkeeping (all on the host): a slot keeps its request across preemption (its tokens do
 not change), and is freed once the request has finished. Each step checks that a slot
 holds as many tokens as its request has on the host plus those still in flight; a slot
-that does not (or a new request) is written again from the host's ids, so what the table
-holds never depends on every append having been seen.
+that does not (or a new request) is written again from the host's ids, and a token still
+in flight is copied after them on the device, so what the table holds never depends on
+every append having been seen.
 """
 
 from __future__ import annotations
