@@ -183,6 +183,24 @@ def test_launch_never_waits_for_the_device(model_dir, prompts, monkeypatch, back
     assert sum(launched_ahead) >= 5  # steps taking in-flight tokens queued no sync either
 
 
+def test_the_held_token_table_penalises_on_the_device_as_the_host_ids_do(model_dir, prompts,
+                                                                        monkeypatch):  # fmt: skip
+    """engine/held_tokens.py on CUDA, overlapped, with tokens in flight: the tokens of the
+    run that builds each step's ids on the host (the table turned off). A reward for
+    repeating (0.5) makes a token missing from the table change the answer."""
+    from engine.sampler import Sampler
+
+    penalised = [SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True,
+                                repetition_penalty=0.5 if i % 2 else 1.3)
+                 for i in range(len(prompts))]  # fmt: skip
+    llm = LLM(str(model_dir), device="cuda", dtype="float32", num_kv_blocks=512)
+    assert llm.engine.overlaps_steps
+    with_table = llm.generate(prompts, penalised)
+    monkeypatch.setattr(Sampler, "_held_rows", lambda *args: None)
+    from_host = llm.generate(prompts, penalised)
+    assert [r.token_ids for r in with_table] == [r.token_ids for r in from_host]
+
+
 @pytest.mark.parametrize("backend", ["torch", pytest.param("flashinfer", marks=needs_flashinfer)])
 def test_overlap_scheduling_equals_serial_steps(model_dir, prompts, backend):
     """Steps launched before the previous step's tokens are read (the default on CUDA) give
