@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -53,8 +51,8 @@ COLUMNS = [  # (summary key, title)
     ("duration_s", "wall s"),
     ("api_cpu_s", "API CPU s"),  # tessera: user + system of its API process(es)
     # tessera: the mean TTFT the server measured (arrival to first token, from /metrics),
-    # and the load client's CPU (this process and its --client-processes): a client that
-    # falls behind reading 128 streams adds to the TTFT it reports, not to the server's.
+    # and the load client's CPU over the run (tessera bench serve's): a client that falls
+    # behind reading 128 streams adds to the TTFT it reports, not to the server's.
     ("server_mean_ttft_ms", "server TTFT mean ms"),
     ("client_cpu_s", "client CPU s"),
 ]
@@ -100,11 +98,9 @@ def run_tessera(args: argparse.Namespace, model_dir: Path, work: Path) -> dict:
         _, api_pids = server_processes(process.pid)
         api_before = sum(cpu_seconds(pid) for pid in api_pids)
         ttft_before = ttft_totals(scrape(base_url))
-        client_before = client_cpu_seconds()
         bench_main(common + load_flags(args) + ["--concurrency", str(args.concurrency),
                    "--max-tokens", str(args.max_tokens), "--client-processes",
                    str(args.client_processes), "--out", str(out)])  # fmt: skip
-        client_cpu_s = client_cpu_seconds() - client_before
         api_cpu_s = sum(cpu_seconds(pid) for pid in api_pids) - api_before
         # Where the server's time went (encoder, steps, queues), for the run's notes.
         metrics = scrape(base_url)
@@ -113,16 +109,9 @@ def run_tessera(args: argparse.Namespace, model_dir: Path, work: Path) -> dict:
     result = json.loads(out.read_text())
     result["summary"].update(
         api_cpu_s=api_cpu_s,
-        client_cpu_s=client_cpu_s,
         server_mean_ttft_ms=1000 * ttft_sum / ttft_count if ttft_count else None,
     )
     return result
-
-
-def client_cpu_seconds() -> float:
-    """CPU of this process, the load client, and of its client processes once joined."""
-    children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return time.process_time() + children.ru_utime + children.ru_stime
 
 
 def scrape(base_url: str) -> str:

@@ -84,6 +84,23 @@ def _request_json(record: RequestRecord) -> dict[str, Any]:
     return fields
 
 
+# A client busier than this share of the run, per client process, falls behind reading
+# its streams: the lag it adds counts in the TTFT and ITL it reports.
+BUSY_CLIENT_SHARE = 0.8
+
+
+def client_cpu_report(client_cpu_s: float, duration_s: float, client_processes: int) -> str:
+    """The load client's CPU over the run, with a warning when it was the bottleneck."""
+    text = _line("Client CPU during the run (s):", client_cpu_s)
+    if duration_s > 0 and client_cpu_s > BUSY_CLIENT_SHARE * duration_s * client_processes:
+        text += (
+            f"\nwarning: the client was busy {client_cpu_s / duration_s:.0%} of the run on "
+            f"{client_processes} process(es); its lag counts in TTFT and ITL "
+            "(more --client-processes spread it)"
+        )
+    return text
+
+
 def _line(label: str, value: Any) -> str:
     if value is None:
         text = "n/a"

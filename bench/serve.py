@@ -41,7 +41,7 @@ from bench.datasets import (
     make_requests,
     parse_image_size,
 )
-from bench.report import format_report, result_json
+from bench.report import client_cpu_report, format_report, result_json
 from bench.safety import BenchConfigError, check_loopback
 from bench.stats import RequestRecord, summarize
 
@@ -149,11 +149,12 @@ async def run_requests(
 
 def run_in_processes(
     config: BenchConfig, model: str, requests: list[BenchRequest]
-) -> tuple[list[RequestRecord], float]:
+) -> tuple[list[RequestRecord], float, float]:
     """`run_requests` split over `config.client_processes` spawned processes: process k
     sends requests k, k + N, ... with its share of the concurrency and of the rate. The
     clock starts once every process is ready, and stops when the last one has reported;
-    the records come back in request order."""
+    the records come back in request order, with the CPU seconds the processes spent
+    sending them (their start-up not included)."""
     num = config.client_processes
     context = multiprocessing.get_context("spawn")  # no forked event loop or sockets
     ready = context.Barrier(num + 1)
@@ -169,12 +170,14 @@ def run_in_processes(
     for process in processes:
         process.start()
     records: list[RequestRecord | None] = [None] * len(requests)
+    cpu_s = 0.0
     try:
         ready.wait(timeout=120)
         start = time.perf_counter()
         for _ in processes:
-            index, shard = results.get(timeout=config.max_duration_s + 60)
+            index, shard, shard_cpu_s = results.get(timeout=config.max_duration_s + 60)
             records[index::num] = shard
+            cpu_s += shard_cpu_s
         duration = time.perf_counter() - start
     finally:
         for process in processes:
@@ -182,7 +185,7 @@ def run_in_processes(
             if process.is_alive():
                 process.kill()
     missing = RequestRecord(False, error="its client process did not report")
-    return [record or missing for record in records], duration
+    return [record or missing for record in records], duration, cpu_s
 
 
 def shard_config(config: BenchConfig, index: int) -> BenchConfig:
@@ -202,14 +205,15 @@ def shard_config(config: BenchConfig, index: int) -> BenchConfig:
 
 def _client_process(index, config, model, requests, ready, results) -> None:
     """One client process: waits for the others, sends its requests, reports the records
-    (or, if it failed, one failed record per request with the error)."""
+    (or, if it failed, one failed record per request with the error) and its CPU."""
     ready.wait(timeout=120)
+    cpu_before = time.process_time()
     try:
         progress = Progress(len(requests), enabled=False)
         records, _ = asyncio.run(run_requests(config, model, requests, progress))
     except Exception as exc:  # reported as failed requests, not as a hung parent
         records = [RequestRecord(False, error=f"client process failed: {exc!r}")] * len(requests)
-    results.put((index, records))
+    results.put((index, records, time.process_time() - cpu_before))
 
 
 async def resolve_model(config: BenchConfig) -> str:
@@ -231,17 +235,23 @@ async def run(config: BenchConfig) -> int:
     except httpx.HTTPError as exc:
         raise BenchConfigError(f"cannot reach {config.base_url}: {type(exc).__name__}") from exc
     progress = Progress(len(requests), config.show_progress)
+    cpu_before, other_processes_cpu_s = time.process_time(), 0.0
     try:
         if config.client_processes > 1:
-            records, duration = await asyncio.to_thread(run_in_processes, config, model, requests)
+            records, duration, other_processes_cpu_s = await asyncio.to_thread(
+                run_in_processes, config, model, requests
+            )
         else:
             records, duration = await run_requests(config, model, requests, progress)
     finally:
         progress.close()
+    client_cpu_s = time.process_time() - cpu_before + other_processes_cpu_s
     summary = summarize(records, duration, config.slo_ttft_s, config.slo_tpot_s)
     print(format_report(summary, records))
+    print(client_cpu_report(client_cpu_s, duration, config.client_processes))
     if config.out:
         document = result_json(dataclasses.asdict(config) | {"model": model}, summary, records)
+        document["summary"]["client_cpu_s"] = client_cpu_s
         Path(config.out).write_text(json.dumps(document, indent=2) + "\n")
     return EXIT_OK if summary.num_completed else EXIT_ALL_FAILED
 

@@ -100,6 +100,7 @@ def test_bench_numbers_match_server_metrics(server, http, tmp_path, capsys, data
         summary["total_output_tokens"] / summary["duration_s"]
     )
     assert summary["num_good"] == NUM_REQUESTS  # a 60 s TTFT SLO: every request meets it
+    assert 0 < summary["client_cpu_s"] < 10 * summary["duration_s"]
     assert result["config"]["dataset"]["num_requests"] == NUM_REQUESTS
     report = capsys.readouterr().out
     assert f"{'Successful requests:':<38}{NUM_REQUESTS:>12}" in report

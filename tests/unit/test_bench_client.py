@@ -191,3 +191,15 @@ def test_client_processes_share_the_concurrency_and_the_rate():
     ):
         with pytest.raises(BenchConfigError):
             config_from_args(parse(bad))
+
+
+def test_a_busy_client_is_reported():
+    """The client's CPU over the run is printed; past 80% of the run per client process
+    a warning says its lag counts in the latencies it reports."""
+    from bench.report import client_cpu_report
+
+    quiet = client_cpu_report(3.0, duration_s=10.0, client_processes=1)
+    assert quiet.split() == ["Client", "CPU", "during", "the", "run", "(s):", "3.00"]
+    busy = client_cpu_report(9.0, duration_s=10.0, client_processes=1)
+    assert "warning: the client was busy 90% of the run" in busy
+    assert "warning" not in client_cpu_report(9.0, duration_s=10.0, client_processes=2)
