@@ -39,7 +39,7 @@ class EngineConfig:
     overlap_scheduling: bool = True  # GPU: launch step N+1 before reading step N's tokens
     cuda_graph_max_batch_size: int | None = None  # largest captured decode batch; None = max_num_seqs
     cuda_graph_max_seq_len: int | None = None  # decode steps with a longer history run eagerly; None = the whole context with flashinfer (its cost does not grow with the bound), 8192 with torch (which pads keys to it)
-    num_threads: int | None = None  # torch intra-op threads of the engine (per rank); None = torch's default on a CPU, 1 with a GPU, where the engine's host tensor work is small and parallel regions stall when the API process and image decoding keep the cores busy
+    num_threads: int | None = None  # torch intra-op threads of the engine (per rank); None = torch's default on a CPU, 1 in the server's engine process with a GPU (its host tensor work is small, and parallel regions stall while the API processes and image decoding keep the cores busy); an in-process LLM keeps its caller's setting
     tensor_parallel_size: int = 1  # ranks the decoder layers are split over (CPU, gloo); each rank is a process
     seed: int = 0  # engine-wide sampling seed for requests without their own
     grammar_cache_size: int = 128  # structured outputs: compiled grammars kept, so a repeated schema is not compiled again; 0 = none

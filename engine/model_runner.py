@@ -120,7 +120,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def intra_op_threads(num_threads: int | None, device: torch.device) -> int | None:
-    """The torch intra-op threads the engine runs with (None: leave torch's default).
+    """The torch intra-op threads the engine process runs with (None: leave torch's
+    default); `engine.process.set_intra_op_threads` applies it.
 
     With a GPU the engine's host tensor work is bookkeeping over small tensors (ids to
     pin and copy, attention plans) that gains nothing from threads, and a parallel region
@@ -250,9 +251,8 @@ class ModelRunner:
         model_config = ModelConfig.from_model_dir(config.model)
         self.dtype = resolve_dtype(config.dtype, self.device, model_config.torch_dtype)
         check_attention_backend(config.attention_backend, self.device, self.dtype)
-        threads = intra_op_threads(config.num_threads, self.device)
-        if threads:
-            torch.set_num_threads(threads)
+        if config.num_threads:  # the engine process's default: engine/process.py
+            torch.set_num_threads(config.num_threads)
         self.kv_cache_dtype = resolve_kv_cache_dtype(
             config.kv_cache_dtype, self.dtype, config.kv_cache_scale
         )

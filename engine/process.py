@@ -92,6 +92,7 @@ def run_engine(
     # How the launcher of several API processes stops us once they have drained: unwind,
     # so that `core.close()` stops tensor-parallel workers and fetchers.
     signal.signal(STOP_SIGNAL, _exit_on_stop_signal)
+    set_intra_op_threads(config)
     if len(inbox_addresses) != len(outbox_addresses) or not inbox_addresses:
         raise ValueError("one inbox and one outbox address per API process")
     context = zmq.Context()
@@ -107,6 +108,20 @@ def run_engine(
         context.term()
     if exit_code:
         sys.exit(exit_code)
+
+
+def set_intra_op_threads(config: EngineConfig) -> None:
+    """The engine process's torch intra-op threads (`engine.model_runner.intra_op_threads`:
+    one with a GPU unless `num_threads` says otherwise). Here, not in the model runner, so
+    that an in-process `LLM` leaves its caller's setting alone. torch is imported here:
+    the API processes import this module and never need it."""
+    import torch
+
+    from engine.model_runner import intra_op_threads, resolve_device
+
+    threads = intra_op_threads(config.num_threads, resolve_device(config.device))
+    if threads:
+        torch.set_num_threads(threads)
 
 
 def _exit_on_stop_signal(signum: int, frame: Any) -> None:

@@ -305,12 +305,15 @@ def test_prompt_logprobs_on_the_device_match_the_cpu_and_queue_no_sync(model_dir
             assert abs(mine.logprob - cpus.logprob) < FLOAT32_TOL
 
 
-def test_the_engine_on_a_gpu_runs_one_intra_op_thread(model_dir):
-    """engine.model_runner.intra_op_threads: nothing the engine does on the host is worth
-    a parallel region that a busy core can stall."""
+def test_an_in_process_llm_on_a_gpu_keeps_the_callers_threads(model_dir):
+    """The server's engine process runs one intra-op thread with a GPU
+    (engine.process.set_intra_op_threads); an in-process LLM changes nothing of its
+    caller's torch unless asked (num_threads)."""
     threads = torch.get_num_threads()
     try:
         LLM(str(model_dir), num_kv_blocks=64, device="cuda")
+        assert torch.get_num_threads() == threads
+        LLM(str(model_dir), num_kv_blocks=64, device="cuda", num_threads=1)
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(threads)

@@ -96,9 +96,23 @@ def test_auto_dtype_policy():
 
 def test_the_engine_runs_one_intra_op_thread_with_a_gpu_unless_told():
     """On a GPU the engine's host tensor work is small, and parallel regions stall behind
-    a busy core; on a CPU the model itself runs on those threads."""
+    a busy core; on a CPU the model itself runs on those threads. The engine process sets
+    them at its start (engine.process.set_intra_op_threads)."""
+    from engine.config import EngineConfig
+    from engine.process import set_intra_op_threads
+
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert intra_op_threads(None, cuda) == 1
     assert intra_op_threads(None, cpu) is None  # torch's default
     assert intra_op_threads(4, cuda) == 4
     assert intra_op_threads(3, cpu) == 3
+    threads = torch.get_num_threads()
+    try:
+        set_intra_op_threads(EngineConfig(model="unused", device="cpu"))
+        assert torch.get_num_threads() == threads
+        set_intra_op_threads(EngineConfig(model="unused", device="cuda"))
+        assert torch.get_num_threads() == 1
+        set_intra_op_threads(EngineConfig(model="unused", device="cuda", num_threads=2))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
