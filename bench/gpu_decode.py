@@ -42,6 +42,7 @@ import torch
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.device_io import DeviceTimer
+from engine.process import set_intra_op_threads
 from engine.protocol import EngineRequest, SamplingParams
 
 PROFILE_STEPS = 5
@@ -241,6 +242,7 @@ def bench_size(size: str, args: argparse.Namespace, bandwidth: float) -> list[De
             num_kv_blocks=max_batch * (-(-max_len // 16)) + 16,
             enable_prefix_caching=False,
         )
+        set_intra_op_threads(config)  # as the server's engine process does
         core = EngineCore(config)
         timer = ForwardTimer(core)
         weight_bytes = decoder_weight_bytes(core.runner.model)
