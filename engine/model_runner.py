@@ -210,8 +210,7 @@ def _token_ids_for_sampling(request: Request) -> tuple[list[int] | torch.Tensor,
     """(prompt ids, output ids) of a SamplingRow: kept host tensors for a row with presence
     or frequency penalties, which read the outputs every step; the lists otherwise (the
     repetition penalty reads the sampler's device table, engine/held_tokens.py)."""
-    sampling = request.sampling
-    if sampling.presence_penalty != 0.0 or sampling.frequency_penalty != 0.0:
+    if request.sampling.has_output_penalties:
         return request.token_id_tensors()
     return request.prompt_token_ids, request.output_token_ids
 

@@ -84,11 +84,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     @property
     def has_penalties(self) -> bool:
         """Repetition, presence or frequency penalties: sampling reads the output so far."""
-        return (
-            self.repetition_penalty != 1.0
-            or self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-        )
+        return self.repetition_penalty != 1.0 or self.has_output_penalties
+
+    @property
+    def has_output_penalties(self) -> bool:
+        """Presence or frequency penalties (OpenAI's), which count the output tokens."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
     def needs_output_on_host(self) -> bool:

@@ -265,7 +265,7 @@ def apply_penalties(
         logits = logits.clone(memory_format=torch.contiguous_format)
     if any(p.repetition_penalty != 1.0 for p in params):
         _apply_repetition_penalty(logits, rows, in_flight, held_rows)
-    if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
+    if any(p.has_output_penalties for p in params):
         _apply_presence_and_frequency(logits, rows, in_flight)
     return logits
 
