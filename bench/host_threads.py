@@ -4,7 +4,7 @@ and without other processes keeping cores busy.
     PYTHONPATH=. .venv/bin/python bench/host_threads.py                 # 1 vs 2 threads
     PYTHONPATH=. python bench/host_threads.py --threads 1 16 --busy 8   # a GPU host
 
-Why `engine.model_runner.intra_op_threads` gives the engine one thread on a GPU: its host
+Why `engine.process.set_intra_op_threads` gives the engine one thread on a GPU: its host
 tensor work is small (here: the repetition penalty's ids for 128 rows of a 500-token
 prompt and 64 outputs, ~70k ids: a cat, two repeat_interleave, an add, as the sampler
 built them each step before engine/held_tokens.py), and a parallel region waits for its

@@ -119,24 +119,6 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def intra_op_threads(num_threads: int | None, device: torch.device) -> int | None:
-    """The torch intra-op threads the engine process runs with (None: leave torch's
-    default); `engine.process.set_intra_op_threads` applies it.
-
-    With a GPU the engine's host tensor work is bookkeeping over small tensors (ids to
-    pin and copy, attention plans) that gains nothing from threads, and a parallel region
-    waits for its slowest thread: while the API process, image decoding and clients keep
-    the cores busy, one descheduled thread stalls the region, and with it the next step's
-    launch. `bench/host_threads.py` on this project's 2-core machine, on host work of that
-    size (the penalty's ids for 128 rows as the sampler built them before
-    engine/held_tokens.py): 0.35 ms on 2 threads and 0.25 ms on 1 while quiet, 1.2 against
-    0.25 ms beside one spinning process, 23 against 0.5 ms beside two. vLLM's GPU workers
-    run with one thread for the same reason."""
-    if num_threads:
-        return num_threads
-    return 1 if device.type == "cuda" else None
-
-
 def resolve_dtype(
     name: str, device: torch.device, checkpoint_dtype: str | None = None
 ) -> torch.dtype:

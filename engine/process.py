@@ -111,15 +111,27 @@ def run_engine(
 
 
 def set_intra_op_threads(config: EngineConfig) -> None:
-    """The engine process's torch intra-op threads (`engine.model_runner.intra_op_threads`:
-    one with a GPU unless `num_threads` says otherwise). Here, not in the model runner, so
-    that an in-process `LLM` leaves its caller's setting alone. torch is imported here:
-    the API processes import this module and never need it."""
+    """The engine process's torch intra-op threads: `num_threads` where given, else one
+    with a GPU, else torch's default. Here, not in the model runner, so that an in-process
+    `LLM` leaves its caller's setting alone. torch is imported here: the API processes
+    import this module and never need it.
+
+    With a GPU the engine's host tensor work is bookkeeping over small tensors (ids to
+    pin and copy, attention plans) that gains nothing from threads, and a parallel region
+    waits for its slowest thread: while the API process, image decoding and clients keep
+    the cores busy, one descheduled thread stalls the region, and with it the next step's
+    launch. `bench/host_threads.py` on this project's 2-core machine, on host work of that
+    size (the penalty's ids for 128 rows as the sampler built them before
+    engine/held_tokens.py): 0.35 ms on 2 threads and 0.25 ms on 1 while quiet, 1.2 against
+    0.25 ms beside one spinning process, 23 against 0.5 ms beside two. vLLM's GPU workers
+    run with one thread for the same reason."""
     import torch
 
-    from engine.model_runner import intra_op_threads, resolve_device
+    from engine.model_runner import resolve_device
 
-    threads = intra_op_threads(config.num_threads, resolve_device(config.device))
+    threads = config.num_threads
+    if not threads and resolve_device(config.device).type == "cuda":
+        threads = 1
     if threads:
         torch.set_num_threads(threads)
 
