@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python bench/engine_host.py --batch 128 --prompt-len 450
     PYTHONPATH=. python bench/engine_host.py --repetition-penalty 1.05   # with penalties
+    PYTHONPATH=. python bench/engine_host.py --presence-penalty 0.5 --frequency-penalty 0.5
 
 On a GPU the device runs a 2B decode step at batch 128 in ~3.2 ms (docs/gpu.md); with
 overlap scheduling the host prepares the next step meanwhile, so the host work per step
@@ -82,7 +83,9 @@ def _run(model_dir: Path, args: argparse.Namespace, totals: Counter) -> dict[str
         EngineConfig(model=str(model_dir), num_kv_blocks=args.num_kv_blocks, max_model_len=4096)
     )
     sampling = SamplingParams(max_tokens=args.steps + 64, ignore_eos=True, temperature=0.0,
-                              repetition_penalty=args.repetition_penalty)  # fmt: skip
+                              repetition_penalty=args.repetition_penalty,
+                              presence_penalty=args.presence_penalty,
+                              frequency_penalty=args.frequency_penalty)  # fmt: skip
     for i in range(args.batch):
         prompt = [(i * 7 + j) % 1000 + 10 for j in range(args.prompt_len)]
         core.add_request(EngineRequest(request_id=f"r{i}", prompt_token_ids=prompt,
@@ -107,6 +110,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--repetition-penalty", type=float, default=1.0,
                         help="1.05: what Qwen2-VL checkpoints ask for (the sampler then "
                              "reads every prompt and output)")  # fmt: skip
+    parser.add_argument("--presence-penalty", type=float, default=0.0,
+                        help="OpenAI's (the sampler then reads every output)")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0)
     return parser.parse_args(argv)
 
 
@@ -122,7 +128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         torch.set_num_threads(threads)
     print(f"batch {args.batch}, prompt {args.prompt_len} tokens, {args.steps} decode steps, "
-          f"repetition_penalty {args.repetition_penalty}:")  # fmt: skip
+          f"repetition_penalty {args.repetition_penalty}, presence_penalty "
+          f"{args.presence_penalty}, frequency_penalty {args.frequency_penalty}:")  # fmt: skip
     per_step["host"] = per_step["step"] - per_step.get("forward", 0.0)
     for label in ("step", "forward", "host", "schedule", "allocate_slots", "gather", "update"):
         print(f"  {label:15s} {per_step.get(label, 0.0):8.3f} ms/step")

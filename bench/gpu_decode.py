@@ -17,6 +17,8 @@ bookkeeping. Modes:
     graphs-penalties  graphs, every request with repetition_penalty 1.05 (what Qwen2-VL
                     and Qwen2.5-VL checkpoints ask for): the penalties count the token in
                     flight on the device, so these steps overlap too
+    graphs-openai-penalties  graphs, every request with OpenAI's presence_penalty and
+                    frequency_penalty 0.5, which count each output token
 
 "forward" is the device time of the decoder alone (CUDA events around it).
 
@@ -51,7 +53,7 @@ PROFILE_STEPS = 5
 @dataclass(frozen=True)
 class DecodeResult:
     size: str
-    mode: str  # "graphs" | "graphs-serial" | "eager" | "graphs-penalties"
+    mode: str  # one of MODES
     batch_size: int
     step_ms: float  # median over the timed steps
     forward_ms: float  # median device time of the decoder forward
@@ -128,6 +130,14 @@ def plain_token_ids(core: EngineCore) -> int:
     return min(mc.vocab_size, 8000, *(i for i in special if i is not None))
 
 
+# The sampling penalties of the modes that have them.
+MODE_PENALTIES = {
+    "graphs-penalties": {"repetition_penalty": 1.05},
+    "graphs-openai-penalties": {"presence_penalty": 0.5, "frequency_penalty": 0.5},
+}
+MODES = ["graphs", "graphs-serial", "eager", *MODE_PENALTIES]
+
+
 def random_prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
     return [rng.randrange(vocab) for _ in range(length)]
 
@@ -136,9 +146,8 @@ def run_batch(core: EngineCore, timer: ForwardTimer, batch_size: int,
               args: argparse.Namespace, vocab: int, mode: str) -> tuple[float, float]:  # fmt: skip
     """Median step and forward times (ms) of `args.steps` decode steps at `batch_size`."""
     rng = random.Random(batch_size)
-    penalty = 1.05 if mode == "graphs-penalties" else 1.0
     sampling = SamplingParams(max_tokens=max_new_tokens(args), temperature=0.0, ignore_eos=True,
-                              repetition_penalty=penalty)  # fmt: skip
+                              **MODE_PENALTIES.get(mode, {}))  # fmt: skip
     ids = [f"b{batch_size}-{i}" for i in range(batch_size)]
     for request_id in ids:
         prompt = random_prompt(rng, args.context_len, vocab)
@@ -276,7 +285,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--model-root", default="/tmp/tessera-models")
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 32, 128])
     parser.add_argument("--modes", nargs="+", default=["graphs", "graphs-serial", "eager"],
-                        choices=["graphs", "graphs-serial", "eager", "graphs-penalties"])  # fmt: skip
+                        choices=MODES)  # fmt: skip
     parser.add_argument("--attention-backend", default="flashinfer")
     parser.add_argument("--context-len", type=int, default=512)
     parser.add_argument("--warmup-steps", type=int, default=5)

@@ -15,6 +15,8 @@ request that leaves the fields out (`--generation-config auto`, as vLLM).
   qwen3-vl          Qwen3-VL-Instruct's: top_k 20, top_p 0.8, temperature 0.7
   temperature       temperature 0.7 alone (the whole vocabulary is raced)
   seeded            temperature 0.7 with a seed per row
+  openai-penalties  greedy with OpenAI's presence_penalty 0.5 and frequency_penalty 0.5
+                    (64 outputs each)
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ PRESETS = {
     "qwen3-vl": {"top_k": 20, "top_p": 0.8, "temperature": 0.7},
     "temperature": {"temperature": 0.7},
     "seeded": {"temperature": 0.7, "seed": 0},
+    "openai-penalties": {"temperature": 0.0, "presence_penalty": 0.5, "frequency_penalty": 0.5},
 }
 
 
@@ -97,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     print(f"{args.rows} rows x {args.vocab} logits on {args.device} ({args.threads} threads):")
     for preset in args.presets:
-        print(f"  {preset:12s} {time_preset(preset, args):9.2f} ms/step")
+        print(f"  {preset:16s} {time_preset(preset, args):9.2f} ms/step")
     return 0
 
 

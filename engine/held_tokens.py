@@ -1,21 +1,24 @@
 """The tokens each running request holds (its prompt and its outputs so far), kept on the
-sampling device between steps, for the repetition penalty.
+sampling device between steps, for the penalties.
 
-The penalty reads, for every row of every step, each token its request holds. Building
-those ids on the host each step costs host work that grows with prompts and outputs (a
-row's ids as a tensor, then concatenated and copied over: ~0.3 ms a step at 128 rows of
-~560 ids on one CPU thread, several times that in parallel regions beside busy cores,
-docs/gpu.md 2026-11-27). Here a request's ids are written once, into its row (slot) of a
-device table, when it first samples with the penalty; after that each step appends the
-token it samples, on the device, behind the sampling itself. A step then only gathers its
-rows' slots: the host work per step is a few small lists, whatever the lengths.
+The repetition penalty reads, for every row of every step, each token its request holds;
+the presence and frequency penalties read its outputs. Building those ids on the host
+each step costs host work that grows with prompts and outputs (a row's ids as a tensor,
+then concatenated and copied over: ~0.3 ms a step at 128 rows of ~560 ids on one CPU
+thread, several times that in parallel regions beside busy cores, docs/gpu.md
+2026-11-27). Here a request's ids are written once, into its row (slot) of a device table,
+when it first samples with a penalty; after that each step appends the token it samples,
+on the device, behind the sampling itself. A step then only gathers its rows' slots: the
+host work per step is a few small lists, whatever the lengths of prompts and outputs.
 
 Columns past a row's count hold its first prompt token, a token it holds anyway: the
-penalty may read a row's every column and write each back, since a token held twice is
-penalised to the same value twice. The table holds int32 ids and only grows: rows double
-as requests come, columns double up to the longest sequence seen (256 rows of 32k tokens
-take 32 MB). Like CUDA graphs, it comes out of the share of device memory that
-`gpu_memory_utilization` leaves outside the KV cache (engine/kv_cache_sizing.py).
+repetition penalty may read a row's every column and write each back, since a token held
+twice is penalised to the same value twice. The outputs (`HeldRows.outputs`) are gathered
+exactly, one entry per occurrence, since the frequency penalty counts them. The table
+holds int32 ids and only grows: rows double as requests come, columns double up to the
+longest sequence seen (256 rows of 32k tokens take 32 MB). Like CUDA graphs, it comes out
+of the share of device memory that `gpu_memory_utilization` leaves outside the KV cache
+(engine/kv_cache_sizing.py).
 
 Bookkeeping (all on the host): a slot keeps its request across preemption (its tokens do
 not change), and is freed once the request has finished. Each step checks that a slot
@@ -27,6 +30,7 @@ every append having been seen.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -44,15 +48,50 @@ MIN_SLOTS = 16
 
 @dataclass(frozen=True)
 class HeldRows:
-    """Some rows of a step, each with its request's slot: what `index` returned, for
-    `append` once the step's tokens are sampled."""
+    """Some rows of a step, each with its request's slot: what `index` returned. Their
+    tokens for the penalties (`tokens`, `outputs`), and where `append` writes the tokens
+    the step samples. Every slot holds its request's tokens in flight too."""
 
     rows_host: tuple[int, ...]  # rows of the logits
     slots_host: tuple[int, ...]
+    counts_host: tuple[int, ...]  # tokens each slot holds before this step's
+    prompt_lens_host: tuple[int, ...]  # where each slot's outputs start
     rows: torch.Tensor  # [P] int64 on the device
     slots: torch.Tensor  # [P] int64 on the device
     counts: torch.Tensor  # [P] int64 on the device: where each row's next token goes
-    held: torch.Tensor  # [P, L] int32 on the device: each row's tokens (padded as above)
+    table: torch.Tensor  # [slots, W] int32 on the device: the table this step reads
+
+    def tokens(self, positions: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """([P'] logits rows, [P', L] int32 ids): every token that the rows at `positions`
+        of this (all of them by default) hold, prompt and outputs, each row padded with a
+        token it holds anyway."""
+        rows, slots = self.rows, self.slots
+        if positions is None:
+            positions = range(len(self.rows_host))
+        elif len(positions) < len(self.rows_host):
+            index = to_device(positions, torch.long, rows.device)
+            rows, slots = rows.index_select(0, index), slots.index_select(0, index)
+        width = max(self.counts_host[p] for p in positions)
+        return rows, self.table.index_select(0, slots)[:, :width]
+
+    def outputs(self, positions: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """([N] logits rows, [N] int64 ids): each output token that the rows at `positions`
+        hold, one entry per occurrence (no padding). The host sends three numbers a row;
+        the device expands them (`output_size` spares `repeat_interleave` its sync)."""
+        width = self.table.shape[1]
+        lengths = [self.counts_host[p] - self.prompt_lens_host[p] for p in positions]
+        host = [[self.rows_host[p] for p in positions],
+                [self.slots_host[p] * width + self.prompt_lens_host[p] for p in positions],
+                lengths]  # fmt: skip
+        rows, starts, lengths_on_device = to_device(host, torch.long, self.table.device)
+        total = sum(lengths)
+        # Entry k of a row is at starts + k: starts less the entries before the row, plus
+        # the entry's place among all N.
+        before = lengths_on_device.cumsum(0) - lengths_on_device
+        flat = (starts - before).repeat_interleave(lengths_on_device, output_size=total)
+        flat += torch.arange(total, device=flat.device)
+        rows = rows.repeat_interleave(lengths_on_device, output_size=total)
+        return rows, self.table.view(-1).index_select(0, flat).long()
 
 
 class HeldTokens:
@@ -97,8 +136,9 @@ class HeldTokens:
         self._ensure_width(max(counts) + 1)  # room for this step's token
         logits_rows = [row for row, _ in rows]
         host = to_device([logits_rows, slots, counts], torch.long, self.device)
-        held = self._table.index_select(0, host[1])[:, : max(counts)]  # [P, L]
-        return HeldRows(tuple(logits_rows), tuple(slots), host[0], host[1], host[2], held)
+        prompt_lens = tuple(len(request.prompt_token_ids) for _, request in rows)
+        return HeldRows(tuple(logits_rows), tuple(slots), tuple(counts), prompt_lens,
+                        host[0], host[1], host[2], self._table)  # fmt: skip
 
     def append(self, held_rows: HeldRows, sampled: torch.Tensor) -> None:
         """Writes each row's sampled token ([S] on the device) after its others."""

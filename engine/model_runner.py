@@ -188,15 +188,6 @@ def _in_flight_outputs(
     return InFlightOutputs(rows, in_flight.token_ids.index_select(0, sources), host_rows)
 
 
-def _token_ids_for_sampling(request: Request) -> tuple[list[int] | torch.Tensor, ...]:
-    """(prompt ids, output ids) of a SamplingRow: kept host tensors for a row with presence
-    or frequency penalties, which read the outputs every step; the lists otherwise (the
-    repetition penalty reads the sampler's device table, engine/held_tokens.py)."""
-    if request.sampling.has_output_penalties:
-        return request.token_id_tensors()
-    return request.prompt_token_ids, request.output_token_ids
-
-
 def _banned_token_ids(chunk: ScheduledChunk) -> tuple[int, ...]:
     """The last tokens of bad words the sequence would complete, and EOS and stop tokens
     while the token this chunk samples is one of the first `min_tokens` outputs. Counted
@@ -525,7 +516,8 @@ class ModelRunner:
         rows = [
             SamplingRow(
                 chunk.request.sampling,
-                *_token_ids_for_sampling(chunk.request),
+                chunk.request.prompt_token_ids,  # the penalties read the sampler's table
+                chunk.request.output_token_ids,  # (engine/held_tokens.py) instead
                 chunk.request.generator_on(self.device),
                 _banned_token_ids(chunk),
                 chunk.request.allowed_tokens(),

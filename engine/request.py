@@ -117,9 +117,6 @@ class Request:
         self.positions: torch.Tensor | None = None  # [3, num_prompt_tokens] int64 M-RoPE
         self.rope_delta = 0
         self._generator: torch.Generator | None = None  # a seeded request's: generator_on()
-        self._prompt_ids: torch.Tensor | None = None  # token_id_tensors(), kept between steps
-        self._output_ids = torch.empty(0, dtype=torch.long)  # filled up to _num_output_ids
-        self._num_output_ids = 0
         self.logprobs: list[TokenLogprob] | None = [] if sampling.logprobs is not None else None
         # Where the output stands in `sampling.structured_output`'s grammar (set at admission).
         self.grammar: GrammarMatcher | None = None
@@ -147,24 +144,6 @@ class Request:
         if self._generator is None:
             self._generator = torch.Generator(device=device).manual_seed(self.sampling.seed)
         return self._generator
-
-    def token_id_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(prompt ids, output ids so far) as int64 host tensors, for the penalties, which
-        read both every step. Kept between steps (outputs only grow: each call appends the
-        new ones), since building them from the lists for every row of every step cost
-        ~5.6 ms a step at 128 rows of 1000-token prompts on this project's CPU machine."""
-        if self._prompt_ids is None:
-            self._prompt_ids = torch.tensor(self.prompt_token_ids, dtype=torch.long)
-        num_outputs = len(self.output_token_ids)
-        if num_outputs > self._output_ids.numel():  # grow by doubling
-            grown = torch.empty(max(16, 2 * num_outputs), dtype=torch.long)
-            grown[: self._num_output_ids] = self._output_ids[: self._num_output_ids]
-            self._output_ids = grown
-        if num_outputs > self._num_output_ids:
-            new = self.output_token_ids[self._num_output_ids : num_outputs]
-            self._output_ids[self._num_output_ids : num_outputs] = torch.tensor(new)
-            self._num_output_ids = num_outputs
-        return self._prompt_ids, self._output_ids[:num_outputs]
 
     def allowed_tokens(self) -> torch.Tensor | None:
         """The bitmask of the tokens its next pick may take (grammar and

@@ -10,8 +10,9 @@
 #               writes other ones)
 #   tests       tests/gpu
 #   decode-2b   bench/gpu_decode.py, batch 1 / 32 / 128, graphs with and without overlap
-#               scheduling and with repetition_penalty 1.05 (graphs-penalties); with a
-#               torch profile of batch 1 and 128 (profiles.tar: Chrome traces)
+#               scheduling, with repetition_penalty 1.05 (graphs-penalties) and with
+#               OpenAI's presence and frequency penalties (graphs-openai-penalties); with
+#               a torch profile of batch 1 and 128 (profiles.tar: Chrome traces)
 #   decode-7b
 #   vision-2b   bench/gpu_vision.py: the vision tower at 1 / 8 / 32 images of 448x448 per
 #               call against its FLOP floor, PyTorch's SDPA kernels forced one by one, and
@@ -76,7 +77,7 @@ run_decode() {  # $1: qwen2-vl-2b | qwen2-vl-7b; the 2B run also profiles batch 
         profile=(--profile-dir /tmp/profiles --profile-batch-sizes 1 128)
     fi
     python3 bench/gpu_decode.py --sizes "$1" --batch-sizes 1 32 128 --model-root "$models" \
-        --modes graphs graphs-serial graphs-penalties --out "$out/decode-$1.json" \
+        --modes graphs graphs-serial graphs-penalties graphs-openai-penalties --out "$out/decode-$1.json" \
         "${profile[@]}" || return 1
     if [ -d /tmp/profiles ]; then tar -C /tmp -cf "$out/profiles.tar" profiles; fi
 }

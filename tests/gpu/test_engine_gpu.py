@@ -187,11 +187,14 @@ def test_the_held_token_table_penalises_on_the_device_as_the_host_ids_do(model_d
                                                                         monkeypatch):  # fmt: skip
     """engine/held_tokens.py on CUDA, overlapped, with tokens in flight: the tokens of the
     run that builds each step's ids on the host (the table turned off). A reward for
-    repeating (0.5) makes a token missing from the table change the answer."""
+    repeating (0.5) and a strong frequency penalty make a token missing from the table, or
+    counted twice, change the answer."""
     from engine.sampler import Sampler
 
     penalised = [SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True,
-                                repetition_penalty=0.5 if i % 2 else 1.3)
+                                repetition_penalty=0.5 if i % 2 else 1.3,
+                                frequency_penalty=3.0 if i % 3 == 0 else 0.0,
+                                presence_penalty=0.6 if i % 3 == 1 else 0.0)
                  for i in range(len(prompts))]  # fmt: skip
     llm = LLM(str(model_dir), device="cuda", dtype="float32", num_kv_blocks=512)
     assert llm.engine.overlaps_steps

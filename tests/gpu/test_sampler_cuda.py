@@ -67,16 +67,18 @@ def test_plain_greedy_rows_take_bf16_logits_without_a_float32_copy(monkeypatch):
     assert Sampler()(logits, rows).token_ids == expected and casts == [(4, 1000)]
 
 
-def test_repetition_penalty_on_the_device_as_on_the_host_without_a_sync():
-    """The sparse repetition penalty (gather, penalise, scatter over the held tokens, ids
-    held twice included, a token in flight on the device) gives the host's values bit for
-    bit, and queues no host sync."""
+def test_penalties_on_the_device_as_on_the_host_without_a_sync():
+    """The sparse penalties (repetition: gather, penalise, scatter over the held tokens;
+    presence and frequency: the output occurrences sorted and counted; ids held twice
+    included, a token in flight on the device) give the host's values bit for bit, and
+    queue no host sync."""
     from engine.sampler import InFlightOutputs, apply_penalties
 
     generator = torch.Generator().manual_seed(4)
     vocab = 151936
     logits = torch.randn(6, vocab, generator=generator) * 4
-    rows = [SamplingRow(SamplingParams(repetition_penalty=1.0 + 0.1 * i),
+    rows = [SamplingRow(SamplingParams(repetition_penalty=1.0 + 0.1 * i,
+                                       presence_penalty=0.3 * (i % 3), frequency_penalty=0.2 * i),
                         torch.randint(0, vocab, (300,), generator=generator),
                         torch.randint(0, 50, (i * 7,), generator=generator))
             for i in range(6)]  # fmt: skip

@@ -185,14 +185,15 @@ def test_overlap_scheduling_setting_turns_it_off(model_dir):
 
 
 def test_the_device_table_of_held_tokens_penalises_as_the_host_ids_do(model_dir, monkeypatch):
-    """The repetition penalty reads each request's tokens from the sampler's device table
+    """The penalties read each request's tokens from the sampler's device table
     (engine/held_tokens.py: written once, appended each step on the device). Through
     preemption (a tight KV pool), prefill chunks, tokens in flight and finished requests
-    whose slots are reused, it must penalise as the host's ids do (the table turned off:
-    every step's ids built from the requests' lists). A reward for repeating (penalty 0.5)
-    makes any token missing from, or wrongly in, the table change the answer. Each
-    request's ids are written from the host once, at its first sample: preemption keeps
-    its slot, and each step's token is appended on the device."""
+    whose slots are reused, they must penalise as the host's ids do (the table turned off:
+    every step's ids built from the requests' lists). Rewards for repeating (repetition
+    penalty 0.5, a negative presence penalty) and a strong frequency penalty make any
+    token missing from, or counted twice in, the table change the answer. Each request's ids are written from the host
+    once, at its first sample: preemption keeps its slot, and each step's token is appended
+    on the device."""
     from engine.held_tokens import HeldTokens
     from engine.sampler import Sampler
 
@@ -200,6 +201,9 @@ def test_the_device_table_of_held_tokens_penalises_as_the_host_ids_do(model_dir,
     params = [greedy(10 + 2 * i, ignore_eos=True, repetition_penalty=0.5 if i % 2 else 1.7)
               for i in range(len(batch))]  # fmt: skip
     params[2] = greedy(14, ignore_eos=True)  # no penalty beside them
+    for i in (0, 3, 6):  # OpenAI's penalties too, which count the outputs
+        params[i] = msgspec.structs.replace(params[i], presence_penalty=0.6, frequency_penalty=3.0)
+    params[4] = greedy(18, ignore_eos=True, presence_penalty=-1.0, frequency_penalty=0.5)
     options = dict(num_kv_blocks=24, block_size=4, max_num_batched_tokens=16)
     indexed, written = [], []
     real_index, real_write = HeldTokens.index, HeldTokens._write

@@ -15,7 +15,7 @@ def test_cpu_smoke_run_times_pure_decode_steps(tmp_path):
     argv = [
         "--device", "cpu", "--dtype", "float32", "--attention-backend", "torch",
         "--sizes", "tiny", "--model-root", str(tmp_path / "models"), "--modes", "eager",
-        "graphs-penalties",
+        "graphs-openai-penalties",
         "--batch-sizes", "1", "4", "--context-len", "40", "--max-num-batched-tokens", "64",
         "--steps", "3", "--warmup-steps", "1", "--out", str(out),
         "--profile-dir", str(tmp_path / "profiles"), "--profile-batch-sizes", "4",
@@ -23,10 +23,11 @@ def test_cpu_smoke_run_times_pure_decode_steps(tmp_path):
     assert gpu_decode.main(argv) == 0
     results = json.loads(out.read_text())["results"]
     assert [(r["mode"], r["batch_size"]) for r in results] == [
-        ("eager", 1), ("eager", 4), ("graphs-penalties", 1), ("graphs-penalties", 4)
+        ("eager", 1), ("eager", 4), ("graphs-openai-penalties", 1),
+        ("graphs-openai-penalties", 4),
     ]  # fmt: skip
     assert all(r["step_ms"] > 0 and r["forward_ms"] > 0 and r["floor_ms"] > 0 for r in results)
     assert results[1]["kv_bytes"] == 4 * results[0]["kv_bytes"]
     assert sorted(p.name for p in (tmp_path / "profiles").iterdir()) == [
-        "tiny-eager-torch-b4.json.gz", "tiny-graphs-penalties-torch-b4.json.gz"
+        "tiny-eager-torch-b4.json.gz", "tiny-graphs-openai-penalties-torch-b4.json.gz"
     ]  # fmt: skip

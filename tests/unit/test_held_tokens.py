@@ -20,7 +20,7 @@ def sampling_request(request_id: str, prompt: list[int]) -> Request:
 def held_ids(held: HeldTokens, requests: list[Request]) -> list[list[int]]:
     """Each request's row as the penalty reads it, padding (its first token) dropped."""
     rows = held.index(list(enumerate(requests)))
-    return [row[: request.num_tokens] for row, request in zip(rows.held.tolist(), requests,
+    return [row[: request.num_tokens] for row, request in zip(rows.tokens()[1].tolist(), requests,
                                                                 strict=True)]  # fmt: skip
 
 
@@ -44,7 +44,7 @@ def test_tokens_are_written_once_then_appended_on_the_device(monkeypatch):
     assert held_ids(held, [a, b]) == [[5, 6, 7, 1, 3, 5], [9, 2, 4, 5]]
     assert writes == [[5, 6, 7], [9]]
     rows = held.index([(0, a), (1, b)])
-    padding = rows.held[1, b.num_tokens :]
+    padding = rows.tokens()[1][1, b.num_tokens :]
     assert padding.numel() and (padding == 9).all()  # b's first token, which it holds
 
 
@@ -58,7 +58,7 @@ def test_a_token_in_flight_counts_and_a_stale_slot_is_written_again():
     rows = held.index([(0, a)])
     held.append(rows, torch.tensor([6]))  # sampled; the scheduler has not seen it yet
     a.num_pending_tokens = 2
-    assert held.index([(0, a)]).held[0].tolist()[:4] == [3, 4, 8, 6]
+    assert held.index([(0, a)]).tokens()[1][0].tolist()[:4] == [3, 4, 8, 6]
     a.num_pending_tokens = 1
     a.output_token_ids.append(6)
     held._counts[held._slot_of["a"]] = 1  # as if an append had gone missing
@@ -106,7 +106,7 @@ def test_a_slot_written_while_a_token_is_in_flight_takes_that_token_too(monkeypa
     a.num_pending_tokens = 2  # the previous step's token (6) is still in flight
     in_flight = InFlightOutputs(torch.tensor([0]), torch.tensor([6]), rows_host=(0,))
     rows = held.index([(0, a)], in_flight)
-    assert rows.held[0].tolist()[:4] == [3, 4, 8, 6] and len(writes) == 2
+    assert rows.tokens()[1][0].tolist()[:4] == [3, 4, 8, 6] and len(writes) == 2
     held.append(rows, torch.tensor([1]))
     a.output_token_ids.append(6)  # the scheduler's update of the step before
     assert held_ids(held, [a]) == [[3, 4, 8, 6]]

@@ -146,22 +146,96 @@ def test_a_seeded_request_draws_on_the_device_that_samples_it():
     assert Request("s", [1], SamplingParams()).generator_on(torch.device("cpu")) is None
 
 
-def test_penalty_rows_read_token_ids_kept_between_steps():
-    """Rows with penalties get their request's ids as host tensors kept between steps
-    (outputs appended as they come), penalised exactly as from the lists: building them
-    from lists took ~5.7 ms a step at 128 rows of 1000-token prompts, 0.33 ms kept."""
-    request = Request("r", [4, 5, 5], SamplingParams(repetition_penalty=1.5))
-    prompt, outputs = request.token_id_tensors()
-    assert prompt.tolist() == [4, 5, 5] and outputs.tolist() == []
-    for token in range(40):  # past the first buffer of 16, then 32
-        request.output_token_ids.append(token % 7)
-        kept_prompt, outputs = request.token_id_tensors()
-        assert kept_prompt is prompt and outputs.tolist() == request.output_token_ids
-    logits = torch.randn(1, 8, generator=torch.Generator().manual_seed(2))
-    params = dict(repetition_penalty=1.5, frequency_penalty=0.5)
-    as_lists = apply_penalties(logits, [row([4, 5, 5], request.output_token_ids, **params)])
-    as_kept = apply_penalties(logits, [SamplingRow(SamplingParams(**params), prompt, outputs)])
-    assert torch.equal(as_kept, as_lists)
+def dense_presence_and_frequency(logits, rows, newest=None):
+    """OpenAI's penalties through a dense [S, V] count of the outputs, as the sampler
+    computed them before it touched only the tokens a row has output: the reference."""
+    counts = torch.zeros_like(logits)
+    for index, sampling_row in enumerate(rows):
+        outputs = [*sampling_row.output_token_ids]
+        if newest is not None and newest[index] is not None:
+            outputs.append(newest[index])
+        for token in outputs:
+            counts[index, token] += 1
+    presence = torch.tensor([r.params.presence_penalty for r in rows]).unsqueeze(1)
+    frequency = torch.tensor([r.params.frequency_penalty for r in rows]).unsqueeze(1)
+    penalised = logits - frequency * counts
+    return penalised - presence * (counts > 0).to(logits.dtype)
+
+
+def test_presence_and_frequency_touch_only_output_tokens_as_the_dense_count_did():
+    """Rows with and without the penalties, tokens output many times, kept tensors and
+    lists, tokens in flight (named on the host or not), -inf and zero logits: bit for bit
+    the dense computation, the caller's logits untouched."""
+    generator = torch.Generator().manual_seed(5)
+    vocab = 40
+    logits = torch.randn(5, vocab, generator=generator) * 4
+    logits[:, :2] = 0.0
+    logits[1, 5] = float("-inf")
+    settings = [(0.5, 0.25), (0.0, 0.0), (-0.3, 1.1), (1.7, 0.0), (0.0, -0.6)]
+    rows, newest = [], [3, 5, None, 0, 39]
+    for index, (presence, frequency) in enumerate(settings):
+        output = torch.randint(0, vocab // 4, (6 * index,), generator=generator)
+        if index % 2:
+            output = output.tolist()
+        params = SamplingParams(presence_penalty=presence, frequency_penalty=frequency)
+        rows.append(SamplingRow(params, [1, 2, 3], output))
+    rows[1] = SamplingRow(SamplingParams(), [1], [5, 5])
+    in_flight_rows, in_flight_ids = torch.tensor([0, 1, 3, 4]), torch.tensor([3, 5, 0, 39])
+    want = dense_presence_and_frequency(logits, rows, newest)
+    assert not torch.equal(want, dense_presence_and_frequency(logits, rows))
+    before = logits.clone()
+    for rows_host in ((), (0, 1, 3, 4)):
+        in_flight = InFlightOutputs(in_flight_rows, in_flight_ids, rows_host)
+        assert torch.equal(apply_penalties(logits, rows, in_flight), want)
+    assert torch.equal(logits, before)
+
+
+def test_rows_with_their_requests_read_the_device_table_as_the_lists():
+    """A request's rows read their tokens from the sampler's table (written once, appended
+    after each sample); every penalty together, through several steps, tokens in flight
+    (step 3 samples while step 2's tokens of rows 0 and 2 are not on the host yet) and a
+    finished request, gives the logits that the host's lists give."""
+    from engine.request import RequestStatus
+
+    generator = torch.Generator().manual_seed(1)
+    settings = [dict(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2),
+                dict(presence_penalty=0.9), dict(frequency_penalty=-0.5),
+                dict(repetition_penalty=0.8), dict()]  # fmt: skip
+    requests = []
+    for index, params in enumerate(settings):
+        request = Request(f"r{index}", [7, index, index + 1, 7], SamplingParams(**params))
+        request.status, request.num_pending_tokens = RequestStatus.RUNNING, 1
+        requests.append(request)
+    sampler, device = Sampler(), torch.device("cpu")
+    in_flight, flying = None, {}  # request -> its token not yet on the host
+    for step in range(6):
+        logits = torch.randn(len(requests), 12, generator=generator)
+        on_table = [SamplingRow(r.sampling, r.prompt_token_ids, r.output_token_ids,
+                                request=r) for r in requests]  # fmt: skip
+        on_lists = [SamplingRow(r.sampling, r.prompt_token_ids, list(r.output_token_ids))
+                    for r in requests]  # fmt: skip
+        held_rows = sampler._held_rows(on_table, device, in_flight)
+        got = apply_penalties(logits, on_table, in_flight, held_rows=held_rows)
+        assert torch.equal(got, apply_penalties(logits, on_lists, in_flight)), step
+        sampled = got.argmax(dim=-1).tolist()
+        sampler._held[device].append(held_rows, torch.tensor(sampled))
+        for request, token in flying.items():  # the step before is read now
+            request.output_token_ids.append(token)
+            request.num_pending_tokens = 1
+        flying, in_flight = {}, None
+        for request, token in zip(requests, sampled, strict=True):
+            if step == 2 and request in (requests[0], requests[2]):
+                flying[request] = token
+                request.num_pending_tokens = 2
+            else:
+                request.output_token_ids.append(token)
+        if flying:
+            in_flight = InFlightOutputs(torch.tensor([0, 2]), torch.tensor([*flying.values()]),
+                                        (0, 2))  # fmt: skip
+        if step == 4:
+            requests[1].status = RequestStatus.FINISHED_STOPPED
+            requests = requests[:1] + requests[2:]
+    assert sampler._held[device].num_slots_in_use == 3
 
 
 def test_top_k_one_is_greedy_without_the_random_path(monkeypatch):
