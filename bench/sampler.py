@@ -15,6 +15,7 @@ request that leaves the fields out (`--generation-config auto`, as vLLM).
   qwen3-vl          Qwen3-VL-Instruct's: top_k 20, top_p 0.8, temperature 0.7
   temperature       temperature 0.7 alone (the whole vocabulary is raced)
   seeded            temperature 0.7 with a seed per row
+  qwen3-vl-seeded   Qwen3-VL-Instruct's defaults with a seed per row
   openai-penalties  greedy with OpenAI's presence_penalty 0.5 and frequency_penalty 0.5
                     (64 outputs each)
 """
@@ -38,6 +39,7 @@ PRESETS = {
     "qwen3-vl": {"top_k": 20, "top_p": 0.8, "temperature": 0.7},
     "temperature": {"temperature": 0.7},
     "seeded": {"temperature": 0.7, "seed": 0},
+    "qwen3-vl-seeded": {"top_k": 20, "top_p": 0.8, "temperature": 0.7, "seed": 0},
     "openai-penalties": {"temperature": 0.0, "presence_penalty": 0.5, "frequency_penalty": 0.5},
 }
 

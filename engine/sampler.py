@@ -176,30 +176,64 @@ class Sampler:
 
     def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """One token per row ([S]), drawn from its processed logits under its temperature,
-        top-k, top-p and min-p, from the engine's random stream; a seeded row draws alone
-        from its own, so that its tokens depend on nothing but its request."""
-        device = logits.device
+        top-k, top-p and min-p. Rows without a seed draw together from the engine's random
+        stream. A seeded row draws from its own, with the arithmetic it would have alone, so
+        that its tokens depend on nothing but its request: seeded rows draw in groups whose
+        rows would each take the same path alone (`_draw_shape`), one batched draw a group,
+        each row's noise from its own generator. (One draw a seeded row, as before, was ~15
+        small ops a row and step: 7.2 against 1.1 ms for 128 rows of Qwen3-VL's defaults at
+        a 2000-token vocabulary on one CPU thread, launches on a GPU.)"""
+        device, vocab = logits.device, logits.shape[1]
+        groups: dict[tuple[bool, int, bool] | None, list[int]] = {}
+        for index, row in enumerate(rows):
+            seeded = row.generator is not None and not row.params.is_greedy
+            groups.setdefault(_draw_shape(row.params, vocab) if seeded else None, []).append(index)
         params = [row.params for row in rows]
-        picked = _draw(logits, params, self._generator(device))
-        seeded = [
-            index
-            for index, row in enumerate(rows)
-            if row.generator is not None and not row.params.is_greedy
-        ]
-        if not seeded:
-            return picked
-        own = [_draw(logits[i : i + 1], [params[i]], rows[i].generator) for i in seeded]
-        return picked.index_copy(0, to_device(seeded, torch.long, device), torch.cat(own))
+        if len(groups) == 1:  # every row in one group: no copy of the logits
+            ((shape, members),) = groups.items()
+            return _draw(logits, params, self._group_generator(shape, members, rows, device))
+        picked = torch.empty(len(rows), dtype=torch.long, device=device)
+        for shape, members in groups.items():
+            index = to_device(members, torch.long, device)
+            drawn = _draw(logits.index_select(0, index), [params[i] for i in members],
+                          self._group_generator(shape, members, rows, device))  # fmt: skip
+            picked.index_copy_(0, index, drawn)
+        return picked
+
+    def _group_generator(
+        self,
+        shape: tuple[bool, int, bool] | None,
+        members: list[int],
+        rows: list[SamplingRow],
+        device: torch.device,
+    ) -> torch.Generator | list[torch.Generator]:
+        """The engine's stream for the unseeded rows (shape None), else each row's own."""
+        if shape is None:
+            return self._generator(device)
+        return [rows[i].generator for i in members]  # each seeded: not None
+
+
+def _draw_shape(params: SamplingParams, vocab: int) -> tuple[bool, int, bool]:
+    """What decides the arithmetic of a row's draw alone (`_draw` with it as the only row):
+    whether it races a top-k of candidates, over how many, and whether a top-p nucleus is
+    cut (beside a row that cuts one, a row with top_p 1 would be cut at a mass of 1, which
+    rounding can reach before the last token)."""
+    over_candidates = 0 < params.top_k <= TOP_K_CANDIDATES
+    width = min(params.top_k, vocab) if over_candidates else vocab
+    return over_candidates, width, params.top_p < 1.0
 
 
 def _draw(
-    logits: torch.Tensor, params: list[SamplingParams], generator: torch.Generator | None
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generator: torch.Generator | list[torch.Generator] | None,
 ) -> torch.Tensor:  # [S, V] -> [S]
     """Exponential race over the probabilities (the Gumbel-max trick). Where every random
     row keeps at most TOP_K_CANDIDATES tokens (top_k), only those candidates are scaled,
     normalised and raced, not the vocabulary: the same distribution without a sort over
     [S, V] (Qwen3-VL's defaults, top_k 20 and top_p 0.8: 377 against 11 ms a step for 32
-    rows of 152k logits on one CPU thread)."""
+    rows of 152k logits on one CPU thread). `generator`: the stream of every row's noise, or
+    one per row (each row's noise then as it would be drawn for that row alone)."""
     device = logits.device
     temperature = to_device(
         [1.0 if p.is_greedy else p.temperature for p in params], logits.dtype, device
@@ -217,7 +251,12 @@ def _draw(
     if any(m > 0 for m in min_p):
         threshold = to_device(min_p, probs.dtype, device).unsqueeze(1) * probs.amax(-1, True)
         probs = probs.masked_fill(probs < threshold, 0.0)
-    noise = torch.empty_like(probs).exponential_(generator=generator)
+    noise = torch.empty_like(probs)
+    if isinstance(generator, list):
+        for row, own in zip(noise, generator, strict=True):
+            row.exponential_(generator=own)
+    else:
+        noise.exponential_(generator=generator)
     picked = (probs / noise).argmax(dim=-1)  # [S]
     if candidates is None:
         return picked

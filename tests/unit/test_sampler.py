@@ -238,6 +238,41 @@ def test_rows_with_their_requests_read_the_device_table_as_the_lists():
     assert sampler._held[device].num_slots_in_use == 3
 
 
+def test_seeded_rows_draw_in_groups_of_one_shape_each_as_alone(monkeypatch):
+    """Seeded rows draw together where they would each draw the same way alone (top-k
+    candidates of one width, or the vocabulary; a top-p cut or not), with each row's noise
+    from its own stream: one draw per group, not per row, and every seeded row's tokens,
+    step after step, those it draws alone. Unseeded rows draw together from the engine's
+    stream."""
+    import engine.sampler as sampler_module
+
+    logits = torch.randn(9, 300, generator=torch.Generator().manual_seed(4)) * 2
+    settings = [dict(top_k=20, top_p=0.8, temperature=0.7)] * 3 + [
+        dict(top_k=20, temperature=0.7),  # no top-p cut: its own group
+        dict(top_k=5, top_p=0.8),  # another width
+        dict(temperature=0.9), dict(temperature=1.3, min_p=0.1),  # the vocabulary
+    ]  # fmt: skip
+    seeds = [11, 12, 13, 14, 15, 16, 17]
+    unseeded = [row(temperature=0.5), row(temperature=0.0)]
+
+    def batch():
+        return [row(seed=seed, **params) for seed, params in zip(seeds, settings, strict=True)]
+
+    draws = []
+    real_draw = sampler_module._draw
+    monkeypatch.setattr(sampler_module, "_draw", lambda logits, params, generator:
+                        draws.append(len(params)) or real_draw(logits, params, generator))  # fmt: skip
+    together, sampler = batch(), Sampler(seed=5)
+    in_batch = [sampler(logits, [*together, *unseeded]).token_ids[:7] for _ in range(5)]
+    assert draws == [3, 1, 1, 2, 2] * 5  # 4 seeded groups, then the unseeded rows
+    alone = []
+    for index, seeded in enumerate(batch()):
+        alone.append([Sampler()(logits[index : index + 1], [seeded]).token_ids[0]
+                      for _ in range(5)])  # fmt: skip
+    assert in_batch == [list(step) for step in zip(*alone, strict=True)]
+    assert len({tuple(tokens) for tokens in alone}) > 1
+
+
 def test_top_k_one_is_greedy_without_the_random_path(monkeypatch):
     """top_k 1 leaves one candidate: the argmax of the processed logits (penalties and
     biases applied), taken without sorting, softmax and noise over the vocabulary, which
