@@ -97,11 +97,11 @@ class AppState:
             raise ModelNotFound(f"the model {model!r} does not exist", param="model")
 
 
-def load_sampling_defaults(settings: ServerSettings) -> SamplingDefaults:
+def load_sampling_defaults(settings: ServerSettings, announce: bool = True) -> SamplingDefaults:
     """The sampling defaults `--generation-config` names (GenerationConfigError if bad);
-    logs them when they are not OpenAI's."""
+    logs them when they are not OpenAI's and `announce` (one API process of several)."""
     defaults = settings.sampling_defaults()
-    if changed := defaults.changed():
+    if (changed := defaults.changed()) and announce:
         logger.warning(
             "sampling defaults from the generation config (for fields a request leaves out): "
             "%s; --generation-config none keeps OpenAI's",
@@ -177,7 +177,7 @@ def build_app(settings: ServerSettings, engine: Any, *, api_server_index: int = 
         processor = await asyncio.to_thread(
             PromptProcessor.from_model_dir, settings.engine.model, settings.chat_template_source()
         )
-        sampling_defaults = load_sampling_defaults(settings)
+        sampling_defaults = load_sampling_defaults(settings, announce=api_server_index == 0)
         fetcher = _make_fetcher(settings, metrics)
         with contextlib.suppress(AttributeError):
             engine.add_stats_listener(metrics.on_engine_stats)

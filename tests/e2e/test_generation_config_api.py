@@ -56,7 +56,8 @@ def test_left_out_fields_take_the_models_recommendations(recommending_model, tmp
     expected = hf_text_tokens(recommending_model, PROMPT)
     plain = hf_text_tokens(recommending_model, PROMPT, repetition_penalty=1.0)
     assert expected != plain, "the penalty must change this prompt's answer"
-    with serve(recommending_model, tmp_path_factory) as server:
+    # Two API processes: each applies the defaults, and only the first one logs them.
+    with serve(recommending_model, tmp_path_factory, "--api-server-count", "2") as server:
         answer = complete(server.base_url)  # temperature 1 (OpenAI's), top_k 1: the argmax
         assert answer["choices"][0]["text"] == decoded(recommending_model, expected)
         assert answer["usage"]["completion_tokens"] == len(expected)
