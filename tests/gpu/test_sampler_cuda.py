@@ -93,3 +93,28 @@ def test_penalties_on_the_device_as_on_the_host_without_a_sync():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(on_device.cpu(), on_host)
+
+
+def test_seeded_rows_draw_in_groups_on_the_device_as_alone_without_a_sync():
+    """Seeded rows of one draw shape draw together, each row's noise from its own CUDA
+    generator (engine/sampler.py, `_sample_random`): the tokens each draws alone, and
+    `sample()` queues no host sync."""
+    logits = (torch.randn(6, 151936, generator=torch.Generator().manual_seed(6)) * 3).cuda()
+    settings = [dict(top_k=20, top_p=0.8, temperature=0.7)] * 3 + [
+        dict(temperature=0.9), dict(temperature=0.9, min_p=0.05), dict(top_k=5)
+    ]  # fmt: skip
+
+    def rows() -> list[SamplingRow]:
+        return [SamplingRow(SamplingParams(seed=seed, **params), [0], [],
+                            torch.Generator(device="cuda").manual_seed(seed))
+                for seed, params in enumerate(settings)]  # fmt: skip
+
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pending = Sampler().sample(logits, rows())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    in_batch = pending.result().token_ids
+    alone = [Sampler()(logits[i : i + 1], [row]).token_ids[0] for i, row in enumerate(rows())]
+    assert in_batch == alone
