@@ -15,7 +15,7 @@ for CPU benchmarks and the real `qwen2.5-vl-3b` / `qwen2.5-vl-7b` shapes. Qwen3-
 `tiny-qwen3-vl` for tests (interleaved M-RoPE, deepstack, a learned position table smaller
 and larger than test pictures; videos frame by frame after their times), `small-qwen3-vl`,
 and the real `qwen3-vl-2b` / `qwen3-vl-4b`; the mixtures of experts `tiny-qwen3-moe` and
-`tiny-qwen3-vl-moe`. Text-only decoders: `tiny-qwen2` (Qwen2ForCausalLM), `tiny-llama`
+`tiny-qwen3-vl-moe`, and `qwen3-vl-moe-8l` (Qwen3-VL-30B-A3B's widths, 8 of its 48 layers). Text-only decoders: `tiny-qwen2` (Qwen2ForCausalLM), `tiny-llama`
 (LlamaForCausalLM, with a BOS-adding tokenizer and llama3 rotary scaling) and `tiny-qwen3`
 (Qwen3ForCausalLM: q/k head norms, a head dim that is not hidden / heads). Every size keeps
 a small trained tokenizer; the big ones only pad the embedding / lm_head rows up to the

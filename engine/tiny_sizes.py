@@ -336,3 +336,23 @@ SIZES["small-qwen3-vl"] = dataclasses.replace(
 SIZES["tiny-qwen3-vl-moe"] = dataclasses.replace(
     SIZES["tiny-qwen3-vl"], architecture="qwen3_vl_moe", **MOE
 )
+# Qwen3-VL-30B-A3B's widths (a 2048-wide decoder of 32 query and 4 KV heads, 128 experts
+# of width 768 in every layer, 8 per token; the 27-block, 1152-wide tower with deepstack
+# from blocks 8, 16 and 24) with 8 of its 48 decoder layers: the grouped expert matmuls at
+# their real shapes on a GPU. 6.1B parameters, 12.3 GB in bf16; all 48 layers would be
+# 31,070,754,032 (the hub's 31.1B), 62 GB, more than the lent machine's disk holds.
+SIZES["qwen3-vl-moe-8l"] = dataclasses.replace(
+    SIZES["qwen3-vl-2b"],
+    num_hidden_layers=8,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    tie_word_embeddings=False,
+    architecture="qwen3_vl_moe",
+    vision_depth=27,
+    vision_embed_dim=1152,
+    vision_intermediate_size=4304,
+    deepstack_visual_indexes=(8, 16, 24),
+    num_experts=128,
+    num_experts_per_tok=8,
+    moe_intermediate_size=768,
+)

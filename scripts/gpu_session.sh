@@ -14,6 +14,11 @@
 #               OpenAI's presence and frequency penalties (graphs-openai-penalties); with
 #               a torch profile of batch 1 and 128 (profiles.tar: Chrome traces)
 #   decode-7b
+#   decode-moe  a mixture of experts at real width (qwen3-vl-moe-8l: Qwen3-VL-30B-A3B's
+#               widths, 8 layers; checkpoint written first, ~12 GB): bench/moe.py's
+#               grouped matmuls against the expert loop at 1 to 1024 tokens, then
+#               bench/gpu_decode.py, graphs and eager, batch 1 / 32 / 128 (its floor counts
+#               the experts a step's tokens pick)
 #   vision-2b   bench/gpu_vision.py: the vision tower at 1 / 8 / 32 images of 448x448 per
 #               call against its FLOP floor, PyTorch's SDPA kernels forced one by one, and
 #               transformers' tower; profiles of 1 and 32 images (added to profiles.tar)
@@ -82,6 +87,14 @@ run_decode() {  # $1: qwen2-vl-2b | qwen2-vl-7b; the 2B run also profiles batch 
     if [ -d /tmp/profiles ]; then tar -C /tmp -cf "$out/profiles.tar" profiles; fi
 }
 
+run_moe() {
+    python3 -c "from pathlib import Path; from bench.gpu_decode import ensure_model
+ensure_model(Path('$models'), 'qwen3-vl-moe-8l', 'cuda')" || return 1
+    python3 bench/moe.py --device cuda --dtypes bfloat16 --tokens 1 8 32 128 1024 || return 1
+    python3 bench/gpu_decode.py --sizes qwen3-vl-moe-8l --batch-sizes 1 32 128 \
+        --model-root "$models" --modes graphs eager --out "$out/decode-moe.json"
+}
+
 run_vision() {  # the 2B and 7B towers differ only in the merger's output width
     python3 bench/gpu_vision.py --size qwen2-vl-2b --model-root "$models" --images 1 8 32 \
         --out "$out/vision-2b.json" --profile-dir /tmp/profiles --profile-images 1 32 || return 1
@@ -105,6 +118,7 @@ for step in "$@"; do
         tests) fn=run_tests ;;
         decode-2b) fn="run_decode qwen2-vl-2b" ;;
         decode-7b) fn="run_decode qwen2-vl-7b" ;;
+        decode-moe) fn=run_moe ;;
         vision-2b) fn=run_vision ;;
         serving-2b) fn="run_serving qwen2-vl-2b" ;;
         serving-7b) fn="run_serving qwen2-vl-7b" ;;
@@ -123,7 +137,7 @@ for step in "$@"; do
 \"top_p\": 0.001, \"temperature\": 0.01, \"repetition_penalty\": 1.05}'" ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac
-    export -f prepare run_tests run_decode run_vision run_serving
+    export -f prepare run_tests run_decode run_moe run_vision run_serving
     export out models
     timeout "$step_timeout" bash -c "$fn" 2>&1 | tee "$out/$step.log"
     rc=${PIPESTATUS[0]}

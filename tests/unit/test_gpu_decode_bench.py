@@ -31,3 +31,26 @@ def test_cpu_smoke_run_times_pure_decode_steps(tmp_path):
     assert sorted(p.name for p in (tmp_path / "profiles").iterdir()) == [
         "tiny-eager-torch-b4.json.gz", "tiny-graphs-openai-penalties-torch-b4.json.gz"
     ]  # fmt: skip
+
+
+def test_a_mixture_of_experts_floor_counts_the_experts_a_step_reads(tmp_path):
+    """Of a mixture of experts the floor counts the experts that the step's tokens pick on
+    average (E (1 - (1 - k / E)^B) of each sparse layer), not every expert."""
+    assert gpu_decode.experts_read(128, 8, 1) == 8
+    assert abs(gpu_decode.experts_read(128, 8, 32) - 111.8) < 0.05
+    out, models = tmp_path / "decode.json", tmp_path / "models"
+    argv = [
+        "--device", "cpu", "--dtype", "float32", "--attention-backend", "torch",
+        "--sizes", "tiny-qwen3-vl-moe", "--model-root", str(models), "--modes", "eager",
+        "--batch-sizes", "1", "4", "--context-len", "8", "--steps", "2", "--warmup-steps", "1",
+        "--out", str(out),
+    ]  # fmt: skip
+    assert gpu_decode.main(argv) == 0
+    one, four = json.loads(out.read_text())["results"]
+    text = json.loads((models / "tiny-qwen3-vl-moe" / "config.json").read_text())["text_config"]
+    experts, top_k = text["num_experts"], text["num_experts_per_tok"]
+    sparse = text["num_hidden_layers"] - len(text["mlp_only_layers"])
+    per_expert = 3 * text["hidden_size"] * text["moe_intermediate_size"] * 4  # float32
+    read = [gpu_decode.experts_read(experts, top_k, batch) for batch in (1, 4)]
+    difference = sparse * per_expert * (read[1] - read[0])
+    assert abs(four["weight_bytes"] - one["weight_bytes"] - difference) <= sparse

@@ -270,6 +270,26 @@ def test_benchmark_sizes_have_the_real_parameter_counts(size, decoder, lm_head, 
     assert 8192 <= spec.bpe_vocab_size < spec.vocab_size  # small tokenizer, real row count
 
 
+def test_the_mixture_of_experts_benchmark_size_has_qwen3_vl_30b_a3b_widths():
+    """qwen3-vl-moe-8l: Qwen3-VL-30B-A3B's layers, 8 of 48. Counted from the architecture,
+    its decoder layer and, with all 48 layers, the whole model (the hub's 31.1B)."""
+    spec = SIZES["qwen3-vl-moe-8l"]
+    shapes = dict(weight_shapes(spec, spec.vocab_size))
+    prefix = "model.language_model.layers.7."
+    assert shapes[prefix + "mlp.experts.gate_up_proj"] == (128, 2048, 2 * 768)
+    assert shapes[prefix + "mlp.experts.down_proj"] == (128, 768, 2048)
+    assert shapes[prefix + "mlp.gate.weight"] == (128, 2048)
+    assert not any(name.startswith("model.language_model.layers.8.") for name in shapes)
+    h, head, heads, kv_heads = 2048, 128, 32, 4
+    attention = 2 * h * heads * head + 2 * h * kv_heads * head + 2 * head  # q, o; k, v; norms
+    layer = 2 * h + attention + 128 * h + 128 * 3 * h * 768  # norms, attention, router, experts
+    layers = [s for name, s in shapes.items() if name.startswith(prefix)]
+    assert _num_params([("", s) for s in layers]) == layer
+    whole = dataclasses.replace(spec, num_hidden_layers=48)
+    assert _num_params(weight_shapes(whole, spec.vocab_size)) == 31_070_754_032
+    assert ("lm_head.weight", (151936, 2048)) in weight_shapes(spec, spec.vocab_size)
+
+
 def test_tie_word_embeddings_drops_lm_head_and_sets_the_config():
     untied = SIZES["tiny"]
     tied = dataclasses.replace(untied, tie_word_embeddings=True)
