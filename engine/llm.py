@@ -237,15 +237,25 @@ class LLM:
         processing,
         rendering: dict[str, Any] | None = None,
     ) -> tuple[EngineRequest, list[torch.Tensor]]:
+        from engine.multimodal.prompt import IMAGE_PART_TYPES, VIDEO_PART_TYPES
+
         items = []  # (modality, ProcessedImage) of every image and video, in prompt order
         for message_index, message in enumerate(messages):
             content = message.get("content")
             if not isinstance(content, list):
                 continue
             for part_index, part in enumerate(content):
-                if part.get("type") in ("image", "video"):
-                    param = f"messages[{message_index}].content[{part_index}]"
-                    items.append((part["type"], self._process_media(part, param, processing)))
+                param = f"messages[{message_index}].content[{part_index}]"
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind in ("image", "video"):
+                    items.append((kind, self._process_media(part, param, processing)))
+                elif kind in IMAGE_PART_TYPES | VIDEO_PART_TYPES:  # the HTTP API's forms
+                    raise InvalidRequest(
+                        f"a {kind!r} part is the HTTP API's; LLM.generate takes "
+                        "{'type': 'image', 'image': a PIL image or encoded bytes} and "
+                        "{'type': 'video', 'video': a file's bytes or frames}",
+                        param=param,
+                    )
         rendering = dict(rendering or {})
         if rendering.get("continue_final_message"):
             rendering.setdefault("add_generation_prompt", False)

@@ -182,19 +182,25 @@ def test_bad_inputs_fail_alone(reference, prompts):
     image_id = reference.tokenizer.convert_tokens_to_ids("<|image_pad|>")
     corrupt = io.BytesIO()
     picture(64, 64, 4).save(corrupt, format="PNG")
+    http_image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     bad = [
         list(range(10, 250)),  # longer than the context
         [5, 6, image_id, image_id, 7],  # placeholders without media
         "typed <|image_pad|> placeholder",  # placeholder typed into text
         chat(corrupt.getvalue()[:60], "truncated image"),  # corrupt image bytes
+        {"messages": [{"role": "user", "content": [http_image, {"type": "text", "text": "?"}]}]},
     ]
     batch = [prompts[0], *bad, prompts[1]]
     results = llm.generate(batch, GREEDY)
     check([results[0], results[-1]], reference, prompts, [0, 1])
     codes = [r.error.code if r.error else None for r in results[1:-1]]
-    assert codes == ["context_length_exceeded", "invalid_media", "invalid_media", "invalid_media"]
+    assert codes[:4] == ["context_length_exceeded", "invalid_media", "invalid_media",
+                         "invalid_media"]  # fmt: skip
     assert all(r.finish_reason == "error" and r.token_ids == [] for r in results[1:-1])
     assert "240" in results[1].error.message and "200" in results[1].error.message
+    offline_form = results[5].error
+    assert offline_form.param == "messages[0].content[0]" and offline_form.status == 400
+    assert "'image_url' part is the HTTP API's" in offline_form.message
 
 
 def test_prefix_cache(reference, prompts):
