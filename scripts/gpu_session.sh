@@ -25,7 +25,8 @@
 #   serving-2b  bench/gpu_serving.py: Tessera vs transformers on issue 8's load
 #   serving-7b
 #   serving-2b-tessera    serving-2b, Tessera's run alone
-#   serving-2b-threads8   the same with --image-decode-threads 8 (the default is 2)
+#   serving-2b-threads2, serving-2b-threads8   the same with --image-decode-threads 2 / 8
+#               (the default is half the cores, 2 to 8: 8 on a 16-core host)
 #   serving-2b-api2, serving-2b-api4   the same with --api-server-count 2 / 4 (API
 #               processes in front of the engine; the default is 1)
 #   serving-2b-si4   the same with --stream-interval 4 (a chunk per 4 tokens; default 1)
@@ -123,8 +124,9 @@ for step in "$@"; do
         serving-2b) fn="run_serving qwen2-vl-2b" ;;
         serving-7b) fn="run_serving qwen2-vl-7b" ;;
         serving-2b-tessera) fn="run_serving qwen2-vl-2b qwen2-vl-2b-tessera --runs tessera" ;;
-        serving-2b-threads8) fn="run_serving qwen2-vl-2b qwen2-vl-2b-threads8 --runs tessera \
---tessera-arg=--image-decode-threads --tessera-arg=8" ;;
+        serving-2b-threads2 | serving-2b-threads8) fn="run_serving qwen2-vl-2b \
+qwen2-vl-2b-${step#serving-2b-} --runs tessera --tessera-arg=--image-decode-threads \
+--tessera-arg=${step#serving-2b-threads}" ;;
         serving-2b-api2 | serving-2b-api4) fn="run_serving qwen2-vl-2b qwen2-vl-2b-${step#serving-2b-} \
 --runs tessera --tessera-arg=--api-server-count --tessera-arg=${step#serving-2b-api}" ;;
         serving-2b-si4) fn="run_serving qwen2-vl-2b qwen2-vl-2b-si4 --runs tessera \

@@ -124,7 +124,7 @@ def _make_fetcher(settings: ServerSettings, metrics: ServerMetrics) -> MediaFetc
         allowed_domains=settings.allowed_media_domains,
         allowed_local_path=settings.allowed_local_media_path,
         max_video_bytes=settings.max_video_bytes,
-        num_image_decode_threads=settings.image_decode_threads,
+        num_image_decode_threads=settings.image_decode_thread_count(),
         num_video_decode_threads=settings.video_decode_threads,
     )
     video_config = VideoConfig.from_model_dir(

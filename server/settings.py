@@ -74,7 +74,7 @@ class ServerSettings:
     max_video_frames: int = 32  # frames sampled per video, at most (2 frames = 1 grid step)
     max_video_tokens: int = 16384  # frames shrink so that one video takes at most ~0.9x this many tokens
     image_cache_mb: int = 256  # processed images kept for repeats of the same bytes; 0 = off
-    image_decode_threads: int = 2  # threads that decode and preprocess images
+    image_decode_threads: int | None = None  # threads that decode and preprocess images, per API process; None = half the cores shared among the API processes, 2 to 8 (a burst of image requests queues on them)
     video_decode_threads: int = 2  # their own threads for videos: an image never waits behind one
     media_fetch_timeout_s: float = 10.0  # total deadline per media URL
     media_fetch_max_redirects: int = 3  # each hop re-checked by the URL guard
@@ -129,7 +129,7 @@ class ServerSettings:
             "video_decode_threads",
             "stream_interval",
         ):
-            if getattr(self, name) <= 0:
+            if (value := getattr(self, name)) is not None and value <= 0:
                 raise SettingsError(f"{name} must be positive")
         if not self.video_fps > 0:
             raise SettingsError("video_fps must be positive")
@@ -151,6 +151,12 @@ class ServerSettings:
     def model_name(self) -> str:
         """The model name clients use (`served_model_name` or the model folder's name)."""
         return self.engine.model_name
+
+    def image_decode_thread_count(self) -> int:
+        """`image_decode_threads`, or its default for this machine's usable cores."""
+        if self.image_decode_threads is not None:
+            return self.image_decode_threads
+        return default_image_decode_threads(len(os.sched_getaffinity(0)), self.api_server_count)
 
     def replace(self, **changes: Any) -> ServerSettings:
         return dataclasses.replace(self, **changes)
@@ -185,6 +191,16 @@ class _Field:
     @property
     def env(self) -> str:
         return ENV_PREFIX + self.name.upper()
+
+
+def default_image_decode_threads(num_cores: int, api_server_count: int) -> int:
+    """Half the cores, shared among the API processes, 2 to 8 threads per process. Image
+    decoding and preprocessing release the GIL (a burst of 128 448x448 PNGs: 3.0 ms an
+    image on one thread, 1.6 ms on two, on the 2-core development machine), and a burst of
+    image requests queues on these threads: on the H100's 16-core host, two threads held
+    Qwen2-VL-2B requests 334 ms on average under issue 8's load (docs/gpu.md). The other
+    half of the cores is left to the engine process, the event loops and the clients."""
+    return max(2, min(8, num_cores // (2 * api_server_count)))
 
 
 def _fields_of(cls: type, *, is_engine: bool) -> list[_Field]:

@@ -9,7 +9,14 @@ import pytest
 
 from engine.config import EngineConfig
 from server.default_model import default_model_dir
-from server.settings import FIELDS, ServerSettings, SettingsError, build_parser, load_settings
+from server.settings import (
+    FIELDS,
+    ServerSettings,
+    SettingsError,
+    build_parser,
+    default_image_decode_threads,
+    load_settings,
+)
 
 
 def _yaml(tmp_path: Path, text: str) -> str:
@@ -92,6 +99,22 @@ def test_api_server_count_is_checked() -> None:
     assert load_settings(addresses, {}).api_server_count == 1
     with pytest.raises(SettingsError, match="unset engine_inbox_address"):
         load_settings([*addresses, "--api-server-count", "2"], {})
+
+
+def test_image_decode_threads_default_to_half_the_cores_shared_by_the_api_processes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert [default_image_decode_threads(cores, 1) for cores in (1, 2, 4, 12, 16, 64)] == [
+        2, 2, 2, 6, 8, 8
+    ]  # fmt: skip
+    assert default_image_decode_threads(16, 4) == 2 and default_image_decode_threads(64, 2) == 8
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
+    assert load_settings(["--model", "m"], {}).image_decode_thread_count() == 8
+    two = load_settings(["--model", "m", "--api-server-count", "2"], {})
+    assert two.image_decode_thread_count() == 4
+    assert load_settings(["--image-decode-threads", "3"], {}).image_decode_thread_count() == 3
+    with pytest.raises(SettingsError, match="image_decode_threads must be positive"):
+        load_settings(["--image-decode-threads", "0"], {})
 
 
 def test_yaml_errors_and_nested_engine_section(tmp_path: Path) -> None:
