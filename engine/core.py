@@ -92,6 +92,7 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         self._in_flight: InFlightStep | None = None  # launched ahead by step_overlapped
+        self._last_finished = 0.0  # perf_counter() when finish_step last returned
         self.runner = ModelRunner(config)
         self.model_config = self.runner.model_config
         self.config = config.replace(
@@ -260,7 +261,7 @@ class EngineCore:
             kv_cache_usage=self.scheduler.kv.usage,
             num_preemptions_total=counters.num_preemptions,
             num_scheduled_tokens=step.scheduler_output.num_scheduled_tokens,
-            step_seconds=time.perf_counter() - step.started,
+            step_seconds=self._step_seconds(step),
             vision_encoder_seconds=encoder_seconds,
             vision_encoder_items_total=num_items,
             vision_encoder_batches_total=num_batches,
@@ -271,6 +272,15 @@ class EngineCore:
             **self.features.stats_fields(),
         )
         return EngineOutputs(outputs, stats)
+
+    def _step_seconds(self, step: InFlightStep) -> float:
+        """The step's time, from its launch or, if it was launched ahead, from when the
+        step before it finished: steps' times then add up to the engine's time, where a
+        step launched ahead would count the rest of the one before it again."""
+        now = time.perf_counter()
+        seconds = now - max(step.started, self._last_finished)
+        self._last_finished = now
+        return seconds
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Passes on requests whose grammar has compiled; returns those that failed. With

@@ -138,7 +138,11 @@ METRICS: tuple[MetricSpec, ...] = (
         TOKEN_BUCKETS,
     ),
     _histogram("tessera:iteration_tokens", "Tokens scheduled in one engine step.", TOKEN_BUCKETS),
-    _histogram("tessera:engine_step_seconds", "Wall time of one engine step.", LATENCY_BUCKETS),
+    _histogram(
+        "tessera:engine_step_seconds",
+        "Wall time of one engine step (a step launched ahead: from when the one before finished).",
+        LATENCY_BUCKETS,
+    ),
     # The API process(es): media preprocessing (before the engine sees the request), CPU.
     _counter(
         "tessera:api_server_cpu_seconds_total",

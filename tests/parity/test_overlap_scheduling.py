@@ -12,6 +12,8 @@ block left held.
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 import numpy as np
 import pytest
@@ -221,3 +223,18 @@ def test_the_device_table_of_held_tokens_penalises_as_the_host_ids_do(model_dir,
         assert_same_outputs(got, want)
         indexed.clear()
         written.clear()
+
+
+def test_step_times_do_not_count_a_step_launched_ahead_twice(model_dir):
+    """Overlapped, a step is launched before the one in flight has finished; its time runs
+    from when that one finishes, so that step times add up to the engine's time (each used
+    to count the rest of the step before it too: ~2x the run's wall time on CPU, where a
+    launch runs the step)."""
+    llm = LLM(str(model_dir), dtype="float32")
+    llm.engine.overlaps_steps = True
+    llm.generate(prompts(1), greedy(2))  # warm-up
+    started = time.perf_counter()
+    llm.generate(prompts(4), greedy(24, ignore_eos=True))
+    wall = time.perf_counter() - started
+    assert sum(stats.step_seconds for stats in llm.last_stats) <= wall
+    assert sum(stats.step_seconds for stats in llm.last_stats) > 0.25 * wall
