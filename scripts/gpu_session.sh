@@ -19,6 +19,10 @@
 #               grouped matmuls against the expert loop at 1 to 1024 tokens, then
 #               bench/gpu_decode.py, graphs and eager, batch 1 / 32 / 128 (its floor counts
 #               the experts a step's tokens pick)
+#   prefill-2b  bench/gpu_prefill.py: a wave of issue 8's load (128 requests of a 448x448
+#               image and 200 words at once) through the engine's prefill steps, each step's
+#               wall, encoder and forward time against its FLOP floor; a torch profile of a
+#               second wave (profiles.tar)
 #   vision-2b   bench/gpu_vision.py: the vision tower at 1 / 8 / 32 images of 448x448 per
 #               call against its FLOP floor, PyTorch's SDPA kernels forced one by one, and
 #               transformers' tower; profiles of 1 and 32 images (added to profiles.tar)
@@ -96,6 +100,12 @@ ensure_model(Path('$models'), 'qwen3-vl-moe-8l', 'cuda')" || return 1
         --model-root "$models" --modes graphs eager --out "$out/decode-moe.json"
 }
 
+run_prefill() {
+    python3 bench/gpu_prefill.py --size qwen2-vl-2b --model-root "$models" --requests 128 \
+        --out "$out/prefill-2b.json" --profile-dir /tmp/profiles || return 1
+    tar -C /tmp -cf "$out/profiles.tar" profiles
+}
+
 run_vision() {  # the 2B and 7B towers differ only in the merger's output width
     python3 bench/gpu_vision.py --size qwen2-vl-2b --model-root "$models" --images 1 8 32 \
         --out "$out/vision-2b.json" --profile-dir /tmp/profiles --profile-images 1 32 || return 1
@@ -120,6 +130,7 @@ for step in "$@"; do
         decode-2b) fn="run_decode qwen2-vl-2b" ;;
         decode-7b) fn="run_decode qwen2-vl-7b" ;;
         decode-moe) fn=run_moe ;;
+        prefill-2b) fn=run_prefill ;;
         vision-2b) fn=run_vision ;;
         serving-2b) fn="run_serving qwen2-vl-2b" ;;
         serving-7b) fn="run_serving qwen2-vl-7b" ;;
@@ -139,7 +150,7 @@ qwen2-vl-2b-${step#serving-2b-} --runs tessera --tessera-arg=--image-decode-thre
 \"top_p\": 0.001, \"temperature\": 0.01, \"repetition_penalty\": 1.05}'" ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac
-    export -f prepare run_tests run_decode run_moe run_vision run_serving
+    export -f prepare run_tests run_decode run_moe run_prefill run_vision run_serving
     export out models
     timeout "$step_timeout" bash -c "$fn" 2>&1 | tee "$out/$step.log"
     rc=${PIPESTATUS[0]}
