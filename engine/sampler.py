@@ -166,9 +166,7 @@ class Sampler:
             for index, row in enumerate(rows)
             if row.request is not None and row.params.has_penalties
         ]
-        if not pairs or (
-            in_flight is not None and in_flight.rows.numel() and not in_flight.rows_host
-        ):
+        if not pairs or (in_flight is not None and _rows_unnamed(in_flight)):
             return None
         if device not in self._held:
             self._held[device] = HeldTokens(device)
@@ -211,6 +209,11 @@ class Sampler:
         if shape is None:
             return self._generator(device)
         return [rows[i].generator for i in members]  # each seeded: not None
+
+
+def _rows_unnamed(in_flight: InFlightOutputs) -> bool:
+    """Tokens are in flight on rows the caller did not name on the host (`rows_host`)."""
+    return bool(in_flight.rows.numel()) and not in_flight.rows_host
 
 
 def _draw_shape(params: SamplingParams, vocab: int) -> tuple[bool, int, bool]:
@@ -302,6 +305,9 @@ def apply_penalties(
     params = [row.params for row in rows]
     if not any(p.has_penalties for p in params):
         return logits
+    if held_rows is not None and in_flight is not None and _rows_unnamed(in_flight):
+        # The table holds its rows' tokens in flight: counting them again needs their rows.
+        raise ValueError("held_rows with tokens in flight need in_flight.rows_host")
     if not (in_place and logits.is_contiguous()):
         logits = logits.clone(memory_format=torch.contiguous_format)
     if any(p.repetition_penalty != 1.0 for p in params):

@@ -238,6 +238,23 @@ def test_rows_with_their_requests_read_the_device_table_as_the_lists():
     assert sampler._held[device].num_slots_in_use == 3
 
 
+def test_the_table_refuses_tokens_in_flight_on_rows_it_cannot_name():
+    """The table holds its rows' tokens in flight; counting in-flight tokens again on top
+    needs to know their rows on the host, or a row's token would count twice. The sampler
+    then reads the rows' ids instead of the table."""
+    from engine.request import RequestStatus
+
+    request = Request("r", [4, 5], SamplingParams(frequency_penalty=0.5))
+    request.status, request.num_pending_tokens = RequestStatus.RUNNING, 1
+    rows = [SamplingRow(request.sampling, [4, 5], [], request=request)]
+    sampler, device = Sampler(), torch.device("cpu")
+    held_rows = sampler._held_rows(rows, device, None)
+    unnamed = InFlightOutputs(torch.tensor([0]), torch.tensor([3]))
+    with pytest.raises(ValueError, match="rows_host"):
+        apply_penalties(torch.zeros(1, 8), rows, unnamed, held_rows=held_rows)
+    assert sampler._held_rows(rows, device, unnamed) is None
+
+
 def test_seeded_rows_draw_in_groups_of_one_shape_each_as_alone(monkeypatch):
     """Seeded rows draw together where they would each draw the same way alone (top-k
     candidates of one width, or the vocabulary; a top-p cut or not), with each row's noise
