@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 
 from bench.client import CHAT_PATH, chat_body, stream_chat
 from bench.datasets import (
@@ -109,7 +109,7 @@ async def run_requests(
     url = config.base_url + CHAT_PATH
     tasks: list[asyncio.Task] = []
 
-    async def one(index: int, client: httpx.AsyncClient) -> None:
+    async def one(index: int, session: aiohttp.ClientSession) -> None:
         body = chat_body(
             model,
             requests[index].content,
@@ -119,23 +119,25 @@ async def run_requests(
             extra=config.extra_body,
         )
         async with semaphore:
-            record = await stream_chat(client, url, body, headers)
+            record = await stream_chat(session, url, body, headers)
         records[index] = record
         progress.update(record)
 
-    async def dispatch(client: httpx.AsyncClient) -> None:
+    async def dispatch(session: aiohttp.ClientSession) -> None:
         for index in range(len(requests)):
             if index and math.isfinite(config.request_rate):
                 await asyncio.sleep(arrivals.expovariate(config.request_rate))
-            tasks.append(asyncio.create_task(one(index, client)))
+            tasks.append(asyncio.create_task(one(index, session)))
         await asyncio.gather(*tasks)
 
-    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
-    timeout = httpx.Timeout(config.max_duration_s, connect=min(30.0, config.max_duration_s))
-    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
+    connector = aiohttp.TCPConnector(limit=limit)
+    # No total: --max-duration cancels the run as a whole, and its records say so.
+    limit_s = config.max_duration_s
+    timeout = aiohttp.ClientTimeout(total=None, connect=min(30.0, limit_s), sock_read=limit_s)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         start = time.perf_counter()
         try:
-            await asyncio.wait_for(dispatch(client), timeout=config.max_duration_s)
+            await asyncio.wait_for(dispatch(session), timeout=config.max_duration_s)
         except TimeoutError:
             for task in tasks:
                 task.cancel()
@@ -221,18 +223,20 @@ async def resolve_model(config: BenchConfig) -> str:
     if config.model:
         return config.model
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-    async with httpx.AsyncClient(timeout=30, trust_env=False) as client:
-        response = await client.get(config.base_url + "/v1/models", headers=headers)
-    if response.status_code != 200 or not response.json().get("data"):
-        raise BenchConfigError(f"no --model given and GET /v1/models said {response.status_code}")
-    return response.json()["data"][0]["id"]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        async with session.get(config.base_url + "/v1/models", headers=headers) as response:
+            status = response.status
+            listed = (await response.json()).get("data") if status == 200 else None
+    if not listed:
+        raise BenchConfigError(f"no --model given and GET /v1/models said {status}")
+    return listed[0]["id"]
 
 
 async def run(config: BenchConfig) -> int:
     requests = make_requests(config.dataset)  # images are encoded here, before the clock
     try:
         model = await resolve_model(config)
-    except httpx.HTTPError as exc:
+    except (aiohttp.ClientError, TimeoutError) as exc:
         raise BenchConfigError(f"cannot reach {config.base_url}: {type(exc).__name__}") from exc
     progress = Progress(len(requests), config.show_progress)
     cpu_before, other_processes_cpu_s = time.process_time(), 0.0
