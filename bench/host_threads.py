@@ -29,7 +29,7 @@ VOCAB = 151936
 
 
 def penalty_indices(pieces: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """What engine/sampler.py's `_apply_repetition_penalty` built on the host each step
+    """What `_apply_repetition_penalty` (engine/penalties.py) built on the host each step
     (it still does for rows without a request: tests, benchmarks)."""
     lengths = torch.tensor([len(piece) for piece in pieces])
     row_starts = torch.arange(len(pieces)) // 2 * VOCAB

@@ -39,8 +39,8 @@ import torch
 from engine.device_io import to_device
 
 if TYPE_CHECKING:
+    from engine.penalties import InFlightOutputs
     from engine.request import Request
-    from engine.sampler import InFlightOutputs
 
 MIN_WIDTH = 256  # columns of a new table; it doubles as sequences grow past it
 MIN_SLOTS = 16

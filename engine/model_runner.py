@@ -52,10 +52,11 @@ from engine.models import moe
 from engine.models.cpu_prepack import can_prepack, prepack_linears
 from engine.models.loader import load_model
 from engine.multimodal.image_processor import normalize_pixels
+from engine.penalties import InFlightOutputs
 from engine.prompt_logprobs import PendingPromptLogprobs, score_prompt_tokens, scored_positions
 from engine.protocol import ErrorInfo, TokenLogprob
 from engine.request import MediaItem, Request
-from engine.sampler import InFlightOutputs, PendingSample, Sampler, SamplingRow
+from engine.sampler import PendingSample, Sampler, SamplingRow
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 from engine.shard_worker import ShardWorkers
 from engine.step_inputs import InFlightTokens, StepInputs, gather_step_inputs

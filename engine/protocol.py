@@ -96,7 +96,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
         """Picking the next token needs the tokens so far on the host (a grammar, bad words
         of several tokens): the scheduler skips such a request while a token of it is in
         flight (overlap scheduling). Penalties read them too, but on the device, where the
-        sampler counts a token still in flight (engine/sampler.py, `InFlightOutputs`)."""
+        sampler counts a token still in flight (engine/penalties.py, `InFlightOutputs`)."""
         return self.structured_output is not None or any(
             len(word) > 1 for word in self.bad_words_token_ids
         )

@@ -72,7 +72,7 @@ def test_penalties_on_the_device_as_on_the_host_without_a_sync():
     presence and frequency: the output occurrences sorted and counted; ids held twice
     included, a token in flight on the device) give the host's values bit for bit, and
     queue no host sync."""
-    from engine.sampler import InFlightOutputs, apply_penalties
+    from engine.penalties import InFlightOutputs, apply_penalties
 
     generator = torch.Generator().manual_seed(4)
     vocab = 151936

@@ -93,7 +93,7 @@ def test_a_slot_written_while_a_token_is_in_flight_takes_that_token_too(monkeypa
     """Written again from the host while a token is in flight, a slot also takes that
     token (from the device), so it does not stay a token behind and get written again at
     every step after."""
-    from engine.sampler import InFlightOutputs
+    from engine.penalties import InFlightOutputs
 
     held = HeldTokens(torch.device("cpu"))
     writes = []

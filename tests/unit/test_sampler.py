@@ -5,15 +5,10 @@ import math
 import pytest
 import torch
 
+from engine.penalties import InFlightOutputs, apply_penalties
 from engine.protocol import SamplingParams
 from engine.request import Request
-from engine.sampler import (
-    InFlightOutputs,
-    Sampler,
-    SamplingRow,
-    apply_penalties,
-    apply_top_k_top_p,
-)
+from engine.sampler import Sampler, SamplingRow, apply_top_k_top_p
 
 
 def row(prompt=(1,), output=(), seed=None, **params) -> SamplingRow:
