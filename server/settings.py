@@ -156,7 +156,7 @@ class ServerSettings:
         """`image_decode_threads`, or its default for this machine's usable cores."""
         if self.image_decode_threads is not None:
             return self.image_decode_threads
-        return default_image_decode_threads(len(os.sched_getaffinity(0)), self.api_server_count)
+        return default_image_decode_threads(usable_cores(), self.api_server_count)
 
     def replace(self, **changes: Any) -> ServerSettings:
         return dataclasses.replace(self, **changes)
@@ -191,6 +191,14 @@ class _Field:
     @property
     def env(self) -> str:
         return ENV_PREFIX + self.name.upper()
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity: a container's cpuset), or the
+    machine's where the platform cannot say (sched_getaffinity is Linux's)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def default_image_decode_threads(num_cores: int, api_server_count: int) -> int:

@@ -115,6 +115,9 @@ def test_image_decode_threads_default_to_half_the_cores_shared_by_the_api_proces
     assert load_settings(["--image-decode-threads", "3"], {}).image_decode_thread_count() == 3
     with pytest.raises(SettingsError, match="image_decode_threads must be positive"):
         load_settings(["--image-decode-threads", "0"], {})
+    monkeypatch.delattr("os.sched_getaffinity")  # not on every platform
+    monkeypatch.setattr("os.cpu_count", lambda: 12)
+    assert load_settings(["--model", "m"], {}).image_decode_thread_count() == 6
 
 
 def test_yaml_errors_and_nested_engine_section(tmp_path: Path) -> None:
