@@ -506,14 +506,15 @@ class EngineCore:
                     "or leaves the prompt",
                     param=f"media[{index}]",
                 )
-            expected = placeholder_ids[item.modality]
-            if any(token != expected for token in prompt[item.offset : item.end]):
+            span = prompt[item.offset : item.end]
+            if span.count(placeholder_ids[item.modality]) != len(span):  # C loops, not Python
                 raise MediaError(
                     f"{item.modality} span at {item.offset} is not made of placeholder tokens",
                     param=f"media[{index}]",
                 )
             cursor = item.end
-        num_placeholders = sum(1 for token in prompt if token in placeholder_ids.values())
+        ids = {token_id for token_id in placeholder_ids.values() if token_id is not None}
+        num_placeholders = sum(prompt.count(token_id) for token_id in ids)
         num_expected = sum(item.num_tokens for item in media)
         if num_placeholders != num_expected:
             raise MediaError(

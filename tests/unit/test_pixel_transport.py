@@ -121,3 +121,24 @@ def test_processed_image_sends_a_quarter_of_float32_bytes():
     assert processed.pixel_levels.dtype == torch.uint8
     assert processed.pixel_values.dtype == torch.float32
     assert processed.pixel_values.nbytes == 4 * processed.pixel_levels.nbytes
+
+
+def test_media_spans_that_miss_their_placeholders_fail_alone(llm):
+    """The engine checks that a media span covers placeholders only, and that the prompt
+    holds no placeholder outside the spans (a request made by something other than this
+    server's API may be malformed); such a request fails with its own error."""
+    request, tensors = image_request(llm, "shifted", seed=4)
+    media = request.media[0]
+    shifted = msgspec.structs.replace(request, media=[
+        msgspec.structs.replace(media, offset=media.offset - 1)])  # fmt: skip
+    extra_request, extra_tensors = image_request(llm, "extra", seed=5)
+    image_id = llm.engine.model_config.image_token_id
+    extra = msgspec.structs.replace(
+        extra_request, prompt_token_ids=[*extra_request.prompt_token_ids, image_id]
+    )
+    results = run(llm, (shifted, tensors), (extra, extra_tensors), image_request(llm, "good"))
+    for request_id, message in (("shifted", "is not made of placeholder tokens"),
+                                ("extra", "media placeholder tokens but")):  # fmt: skip
+        tokens, _, finish, error = results[request_id]
+        assert finish == FinishReason.ERROR and tokens == [] and message in error.message
+    assert results["good"][2] == FinishReason.LENGTH
