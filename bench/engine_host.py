@@ -3,6 +3,7 @@
     PYTHONPATH=. python bench/engine_host.py --batch 128 --prompt-len 450
     PYTHONPATH=. python bench/engine_host.py --repetition-penalty 1.05   # with penalties
     PYTHONPATH=. python bench/engine_host.py --presence-penalty 0.5 --frequency-penalty 0.5
+    PYTHONPATH=. python bench/engine_host.py --admit-images 128   # and admitting images
 
 On a GPU the device runs a 2B decode step at batch 128 in ~3.2 ms (docs/gpu.md); with
 overlap scheduling the host prepares the next step meanwhile, so the host work per step
@@ -19,12 +20,17 @@ what is left after the named phases is sampling, outputs and the step's bookkeep
   update          Scheduler.update (tokens in, finished requests out)
   host            step - forward: all the host work of a step (on CPU this includes the
                   torch attention backend's plan, which FlashInfer's plan replaces on a GPU)
+
+With --admit-images N it also times `EngineCore.add_request` for N requests of a distinct
+448x448 image and 200 words each (built as the API process builds them, before the
+clock): what a burst of image requests costs the engine loop before its next launch.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import random
 import sys
 import tempfile
 import time
@@ -101,6 +107,28 @@ def _run(model_dir: Path, args: argparse.Namespace, totals: Counter) -> dict[str
     return per_step
 
 
+def admission_ms(model_dir: Path, num_images: int) -> float:
+    """Milliseconds of `EngineCore.add_request` per image request (see the docstring)."""
+    import numpy as np
+    from PIL import Image
+
+    from bench.datasets import random_text
+    from engine import LLM
+
+    llm = LLM(str(model_dir), num_kv_blocks=num_images * 64, max_num_seqs=num_images)
+    rng, requests = random.Random(0), []
+    for index in range(num_images):
+        pixels = np.random.default_rng(index).integers(0, 256, (448, 448, 3), dtype=np.uint8)
+        content = [{"type": "image", "image": Image.fromarray(pixels)},
+                   {"type": "text", "text": random_text(rng, 200)}]  # fmt: skip
+        prompt = {"messages": [{"role": "user", "content": content}]}
+        requests.append(llm._build_request(f"i{index}", prompt, SamplingParams(max_tokens=1)))
+    start = time.perf_counter()
+    for request, tensors in requests:
+        llm.engine.add_request(request, tensors)
+    return (time.perf_counter() - start) / num_images * 1000
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=128)
@@ -111,8 +139,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="1.05: what Qwen2-VL checkpoints ask for (the sampler then "
                              "reads every prompt and output)")  # fmt: skip
     parser.add_argument("--presence-penalty", type=float, default=0.0,
-                        help="OpenAI's (the sampler then reads every output)")
+                        help="OpenAI's (the sampler then reads every output)")  # fmt: skip
     parser.add_argument("--frequency-penalty", type=float, default=0.0)
+    parser.add_argument("--admit-images", type=int, default=0,
+                        help="also time add_request of this many image requests")  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -124,7 +154,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(1)  # the host phases, not the CPU model, are the subject
     try:
         with tempfile.TemporaryDirectory(prefix="tessera-engine-host-") as tmp:
-            per_step = measure(make_tiny_model(Path(tmp) / "tiny"), args)
+            model_dir = make_tiny_model(Path(tmp) / "tiny")
+            per_step = measure(model_dir, args)
+            admit_ms = admission_ms(model_dir, args.admit_images) if args.admit_images else None
     finally:
         torch.set_num_threads(threads)
     print(f"batch {args.batch}, prompt {args.prompt_len} tokens, {args.steps} decode steps, "
@@ -133,6 +165,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     per_step["host"] = per_step["step"] - per_step.get("forward", 0.0)
     for label in ("step", "forward", "host", "schedule", "allocate_slots", "gather", "update"):
         print(f"  {label:15s} {per_step.get(label, 0.0):8.3f} ms/step")
+    if admit_ms is not None:
+        print(f"add_request of {args.admit_images} image requests: {admit_ms:.3f} ms each")
     return 0
 
 
