@@ -16,6 +16,8 @@ request that leaves the fields out (`--generation-config auto`, as vLLM).
   temperature       temperature 0.7 alone (the whole vocabulary is raced)
   seeded            temperature 0.7 with a seed per row
   qwen3-vl-seeded   Qwen3-VL-Instruct's defaults with a seed per row
+  qwen3-vl-one-seeded  the same with a seed on the first row only (one client that sets
+                    seeds among many that do not)
   openai-penalties  greedy with OpenAI's presence_penalty 0.5 and frequency_penalty 0.5
                     (64 outputs each)
 """
@@ -40,6 +42,7 @@ PRESETS = {
     "temperature": {"temperature": 0.7},
     "seeded": {"temperature": 0.7, "seed": 0},
     "qwen3-vl-seeded": {"top_k": 20, "top_p": 0.8, "temperature": 0.7, "seed": 0},
+    "qwen3-vl-one-seeded": {"top_k": 20, "top_p": 0.8, "temperature": 0.7, "seed": 0},
     "openai-penalties": {"temperature": 0.0, "presence_penalty": 0.5, "frequency_penalty": 0.5},
 }
 
@@ -49,7 +52,7 @@ def make_rows(preset: str, args: argparse.Namespace, device: torch.device) -> li
     for index in range(args.rows):
         settings = dict(PRESETS[preset])
         if "seed" in settings:
-            settings["seed"] = index
+            settings["seed"] = index if index == 0 or preset != "qwen3-vl-one-seeded" else None
         params = SamplingParams(**settings)
         prompt = [(index * 7 + j) % args.vocab for j in range(args.prompt_len)]
         outputs = [(index * 11 + j) % args.vocab for j in range(64)]
