@@ -77,12 +77,25 @@ def random_text(rng: random.Random, num_words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(max(1, num_words)))
 
 
+def random_picture(seed: int, width: int, height: int) -> Image.Image:
+    """An RGB picture of uniform random noise, the same for the same seed."""
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
 def random_png(seed: int, width: int, height: int) -> bytes:
     """A PNG of uniform random noise (incompressible, so its size is honest)."""
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
     buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG", compress_level=1)
+    random_picture(seed, width, height).save(buffer, format="PNG", compress_level=1)
     return buffer.getvalue()
+
+
+def image_chat_prompt(seed: int, side: int, text: str) -> dict[str, Any]:
+    """A prompt for the in-process `LLM`: one user message of a side x side random picture
+    and `text` (the benchmarks' image request, without the HTTP API's data: URL)."""
+    content = [{"type": "image", "image": random_picture(seed, side, side)},
+               {"type": "text", "text": text}]  # fmt: skip
+    return {"messages": [{"role": "user", "content": content}]}
 
 
 def data_url(data: bytes, media_type: str = "application/octet-stream") -> str:

@@ -109,19 +109,13 @@ def _run(model_dir: Path, args: argparse.Namespace, totals: Counter) -> dict[str
 
 def admission_ms(model_dir: Path, num_images: int) -> float:
     """Milliseconds of `EngineCore.add_request` per image request (see the docstring)."""
-    import numpy as np
-    from PIL import Image
-
-    from bench.datasets import random_text
+    from bench.datasets import image_chat_prompt, random_text
     from engine import LLM
 
     llm = LLM(str(model_dir), num_kv_blocks=num_images * 64, max_num_seqs=num_images)
     rng, requests = random.Random(0), []
     for index in range(num_images):
-        pixels = np.random.default_rng(index).integers(0, 256, (448, 448, 3), dtype=np.uint8)
-        content = [{"type": "image", "image": Image.fromarray(pixels)},
-                   {"type": "text", "text": random_text(rng, 200)}]  # fmt: skip
-        prompt = {"messages": [{"role": "user", "content": content}]}
+        prompt = image_chat_prompt(index, 448, random_text(rng, 200))
         requests.append(llm._build_request(f"i{index}", prompt, SamplingParams(max_tokens=1)))
     start = time.perf_counter()
     for request, tensors in requests:

@@ -44,11 +44,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
-from PIL import Image
 
-from bench.datasets import random_text
+from bench.datasets import image_chat_prompt, random_text
 from bench.gpu_decode import ForwardTimer, ensure_model, print_top_ops
 from bench.gpu_vision import frame_grid, measure_gemm_rate, tower_flops
 from engine import LLM, SamplingParams
@@ -76,15 +74,9 @@ class PrefillStep:
 def wave(args: argparse.Namespace, salt: int) -> list[dict]:
     """--requests chat prompts, each a distinct random image and --prompt-len words."""
     rng = random.Random(salt)
-    side = args.image_size
-    prompts = []
-    for index in range(args.requests):
-        seed = salt * 100_000 + index
-        pixels = np.random.default_rng(seed).integers(0, 256, (side, side, 3), dtype=np.uint8)
-        content = [{"type": "image", "image": Image.fromarray(pixels)},
-                   {"type": "text", "text": random_text(rng, args.prompt_len)}]  # fmt: skip
-        prompts.append({"messages": [{"role": "user", "content": content}]})
-    return prompts
+    return [image_chat_prompt(salt * 100_000 + index, args.image_size,
+                              random_text(rng, args.prompt_len))
+            for index in range(args.requests)]  # fmt: skip
 
 
 class FlopCounter:
