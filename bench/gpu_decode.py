@@ -19,6 +19,8 @@ bookkeeping. Modes:
                     flight on the device, so these steps overlap too
     graphs-openai-penalties  graphs, every request with OpenAI's presence_penalty and
                     frequency_penalty 0.5, which count each output token
+    graphs-small-linear  graphs with --small-batch-linear-rows 8: up to 8 rows, the
+                    decoder's projections run the Triton matrix-vector kernel, not cuBLAS
 
 "forward" is the device time of the decoder alone (CUDA events around it).
 
@@ -152,7 +154,9 @@ MODE_PENALTIES = {
     "graphs-penalties": {"repetition_penalty": 1.05},
     "graphs-openai-penalties": {"presence_penalty": 0.5, "frequency_penalty": 0.5},
 }
-MODES = ["graphs", "graphs-serial", "eager", *MODE_PENALTIES]
+# Engine settings of the modes that change one.
+MODE_SETTINGS = {"graphs-small-linear": {"small_batch_linear_rows": 8}}
+MODES = ["graphs", "graphs-serial", "eager", *MODE_PENALTIES, *MODE_SETTINGS]
 
 
 def random_prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
@@ -267,6 +271,7 @@ def bench_size(size: str, args: argparse.Namespace, bandwidth: float) -> list[De
             max_model_len=max_len,
             num_kv_blocks=max_batch * (-(-max_len // 16)) + 16,
             enable_prefix_caching=False,
+            **MODE_SETTINGS.get(mode, {}),
         )
         set_intra_op_threads(config)  # as the server's engine process does
         core = EngineCore(config)

@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+SMALL_BATCH_LINEAR_MAX_ROWS = 8  # the kernel's MAX_ROWS (kernels/triton/small_batch_linear.py)
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class EngineConfig:
     enforce_eager: bool = False  # never replay decode steps from CUDA graphs (GPU only)
     overlap_scheduling: bool = True  # GPU: launch step N+1 before reading step N's tokens
     cuda_graph_max_batch_size: int | None = None  # largest captured decode batch; None = max_num_seqs
+    small_batch_linear_rows: int = 0  # CUDA: the decoder's linear layers take the Triton matrix-vector kernel for up to this many rows (at most 8), cuBLAS above; 0 = cuBLAS always (docs/gpu.md)
     cuda_graph_max_seq_len: int | None = None  # decode steps with a longer history run eagerly; None = the whole context with flashinfer (its cost does not grow with the bound), 8192 with torch (which pads keys to it)
     num_threads: int | None = None  # torch intra-op threads of the engine (per rank); None = torch's default on a CPU, 1 in the server's engine process with a GPU (its host tensor work is small, and parallel regions stall while the API processes and image decoding keep the cores busy); an in-process LLM keeps its caller's setting
     tensor_parallel_size: int = 1  # ranks the decoder layers are split over (CPU, gloo); each rank is a process
@@ -64,6 +66,11 @@ class EngineConfig:
             raise ValueError(
                 f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                 f"got {self.scheduling_policy!r}"
+            )
+        if not 0 <= self.small_batch_linear_rows <= SMALL_BATCH_LINEAR_MAX_ROWS:
+            raise ValueError(
+                f"small_batch_linear_rows must be in [0, {SMALL_BATCH_LINEAR_MAX_ROWS}], "
+                f"got {self.small_batch_linear_rows}"
             )
         if self.grammar_cache_size < 0:
             raise ValueError(f"grammar_cache_size must be >= 0, got {self.grammar_cache_size}")

@@ -51,6 +51,7 @@ from engine.model_config import ModelConfig
 from engine.models import moe
 from engine.models.cpu_prepack import can_prepack, prepack_linears
 from engine.models.loader import load_model
+from engine.models.small_batch_linear import use_small_batch_linears
 from engine.multimodal.image_processor import normalize_pixels
 from engine.penalties import InFlightOutputs
 from engine.prompt_logprobs import PendingPromptLogprobs, score_prompt_tokens, scored_positions
@@ -266,6 +267,8 @@ class ModelRunner:
         )
         if can_prepack(self.device, self.dtype):
             prepack_linears(self.model)
+        if config.small_batch_linear_rows and self.device.type == "cuda":
+            use_small_batch_linears(self.model.model, config.small_batch_linear_rows)
         self.model_config = self.model.config
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.block_size = config.block_size

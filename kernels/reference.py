@@ -175,3 +175,17 @@ def rotary_folded(
 ) -> torch.Tensor:  # [T, H, D]
     """Rotary embedding: rotate_half(x) * sin == roll(x, D/2) * signed_sin exactly."""
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+def linear(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [M, N] in x's dtype
+    """A linear layer summed in float64 and rounded once to the model dtype: the exact
+    result that both cuBLAS and the small-batch kernel approximate (each sums in float32,
+    in its own order)."""
+    out = x.double() @ weight.double().T
+    if bias is not None:
+        out = out + bias.double()
+    return out.to(x.dtype)

@@ -11,9 +11,12 @@
 #   tests       tests/gpu
 #   decode-2b   bench/gpu_decode.py, batch 1 / 32 / 128, graphs with and without overlap
 #               scheduling, with repetition_penalty 1.05 (graphs-penalties) and with
-#               OpenAI's presence and frequency penalties (graphs-openai-penalties); with
-#               a torch profile of batch 1 and 128 (profiles.tar: Chrome traces)
+#               OpenAI's presence and frequency penalties (graphs-openai-penalties) and
+#               with --small-batch-linear-rows 8 (graphs-small-linear); with a torch
+#               profile of batch 1 and 128 (profiles.tar: Chrome traces)
 #   decode-7b
+#   gemv        bench/gpu_gemv.py: the 2B and 7B projections at 1 / 2 / 4 / 8 rows, cuBLAS
+#               against the small-batch Triton kernel (and a grid of its blocks at 1 row)
 #   decode-moe  a mixture of experts at real width (qwen3-vl-moe-8l: Qwen3-VL-30B-A3B's
 #               widths, 8 layers; checkpoint written first, ~12 GB): bench/moe.py's
 #               grouped matmuls against the expert loop at 1 to 1024 tokens, then
@@ -87,7 +90,8 @@ run_decode() {  # $1: qwen2-vl-2b | qwen2-vl-7b; the 2B run also profiles batch 
         profile=(--profile-dir /tmp/profiles --profile-batch-sizes 1 128)
     fi
     python3 bench/gpu_decode.py --sizes "$1" --batch-sizes 1 32 128 --model-root "$models" \
-        --modes graphs graphs-serial graphs-penalties graphs-openai-penalties --out "$out/decode-$1.json" \
+        --modes graphs graphs-serial graphs-penalties graphs-openai-penalties graphs-small-linear \
+        --out "$out/decode-$1.json" \
         "${profile[@]}" || return 1
     if [ -d /tmp/profiles ]; then tar -C /tmp -cf "$out/profiles.tar" profiles; fi
 }
@@ -130,6 +134,7 @@ for step in "$@"; do
         decode-2b) fn="run_decode qwen2-vl-2b" ;;
         decode-7b) fn="run_decode qwen2-vl-7b" ;;
         decode-moe) fn=run_moe ;;
+        gemv) fn="python3 bench/gpu_gemv.py --out $out/gemv.json" ;;
         prefill-2b) fn=run_prefill ;;
         vision-2b) fn=run_vision ;;
         serving-2b) fn="run_serving qwen2-vl-2b" ;;

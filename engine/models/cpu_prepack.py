@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.models.layers import replace_linears
+
 PREPACK_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -54,12 +56,4 @@ class PrepackedLinear(nn.Module):
 
 def prepack_linears(model: nn.Module) -> int:
     """Replaces every `nn.Linear` in `model` by a `PrepackedLinear`; returns how many."""
-    swaps = [
-        (parent, name, child)
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if type(child) is nn.Linear
-    ]
-    for parent, name, child in swaps:
-        setattr(parent, name, PrepackedLinear(child))
-    return len(swaps)
+    return replace_linears(model, PrepackedLinear)

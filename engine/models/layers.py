@@ -24,6 +24,20 @@ def use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda and triton_kernels.is_available()
 
 
+def replace_linears(model: nn.Module, replacement: Callable[[nn.Linear], nn.Module]) -> int:
+    """Replaces every plain `nn.Linear` in `model` by `replacement(linear)`; returns how
+    many (the inference-only linears of `cpu_prepack` and `small_batch_linear`)."""
+    swaps = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear
+    ]
+    for parent, name, child in swaps:
+        setattr(parent, name, replacement(child))
+    return len(swaps)
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm, computed in float32 and cast back before the weight."""
 

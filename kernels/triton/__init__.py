@@ -1,4 +1,4 @@
-"""Triton kernels for the memory-bound glue around attention, each beside its launcher
+"""Triton kernels for the memory-bound work around attention, each beside its launcher
 (which checks shapes, dtypes, devices and strides) and tested against its torch reference
 in `kernels.reference`:
 
@@ -8,6 +8,7 @@ in `kernels.reference`:
     rms_norm           add_rms_norm(x, weight, eps, residual=None)  (the decoder's norms)
     rotary             rotary_folded_(qk, cos, signed_sin)  (in place on the QKV buffer)
     silu_and_mul       silu_and_mul(x)  (the MLP activation)
+    small_batch_linear small_batch_linear(x, weight, bias=None)  (decode projections, <= 8 rows)
 
 Triton is optional (`pip install tessera[gpu]`): importing this package never imports it;
 import the submodules only after `is_available()`. On CPU the kernels run under

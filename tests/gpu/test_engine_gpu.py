@@ -143,6 +143,31 @@ def test_decode_steps_replay_graphs(model_dir, prompts, monkeypatch, backend):
     assert len(replayed) >= NUM_NEW - 2  # every decode step after the prefills
 
 
+@pytest.mark.parametrize("dtype,tol", [("float32", FLOAT32_TOL), ("bfloat16", BF16_TOL)])
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
+def test_small_batch_linears_track_cublas(model_dir, prompts, monkeypatch, dtype, tol,
+                                          enforce_eager):  # fmt: skip
+    """`--small-batch-linear-rows 8`: the decode steps of these 8 prompts run the decoder's
+    projections through the Triton matrix-vector kernel (eager, or captured in the graphs
+    up to 8 rows), and track the cuBLAS run."""
+    import kernels.triton.small_batch_linear as kernel
+    from engine.models.small_batch_linear import SmallBatchLinear
+
+    options = dict(device="cuda", dtype=dtype, enforce_eager=enforce_eager)
+    reference = generate(model_dir, prompts, **options)
+    llm = LLM(str(model_dir), num_kv_blocks=512, small_batch_linear_rows=8, **options)
+    model = llm.engine.runner.model
+    swapped = [m for m in model.modules() if isinstance(m, SmallBatchLinear)]
+    assert len(swapped) == 4 * model.config.num_hidden_layers
+    launches = []
+    real_kernel = kernel.small_batch_linear
+    monkeypatch.setattr(kernel, "small_batch_linear",
+                        lambda *args: launches.append(1) or real_kernel(*args))  # fmt: skip
+    assert_all_track(llm.generate(prompts, GREEDY), reference, tol)
+    if enforce_eager:  # a replayed graph calls no Python
+        assert len(launches) >= len(swapped) * (NUM_NEW - 2)
+
+
 def fail_on_a_sync_at_launch(llm, monkeypatch) -> list[bool]:
     """Makes any host sync inside `ModelRunner.launch` an error; returns the list that
     records, per launch, whether it took a step in flight (overlap scheduling)."""

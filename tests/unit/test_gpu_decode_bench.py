@@ -54,3 +54,8 @@ def test_a_mixture_of_experts_floor_counts_the_experts_a_step_reads(tmp_path):
     read = [gpu_decode.experts_read(experts, top_k, batch) for batch in (1, 4)]
     difference = sparse * per_expert * (read[1] - read[0])
     assert abs(four["weight_bytes"] - one["weight_bytes"] - difference) <= sparse
+
+
+def test_the_small_linear_mode_sets_its_rows_and_nothing_else():
+    assert gpu_decode.MODE_SETTINGS == {"graphs-small-linear": {"small_batch_linear_rows": 8}}
+    assert "graphs-small-linear" in gpu_decode.MODES

@@ -101,6 +101,13 @@ def test_api_server_count_is_checked() -> None:
         load_settings([*addresses, "--api-server-count", "2"], {})
 
 
+def test_small_batch_linear_rows_stay_within_the_kernels_rows() -> None:
+    assert load_settings(["--small-batch-linear-rows", "8"], {}).engine.small_batch_linear_rows == 8
+    for rows in ("9", "-1"):
+        with pytest.raises(SettingsError, match=r"small_batch_linear_rows must be in \[0, 8\]"):
+            load_settings(["--small-batch-linear-rows", rows], {})
+
+
 def test_image_decode_threads_default_to_half_the_cores_shared_by_the_api_processes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -23,6 +23,13 @@ from kernels.triton.quick_gelu import quick_gelu  # noqa: E402
 from kernels.triton.rms_norm import add_rms_norm  # noqa: E402
 from kernels.triton.rotary import rotary_folded_  # noqa: E402
 from kernels.triton.silu_and_mul import silu_and_mul  # noqa: E402
+from kernels.triton.small_batch_linear import (  # noqa: E402
+    MAX_ROWS,
+    PRODUCT_ELEMENTS,
+    Blocks,
+    pick_blocks,
+    small_batch_linear,
+)
 from kernels.triton.token_gather import gather_rows  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
@@ -369,3 +376,118 @@ def test_vision_tower_with_its_kernels_equals_the_torch_path(monkeypatch, tmp_pa
         actual = model.encode_images(pixels, torch.tensor(grids))
     # Rounding apart: the kernels' sigmoid is not torch's to the last float32 bit.
     _close(actual, expected)
+
+
+# (rows, out_features, in_features): one row and the most, K past one block and ragged,
+# N smaller than a block.
+LINEAR_SHAPES = [(1, 37, 50), (3, 64, 300), (MAX_ROWS, 24, 1100), (5, 9, 7)]
+UNIT = {torch.float32: 2**-23, torch.bfloat16: 2**-7, torch.float16: 2**-10}  # relative
+
+
+def _linear_close(actual, x, weight, bias=None):
+    """Within a float32 sum's error bound (K units of 2^-24 of the sum of |products|) plus
+    one unit of the result's rounding (truncation under the interpreter) of the exact sum."""
+    exact = x.double() @ weight.double().T
+    magnitude = x.double().abs() @ weight.double().abs().T
+    if bias is not None:
+        exact, magnitude = exact + bias.double(), magnitude + bias.double().abs()
+    bound = magnitude * x.shape[1] * 2**-24 + exact.abs() * UNIT[x.dtype] + 1e-30
+    assert actual.shape == exact.shape and actual.dtype == x.dtype
+    excess = ((actual.double() - exact).abs() / bound).max().item()
+    assert excess <= 1, f"off the exact sum by {excess:.2f} times the bound"
+
+
+@pytest.mark.parametrize("shape", LINEAR_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_small_batch_linear_matches_reference(shape, dtype, with_bias):
+    rows, out_features, in_features = shape
+    generator = torch.Generator().manual_seed(rows * out_features + in_features)
+    x = torch.randn(rows, in_features, generator=generator).to(dtype)
+    weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
+    bias = torch.randn(out_features, generator=generator).to(dtype) if with_bias else None
+    _linear_close(small_batch_linear(x, weight, bias), x, weight, bias)
+    _linear_close(reference.linear(x, weight, bias), x, weight, bias)  # the bound holds there
+    # Other splits sum in other orders, within the same bound.
+    for blocks in (Blocks(2, 64), Blocks(4, 128, num_warps=2), Blocks(32, 16)):
+        _linear_close(small_batch_linear(x, weight, bias, blocks), x, weight, bias)
+
+
+def test_small_batch_linear_reads_strided_rows_and_weight_views():
+    """x as rows of a wider buffer, the weight as a slice of a fused one (row stride > K)."""
+    generator = torch.Generator().manual_seed(7)
+    buffer = torch.randn(4, 96, generator=generator)
+    fused = torch.randn(40, 80, generator=generator)
+    x, weight = buffer[:, 10:90], fused[5:30]  # [4, 80], [25, 80] with strides 96 and 80
+    weight_cols = fused[:, :64]  # [40, 64] with row stride 80
+    _linear_close(small_batch_linear(x, weight), x, weight)
+    _linear_close(small_batch_linear(x[:, :64], weight_cols), x[:, :64], weight_cols)
+
+
+def test_small_batch_linear_rejects_bad_arguments():
+    x, weight = torch.zeros(2, 8), torch.zeros(4, 8)
+    with pytest.raises(KernelArgumentError, match="at most"):
+        small_batch_linear(torch.zeros(MAX_ROWS + 1, 8), weight)
+    with pytest.raises(KernelArgumentError, match="features"):
+        small_batch_linear(x, torch.zeros(4, 9))
+    with pytest.raises(KernelArgumentError, match="weight is"):
+        small_batch_linear(x, weight.half())
+    with pytest.raises(KernelArgumentError, match="bias must be"):
+        small_batch_linear(x, weight, torch.zeros(5))
+    with pytest.raises(KernelArgumentError, match="contiguous"):
+        small_batch_linear(x, torch.zeros(8, 4).T)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8])
+@pytest.mark.parametrize(
+    "out_features,in_features", [(1536, 1536), (17920, 1536), (1536, 8960), (5, 3)]
+)
+def test_pick_blocks_keeps_to_its_budget_and_fills_the_device(rows, out_features, in_features):
+    blocks = pick_blocks(rows, out_features, in_features, num_programs_wanted=264)
+    padded_rows = 1 << (rows - 1).bit_length()
+    assert padded_rows * blocks.block_n * blocks.block_k <= PRODUCT_ELEMENTS
+    assert blocks.block_k <= max(in_features, 1024) and blocks.block_n <= max(out_features, 1) * 2
+    programs = -(-out_features // blocks.block_n)
+    assert programs >= 264 or blocks.block_n == 1
+
+
+def test_decoder_linears_take_the_small_batch_kernel_up_to_their_rows(monkeypatch, tmp_path):
+    """`--small-batch-linear-rows 4` on the tiny decoder: every projection (fused QKV, output,
+    gate_up, down) keeps its loaded weight, runs the kernel for 1 to 4 rows (leading dims
+    flattened) and `F.linear` past them, bit for bit."""
+    import kernels.triton.small_batch_linear as kernel
+    from engine.attention import get_attention_backend
+    from engine.config import SMALL_BATCH_LINEAR_MAX_ROWS
+    from engine.models import layers
+    from engine.models.loader import load_model
+    from engine.models.small_batch_linear import SmallBatchLinear, use_small_batch_linears
+    from engine.tiny_model import make_tiny_model
+
+    assert SMALL_BATCH_LINEAR_MAX_ROWS == MAX_ROWS  # the setting's bound is the kernel's
+    model = load_model(str(make_tiny_model(tmp_path / "tiny", seed=4)), dtype=torch.float32,
+                       device=torch.device("cpu"), attention=get_attention_backend("torch"))  # fmt: skip
+    decoder = model.model
+    originals = {name: m for name, m in decoder.named_modules() if type(m) is torch.nn.Linear}
+    assert use_small_batch_linears(decoder, max_rows=4) == len(originals)
+    assert len(originals) == 4 * model.config.num_hidden_layers
+    monkeypatch.setattr(layers, "use_triton", lambda x: True)  # the CUDA path, interpreted
+    launches = []
+    real_kernel = kernel.small_batch_linear
+    monkeypatch.setattr(kernel, "small_batch_linear",
+                        lambda *args: launches.append(1) or real_kernel(*args))  # fmt: skip
+    generator = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name, original in originals.items():
+            swapped = decoder.get_submodule(name)
+            assert isinstance(swapped, SmallBatchLinear) and swapped.weight is original.weight
+            for shape in [(1,), (3,), (2, 2), (5,)]:
+                x = torch.randn(*shape, original.in_features, generator=generator)
+                launched = len(launches)
+                actual = swapped(x)
+                if x.numel() // x.shape[-1] <= 4:
+                    assert len(launches) == launched + 1
+                    _linear_close(actual.view(-1, original.out_features),
+                                  x.view(-1, x.shape[-1]), original.weight, original.bias)  # fmt: skip
+                else:
+                    assert len(launches) == launched
+                    assert torch.equal(actual, original(x))
