@@ -80,7 +80,7 @@ def _read_header(data: bytes) -> dict:
         raise FeatureError("not a safetensors file (bad header length)", reason="bad_format")
     try:
         header = json.loads(bytes(data[8 : 8 + length]).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: deep nesting
         raise FeatureError("not a safetensors file (bad header)", reason="bad_format") from None
     if not isinstance(header, dict):
         raise FeatureError("not a safetensors file (bad header)", reason="bad_format")

@@ -67,10 +67,12 @@ from server.streaming import (
     EventStreamResponse,
     GenerationJob,
     collect,
+    guarded,
     stream_chat,
     stream_completion,
 )
 from server.tool_calls import ToolPlan, call_format
+from server.unicode_check import check_request_text
 
 logger = logging.getLogger(__name__)
 
@@ -229,7 +231,7 @@ def build_app(settings: ServerSettings, engine: Any, *, api_server_index: int = 
     async def require_api_key(request: Request) -> None:
         check_api_key(request, settings.api_key)
 
-    api = APIRouter(dependencies=[Depends(require_api_key)])
+    api = APIRouter(dependencies=[Depends(require_api_key), Depends(check_request_text)])
     _add_api_routes(api)
     app.include_router(api)
     _add_open_routes(app)
@@ -423,9 +425,10 @@ def _admit(request: Request, state: AppState, job: GenerationJob) -> Ticket:
 
 
 async def _releasing(stream: Any, ticket: Ticket) -> Any:
-    """Yield from a response stream; release the admission ticket however it ends."""
+    """Yield from a response stream, ending it with an error event if it fails; release
+    the admission ticket however it ends."""
     try:
-        async for chunk in stream:
+        async for chunk in guarded(stream):
             yield chunk
     finally:
         ticket.release()

@@ -210,7 +210,7 @@ async def stream_chat(
     extractors = [job.tools.extractor() for _ in range(job.n)] if job.tools else None
     splitters = [job.reasoning_splitter() for _ in range(job.n)]
     wants_prompt_logprobs = job.sampling.prompt_logprobs is not None
-    async with contextlib.aclosing(_guarded(run_job(job, engine, tokenizer, totals))) as pieces:
+    async with contextlib.aclosing(guarded(run_job(job, engine, tokenizer, totals))) as pieces:
         async for piece in pieces:
             if isinstance(piece, bytes):
                 yield piece
@@ -273,7 +273,7 @@ async def stream_completion(
     chunk = _ChunkWriter(job, "text_completion", totals)
 
     deltas = run_job(job, engine, tokenizer, totals, scores_per_choice=True)
-    async with contextlib.aclosing(_guarded(deltas)) as pieces:
+    async with contextlib.aclosing(guarded(deltas)) as pieces:
         async for piece in pieces:
             if isinstance(piece, bytes):
                 yield piece
@@ -310,8 +310,10 @@ async def stream_completion(
     yield DONE
 
 
-async def _guarded(deltas: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    """Pass deltas through; turn an error into the SSE error event + [DONE] (as bytes)."""
+async def guarded(deltas: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """Pass deltas through; turn an error into the SSE error event + [DONE] (as bytes).
+    Around a job's deltas, and around a whole response stream (server/app.py), so an error
+    in building a chunk ends the stream as cleanly as one in the engine."""
     try:
         async for delta in deltas:
             yield delta

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from engine.protocol import StructuredOutput
+from server.unicode_check import is_valid_unicode
 
 # The formats the answer's calls are parsed in (--tool-call-parser; "auto" picks by the
 # chat template): Qwen2.5's Hermes blocks, or Llama 3.1's bare JSON objects.
@@ -53,6 +54,9 @@ CALL_START = "<tool_call>"
 CALL_END = "</tool_call>"
 _CALL_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
+# What json.loads raises on text that is no JSON it can read: RecursionError for arrays or
+# objects nested past Python's stack ("[" * 2000), from a request or from the model.
+_NOT_JSON = (ValueError, RecursionError)
 
 
 @dataclass(frozen=True)
@@ -310,7 +314,7 @@ def _with_object_arguments(call: dict[str, Any]) -> dict[str, Any]:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except ValueError:
+        except _NOT_JSON:
             pass  # not JSON: the template writes the string as it came
     return {**call, "function": {**function, "arguments": arguments}}
 
@@ -322,11 +326,12 @@ def _hermes_calls(text: str) -> list[ToolCall]:
     for block in _CALL_BLOCK.findall(text):
         try:
             call = json.loads(block)
-        except ValueError:
+        except _NOT_JSON:
             return []
-        if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
+        made = _tool_call(call, call.get("arguments", {})) if isinstance(call, dict) else None
+        if made is None:
             return []
-        calls.append(ToolCall(call["name"], _json_text(call.get("arguments", {}))))
+        calls.append(made)
     return calls
 
 
@@ -355,25 +360,41 @@ def _next_object_call(text: str, position: int, separators: str) -> tuple[ToolCa
         position += 1
     try:
         call, end = _DECODER.raw_decode(text, position)
-    except ValueError:
+    except _NOT_JSON:
         return None
-    if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
+    if not isinstance(call, dict):
         return None
-    arguments = call.get("parameters", call.get("arguments", {}))
-    return ToolCall(call["name"], _json_text(arguments)), end
+    made = _tool_call(call, call.get("parameters", call.get("arguments", {})))
+    return None if made is None else (made, end)
 
 
 def _array_calls(text: str) -> list[ToolCall]:
     """The "required" grammar's [{"name", "parameters"}, ...]; [] if cut short."""
     try:
         items = json.loads(text)
-    except ValueError:
+    except _NOT_JSON:
         return []
-    return [ToolCall(item["name"], _json_text(item["parameters"])) for item in items]
+    calls = [_tool_call(item, item["parameters"]) for item in items]
+    return [] if any(call is None for call in calls) else calls  # type: ignore[return-value]
+
+
+def _tool_call(call: dict[str, Any], arguments: Any) -> ToolCall | None:
+    """The call, or None where its name is no text a response can carry: not a string, or
+    one holding a lone surrogate (the model may write any \\u escape)."""
+    name = call.get("name")
+    if not isinstance(name, str) or not is_valid_unicode(name):
+        return None
+    return ToolCall(name, _json_text(arguments))
 
 
 def _json_text(arguments: Any) -> str:
-    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    """The arguments as JSON text, non-ASCII as is. A lone surrogate that the model wrote
+    as an escape cannot go out as UTF-8, so it goes back to its six-character escape,
+    which inside a JSON string is the same value."""
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    if is_valid_unicode(text):
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def partial_prefix_length(text: str, marker: str) -> int:

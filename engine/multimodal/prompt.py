@@ -209,6 +209,15 @@ class PromptProcessor:
                 f"chat_template_kwargs cannot set {', '.join(taken)}: the request's own fields do",
                 param="chat_template_kwargs",
             )
+        # The template's own functions (namespace, range, raise_exception, ...): a variable
+        # of the same name would hide one, and the template would fail calling it.
+        shadowed = sorted(set(template_kwargs or ()) & set(template.environment.globals))
+        if shadowed:
+            raise InvalidRequest(
+                f"chat_template_kwargs cannot set {', '.join(shadowed)}: the chat template's "
+                "own functions have those names",
+                param="chat_template_kwargs",
+            )
         context = {name: value for name, value in self.special_tokens.items() if value is not None}
         context.update(template_kwargs or {})
         normalized = normalize_messages(messages)
@@ -223,6 +232,15 @@ class PromptProcessor:
             # raise_exception() in templates (e.g. "roles must alternate") lands here.
             raise InvalidRequest(
                 f"the chat template rejected the messages: {exc.message}", param="messages"
+            ) from exc
+        except InvalidRequest:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the template is data, as are its inputs
+            # A template (the request's own, or the model's on odd inputs such as
+            # chat_template_kwargs of another type than it expects) that fails in Python.
+            raise InvalidRequest(
+                f"the chat template failed on this request: {type(exc).__name__}: {exc}",
+                param="chat_template" if chat_template else "messages",
             ) from exc
         return _cut_after_final_message(text, normalized) if continue_final_message else text
 

@@ -338,6 +338,25 @@ def test_engine_death_mid_stream(app):
         engine.die_after = None
 
 
+def test_a_failure_building_a_chunk_ends_the_stream_with_an_error_event(app, monkeypatch):
+    """Not only the engine's deltas: an error in the stream's own code (here the logprobs
+    of a chunk) ends the stream with the error event and [DONE]; it used to cut the
+    connection mid-stream. The server serves on."""
+    from server import streaming
+
+    client, _ = app
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug while building a chunk")
+
+    monkeypatch.setattr(streaming, "chat_logprobs", broken)
+    events = sse_events(chat(client, max_tokens=4, stream=True, logprobs=True))
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert events[-1]["error"]["code"] == "internal_error"
+    monkeypatch.undo()
+    assert chat(client, max_tokens=2, stream=True, logprobs=True).status_code == 200
+
+
 def test_health_metrics_tokenize(app):
     client, engine = app
     assert client.get("/health").status_code == 200

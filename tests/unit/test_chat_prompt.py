@@ -33,3 +33,26 @@ def test_request_chat_template_is_rendered(processor):
 def test_model_template_without_request_template(processor):
     text = _prompt_text(processor)
     assert "<|im_start|>user\nhello<|im_end|>" in text
+
+
+@pytest.mark.parametrize("name", ["namespace", "range", "raise_exception", "strftime_now"])
+def test_template_kwargs_cannot_hide_the_templates_functions(processor, name):
+    """{"namespace": 1} made the model's template call an int: a 500, now a 400."""
+    from engine.errors import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match=f"cannot set {name}") as caught:
+        _prompt_text(processor, chat_template_kwargs={name: 1})
+    assert caught.value.param == "chat_template_kwargs"
+
+
+def test_a_template_failing_in_python_is_a_request_error(processor):
+    from engine.errors import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match="ZeroDivisionError") as caught:
+        _prompt_text(processor, chat_template="{{ 1 / 0 }}")
+    assert caught.value.param == "chat_template"
+    with pytest.raises(InvalidRequest, match="TypeError") as caught:  # kwargs of a bad type
+        _prompt_text(
+            processor, chat_template="{{ count + 1 }}", chat_template_kwargs={"count": "x"}
+        )
+    assert caught.value.param == "chat_template"

@@ -41,6 +41,7 @@ def test_valid_file_loads(dtype):
         (pickle.dumps({"embeds": [[0.0] * 8] * 4}), "bad_format", "safetensors"),
         (save({"other": torch.zeros(4, 8)}), "bad_format", "other"),
         (b"", "bad_format", "too short"),
+        (struct.pack("<Q", 60_000) + b"[" * 60_000, "bad_format", "bad header"),  # deep JSON
     ],
 )
 def test_bad_files_are_refused(data, reason, words):

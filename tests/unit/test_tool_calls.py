@@ -274,3 +274,45 @@ def test_auto_without_parallel_calls_keeps_the_first_call_only(fmt):
         plan = ToolPlan("auto", TOOLS, parallel=parallel, format=fmt)
         _, _, calls = run(plan, text, 5)
         assert [call.name for call in calls] == names
+
+
+@pytest.mark.parametrize(
+    "plan,text",
+    [
+        (AUTO, '<tool_call>\n{"name": "get_time", "arguments": {"zone": "\\ud800 \\udfff"}}\n</tool_call>'),
+        (AUTO, '<tool_call>\n{"name": "get_time", "arguments": "{\\"zone\\": \\"\\ud800\\"}"}\n</tool_call>'),
+        (LLAMA, '{"name": "get_time", "parameters": {"zone": "\\ud800 \\udfff"}}'),
+        (ToolPlan("required", TOOLS), '[{"name": "get_time", "parameters": {"zone": "\\ud800 \\udfff"}}]'),
+    ],
+)  # fmt: skip
+def test_arguments_with_lone_surrogate_escapes_go_out_as_escapes(plan, text):
+    """A model may write any \\u escape. Decoded, a lone surrogate cannot be sent as UTF-8
+    (the response was a 500, the stream cut): the arguments keep the escape, which is the
+    same JSON value."""
+    _, rest, calls = run(plan, text, 5)
+    assert rest == "" and [c.name for c in calls] == ["get_time"]
+    arguments = calls[0].arguments
+    arguments.encode("utf-8")  # raised UnicodeEncodeError before the fix
+    assert json.loads(arguments)["zone"] in ("\ud800 \udfff", "\ud800")
+
+
+def test_a_call_whose_name_holds_a_lone_surrogate_is_content():
+    text = '<tool_call>\n{"name": "get_\\ud800", "arguments": {}}\n</tool_call>'
+    _, rest, calls = run(AUTO, text, 1000)
+    assert calls == [] and rest == text
+
+
+def test_json_nested_past_the_stack_is_no_call_and_no_crash():
+    """json.loads raises RecursionError, not ValueError, on "[" * 2000: from a request's
+    assistant arguments (a 500 before) or from the model's own answer."""
+    deep = "[" * 5000 + "]" * 5000
+    messages = [{"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "get_time", "arguments": deep}}]}]  # fmt: skip
+    assert arguments_as_objects(messages)[0]["tool_calls"][0]["function"]["arguments"] == deep
+    text = f'<tool_call>\n{{"name": "get_time", "arguments": {deep}}}\n</tool_call>'
+    for plan in (AUTO, LLAMA, ToolPlan("required", TOOLS)):
+        body = text if plan is AUTO else f'{{"name": "get_time", "parameters": {deep}}}'
+        if plan.mode == "required":
+            body = f"[{body}]"
+        _, rest, calls = run(plan, body, 1000)
+        assert calls == [] and rest == body

@@ -1,0 +1,86 @@
+"""Bodies that JSON can write but Unicode cannot hold, against the HTTP app (fake engine):
+a lone UTF-16 surrogate escape gets 400 naming its field, on every route, before the
+tokenizer or a response could fail on it (it was a 500, and a cut stream)."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.unicode_check import check_body, lone_surrogate_path
+from tests.unit.test_app_fake_engine import _client
+
+LONE = "\\ud800"  # as sent: the six characters of the JSON escape
+
+
+@pytest.fixture(scope="module")
+def client(model_dir):
+    client, _ = _client(model_dir)
+    with client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from engine.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+def post(client, route: str, body: str, **headers):
+    return client.post(
+        route, content=body.encode(), headers={"content-type": "application/json", **headers}
+    )
+
+
+@pytest.mark.parametrize(
+    "route,body,param",
+    [
+        ("/v1/chat/completions",
+         '{"model": "tiny", "messages": [{"role": "user", "content": "a%sb"}], "max_tokens": 2}',
+         "messages[0].content"),
+        ("/v1/chat/completions",
+         '{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", '
+         '"text": "%s"}]}], "max_tokens": 2}', "messages[0].content[0].text"),
+        ("/v1/completions", '{"model": "tiny", "prompt": "%s", "max_tokens": 2}', "prompt"),
+        ("/tokenize", '{"model": "tiny", "prompt": "x%s"}', "prompt"),
+        ("/v1/responses", '{"model": "tiny", "input": "hi", "max_output_tokens": 2, '
+         '"metadata": {"k": "%s"}}', "metadata.k"),
+        ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", '
+         '"content": "hi"}], "max_tokens": 2, "user": "%s"}', "user"),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("lone", [LONE, "\\udc00"], ids=["high", "low"])
+def test_a_lone_surrogate_gets_400_naming_its_field(client, route, body, param, lone):
+    response = post(client, route, body.replace("%s", lone))
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert "surrogate" in error["message"]
+    # The connection is still good: a valid request on the same client answers.
+    assert post(client, route, body.replace("%s", "ok")).status_code == 200
+
+
+def test_pairs_and_escaped_backslashes_pass(client):
+    pair = '{"model": "tiny", "messages": [{"role": "user", "content": "\\ud83d\\ude00"}], "max_tokens": 2}'
+    assert post(client, "/v1/chat/completions", pair).status_code == 200
+    text = (
+        '{"model": "tiny", "prompt": "the text \\\\ud800", "max_tokens": 2}'  # \\ud800: no escape
+    )
+    assert post(client, "/v1/completions", text).status_code == 200
+
+
+def test_the_api_key_is_checked_first(model_dir):
+    client, _ = _client(model_dir, api_key="secret")
+    with client:
+        body = '{"model": "tiny", "prompt": "%s", "max_tokens": 2}'.replace("%s", LONE)
+        assert post(client, "/v1/completions", body).status_code == 401
+        authorised = post(client, "/v1/completions", body, authorization="Bearer secret")
+        assert authorised.status_code == 400
+
+
+def test_paths_name_keys_values_and_items():
+    assert lone_surrogate_path({"a": [1, {"b": "ok"}, "\ud800"]}) == "a[2]"
+    assert lone_surrogate_path({"a": {"\udfff": 1}}) == "a"
+    assert lone_surrogate_path(["ok", "\U0001f600"]) is None
+    check_body(b'{"a": "\\ud800"')  # not JSON: left to the route's parser
+    check_body(b'{"a": "' + b"x" * 10_000_000 + b'"}')  # no escape: the fast path
