@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 import uuid
@@ -29,7 +30,7 @@ from fastapi.responses import JSONResponse, Response
 from engine.errors import EngineDeadError, InvalidRequest, ModelNotFound, ServerOverloaded
 from engine.generation_defaults import SamplingDefaults
 from engine.multimodal.image_processor import ImageProcessorConfig
-from engine.multimodal.prompt import PromptProcessor
+from engine.multimodal.prompt import INLINE_TOKENIZE_CHARS, PromptProcessor
 from engine.multimodal.video import VideoConfig
 from server.admission import AdmissionController, ServerDraining, Ticket, share
 from server.auth import check_api_key
@@ -310,7 +311,9 @@ def _add_api_routes(api: APIRouter) -> None:
         state.check_model(body.model)
         _check_alive(state, request)
         await check_structured_output(body)
-        prompt = prepare_completion_prompt(body, state.processor, state.vocab_size)
+        prepare = functools.partial(prepare_completion_prompt, body, state.processor,
+                                    state.vocab_size, _prompt_bound(state, body))  # fmt: skip
+        prompt = await _off_the_loop_if_long(prepare, body.prompt)
         job = _job(state, body, prompt, prefix="cmpl")
         ticket = _admit(request, state, job)
         truncated = len(job.prompt.token_ids) < len(prompt.token_ids)
@@ -372,7 +375,9 @@ def _add_api_routes(api: APIRouter) -> None:
             raise InvalidRequest("give either 'prompt' or 'messages'", param="prompt")
         # A raw prompt gets the tokenizer's BOS as /v1/completions does, unless asked not to.
         raw_prompt = body.messages is None and body.add_special_tokens
-        tokens = (state.processor.encode_prompt if raw_prompt else state.processor.encode)(text)
+        encode = state.processor.encode_prompt if raw_prompt else state.processor.encode
+        # No bound here: counting a text longer than the context is what /tokenize is for.
+        tokens = await _off_the_loop_if_long(functools.partial(encode, text), text)
         return {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
 
     @api.post("/detokenize")
@@ -398,7 +403,25 @@ async def _chat_prompt(state: AppState, body: ChatCompletionRequest) -> Any:
         state.fetcher,
         max_images=state.settings.max_images_per_request,
         settings=state.settings,
+        max_prompt_tokens=_prompt_bound(state, body),
     )
+
+
+def _prompt_bound(state: AppState, body: Any) -> int | None:
+    """The most tokens a request's prompt may have: the context, unless the request
+    truncates its prompt (then any length, cut after tokenising)."""
+    return None if body.truncate_prompt_tokens is not None else state.max_model_len
+
+
+async def _off_the_loop_if_long(tokenise: Callable[[], Any], text: Any) -> Any:
+    """`tokenise()` in a worker thread when `text` (a prompt: a string, or strings in a
+    list) is long, so the event loop serves other requests meanwhile (the tokenizer lets
+    go of the GIL); inline otherwise, where a thread would cost more than the work."""
+    strings = [text] if isinstance(text, str) else text if isinstance(text, list) else []
+    length = sum(len(item) for item in strings if isinstance(item, str))
+    if length > INLINE_TOKENIZE_CHARS:
+        return await asyncio.to_thread(tokenise)
+    return tokenise()
 
 
 def _check_alive(state: AppState, request: Request) -> None:

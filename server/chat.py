@@ -247,9 +247,10 @@ async def prepare_chat_prompt(
     *,
     max_images: int,
     settings: Any = None,
+    max_prompt_tokens: int | None = None,
 ) -> PreparedPrompt:
     """Fetch + process images and videos, check feature parts, and tokenise the rendered
-    chat."""
+    chat (refused before tokenising if it cannot fit in `max_prompt_tokens`)."""
     if request.continue_final_message:  # a 400 before any media is fetched
         final_message_text(messages_as_dicts(request.messages))
     parts = media_parts(request.messages)
@@ -301,6 +302,7 @@ async def prepare_chat_prompt(
         counts,
         chat_template=request.chat_template,  # app.py refuses it unless trusted
         tools=plan.tools if plan else None,
+        max_tokens=max_prompt_tokens,
         **request.template_options,
     )
     media, tensors = place_media(media, prompt.spans, tensors)

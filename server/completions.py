@@ -23,13 +23,18 @@ from server.streaming import ChoiceResult, GenerationJob, usage_of
 
 
 def prepare_completion_prompt(
-    request: CompletionRequest, processor: PromptProcessor, vocab_size: int
+    request: CompletionRequest,
+    processor: PromptProcessor,
+    vocab_size: int,
+    max_prompt_tokens: int | None = None,
 ) -> PreparedPrompt:
+    """The prompt's token ids; a text that cannot fit in `max_prompt_tokens` is refused
+    before it is tokenised."""
     prompt = request.prompt
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        token_ids = processor.encode_prompt(prompt)
+        token_ids = processor.encode_prompt(prompt, max_tokens=max_prompt_tokens)
     elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
         token_ids = list(prompt)
         check_token_ids(token_ids, vocab_size, "prompt")

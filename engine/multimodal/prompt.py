@@ -26,13 +26,21 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from engine.errors import InvalidRequest, MediaError, ModelLoadError
+from engine.errors import ContextLengthExceeded, InvalidRequest, MediaError, ModelLoadError
 
 IMAGE_PART_TYPES = {"image", "image_url", "input_image", "image_features"}
 VIDEO_PART_TYPES = {"video", "video_url", "video_features"}
 MODALITIES = ("image", "video")
 # config.json model types whose videos go frame by frame after their times (Qwen3-VL).
 QWEN3_VL_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
+# A token covers at most its vocabulary entry's length of text (byte-level entries: one
+# character a byte), so a text of C characters has at least C / longest-entry tokens. A
+# normalizer may shrink the text before it is split (NFC composes up to three characters
+# into one): with one, the bound is loosened by this factor.
+NORMALIZER_SLACK = 4
+# Texts longer than this are tokenised off the event loop (server/app.py): ~30 µs inline
+# for a short prompt, against ~1.5 ms a 100k-character one would hold the loop.
+INLINE_TOKENIZE_CHARS = 100_000
 # Template variables that render_chat sets itself: `chat_template_kwargs` may not replace
 # them (the tools must be the ones the answer is parsed against).
 RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt")
@@ -112,6 +120,10 @@ class PromptProcessor:
             if added.special
         )
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+        longest_entry = max((len(token) for token in tokenizer.get_vocab()), default=1)
+        slack = NORMALIZER_SLACK if tokenizer.normalizer is not None else 1
+        # No text of more characters than this fits one token (see NORMALIZER_SLACK).
+        self.max_chars_per_token: int = longest_entry * slack
         self._placeholder_kinds = {
             token_id: modality
             for modality, token_id in (
@@ -246,16 +258,40 @@ class PromptProcessor:
 
     # ------------------------------------------------------------------ tokens
 
-    def encode(self, text: str) -> list[int]:
+    def encode(
+        self, text: str, *, max_tokens: int | None = None, param: str = "messages"
+    ) -> list[int]:
         """Token ids of `text`; special tokens written in the text are recognised, no
-        BOS/EOS is added."""
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        BOS/EOS is added. With `max_tokens`, a text too long to fit in that many tokens is
+        refused before it is tokenised (`check_fits`)."""
+        self.check_fits(text, max_tokens, param)
+        return self._ids(text, add_special_tokens=False)
 
-    def encode_prompt(self, text: str) -> list[int]:
+    def encode_prompt(
+        self, text: str, *, max_tokens: int | None = None, param: str = "prompt"
+    ) -> list[int]:
         """Token ids of a raw prompt (no chat template), with what the tokenizer adds around
         text: a Llama tokenizer's BOS (none for Qwen's), as transformers' `tokenizer(text)`
         and vLLM's completions do. A rendered chat is `encode`d: its template writes them."""
-        return self.tokenizer.encode(text, add_special_tokens=True).ids
+        self.check_fits(text, max_tokens, param)
+        return self._ids(text, add_special_tokens=True)
+
+    def check_fits(self, text: str, max_tokens: int | None, param: str) -> None:
+        """Raises ContextLengthExceeded if `text` has more characters than `max_tokens`
+        tokens can cover, so it surely does not fit (None: no bound). Tokenising a long
+        text costs ~1.5 s a million tokens; a 60 MB body would cost a minute and a half."""
+        if max_tokens is not None and len(text) > max_tokens * self.max_chars_per_token:
+            raise ContextLengthExceeded(
+                f"the prompt is {len(text):,} characters, more than this model's context of "
+                f"{max_tokens} tokens can hold (no token covers more than "
+                f"{self.max_chars_per_token} characters)",
+                param=param,
+            )
+
+    def _ids(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        # encode_batch lets go of the GIL while it works; encode holds it throughout (~3 s
+        # for 2M tokens, when no other thread of the process runs: the event loop included).
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids, *, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
@@ -325,8 +361,10 @@ class PromptProcessor:
         continue_final_message: bool = False,
         tools: list[dict] | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        max_tokens: int | None = None,
     ) -> ProcessedPrompt:
-        """Render, tokenise and expand placeholders in one go."""
+        """Render, tokenise and expand placeholders in one go; with `max_tokens`, a
+        rendered chat too long for that many tokens is refused before it is tokenised."""
         text = self.render_chat(
             messages,
             add_generation_prompt=add_generation_prompt,
@@ -335,7 +373,9 @@ class PromptProcessor:
             tools=tools,
             template_kwargs=template_kwargs,
         )
-        return self.expand_placeholders(self.encode(text), media_token_counts)
+        return self.expand_placeholders(
+            self.encode(text, max_tokens=max_tokens), media_token_counts
+        )
 
 
 def normalize_messages(messages: list[dict]) -> list[dict]:

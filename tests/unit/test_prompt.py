@@ -278,3 +278,27 @@ def test_continue_final_message_refuses_a_template_that_rewrites_the_text(proces
             messages, chat_template=shouting, add_generation_prompt=False,
             continue_final_message=True,
         )  # fmt: skip
+
+
+def test_a_text_too_long_for_the_context_is_refused_before_tokenising(processor):
+    """The bound (characters over the longest vocabulary entry, loosened for the NFC
+    normalizer) never refuses a text that fits: every text has at least that many tokens."""
+    from engine.errors import ContextLengthExceeded
+
+    assert processor.tokenizer.normalizer is not None  # Qwen's NFC: the slack applies
+    per_token = processor.max_chars_per_token
+    texts = [
+        "a " * 5000,
+        "x" * 20000,  # one long word
+        "e\u0301" * 3000 + "\u1100\u1161\u11a8" * 2000,  # NFC composes these: fewer characters
+        "🎉 日本語 " * 1000,
+        "<|im_start|>user\nhi<|im_end|>" * 200,
+    ]
+    for text in texts:
+        ids = processor.encode(text)
+        assert len(ids) >= len(text) / per_token
+        assert processor.encode(text, max_tokens=len(ids)) == ids  # fits exactly: not refused
+    with pytest.raises(ContextLengthExceeded, match="characters") as caught:
+        processor.encode_prompt("a" * (100 * per_token + 1), max_tokens=100)
+    assert caught.value.param == "prompt" and caught.value.status == 400
+    processor.encode_prompt("a" * (100 * per_token), max_tokens=None)  # no bound asked: none

@@ -84,3 +84,46 @@ def test_paths_name_keys_values_and_items():
     assert lone_surrogate_path(["ok", "\U0001f600"]) is None
     check_body(b'{"a": "\\ud800"')  # not JSON: left to the route's parser
     check_body(b'{"a": "' + b"x" * 10_000_000 + b'"}')  # no escape: the fast path
+
+
+def test_a_prompt_too_long_for_the_context_is_refused_untokenised(client, model_dir):
+    from engine.multimodal.prompt import PromptProcessor
+
+    per_token = PromptProcessor.from_model_dir(model_dir).max_chars_per_token
+    huge = "a" * (256 * per_token + 1)  # the fake engine's context: 256 tokens
+    for route, body in [
+        ("/v1/completions", {"model": "tiny", "prompt": huge, "max_tokens": 2}),
+        ("/v1/chat/completions", {"model": "tiny", "max_tokens": 2,
+                                  "messages": [{"role": "user", "content": huge}]}),
+    ]:  # fmt: skip
+        response = client.post(route, json=body)
+        assert response.status_code == 400
+        assert response.json()["error"]["code"] == "context_length_exceeded"
+        assert "characters" in response.json()["error"]["message"]
+    # Truncating requests are tokenised whatever their length, then cut.
+    kept = client.post("/v1/completions", json={"model": "tiny", "prompt": huge, "max_tokens": 2,
+                                                "truncate_prompt_tokens": 10})  # fmt: skip
+    assert kept.status_code == 200 and kept.json()["usage"]["prompt_tokens"] == 10
+
+
+def test_tokenising_a_long_text_leaves_the_server_answering(client):
+    """A million tokens take ~1.5 s to tokenise. They used to hold the event loop (and the
+    GIL) all along: /health waited for them."""
+    import threading
+    import time
+
+    finished = {}
+
+    def tokenize_long_text():
+        response = client.post("/tokenize", json={"model": "tiny", "prompt": "a " * 1_000_000})
+        finished["at"] = time.monotonic()
+        finished["count"] = response.json()["count"]
+
+    worker = threading.Thread(target=tokenize_long_text)
+    worker.start()
+    time.sleep(0.3)  # the tokenising is under way
+    assert client.get("/health").status_code == 200
+    answered = time.monotonic()
+    worker.join()
+    assert finished["count"] >= 1_000_000
+    assert answered < finished["at"], "/health waited for the tokenizer"
