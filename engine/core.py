@@ -61,6 +61,7 @@ from engine.protocol import (
     PixelNormalization,
     Ready,
     RequestOutput,
+    SamplingParams,
 )
 from engine.request import MediaItem, Request
 from engine.sampler import token_bitmask
@@ -362,6 +363,7 @@ class EngineCore:
                     f"bad words need at least one token, each id in [0, {mc.vocab_size})",
                     param="bad_words",
                 )
+        _check_some_token_is_allowed(request.sampling, mc.eos_token_ids)
         if request.priority and self.config.scheduling_policy != "priority":
             raise InvalidRequest(
                 "priority needs the server's --scheduling-policy priority", param="priority"
@@ -572,4 +574,24 @@ def _check_feature_rows(media: MediaInput, param: str) -> None:
             f"feature rows {source.rows} are not one temporal patch of a file of grid "
             f"{tuple(source.file_grid_thw)}",
             param=param,
+        )
+
+
+def _check_some_token_is_allowed(sampling: SamplingParams, eos_token_ids: Sequence[int]) -> None:
+    """Refuses `allowed_token_ids` that the request's own bans empty: bad words of one token
+    at every step, or EOS and stop tokens before `min_tokens` (engine/model_runner.py's
+    `_banned_token_ids`). With every logit -inf the sampler would pick id 0, a token the
+    request did not allow."""
+    allowed = sampling.allowed_token_ids
+    if allowed is None:
+        return
+    left = set(allowed) - {word[0] for word in sampling.bad_words_token_ids if len(word) == 1}
+    if not left:
+        raise InvalidRequest("every token of allowed_token_ids is a bad word", param="bad_words")
+    ends = set(sampling.stop_token_ids) | set(() if sampling.ignore_eos else eos_token_ids)
+    if sampling.min_tokens > 0 and not left - ends:
+        raise InvalidRequest(
+            "allowed_token_ids leaves only tokens that end the answer (EOS, stop_token_ids), "
+            f"which min_tokens ({sampling.min_tokens}) forbids until that many tokens",
+            param="min_tokens",
         )

@@ -68,6 +68,9 @@ def apply_penalties(
     return logits
 
 
+LOGIT_LIMIT = 1e30  # the largest logit a repetition penalty leaves
+
+
 def _apply_repetition_penalty(
     logits: torch.Tensor,
     rows: list[SamplingRow],
@@ -115,7 +118,13 @@ def _apply_repetition_penalty(
     penalty = torch.cat([factor.flatten() for factor in factors])
     flat_logits = logits.view(-1)
     seen = flat_logits.index_select(0, index)
-    flat_logits.index_copy_(0, index, torch.where(seen > 0, seen / penalty, seen * penalty))
+    penalised = torch.where(seen > 0, seen / penalty, seen * penalty)
+    # A penalty near 0 divides a positive logit past float32 (inf: softmax NaN, then a
+    # garbage token), and one past float32 multiplies a zero logit by inf (NaN). Held to
+    # LOGIT_LIMIT, a rewarded token still wins, and a division by the smallest temperature
+    # (1e-5, engine/protocol.py) stays finite.
+    penalised.nan_to_num_(nan=0.0, posinf=LOGIT_LIMIT, neginf=float("-inf"))
+    flat_logits.index_copy_(0, index, penalised.clamp_(max=LOGIT_LIMIT))
 
 
 def _apply_presence_and_frequency(

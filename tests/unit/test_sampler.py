@@ -68,6 +68,20 @@ def test_repetition_penalty_hf_semantics():
     assert penalized.tolist() == [[1.0, -4.0, 1.0, 1.0]]
 
 
+def test_extreme_repetition_penalties_keep_the_logits_finite():
+    """1e-39 divided a positive logit to inf (softmax NaN: the sampler drew id 0, a token the
+    row never held); 1e39, inf in float32, multiplied a zero logit to NaN."""
+    logits = torch.tensor([[0.0, 3.0, 0.5, -1.0, float("-inf")]])
+    tiny = apply_penalties(logits, [row(prompt=[1, 2, 3, 4], repetition_penalty=1e-39)])
+    assert torch.isfinite(tiny[0, :4]).all() and tiny[0, 4] == float("-inf")
+    assert tiny[0, 1] == tiny[0, 2] == 1e30 and tiny[0, 3].item() == pytest.approx(-1e-39)
+    huge = apply_penalties(logits, [row(prompt=[0, 1, 3, 4], repetition_penalty=1e39)])
+    assert huge[0, 0] == 0.0 and huge[0, 3] == float("-inf") and huge[0, 4] == float("-inf")
+    for seed in range(5):  # drawn at the smallest random temperature: among the rewarded
+        params = row(prompt=[1, 2], repetition_penalty=1e-39, temperature=1e-5)
+        assert Sampler(seed=seed)(logits.clone(), [params]).token_ids[0] in (1, 2)
+
+
 def dense_repetition_penalty(logits, rows, newest=None):
     """The penalty as a dense mask over [S, V], as the sampler computed it before it
     touched only the tokens a row holds: the reference for that sparse path."""
