@@ -280,6 +280,12 @@ def _add_api_routes(api: APIRouter) -> None:
         card = ModelCard(id=state.model_name, max_model_len=state.max_model_len)
         return dump(ModelList(data=[card]))
 
+    @api.get("/v1/models/{model_id:path}")  # a served name may hold "/" (Qwen/Qwen2-VL-...)
+    async def retrieve_model(model_id: str, request: Request) -> dict:
+        state = _state(request)
+        state.check_model(model_id)
+        return dump(ModelCard(id=state.model_name, max_model_len=state.max_model_len))
+
     @api.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         state = _state(request)
@@ -384,7 +390,7 @@ def _add_api_routes(api: APIRouter) -> None:
     async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
         state = _state(request)
         state.check_model(body.model)
-        check_token_ids(body.tokens, state.processor.vocab_size, "tokens")
+        check_token_ids(body.tokens, state.vocab_size, "tokens")
         return {"prompt": state.processor.decode(body.tokens, skip_special_tokens=False)}
 
 

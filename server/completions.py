@@ -42,6 +42,13 @@ def prepare_completion_prompt(
         raise InvalidRequest("only one prompt per request is supported", param="prompt")
     if not token_ids:
         raise InvalidRequest("the prompt is empty", param="prompt")
+    for token_id in (processor.image_token_id, processor.video_token_id):
+        if token_id is not None and token_id in token_ids:  # the engine would say "messages"
+            raise InvalidRequest(
+                "the prompt holds a media placeholder token, which only a chat message's "
+                "image or video part may place",
+                param="prompt",
+            )
     return PreparedPrompt(token_ids=token_ids)
 
 

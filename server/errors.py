@@ -77,9 +77,13 @@ def validation_error_to_invalid(errors: Sequence[dict[str, Any]]) -> InvalidRequ
     param = loc_to_param(first.get("loc", ()))
     if first.get("type") == "json_invalid":
         return InvalidRequest("request body is not valid JSON", code="invalid_json")
+    message = first.get("msg", "invalid value")
+    if param is None:  # the body itself: empty, or JSON that is not an object
+        missing = first.get("type") == "missing"
+        return InvalidRequest("the request needs a JSON object as its body" if missing
+                              else f"invalid request body: {message}")  # fmt: skip
     if first.get("type") == "missing":
         return InvalidRequest(f"missing required field {param!r}", param=param)
-    message = first.get("msg", "invalid value")
     return InvalidRequest(f"invalid value for {param!r}: {message}", param=param)
 
 

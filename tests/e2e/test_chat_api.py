@@ -52,6 +52,10 @@ def stream_text(client, **kwargs) -> tuple[str, list]:
 
 def test_models_and_version(client, http):
     assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+    assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME  # was a 404
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.models.retrieve("some/other-model")
+    assert caught.value.body["code"] == "model_not_found"
     assert "version" in http.get("/version").json()
 
 

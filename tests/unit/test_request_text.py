@@ -127,3 +127,26 @@ def test_tokenising_a_long_text_leaves_the_server_answering(client):
     worker.join()
     assert finished["count"] >= 1_000_000
     assert answered < finished["at"], "/health waited for the tokenizer"
+
+
+def test_odd_bodies_and_ids_get_errors_that_name_them(client):
+    """What the fuzzing found: messages naming `None`, ids the model can write that
+    /detokenize refused, and a completions prompt blamed on `messages`."""
+    empty = client.post(
+        "/v1/completions", content=b"", headers={"content-type": "application/json"}
+    )
+    assert empty.status_code == 400
+    assert empty.json()["error"]["message"] == "the request needs a JSON object as its body"
+    listed = client.post("/v1/completions", json=[1, 2])
+    assert listed.status_code == 400 and "None" not in listed.json()["error"]["message"]
+    # The fake engine's vocabulary is 1600, its tokenizer's 1544: the rest decode to nothing.
+    assert client.post("/detokenize", json={"tokens": [1599]}).json() == {"prompt": ""}
+    assert client.post("/detokenize", json={"tokens": [1600]}).status_code == 400
+    placeholder = client.post("/v1/completions", json={"model": "tiny", "max_tokens": 2,
+                                                       "prompt": "a <|image_pad|> b"})  # fmt: skip
+    assert placeholder.status_code == 400 and placeholder.json()["error"]["param"] == "prompt"
+    as_ids = client.post("/tokenize", json={"prompt": "<|image_pad|>"}).json()["tokens"]
+    by_id = client.post(
+        "/v1/completions", json={"model": "tiny", "max_tokens": 2, "prompt": as_ids}
+    )
+    assert by_id.status_code == 400 and by_id.json()["error"]["param"] == "prompt"
