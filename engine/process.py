@@ -47,6 +47,7 @@ from engine.protocol import (
     EngineStats,
     ErrorInfo,
     FinishReason,
+    MediaUuid,
     RequestOutput,
     Shutdown,
 )
@@ -257,6 +258,10 @@ class EngineLoop:
             self.core.abort_requests(message.request_ids)
         elif isinstance(message, Shutdown):
             self.is_shutdown = True
+        elif isinstance(message, MediaUuid):  # for the other API processes, not the engine
+            for index, outbox in enumerate(self.outboxes):
+                if index != api_server:
+                    _send(outbox, message)
 
     def _add_request(self, request: EngineRequest, tensors: list) -> None:
         # EngineCore reports bad input itself; this guards the loop against anything else.

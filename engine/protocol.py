@@ -182,6 +182,19 @@ class Shutdown(msgspec.Struct, frozen=True, tag=True):
     pass
 
 
+class MediaUuid(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """What a client's media uuid names: an API process that processed the media sends it
+    to the engine, which relays it to the other API processes (`--api-server-count`), so
+    that a later uuid-only part builds its placeholders whichever process it reaches."""
+
+    uuid: str
+    modality: Modality
+    grid_thw: tuple[int, int, int]
+    num_tokens: int
+    second_per_grid_t: float = 1.0
+    frame_seconds: tuple[float, ...] = ()
+
+
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS or a stop token (stop strings are the server's job)
     LENGTH = "length"  # max_tokens or the context limit
@@ -274,8 +287,8 @@ class EngineFailed(msgspec.Struct, frozen=True, tag=True):
     message: str
 
 
-ServerToEngine = EngineRequest | AbortRequests | Shutdown
-EngineToServer = Ready | EngineOutputs | EngineFailed
+ServerToEngine = EngineRequest | AbortRequests | Shutdown | MediaUuid
+EngineToServer = Ready | EngineOutputs | EngineFailed | MediaUuid
 
 ENCODER = msgspec.msgpack.Encoder()
 ENGINE_INBOX_DECODER = msgspec.msgpack.Decoder(ServerToEngine)

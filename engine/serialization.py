@@ -149,13 +149,13 @@ def _decode(frames: Sequence[Frame], decoder: msgspec.msgpack.Decoder) -> tuple[
 
 
 def decode_engine_inbox(frames: Sequence[Frame]) -> tuple[Any, list[torch.Tensor]]:
-    """Decode server -> engine frames into (EngineRequest | AbortRequests | Shutdown, tensors),
+    """Decode server -> engine frames into (a `ServerToEngine` message, tensors),
     `tensors[i]` being the tensor of frame i + 1. Raises MessageDecodeError."""
     return _decode(frames, ENGINE_INBOX_DECODER)
 
 
 def decode_server_inbox(frames: Sequence[Frame]) -> Any:
-    """Decode engine -> server frames into Ready | EngineOutputs | EngineFailed.
+    """Decode engine -> server frames into an `EngineToServer` message.
     Raises MessageDecodeError."""
     message, _ = _decode(frames, SERVER_INBOX_DECODER)
     return message

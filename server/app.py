@@ -34,7 +34,7 @@ from engine.multimodal.prompt import INLINE_TOKENIZE_CHARS, PromptProcessor
 from engine.multimodal.video import VideoConfig
 from server.admission import AdmissionController, ServerDraining, Ticket, share
 from server.auth import check_api_key
-from server.chat import messages_as_dicts, prepare_chat_prompt
+from server.chat import UUIDS, messages_as_dicts, prepare_chat_prompt
 from server.completions import chat_response, completion_response, prepare_completion_prompt
 from server.errors import error_body, install_error_handlers
 from server.generation import (
@@ -184,6 +184,8 @@ def build_app(settings: ServerSettings, engine: Any, *, api_server_index: int = 
         fetcher = _make_fetcher(settings, metrics)
         with contextlib.suppress(AttributeError):
             engine.add_stats_listener(metrics.on_engine_stats)
+        if count > 1:  # a uuid-only part may reach another process than its media did
+            engine.share_media_uuids(UUIDS)
         app.state.tessera = AppState(
             settings=settings,
             engine=engine,

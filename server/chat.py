@@ -24,6 +24,7 @@ import collections
 import functools
 import hashlib
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -32,7 +33,7 @@ from engine.errors import InvalidRequest, MediaError
 from engine.multimodal.image_processor import ImageProcessorConfig, ProcessedImage
 from engine.multimodal.placement import place_media
 from engine.multimodal.prompt import PromptProcessor, final_message_text
-from engine.protocol import FeatureSource, MediaInput, Modality, TensorRef
+from engine.protocol import FeatureSource, MediaInput, MediaUuid, Modality, TensorRef
 from server.generation import PreparedPrompt
 from server.media_fetch import MediaFetcher, MediaProcessing
 from server.openai_models import (
@@ -199,11 +200,31 @@ class UuidRegistry:
             collections.OrderedDict()
         )
         self._lock = threading.Lock()
+        self._share: Callable[[MediaUuid], Any] | None = None
+
+    def share_with(self, send: Callable[[MediaUuid], Any]) -> None:
+        """`send(MediaUuid)` for each uuid remembered from now on: the engine relays it to
+        the other API processes, whose registries `learn` it."""
+        self._share = send
 
     def remember(self, uuid: str, modality: Modality, image: ProcessedImage) -> None:
         facts = RememberedMedia(
             tuple(image.grid_thw), image.num_tokens, image.second_per_grid_t, image.frame_seconds
         )  # fmt: skip
+        self._store(uuid, modality, facts)
+        if self._share is not None:
+            self._share(MediaUuid(uuid=uuid, modality=modality, grid_thw=facts.grid_thw,
+                                  num_tokens=facts.num_tokens,
+                                  second_per_grid_t=facts.second_per_grid_t,
+                                  frame_seconds=facts.frame_seconds))  # fmt: skip
+
+    def learn(self, message: MediaUuid) -> None:
+        """What another API process remembered (never shared again)."""
+        facts = RememberedMedia(tuple(message.grid_thw), message.num_tokens,
+                                message.second_per_grid_t, tuple(message.frame_seconds))  # fmt: skip
+        self._store(message.uuid, message.modality, facts)
+
+    def _store(self, uuid: str, modality: Modality, facts: RememberedMedia) -> None:
         with self._lock:
             self._items[uuid] = (modality, facts)
             self._items.move_to_end(uuid)

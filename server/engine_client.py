@@ -43,6 +43,7 @@ from engine.protocol import (
     EngineOutputs,
     EngineRequest,
     EngineStats,
+    MediaUuid,
     Ready,
     RequestOutput,
     Shutdown,
@@ -111,6 +112,7 @@ class EngineClient:
         }
         self._collectors: dict[str, OutputCollector] = {}
         self._stats_listeners: list[Callable[[EngineStats], Any]] = []
+        self._media_uuid_registry: Any = None  # set by share_media_uuids
         self._process: multiprocessing.process.BaseProcess | AttachedEngine | None = None
         self._context: zmq.asyncio.Context | None = None
         self._inbox: zmq.asyncio.Socket | None = None  # we PUSH requests into the engine's inbox
@@ -298,6 +300,13 @@ class EngineClient:
         """`callback(stats)` for every EngineStats the engine sends (exceptions are logged)."""
         self._stats_listeners.append(callback)
 
+    def share_media_uuids(self, registry: Any) -> None:
+        """With several API processes: what `registry` (server/chat.py's UuidRegistry)
+        learns of a client's media uuid goes to the others through the engine, and what
+        they learn comes into it, so a uuid-only part works whichever process it reaches."""
+        self._media_uuid_registry = registry
+        registry.share_with(self._send_nowait)
+
     def _abort_soon(self, request_id: str) -> None:
         """Queue an abort; the first one in a tick schedules the flush of them all."""
         if not self._abort_ids:
@@ -362,6 +371,8 @@ class EngineClient:
         elif isinstance(message, EngineFailed):
             logger.error("engine failed: %s", message.message)
             self._on_death(message.message)
+        elif isinstance(message, MediaUuid) and self._media_uuid_registry is not None:
+            self._media_uuid_registry.learn(message)
 
     def _exit_description(self) -> str:
         if isinstance(self._process, AttachedEngine):

@@ -18,6 +18,7 @@ from engine.protocol import (
     EngineStats,
     FinishReason,
     MediaInput,
+    MediaUuid,
     Modality,
     RequestOutput,
     SamplingParams,
@@ -100,6 +101,11 @@ def test_messages_without_tensors() -> None:
     )
     assert decode_server_inbox(encode_message(outputs)) == outputs
     assert decode_server_inbox(encode_message(EngineFailed("boom"))) == EngineFailed("boom")
+    # Relayed between API processes through the engine: both directions decode it.
+    uuid = MediaUuid(uuid="tile-1", modality=Modality.VIDEO, grid_thw=(2, 4, 6), num_tokens=12,
+                     second_per_grid_t=0.5, frame_seconds=(0.0, 1.0))  # fmt: skip
+    assert decode_engine_inbox(encode_message(uuid)) == (uuid, [])
+    assert decode_server_inbox(encode_message(uuid)) == uuid
 
 
 @pytest.mark.parametrize(
