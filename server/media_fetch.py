@@ -169,11 +169,15 @@ class MediaFetcher:
         key = f"{bytes_key(data)}:{kind}:{processing.cache_tag(kind)}"
         processed = self.processed.get(key)
         if processed is None:
-            if kind == "image":
-                image = decode_image(data, max_pixels=self.config.max_image_pixels, param=param)
-                processed = process_image(image, processing.image)
-            else:
-                processed = load_video(data, processing.video, self.video_limits, param=param)
+            try:
+                if kind == "image":
+                    image = decode_image(data, max_pixels=self.config.max_image_pixels, param=param)
+                    processed = process_image(image, processing.image)
+                else:
+                    processed = load_video(data, processing.video, self.video_limits, param=param)
+            except MediaError as exc:  # the processors' own errors name no part
+                exc.param = exc.param or param
+                raise
             self.processed.put(key, processed)
         return processed
 

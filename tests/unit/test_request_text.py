@@ -150,3 +150,21 @@ def test_odd_bodies_and_ids_get_errors_that_name_them(client):
         "/v1/completions", json={"model": "tiny", "max_tokens": 2, "prompt": as_ids}
     )
     assert by_id.status_code == 400 and by_id.json()["error"]["param"] == "prompt"
+
+
+def test_an_image_the_processor_refuses_names_its_part(client):
+    """The aspect-ratio check lives in the image processor, which knows no part: its error
+    had param null."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (1, 300)).save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    content = [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": url}}]
+    response = client.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 2,
+                           "messages": [{"role": "user", "content": content}]})  # fmt: skip
+    assert response.status_code == 400 and "aspect ratio" in response.json()["error"]["message"]
+    assert response.json()["error"]["param"].startswith("messages[0].content[1]")
