@@ -26,11 +26,12 @@ not overlapped.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -389,7 +390,11 @@ class EngineCore:
                     "supported for it",
                     param="messages",
                 )
-        media = [self._media_item(m, i, tensors) for i, m in enumerate(request.media)]
+        # A uuid-only part may name media that an earlier part of this same request sends
+        # (a conversation's history): that item's pixels serve both.
+        sent = {_cache_key(m) for m in request.media if m.pixel_values is not None}
+        media = [self._media_item(m, i, tensors, sent) for i, m in enumerate(request.media)]
+        media = _share_pixels(media)
         self._check_placeholders(prompt, media)
         positions, rope_delta = mrope_positions(
             prompt,
@@ -438,8 +443,14 @@ class EngineCore:
         return self._compiler
 
     def _media_item(
-        self, media: MediaInput, index: int, tensors: Sequence[torch.Tensor]
+        self,
+        media: MediaInput,
+        index: int,
+        tensors: Sequence[torch.Tensor],
+        sent: Collection[str] = (),
     ) -> MediaItem:
+        """The engine's item of `media`, checked; `sent`: the cache keys whose pixels this
+        request carries."""
         vision = self.model_config.vision
         param = f"media[{index}]"
         t, h, w = media.grid_thw
@@ -453,12 +464,7 @@ class EngineCore:
             )
         if not (math.isfinite(media.second_per_grid_t) and media.second_per_grid_t > 0):
             raise MediaError("second_per_grid_t must be positive", param=param)
-        cache_key = media.content_hash
-        if cache_key.startswith("uuid:"):
-            # A client may send one uuid with pictures of different sizes: rows cached for
-            # one grid must never be spliced into another's placeholders (the step would
-            # fail for every request in it), so a uuid names its rows per grid.
-            cache_key = f"{cache_key}@{t}x{h}x{w}"
+        cache_key = _cache_key(media)
         pixel_values = None
         if media.pixel_values is not None:
             ref = media.pixel_values
@@ -476,7 +482,7 @@ class EngineCore:
         elif media.feature is not None:  # fetched before the request is scheduled
             _check_feature_rows(media, param)
         elif media.content_hash.startswith("uuid:"):
-            if cache_key not in self.runner.encoder_cache:
+            if cache_key not in self.runner.encoder_cache and cache_key not in sent:
                 raise MediaError(
                     f"unknown media uuid {media.content_hash.removeprefix('uuid:')!r}: send the "
                     "media with its uuid first (it may also have been evicted)",
@@ -575,6 +581,33 @@ def _check_feature_rows(media: MediaInput, param: str) -> None:
             f"{tuple(source.file_grid_thw)}",
             param=param,
         )
+
+
+def _cache_key(media: MediaInput) -> str:
+    """The encoder cache's key of a media item. A client may send one uuid with pictures of
+    different sizes: rows cached for one grid must never be spliced into another's
+    placeholders (the step would fail for every request in it), so a uuid names its rows
+    per grid."""
+    if media.content_hash.startswith("uuid:"):
+        t, h, w = media.grid_thw
+        return f"{media.content_hash}@{t}x{h}x{w}"
+    return media.content_hash
+
+
+def _share_pixels(media: list[MediaItem]) -> list[MediaItem]:
+    """Items without pixels take those of an item of the same key that has them, so
+    whichever the scheduler meets first can be encoded."""
+    with_pixels = {item.content_hash: item for item in media if item.pixel_values is not None}
+    return [
+        dataclasses.replace(
+            item, pixel_values=source.pixel_values, normalization=source.normalization
+        )
+        if item.pixel_values is None
+        and item.embeds is None
+        and (source := with_pixels.get(item.content_hash)) is not None
+        else item
+        for item in media
+    ]
 
 
 def _check_some_token_is_allowed(sampling: SamplingParams, eos_token_ids: Sequence[int]) -> None:

@@ -410,6 +410,29 @@ def test_mm_processor_kwargs_match_transformers(client, model_dir, image_server)
         assert response.choices[0].message.content == tokenizer.decode(hf_ids)
 
 
+def test_a_uuid_named_again_later_in_the_same_request(client):
+    """A history that sends an image with its uuid in one turn and names it by uuid alone
+    in a later one: the engine used to refuse the second part (its encoding was not cached
+    yet). The answer is the one with the image sent twice."""
+    url = data_url(picture(84, 56, 7))
+    first_turn = [{"type": "image_url", "image_url": {"url": url}, "uuid": "history-1"},
+                  {"type": "text", "text": "What is this?"}]  # fmt: skip
+
+    def history(again: dict) -> list[dict]:
+        return [{"role": "user", "content": first_turn},
+                {"role": "assistant", "content": "A picture."},
+                {"role": "user", "content": [again, {"type": "text", "text": "And now?"}]}]  # fmt: skip
+
+    by_uuid = client.chat.completions.create(
+        model=MODEL_NAME, max_tokens=8, **GREEDY,
+        messages=history({"type": "image_url", "uuid": "history-1"}))  # fmt: skip
+    twice = client.chat.completions.create(
+        model=MODEL_NAME, max_tokens=8, **GREEDY,
+        messages=history({"type": "image_url", "image_url": {"url": url}}))  # fmt: skip
+    assert by_uuid.choices[0].message.content == twice.choices[0].message.content
+    assert by_uuid.usage.prompt_tokens == twice.usage.prompt_tokens
+
+
 def test_video_by_data_url_http_and_uuid_agree(client, http, image_server):
     data = fetch(image_server + "/clip.mp4")
     by_http = client.chat.completions.create(
