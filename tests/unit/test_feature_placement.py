@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from engine.config import EngineConfig
-from engine.core import _check_feature_rows
+from engine.request_checks import _check_feature_rows
 from engine.errors import MediaError
 from engine.feature_admission import FeatureAdmission, FeatureUse
 from engine.feature_validation import FeatureSpec
