@@ -327,7 +327,10 @@ async def prepare_chat_prompt(
         **request.template_options,
     )
     media, tensors = place_media(media, prompt.spans, tensors)
-    return PreparedPrompt(token_ids=prompt.token_ids, media=media, tensors=tensors)
+    params = tuple(parts[span.item].param for span in prompt.spans)  # one per placed item
+    return PreparedPrompt(
+        token_ids=prompt.token_ids, media=media, tensors=tensors, media_params=params
+    )
 
 
 def _check_frame_seconds(part: MediaPart) -> None:

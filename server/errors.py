@@ -10,6 +10,7 @@ no internals.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1  # seconds, on every 503 that says "try again"
 
+_MEDIA_PARAM = re.compile(r"media\[(\d+)\]")  # how the engine names a request's media item
 # Loc components pydantic adds for union members; they are not part of the field path.
 _TYPE_LOC_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "function-after"}
 
@@ -40,9 +42,15 @@ def tessera_error_body(exc: TesseraError) -> dict[str, Any]:
     return error_body(exc.message, type=exc.type, code=exc.code, param=exc.param)
 
 
-def error_info_to_exception(info: ErrorInfo) -> TesseraError:
-    """An engine-side per-request failure, as the typed error the server raises."""
-    exc = TesseraError(info.message, param=info.param, code=info.code)
+def error_info_to_exception(info: ErrorInfo, media_params: Sequence[str] = ()) -> TesseraError:
+    """An engine-side per-request failure, as the typed error the server raises. The
+    engine names a media item `media[i]`; `media_params[i]` is the request field it came
+    from, which the error names instead."""
+    param = info.param
+    if param is not None and (found := _MEDIA_PARAM.fullmatch(param)) is not None:
+        index = int(found.group(1))
+        param = media_params[index] if index < len(media_params) else param
+    exc = TesseraError(info.message, param=param, code=info.code)
     exc.status = info.status
     exc.type = info.type
     return exc

@@ -45,6 +45,9 @@ class PreparedPrompt:
     media: list[MediaInput] = field(default_factory=list)
     tensors: list[Any] = field(default_factory=list)  # torch tensors for the extra frames
     cache_salt: str | None = None  # shares prefix-cache blocks only with the same salt
+    # The request field of each `media` item (messages[0].content[1]): an engine error
+    # names an item as media[i], which the client never wrote.
+    media_params: tuple[str, ...] = ()
 
     def keep_last(self, num_tokens: int) -> PreparedPrompt:
         """vLLM's `truncate_prompt_tokens`: the prompt's last `num_tokens` tokens. Cutting
@@ -353,7 +356,7 @@ async def generate_choices(
                 raise EngineDeadError("the engine failed while serving the request") from item
             if not keep_output:
                 item = msgspec.structs.replace(item, new_token_ids=[], logprobs=None)
-            delta = _apply_output(detokenizers[index], index, item, totals, sampling)
+            delta = _apply_output(detokenizers[index], index, item, totals, sampling, prompt)
             if delta.finish_reason is not None:
                 finished[index] = True
                 totals.finish_reasons.append(delta.finish_reason)
@@ -372,9 +375,10 @@ def _apply_output(
     output: RequestOutput,
     totals: GenerationTotals,
     sampling: SamplingParams,
+    prompt: PreparedPrompt,
 ) -> ChoiceDelta:
     if output.error is not None:
-        raise error_info_to_exception(output.error)
+        raise error_info_to_exception(output.error, prompt.media_params)
     if output.num_cached_tokens:
         totals.num_cached_tokens = max(totals.num_cached_tokens, output.num_cached_tokens)
     if output.prompt_logprobs is not None and totals.prompt_logprobs is None:

@@ -13,7 +13,7 @@ from PIL import Image
 
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
-from engine.protocol import FinishReason, Modality, Ready, RequestOutput, TokenLogprob
+from engine.protocol import ErrorInfo, FinishReason, Modality, Ready, RequestOutput, TokenLogprob
 from engine.tiny_model import make_tiny_model
 from server.app import build_app
 from server.openai_models import ChatCompletionChunk
@@ -48,6 +48,7 @@ class FakeEngine:
         self.tensors = []
         self.aborted = []
         self.die_after: int | None = None
+        self.fail_with: ErrorInfo | None = None  # refuse every request, as the engine does
 
     def add_stats_listener(self, callback) -> None:
         pass
@@ -58,6 +59,10 @@ class FakeEngine:
     async def generate(self, request, tensors=(), *, tokens_per_wake=1):
         self.requests.append(request)
         self.tensors.append(list(tensors))
+        if self.fail_with is not None:
+            yield RequestOutput(request_id=request.request_id, finish_reason=FinishReason.ERROR,
+                                error=self.fail_with)  # fmt: skip
+            return
         finished = False
         try:
             for step in range(request.sampling.max_tokens):
@@ -355,6 +360,25 @@ def test_a_failure_building_a_chunk_ends_the_stream_with_an_error_event(app, mon
     assert events[-1]["error"]["code"] == "internal_error"
     monkeypatch.undo()
     assert chat(client, max_tokens=2, stream=True, logprobs=True).status_code == 200
+
+
+def test_engine_errors_name_the_media_part_the_client_wrote(app, monkeypatch):
+    """The engine names a media item media[i] (its index among the request's items); the
+    error the client gets names the message part it came from."""
+    client, engine = app
+    picture = Image.new("RGB", (56, 56), (10, 200, 30))
+    buffer = io.BytesIO()
+    picture.save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    image = {"type": "image_url", "image_url": {"url": url}}
+    messages = [{"role": "user", "content": [image, {"type": "text", "text": "and"}]},
+                {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": [{"type": "text", "text": "again"}, image]}]  # fmt: skip
+    monkeypatch.setattr(engine, "fail_with", ErrorInfo("gone", code="unknown_media_uuid",
+                                                       param="media[1]"))  # fmt: skip
+    response = chat(client, messages=messages, max_tokens=2)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "messages[2].content[1]"
 
 
 def test_health_metrics_tokenize(app):
