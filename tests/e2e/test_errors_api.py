@@ -153,3 +153,18 @@ def test_media_processing_over_the_server_bounds(http, image_server):
 def test_unknown_route_and_method(http):
     assert_error(http.get("/v1/nothing-here"), 404)
     assert_error(http.get("/v1/chat/completions"), 405)
+
+
+def test_a_huge_prompt_leaves_the_server_answering(server, capsys):
+    """bench/long_prompts.py against the real server: a prompt that cannot fit is refused
+    before it is tokenised, and a long /tokenize runs off the event loop (before, /health
+    waited 2.1 s and 17.4 s for them, 2026-11-27)."""
+    from bench import long_prompts
+
+    argv = ["--base-url", server.base_url, "--tokenize-words", "600000",
+            "--completion-words", "3000000", "--delay", "0.2"]  # fmt: skip
+    assert long_prompts.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()[2:]
+    tokenize, completion = ([cell.strip() for cell in line.split("|")[2:5]] for line in lines)
+    assert tokenize[0] == "200" and float(tokenize[2]) < float(tokenize[1]) / 2
+    assert completion[0] == "400" and float(completion[1]) < 2.0
