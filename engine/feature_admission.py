@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import torch
 
 from engine.config import EngineConfig
@@ -103,9 +104,11 @@ class FeatureAdmission:
                 continue  # aborted meanwhile
             request, uses, jobs = entry
             if result.error is not None:
-                outputs.append(
-                    request.unscheduled_output(FinishReason.ERROR, error_info(result.error))
-                )
+                failure = error_info(result.error)
+                if result.failed_job is not None:  # named as the engine names media items
+                    media_index = uses[result.failed_job][0].index
+                    failure = msgspec.structs.replace(failure, param=f"media[{media_index}]")
+                outputs.append(request.unscheduled_output(FinishReason.ERROR, failure))
                 continue
             if not self._is_complete(result, uses):
                 # A reused entry was evicted while we checked its version: download again.

@@ -102,6 +102,7 @@ class FetchResult:
     request_id: str
     features: list[FetchedFeature] = field(default_factory=list)  # in job order
     error: FeatureError | None = None
+    failed_job: int | None = None  # the index in `jobs` of the job whose error `error` is
 
 
 @dataclass
@@ -216,7 +217,7 @@ class FeatureFetcher:
         if not isinstance(error, FeatureError):
             logger.exception("feature fetch failed", exc_info=error)
             error = FeatureError("feature fetch failed: internal error", reason="internal")
-        self._done.put(FetchResult(request_id, error=error))
+        self._done.put(FetchResult(request_id, error=error, failed_job=tasks.index(failed)))
 
     def _cancel_all(self, tasks: list[asyncio.Task]) -> None:
         num_cancelled = 0
@@ -252,7 +253,12 @@ class FeatureFetcher:
         # grid_thw is downloaded and checked again (cached rows of another length would
         # fail the model step for every request in it).
         if known is not None and known[2] == job.spec and not force:
-            version = await self._with_retries(self._version_of, job.url)
+            try:
+                version = await self._with_retries(self._version_of, job.url)
+            except FeatureError:
+                # A server may refuse HEAD and serve GET (a presigned S3 GET URL is signed
+                # for GET alone): the download below says what the file is.
+                version = None
             if version is not None and version == known[0]:
                 return FetchedFeature(job.url, known[1], None)
         data, version = await self._with_retries(self._download, job.url)
@@ -427,6 +433,10 @@ def _split_s3(url: str) -> tuple[str, str]:
 
 
 def _raise_s3(exc: Exception):
+    from botocore.exceptions import ParamValidationError  # with aioboto3, as the client is
+
+    if isinstance(exc, ParamValidationError):  # an invalid bucket name or key: not retried
+        raise FeatureError(f"not a valid S3 location ({exc})", reason="bad_format") from None
     response = getattr(exc, "response", None)
     if isinstance(response, dict):
         code = str(response.get("Error", {}).get("Code", ""))

@@ -412,6 +412,7 @@ async def _chat_prompt(state: AppState, body: ChatCompletionRequest) -> Any:
         max_images=state.settings.max_images_per_request,
         settings=state.settings,
         max_prompt_tokens=_prompt_bound(state, body),
+        max_model_len=state.max_model_len,
     )
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from engine.errors import InvalidRequest, MediaError
+from engine.errors import ContextLengthExceeded, InvalidRequest, MediaError
 from engine.multimodal.image_processor import ImageProcessorConfig, ProcessedImage
 from engine.multimodal.placement import place_media
 from engine.multimodal.prompt import PromptProcessor, final_message_text
@@ -92,6 +92,7 @@ def media_parts(messages: list[ChatMessage]) -> list[MediaPart]:
             elif isinstance(part, ImageFeaturesPart | VideoFeaturesPart):
                 is_image = isinstance(part, ImageFeaturesPart)
                 ref = part.image_features if is_image else part.video_features
+                param += ".image_features" if is_image else ".video_features"  # the field
                 grid = ref.grid_thw
                 if len(grid) != 3 or min(grid) < 1:
                     raise InvalidRequest(
@@ -166,6 +167,18 @@ class FeaturePolicy:
     def num_tokens(self, grid_thw: tuple[int, int, int]) -> int:
         t, h, w = grid_thw
         return t * h * w // self.merge_size**2
+
+    def check_fits(self, part: MediaPart, max_model_len: int) -> None:
+        """A grid of more rows than the context holds is refused before its placeholders
+        are laid out: [1, 2**20, 2**20] asked for a list of 2**38 ids (a MemoryError, and
+        gigabytes held for seconds by a 600-byte request)."""
+        num_tokens = self.num_tokens(part.grid_thw)  # type: ignore[arg-type]
+        if num_tokens > max_model_len:
+            raise ContextLengthExceeded(
+                f"grid_thw {list(part.grid_thw)} makes {num_tokens} tokens, more than this "  # type: ignore[arg-type]
+                f"model's context length of {max_model_len}",
+                param=part.param + ".grid_thw",
+            )
 
 
 def _split(value: str | None) -> tuple[str, ...] | None:
@@ -269,9 +282,11 @@ async def prepare_chat_prompt(
     max_images: int,
     settings: Any = None,
     max_prompt_tokens: int | None = None,
+    max_model_len: int | None = None,
 ) -> PreparedPrompt:
-    """Fetch + process images and videos, check feature parts, and tokenise the rendered
-    chat (refused before tokenising if it cannot fit in `max_prompt_tokens`)."""
+    """Fetch + process images and videos, check feature parts (none may have more tokens
+    than `max_model_len`), and tokenise the rendered chat (refused before tokenising if
+    it cannot fit in `max_prompt_tokens`)."""
     if request.continue_final_message:  # a 400 before any media is fetched
         final_message_text(messages_as_dicts(request.messages))
     parts = media_parts(request.messages)
@@ -290,6 +305,8 @@ async def prepare_chat_prompt(
     policy = FeaturePolicy.from_settings(settings) if features else None
     for part in features:
         policy.check(part)  # type: ignore[union-attr]
+        if max_model_len is not None:
+            policy.check_fits(part, max_model_len)  # type: ignore[union-attr]
         if processor.timestamped_video_frames and part.modality is Modality.VIDEO:
             _check_frame_seconds(part)
     processing = fetcher.processing_for(request.mm_processor_kwargs) if pixel_parts else None

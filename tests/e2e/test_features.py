@@ -215,9 +215,13 @@ def test_one_failure_fails_its_request_and_cancels_the_rest(fhttp, objects):
         ("bucket", "allowed feature buckets"),
         ("s3_missing", "not found"),
         ("bad_grid", "grid_thw"),
+        ("huge_grid", "context length"),  # a 500 (MemoryError) and gigabytes before
+        ("absurd_grid", "context length"),  # a 500 (OverflowError) before
     ],
 )
 def test_bad_features_are_clear_4xx(fhttp, objects, s3, case, words):
+    """Each names the part: its url or grid_thw field where the server's checks refuse it,
+    the part itself where the download or the file does (it was null)."""
     nan = torch.randn(4, TINY_HIDDEN)
     nan[1, 2] = float("nan")
     blobs = {
@@ -241,10 +245,17 @@ def test_bad_features_are_clear_4xx(fhttp, objects, s3, case, words):
     elif case == "s3_missing":
         url = f"s3://{BUCKET}/does/not/exist.safetensors"
     else:
-        url, grid = objects.put("bad/grid", features(1)), (1, 3, 4)
+        grids = {
+            "bad_grid": (1, 3, 4),
+            "huge_grid": (1, 2**20, 2**20),
+            "absurd_grid": (10**30, 2, 2),
+        }
+        url, grid = objects.put("bad/grid", features(1)), grids[case]
     response = chat(fhttp, [feature_part(url, grid=grid)])
     assert 400 <= response.status_code < 500, response.text
     assert words in response.json()["error"]["message"]
+    field = {"bucket": ".url"}.get(case, ".grid_thw" if "grid" in case else "")
+    assert response.json()["error"]["param"] == "messages[0].content[0].image_features" + field
     assert text_of(chat(fhttp, [feature_part(data_url(features(3)))]))  # engine unharmed
 
 

@@ -110,5 +110,5 @@ def test_a_video_frame_by_frame_matches_transformers(client, model_dir, tmp_path
         content[0]["video_features"] = {**features, "frame_seconds": wrong}
         with pytest.raises(openai.BadRequestError) as info:
             answer(client, content)
-        assert info.value.body["param"] == "messages[0].content[0].frame_seconds"
+        assert info.value.body["param"] == "messages[0].content[0].video_features.frame_seconds"
         assert "one time per temporal patch (5 for grid_thw" in info.value.body["message"]

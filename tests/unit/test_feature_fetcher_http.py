@@ -24,6 +24,7 @@ class Origin:
     def __init__(self) -> None:
         self.answers: dict[str, list[tuple[int, dict[str, str], bytes]]] = {}
         self.log: list[tuple[str, str, int]] = []
+        self.refuses_head: set[str] = set()  # paths whose HEAD is a 403 (presigned GETs)
         origin = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -53,6 +54,12 @@ class Origin:
                 self._answer(True)
 
             def do_HEAD(self):  # noqa: N802
+                if self.path in origin.refuses_head:
+                    origin.log.append((self.command, self.path, self.client_address[1]))
+                    self.send_response(403)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 self._answer(False)
 
             def log_message(self, *args):
@@ -101,6 +108,30 @@ def test_a_known_version_is_checked_with_head_and_not_downloaded(origin, fetcher
     changed = fetch(fetcher, [url]).features[0]
     assert changed.embeds is not None and changed.content_hash != downloaded.content_hash
     assert [method for method, _, _ in origin.log] == ["GET", "HEAD", "HEAD", "GET"]
+
+
+def test_a_server_that_refuses_head_is_read_with_get_every_time(origin, fetcher):
+    """A presigned S3 GET URL refuses HEAD: the version check falls back to the download
+    (before, the first request worked and every later one failed: access denied)."""
+    origin.answers["/signed"] = [(200, {"ETag": '"v1"'}, features(4))]
+    origin.refuses_head.add("/signed")
+    url = f"{origin.base}/signed"
+    first = fetch(fetcher, [url])
+    again = fetch(fetcher, [url])
+    assert first.error is None and again.error is None
+    assert again.features[0].content_hash == first.features[0].content_hash
+    assert [method for method, _, _ in origin.log] == ["GET", "HEAD", "GET"]
+
+
+def test_an_invalid_s3_location_is_refused_not_retried():
+    from botocore.exceptions import ParamValidationError
+
+    from engine.feature_fetcher import _raise_s3
+    from engine.feature_validation import FeatureError
+
+    with pytest.raises(FeatureError, match="not a valid S3 location") as caught:
+        _raise_s3(ParamValidationError(report="Invalid bucket name 'BAD_bucket!!'"))
+    assert caught.value.reason == "bad_format"  # a 400 at once; it was "connection failed"
 
 
 def test_transient_statuses_are_retried(origin, fetcher):
