@@ -102,6 +102,10 @@ class StopChecker:
     def is_stopped(self) -> bool:
         return self.matched is not None
 
+    @property
+    def has_stops(self) -> bool:
+        return bool(self._stops)
+
     def feed(self, delta: str) -> StopResult:
         if self.is_stopped:
             return StopResult("", True)
@@ -184,6 +188,19 @@ class SequenceDetokenizer:
         text = delta if self._num_tokens <= self._min_tokens else self._stop.feed(delta).text
         self.text += text
         return text
+
+    def step_until_stop(self, new_token_ids: Sequence[int]) -> tuple[str, int]:
+        """`step`, and how many of `new_token_ids` it took: with stop strings, tokens go
+        in one by one and those after the one that completes a stop string are left out
+        (they are no part of the answer: not counted, no logprobs)."""
+        if not self._stop.has_stops or len(new_token_ids) < 2:
+            return self.step(new_token_ids), len(new_token_ids)
+        text = ""
+        for taken, token_id in enumerate(new_token_ids, start=1):
+            text += self.step((token_id,))
+            if self.is_stopped:
+                return text, taken
+        return text, len(new_token_ids)
 
     def finish(self) -> str:
         """Flush all held text; call once when the engine reports the sequence finished."""

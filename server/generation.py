@@ -384,8 +384,9 @@ def _apply_output(
     if output.prompt_logprobs is not None and totals.prompt_logprobs is None:
         totals.prompt_logprobs = output.prompt_logprobs
     totals.note_output(index, output)
-    totals.num_generated_tokens += len(output.new_token_ids)
-    text = detokenizer.step(output.new_token_ids)
+    text, taken = detokenizer.step_until_stop(output.new_token_ids)
+    token_ids = list(output.new_token_ids[:taken])
+    totals.num_generated_tokens += taken
     finish_reason = stop_reason = None
     if not detokenizer.is_stopped and output.finish_reason is not None:
         if output.finish_reason == FinishReason.ERROR:
@@ -394,7 +395,7 @@ def _apply_output(
             raise EngineDeadError("the request was aborted by the engine")
         text += detokenizer.finish()
         finish_reason = "length" if output.finish_reason == FinishReason.LENGTH else "stop"
-        last = output.new_token_ids[-1] if output.new_token_ids else None
+        last = token_ids[-1] if token_ids else None
         if output.finish_reason == FinishReason.STOP and last in sampling.stop_token_ids:
             stop_reason = last
     if detokenizer.is_stopped:
@@ -402,8 +403,8 @@ def _apply_output(
     return ChoiceDelta(
         index=index,
         text=text,
-        token_ids=list(output.new_token_ids),
-        logprobs=list(output.logprobs or []),
+        token_ids=token_ids,
+        logprobs=list(output.logprobs or [])[:taken],
         finish_reason=finish_reason,
         stop_reason=stop_reason,
     )

@@ -151,3 +151,44 @@ def test_token_bytes(tokenizer):
     assert b"".join(token_bytes(tokenizer, i) for i in ids) == "é🎉 x".encode()
     im_end = tokenizer.token_to_id("<|im_end|>")
     assert token_bytes(tokenizer, im_end) == b"<|im_end|>"
+
+
+def test_tokens_after_a_stop_string_are_no_part_of_the_answer(tokenizer):
+    """Several tokens in one engine output (a merged backlog) and a stop string in the
+    middle: the usage and the logprobs counted every one of them, though the text ended
+    at the stop (1 in 24 answers of 4 concurrent requests, 2026-11-27)."""
+    import asyncio
+
+    from engine.protocol import FinishReason, RequestOutput, SamplingParams, TokenLogprob
+    from server.generation import GenerationTotals, PreparedPrompt, generate_choices
+
+    ids = tokenizer.encode(
+        "the cat sat on the mat and then went home", add_special_tokens=False
+    ).ids
+    stop_at = next(i for i in range(len(ids)) if "mat" in tokenizer.decode(ids[: i + 1]))
+
+    class OneBigOutput:  # the engine's outputs merged into one, as a slow reader gets them
+        async def generate(self, request, tensors=(), *, tokens_per_wake=1):
+            yield RequestOutput(request_id=request.request_id, new_token_ids=ids,
+                                logprobs=[TokenLogprob(t, -0.5, []) for t in ids],
+                                finish_reason=FinishReason.LENGTH)  # fmt: skip
+
+        async def abort(self, request_ids):
+            pass
+
+    async def run():
+        totals = GenerationTotals()
+        deltas = [d async for d in generate_choices(
+            OneBigOutput(), tokenizer, "r", PreparedPrompt([1, 2]),
+            SamplingParams(max_tokens=len(ids), logprobs=0), n=1, stop=["mat"],
+            skip_special_tokens=True, totals=totals)]  # fmt: skip
+        return deltas, totals
+
+    deltas, totals = asyncio.run(run())
+    assert "".join(d.text for d in deltas) == "the cat sat on the "
+    assert deltas[-1].finish_reason == "stop" and deltas[-1].stop_reason == "mat"
+    assert [t for d in deltas for t in d.token_ids] == ids[: stop_at + 1]
+    assert sum(len(d.logprobs) for d in deltas) == stop_at + 1 == totals.num_generated_tokens
+    # Without stop strings every token counts, in one step.
+    detokenizer = SequenceDetokenizer(tokenizer)
+    assert detokenizer.step_until_stop(ids) == (detokenizer.text, len(ids))
