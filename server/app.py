@@ -587,7 +587,7 @@ async def _wait_for_disconnect(request: Request) -> None:
 async def _collect_until_disconnect(request: Request, state: AppState, job: GenerationJob):
     """Run a non-streaming generation; cancel it (aborting in the engine) if the client
     disconnects first."""
-    totals = GenerationTotals()
+    totals = GenerationTotals(num_prompt_tokens=len(job.prompt.token_ids))
     work = asyncio.create_task(collect(job, state.engine, state.processor.tokenizer, totals))
     watcher = asyncio.create_task(_wait_for_disconnect(request))
     try:
@@ -600,6 +600,8 @@ async def _collect_until_disconnect(request: Request, state: AppState, job: Gene
                 await work
     if work.cancelled():
         logger.info("client disconnected; request %s aborted", job.request_id)
+        totals.abort_unfinished(job.n)
+        _finisher(state, request)(totals)
         raise ClientDisconnected(job.request_id)
     results = work.result()
     _finisher(state, request)(totals)

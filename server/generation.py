@@ -100,6 +100,11 @@ class GenerationTotals:
     # SamplingParams.prompt_logprobs: the prompt's scores (the same for every choice).
     prompt_logprobs: list[TokenLogprob] | None = None
 
+    def abort_unfinished(self, n: int) -> None:
+        """The client left: each of the `n` choices that has not finished counts as
+        aborted (vLLM's finished_reason "abort")."""
+        self.finish_reasons += ["abort"] * (n - len(self.finish_reasons))
+
     def note_output(self, index: int, output: RequestOutput) -> None:
         """Record token timing and, on the finishing output, the engine-side phases."""
         num_tokens = len(output.new_token_ids)

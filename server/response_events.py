@@ -44,7 +44,13 @@ from server.generation import GenerationTotals
 from server.logprobs import chat_logprobs
 from server.openai_models import dump
 from server.responses import ResponsesRequest
-from server.streaming import ChoiceResult, GenerationJob, OnFinished, run_job
+from server.streaming import (
+    ChoiceResult,
+    GenerationJob,
+    OnFinished,
+    counted_if_left,
+    run_job,
+)
 from server.tool_calls import ToolCall
 
 logger = logging.getLogger(__name__)
@@ -320,51 +326,52 @@ async def stream_response(
     *,
     on_finished: OnFinished,
 ) -> AsyncIterator[bytes]:
-    totals = GenerationTotals()
+    totals = GenerationTotals(num_prompt_tokens=len(job.prompt.token_ids))
     event = _EventWriter()
-    yield event("response.created", response=shaper.response("in_progress", []))
-    yield event("response.in_progress", response=shaper.response("in_progress", []))
-    streamed = _StreamedOutput(shaper, event)
-    extractor = job.tools.extractor() if job.tools is not None else None
-    splitter = job.reasoning_splitter()
-    try:
-        async with contextlib.aclosing(run_job(job, engine, tokenizer, totals)) as deltas:
-            async for delta in deltas:
-                text, call_deltas = delta.text, []
-                if splitter is not None:  # the thinking first, then the answer
-                    reasoning, text = splitter.feed(text, last=delta.finish_reason is not None)
-                    for chunk in streamed.add_reasoning(reasoning):
+    with counted_if_left(totals, job.n, on_finished):
+        yield event("response.created", response=shaper.response("in_progress", []))
+        yield event("response.in_progress", response=shaper.response("in_progress", []))
+        streamed = _StreamedOutput(shaper, event)
+        extractor = job.tools.extractor() if job.tools is not None else None
+        splitter = job.reasoning_splitter()
+        try:
+            async with contextlib.aclosing(run_job(job, engine, tokenizer, totals)) as deltas:
+                async for delta in deltas:
+                    text, call_deltas = delta.text, []
+                    if splitter is not None:  # the thinking first, then the answer
+                        reasoning, text = splitter.feed(text, last=delta.finish_reason is not None)
+                        for chunk in streamed.add_reasoning(reasoning):
+                            yield chunk
+                    if extractor is not None:
+                        text, call_deltas = extractor.feed_stream(text)
+                    for chunk in streamed.add_text(text, delta.logprobs):
                         yield chunk
-                if extractor is not None:
-                    text, call_deltas = extractor.feed_stream(text)
-                for chunk in streamed.add_text(text, delta.logprobs):
-                    yield chunk
-                for call_delta in call_deltas:
-                    for chunk in streamed.add_call(call_delta):
+                    for call_delta in call_deltas:
+                        for chunk in streamed.add_call(call_delta):
+                            yield chunk
+                    if delta.finish_reason is None:
+                        continue
+                    calls: list[ToolCall] = []
+                    if extractor is not None:
+                        rest, _, calls = extractor.finish_stream()
+                        for chunk in streamed.add_text(rest, []):
+                            yield chunk
+                    status = response_status(delta.finish_reason)
+                    for chunk in streamed.finish(calls, status):
                         yield chunk
-                if delta.finish_reason is None:
-                    continue
-                calls: list[ToolCall] = []
-                if extractor is not None:
-                    rest, _, calls = extractor.finish_stream()
-                    for chunk in streamed.add_text(rest, []):
-                        yield chunk
-                status = response_status(delta.finish_reason)
-                for chunk in streamed.finish(calls, status):
-                    yield chunk
-                final = shaper.response(status, streamed.output, totals)
-                yield event(f"response.{status}", response=final)
-    except TesseraError as exc:
-        yield event("error", code=exc.code, message=exc.message, param=exc.param)
-        failure = {"code": exc.code or "server_error", "message": exc.message}
-        yield event("response.failed",
-                    response=shaper.response("failed", streamed.output, error=failure))  # fmt: skip
-        return
-    except Exception:  # noqa: BLE001 - the stream must end cleanly whatever happened
-        logger.exception("response stream failed")
-        failure = {"code": "internal_error", "message": "internal server error"}
-        yield event("error", code="internal_error", message=failure["message"], param=None)
-        yield event("response.failed",
-                    response=shaper.response("failed", streamed.output, error=failure))  # fmt: skip
-        return
+                    final = shaper.response(status, streamed.output, totals)
+                    yield event(f"response.{status}", response=final)
+        except TesseraError as exc:
+            yield event("error", code=exc.code, message=exc.message, param=exc.param)
+            failure = {"code": exc.code or "server_error", "message": exc.message}
+            yield event("response.failed",
+                        response=shaper.response("failed", streamed.output, error=failure))  # fmt: skip
+            return
+        except Exception:  # noqa: BLE001 - the stream must end cleanly whatever happened
+            logger.exception("response stream failed")
+            failure = {"code": "internal_error", "message": "internal server error"}
+            yield event("error", code="internal_error", message=failure["message"], param=None)
+            yield event("response.failed",
+                        response=shaper.response("failed", streamed.output, error=failure))  # fmt: skip
+            return
     on_finished(totals)

@@ -10,10 +10,11 @@ chain at once, which cancels the engine requests.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,6 +86,20 @@ class ChoiceResult:
 
 
 OnFinished = Callable[[GenerationTotals], None]
+
+
+@contextlib.contextmanager
+def counted_if_left(totals: GenerationTotals, n: int, on_finished: OnFinished) -> Iterator[None]:
+    """Around a stream's body, up to its last event before [DONE]: a client that leaves
+    first (the response closes the stream at a yield) still has its request counted, the
+    tokens so far and each unfinished choice as aborted (vLLM's finished_reason "abort").
+    A stream that ends calls `on_finished` itself; one that fails counts nothing."""
+    try:
+        yield
+    except (GeneratorExit, asyncio.CancelledError):
+        totals.abort_unfinished(n)
+        on_finished(totals)
+        raise
 
 
 class EventStreamResponse(StreamingResponse):
@@ -205,56 +220,57 @@ async def stream_chat(
         # always there (null when unset).
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
-    for index in range(job.n):
-        yield chunk([choice(index, {"role": "assistant", "content": ""})])
-    extractors = [job.tools.extractor() for _ in range(job.n)] if job.tools else None
-    splitters = [job.reasoning_splitter() for _ in range(job.n)]
-    wants_prompt_logprobs = job.sampling.prompt_logprobs is not None
-    async with contextlib.aclosing(guarded(run_job(job, engine, tokenizer, totals))) as pieces:
-        async for piece in pieces:
-            if isinstance(piece, bytes):
-                yield piece
-                return
-            text, finish, call_deltas, reasoning = piece.text, piece.finish_reason, [], ""
-            splitter = splitters[piece.index]
-            if splitter is not None:  # the thinking first, then the answer
-                reasoning, text = splitter.feed(text, last=finish is not None)
-            if extractors is not None:  # content up to a tool call now, the calls at the end
-                extractor = extractors[piece.index]
-                text, call_deltas = extractor.feed_stream(text)
+    with counted_if_left(totals, job.n, on_finished):
+        for index in range(job.n):
+            yield chunk([choice(index, {"role": "assistant", "content": ""})])
+        extractors = [job.tools.extractor() for _ in range(job.n)] if job.tools else None
+        splitters = [job.reasoning_splitter() for _ in range(job.n)]
+        wants_prompt_logprobs = job.sampling.prompt_logprobs is not None
+        async with contextlib.aclosing(guarded(run_job(job, engine, tokenizer, totals))) as pieces:
+            async for piece in pieces:
+                if isinstance(piece, bytes):
+                    yield piece
+                    return
+                text, finish, call_deltas, reasoning = piece.text, piece.finish_reason, [], ""
+                splitter = splitters[piece.index]
+                if splitter is not None:  # the thinking first, then the answer
+                    reasoning, text = splitter.feed(text, last=finish is not None)
+                if extractors is not None:  # content up to a tool call now, the calls at the end
+                    extractor = extractors[piece.index]
+                    text, call_deltas = extractor.feed_stream(text)
+                    if finish is not None:
+                        rest, last_deltas, calls = extractor.finish_stream()
+                        text, call_deltas = text + rest, call_deltas + last_deltas
+                        finish = job.tools.finish_reason(finish, calls)  # type: ignore[union-attr]
+                extra = {}
+                if wants_prompt_logprobs and totals.prompt_logprobs is not None:
+                    wants_prompt_logprobs = False  # vLLM's field, once, in the first chunk after
+                    scores = prompt_logprobs(tokenizer, totals.prompt_logprobs)
+                    extra["prompt_logprobs"] = prompt_logprobs_json(scores)
+                if (
+                    not text
+                    and not reasoning
+                    and not call_deltas
+                    and finish is None
+                    and not (with_logprobs and piece.logprobs)
+                    and not extra
+                ):
+                    continue
+                logprobs = None
+                if with_logprobs:
+                    entries = chat_logprobs(tokenizer, piece.logprobs, as_ids=job.tokens_as_ids)
+                    logprobs = dump(entries)
+                delta: dict[str, Any] = {"content": text}
+                if reasoning:
+                    delta["reasoning_content"] = reasoning
+                if call_deltas:
+                    delta["tool_calls"] = call_deltas
+                body = choice(piece.index, delta, logprobs, finish)
                 if finish is not None:
-                    rest, last_deltas, calls = extractor.finish_stream()
-                    text, call_deltas = text + rest, call_deltas + last_deltas
-                    finish = job.tools.finish_reason(finish, calls)  # type: ignore[union-attr]
-            extra = {}
-            if wants_prompt_logprobs and totals.prompt_logprobs is not None:
-                wants_prompt_logprobs = False  # vLLM's field, once, in the first chunk after
-                scores = prompt_logprobs(tokenizer, totals.prompt_logprobs)
-                extra["prompt_logprobs"] = prompt_logprobs_json(scores)
-            if (
-                not text
-                and not reasoning
-                and not call_deltas
-                and finish is None
-                and not (with_logprobs and piece.logprobs)
-                and not extra
-            ):
-                continue
-            logprobs = None
-            if with_logprobs:
-                entries = chat_logprobs(tokenizer, piece.logprobs, as_ids=job.tokens_as_ids)
-                logprobs = dump(entries)
-            delta: dict[str, Any] = {"content": text}
-            if reasoning:
-                delta["reasoning_content"] = reasoning
-            if call_deltas:
-                delta["tool_calls"] = call_deltas
-            body = choice(piece.index, delta, logprobs, finish)
-            if finish is not None:
-                body["stop_reason"] = piece.stop_reason
-            yield chunk([body], **extra)
-    if job.include_usage:
-        yield chunk([], usage_of(totals))
+                    body["stop_reason"] = piece.stop_reason
+                yield chunk([body], **extra)
+        if job.include_usage:
+            yield chunk([], usage_of(totals))
     on_finished(totals)
     yield DONE
 
@@ -272,40 +288,41 @@ async def stream_completion(
     offsets: list[int | None] = [None] * job.n  # None: the choice's first chunk is to come
     chunk = _ChunkWriter(job, "text_completion", totals)
 
-    deltas = run_job(job, engine, tokenizer, totals, scores_per_choice=True)
-    async with contextlib.aclosing(guarded(deltas)) as pieces:
-        async for piece in pieces:
-            if isinstance(piece, bytes):
-                yield piece
-                return
-            index = piece.index
-            offset = offsets[index]
-            # A piece with no text may still carry logprobs (its text is held back).
-            has_logprobs = echo.num_logprobs is not None and piece.logprobs
-            is_first = offset is None
-            if not (piece.text or piece.finish_reason or is_first or has_logprobs):
-                continue
-            choice: dict[str, Any] = {"index": index, "text": piece.text}
-            if is_first:
-                echoed, logprobs, scores = echo.first(
-                    tokenizer, job.prompt.token_ids, totals.prompt_logprobs, piece.logprobs
-                )
-                choice["text"] = echoed + piece.text
-                offset = len(echoed)
-                if scores is not None:
-                    choice["prompt_logprobs"] = prompt_logprobs_json(scores)
-            elif echo.num_logprobs is not None:
-                logprobs = echo.logprobs(tokenizer, piece.logprobs, offset)
-            else:
-                logprobs = None
-            offsets[index] = offset + len(piece.text)
-            choice["logprobs"] = None if logprobs is None else dump(logprobs)
-            choice["finish_reason"] = piece.finish_reason
-            if piece.finish_reason is not None:
-                choice["stop_reason"] = piece.stop_reason
-            yield chunk([choice])
-    if job.include_usage:
-        yield chunk([], usage_of(totals))
+    with counted_if_left(totals, job.n, on_finished):
+        deltas = run_job(job, engine, tokenizer, totals, scores_per_choice=True)
+        async with contextlib.aclosing(guarded(deltas)) as pieces:
+            async for piece in pieces:
+                if isinstance(piece, bytes):
+                    yield piece
+                    return
+                index = piece.index
+                offset = offsets[index]
+                # A piece with no text may still carry logprobs (its text is held back).
+                has_logprobs = echo.num_logprobs is not None and piece.logprobs
+                is_first = offset is None
+                if not (piece.text or piece.finish_reason or is_first or has_logprobs):
+                    continue
+                choice: dict[str, Any] = {"index": index, "text": piece.text}
+                if is_first:
+                    echoed, logprobs, scores = echo.first(
+                        tokenizer, job.prompt.token_ids, totals.prompt_logprobs, piece.logprobs
+                    )
+                    choice["text"] = echoed + piece.text
+                    offset = len(echoed)
+                    if scores is not None:
+                        choice["prompt_logprobs"] = prompt_logprobs_json(scores)
+                elif echo.num_logprobs is not None:
+                    logprobs = echo.logprobs(tokenizer, piece.logprobs, offset)
+                else:
+                    logprobs = None
+                offsets[index] = offset + len(piece.text)
+                choice["logprobs"] = None if logprobs is None else dump(logprobs)
+                choice["finish_reason"] = piece.finish_reason
+                if piece.finish_reason is not None:
+                    choice["stop_reason"] = piece.stop_reason
+                yield chunk([choice])
+        if job.include_usage:
+            yield chunk([], usage_of(totals))
     on_finished(totals)
     yield DONE
 

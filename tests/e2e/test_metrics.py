@@ -136,6 +136,35 @@ def test_request_counters_and_latency_histograms_move(http):
     assert moved("tessera:engine_step_seconds_count") >= 1 + 4
 
 
+def test_requests_the_client_leaves_count_as_aborted(http, server):
+    """A stream closed midway and a non-streamed request whose client gave up: each
+    counts in request_success_total{finished_reason="abort"}, its prompt and the tokens it
+    got so far in the token counters, and its latency (they counted nowhere before)."""
+    before, reasons_before = scrape(http)
+    body = {"model": MODEL_NAME, "max_tokens": 1500, "temperature": 0.0, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "count forever"}]}  # fmt: skip
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+        chunks = 0
+        for line in response.iter_lines():
+            chunks += line.startswith("data: {")
+            if chunks >= 6:
+                break  # closing the response hangs up mid-stream
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=1.0)
+    abort = "tessera:request_success_total"
+
+    def counted(_, by_reason):
+        return by_reason[abort].get("abort", 0) - reasons_before[abort].get("abort", 0) >= 2
+
+    after, reasons_after = wait_for(http, counted, timeout_s=30)
+    assert reasons_after[abort].get("abort", 0) - reasons_before[abort].get("abort", 0) == 2
+    generated = after["tessera:generation_tokens_total"] - before["tessera:generation_tokens_total"]
+    assert generated >= 5  # the stream's tokens at least
+    assert after["tessera:prompt_tokens_total"] > before["tessera:prompt_tokens_total"]
+    latency = "tessera:e2e_request_latency_seconds_count"
+    assert after[latency] - before[latency] == 2
+
+
 def test_vision_encoder_time_moves(http):
     before, _ = scrape(http)
     url = "data:image/png;base64," + base64.b64encode(png_bytes(picture(90, 60, 211))).decode()
