@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -253,25 +253,37 @@ class EngineCore:
                 )
                 encoder_seconds = result.encoder_seconds
                 num_items, num_batches = result.num_encoder_items, result.num_encoder_batches
-        counters = self.scheduler.pop_counters()
-        stats = EngineStats(
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting) + self.grammars.num_compiling,
-            num_fetching=self.features.num_fetching,
-            kv_cache_usage=self.scheduler.kv.usage,
-            num_preemptions_total=counters.num_preemptions,
+        stats = self._stats(
             num_scheduled_tokens=step.scheduler_output.num_scheduled_tokens,
             step_seconds=self._step_seconds(step),
             vision_encoder_seconds=encoder_seconds,
             vision_encoder_items_total=num_items,
             vision_encoder_batches_total=num_batches,
+        )
+        return EngineOutputs(outputs, stats)
+
+    def idle_stats(self) -> EngineStats:
+        """The stats now, with no step: what the engine process publishes while idle, since
+        some figures move without one (a cancelled feature download ends after the abort
+        that cancelled it, and the in-flight gauge with it)."""
+        return self._stats()
+
+    def _stats(self, **step_fields: Any) -> EngineStats:
+        """Gauges as they are, counters since the last call, and the step's own fields."""
+        counters = self.scheduler.pop_counters()
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting) + self.grammars.num_compiling,
+            num_fetching=self.features.num_fetching,
+            kv_cache_usage=self.scheduler.kv.usage,
+            num_preemptions_total=counters.num_preemptions,
             encoder_cache_queries_total=counters.encoder_cache_queries,
             encoder_cache_hits_total=counters.encoder_cache_hits,
             prefix_cache_queries_total=counters.prefix_cache_queries,
             prefix_cache_hits_total=counters.prefix_cache_hits,
             **self.features.stats_fields(),
+            **step_fields,
         )
-        return EngineOutputs(outputs, stats)
 
     def _step_seconds(self, step: InFlightStep) -> float:
         """The step's time, from its launch or, if it was launched ahead, from when the

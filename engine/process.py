@@ -223,6 +223,8 @@ class EngineLoop:
                     self._drain_inbox(STALLED_POLL_MS)  # waiting on fetches: do not spin hot
             elif self.refused:
                 self._publish(EngineOutputs([], self.last_stats or EngineStats()))
+            else:  # idle: figures that move without a step (sent only when they changed)
+                self._publish(EngineOutputs([], self.core.idle_stats()))
 
     def _step(self) -> EngineOutputs:
         if not self.core.overlaps_steps:

@@ -306,6 +306,28 @@ def test_num_requests_fetching_rises_while_features_are_delayed(fhttp, objects):
     assert fetching() == 0
 
 
+def test_downloads_cancelled_by_a_client_that_left_settle_in_the_metrics(
+    fhttp, feature_server, objects
+):
+    """The client gives up on a request whose two downloads hang; with no other request
+    after it, the in-flight gauge still goes back to 0 and the cancellations count (the
+    engine published stats only on steps: the gauge stayed at 2 until the next request)."""
+    urls = [objects.put(f"settle/slow{i}", features(50 + i), delay=20.0) for i in range(2)]
+    cancelled_before = metric(fhttp, "tessera:feature_fetch_failures_total", reason="cancelled")
+    body = {"model": MODEL_NAME, "max_tokens": 2,
+            "messages": [{"role": "user", "content": [feature_part(u) for u in urls]}]}  # fmt: skip
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(feature_server.base_url + "/v1/chat/completions", json=body, timeout=1.0)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        in_flight = metric(fhttp, "tessera:feature_fetch_in_flight")
+        cancelled = metric(fhttp, "tessera:feature_fetch_failures_total", reason="cancelled")
+        if in_flight == 0 and cancelled - cancelled_before == 2:
+            break
+        time.sleep(0.1)
+    assert (in_flight, cancelled - cancelled_before) == (0, 2)
+
+
 def test_video_features_and_metrics(fhttp):
     blob = save({"embeds": torch.randn(8, TINY_HIDDEN), "grid_thw": torch.tensor([2, 4, 4])})
     part = feature_part(data_url(blob), grid=(2, 4, 4), kind="video_features")
