@@ -144,7 +144,7 @@ class ResponseShaper:
             output.append(self.reasoning(status, reasoning, f"rs_{uuid.uuid4().hex}"))
         if text or not calls:
             output.append(self.message(status, [self.text_part(text, result.logprobs)]))
-        output += [call_item(call, "completed") for call in calls]
+        output += [call_item(call, call_status(status, i, calls)) for i, call in enumerate(calls)]
         return self.response(status, output, totals)
 
 
@@ -154,6 +154,12 @@ def reasoning_part(text: str) -> dict[str, Any]:
 
 def response_status(finish_reason: str | None) -> str:
     return "incomplete" if finish_reason == "length" else "completed"
+
+
+def call_status(status: str, index: int, calls: list[ToolCall]) -> str:
+    """A response cut by max_output_tokens was cut in its last item: a last call's
+    arguments are incomplete (a named function's answer is nothing but them)."""
+    return "incomplete" if status == "incomplete" and index == len(calls) - 1 else "completed"
 
 
 def call_item(call: ToolCall, status: str, arguments: str | None = None) -> dict[str, Any]:
@@ -280,7 +286,7 @@ class _StreamedOutput:
             yield self.event("response.function_call_arguments.done", item_id=call_item_id,
                              output_index=output_index, name=call.name,
                              arguments=call.arguments)  # fmt: skip
-            item = call_item(call, "completed")
+            item = call_item(call, call_status(status, index, calls))
             yield self.event("response.output_item.done", output_index=output_index, item=item)
             self.output[output_index] = item
 

@@ -121,6 +121,23 @@ def test_a_named_function_is_called_with_arguments_in_its_schema(client):
     assert events[-1].response.output[-1].arguments == arguments
 
 
+def test_a_call_cut_by_max_output_tokens_is_incomplete(client):
+    """Cut short, a named function's arguments are not whole: the item says incomplete as
+    the response does (it said completed, streamed and not)."""
+    kwargs = {"input": "Weather?", "tools": [WEATHER], "temperature": 0,
+              "tool_choice": {"type": "function", "name": "get_weather"},
+              "max_output_tokens": 3}  # fmt: skip
+    response = respond(client, **kwargs)
+    assert response.status == "incomplete"
+    assert [item.status for item in response.output if item.type == "function_call"] == [
+        "incomplete"
+    ]
+    events = list(respond(client, stream=True, **kwargs))
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert done[-1].type == "function_call" and done[-1].status == "incomplete"
+    assert events[-1].response.output[-1].status == "incomplete"
+
+
 def test_required_tools_and_a_json_schema_format_keep_to_their_grammars(client):
     response = respond(client, input="Weather?", tools=[WEATHER], tool_choice="required",
                        temperature=0, max_output_tokens=96)  # fmt: skip
