@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence
 
 from tokenizers import Tokenizer
@@ -55,18 +56,20 @@ def completion_logprobs(
     as_ids: bool = False,
 ) -> CompletionLogprobs:
     """The legacy `/v1/completions` logprobs shape (parallel lists); `text_offset` counts
-    the tokens' text even when they are named by id."""
+    the tokens' text even when they are named by id. A token that ends inside a UTF-8
+    character adds nothing to the offset until a later one completes the character (the
+    tokens of one character share its offset), so offsets index the returned text."""
     result = CompletionLogprobs()
     offset = text_offset
+    characters = codecs.getincrementaldecoder("utf-8")(errors="replace")
     for entry in entries:
-        text, _ = _token_text(tokenizer, entry.token_id)
         result.tokens.append(_token_name(tokenizer, entry.token_id, as_ids)[0])
         result.token_logprobs.append(entry.logprob)
         result.top_logprobs.append(
             {_token_name(tokenizer, tid, as_ids)[0]: lp for tid, lp in entry.top}
         )
         result.text_offset.append(offset)
-        offset += len(text)
+        offset += len(characters.decode(token_bytes(tokenizer, entry.token_id)))
     return result
 
 

@@ -192,3 +192,21 @@ def test_tokens_after_a_stop_string_are_no_part_of_the_answer(tokenizer):
     # Without stop strings every token counts, in one step.
     detokenizer = SequenceDetokenizer(tokenizer)
     assert detokenizer.step_until_stop(ids) == (detokenizer.text, len(ids))
+
+
+def test_completion_text_offsets_index_the_text_through_multibyte_characters(tokenizer):
+    """Each token's text_offset is where its text starts in the returned text; the tokens
+    of one character share its offset. They counted each U+FFFD piece as a character and
+    ran past the text (0..17 for 10 characters, then the completion restarted at 10)."""
+    from engine.protocol import TokenLogprob
+    from server.logprobs import completion_logprobs
+
+    text = "héllo 世界 🙂 ok"
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    assert any("\ufffd" in tokenizer.decode([i]) for i in ids)  # some token splits a character
+    offsets = completion_logprobs(tokenizer, [TokenLogprob(i, -1.0) for i in ids]).text_offset
+    assert offsets == sorted(offsets) and offsets[0] == 0 and offsets[-1] < len(text)
+    for index, offset in enumerate(offsets):  # a prefix cut inside a character: U+FFFD
+        assert tokenizer.decode(ids[:index]).rstrip("\ufffd") == text[:offset]
+    then = completion_logprobs(tokenizer, [TokenLogprob(ids[0], -1.0)], text_offset=len(text))
+    assert then.text_offset == [len(text)]  # a completion after the echoed prompt goes on

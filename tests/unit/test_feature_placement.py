@@ -8,13 +8,13 @@ from types import SimpleNamespace
 import pytest
 
 from engine.config import EngineConfig
-from engine.request_checks import _check_feature_rows
 from engine.errors import MediaError
 from engine.feature_admission import FeatureAdmission, FeatureUse
 from engine.feature_validation import FeatureSpec
 from engine.multimodal.placement import place_media
 from engine.multimodal.prompt import PlaceholderSpan
 from engine.protocol import FeatureSource, MediaInput, Modality
+from engine.request_checks import _check_feature_rows
 
 URL = "s3://features/clip.safetensors"
 PER_PATCH = 4  # grid (1, 4, 4) / merge 2**2
