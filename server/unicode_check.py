@@ -6,7 +6,7 @@ a response that echoes it fails to encode. Valid Unicode never holds one, so suc
 gets 400 naming the field, before the route reads it. A surrogate pair (`"\\ud83d\\ude00"`)
 decodes to its one character and passes.
 
-The check costs one regex scan of the raw body for a surrogate escape (C speed, ~1 ms for
+The check costs one regex scan of the raw body for a surrogate escape (C speed, ~2 ms for
 10 MB); only a body that has one is decoded a second time to find the field.
 """
 
