@@ -12,25 +12,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import logging
 import time
-import uuid
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgspec
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from engine.errors import EngineDeadError, InvalidRequest, ModelNotFound, ServerOverloaded
 from engine.generation_defaults import SamplingDefaults
 from engine.multimodal.image_processor import ImageProcessorConfig
-from engine.multimodal.prompt import INLINE_TOKENIZE_CHARS, PromptProcessor
+from engine.multimodal.prompt import PromptProcessor
 from engine.multimodal.video import VideoConfig
 from server.admission import AdmissionController, ServerDraining, Ticket, share
 from server.auth import check_api_key
@@ -40,12 +37,10 @@ from server.errors import error_body, install_error_handlers
 from server.generation import (
     OPENAI_DEFAULTS,
     GenerationTotals,
-    PreparedPrompt,
-    bad_word_token_ids,
-    build_sampling_params,
     check_structured_output,
     check_token_ids,
 )
+from server.jobs import build_job, prompt_bound, tokenised_off_the_loop_if_long
 from server.media_fetch import MediaFetchConfig, MediaFetcher
 from server.metrics import API_CPU_COUNT_INTERVAL_S, ServerMetrics
 from server.openai_models import (
@@ -58,7 +53,6 @@ from server.openai_models import (
     dump,
 )
 from server.prompt_echo import PromptEcho
-from server.reasoning import THINK_END, prompt_opens_thinking, reasoning_format
 from server.request_limits import RequestLimitMiddleware
 from server.request_log import RequestLogMiddleware, arrival_of, record_of
 from server.response_events import ResponseShaper, stream_response
@@ -72,7 +66,6 @@ from server.streaming import (
     stream_chat,
     stream_completion,
 )
-from server.tool_calls import ToolPlan, call_format
 from server.unicode_check import check_request_text
 
 logger = logging.getLogger(__name__)
@@ -294,7 +287,7 @@ def _add_api_routes(api: APIRouter) -> None:
         state.check_model(body.model)
         _check_alive(state, request)
         prompt = await _chat_prompt(state, body)
-        job = _job(state, body, prompt, prefix="chatcmpl")
+        job = build_job(state, body, prompt, prefix="chatcmpl")
         ticket = _admit(request, state, job)
         with_logprobs = body.logprobs
         if body.stream:
@@ -320,9 +313,9 @@ def _add_api_routes(api: APIRouter) -> None:
         _check_alive(state, request)
         await check_structured_output(body)
         prepare = functools.partial(prepare_completion_prompt, body, state.processor,
-                                    state.vocab_size, _prompt_bound(state, body))  # fmt: skip
-        prompt = await _off_the_loop_if_long(prepare, body.prompt)
-        job = _job(state, body, prompt, prefix="cmpl")
+                                    state.vocab_size, prompt_bound(state, body))  # fmt: skip
+        prompt = await tokenised_off_the_loop_if_long(prepare, body.prompt)
+        job = build_job(state, body, prompt, prefix="cmpl")
         ticket = _admit(request, state, job)
         truncated = len(job.prompt.token_ids) < len(prompt.token_ids)
         echo = PromptEcho.of(body, job.prompt.token_ids, state.processor, truncated=truncated)
@@ -350,7 +343,7 @@ def _add_api_routes(api: APIRouter) -> None:
         translation = chat_request(body)
         with translation.responses_params():
             prompt = await _chat_prompt(state, translation.chat)
-            job = _job(state, translation.chat, prompt, prefix="resp")
+            job = build_job(state, translation.chat, prompt, prefix="resp")
         ticket = _admit(request, state, job)
         shaper = ResponseShaper(job, body, state.processor.tokenizer, logprobs=body.wants_logprobs)
         if body.stream:
@@ -385,7 +378,7 @@ def _add_api_routes(api: APIRouter) -> None:
         raw_prompt = body.messages is None and body.add_special_tokens
         encode = state.processor.encode_prompt if raw_prompt else state.processor.encode
         # No bound here: counting a text longer than the context is what /tokenize is for.
-        tokens = await _off_the_loop_if_long(functools.partial(encode, text), text)
+        tokens = await tokenised_off_the_loop_if_long(functools.partial(encode, text), text)
         return {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
 
     @api.post("/detokenize")
@@ -411,26 +404,9 @@ async def _chat_prompt(state: AppState, body: ChatCompletionRequest) -> Any:
         state.fetcher,
         max_images=state.settings.max_images_per_request,
         settings=state.settings,
-        max_prompt_tokens=_prompt_bound(state, body),
+        max_prompt_tokens=prompt_bound(state, body),
         max_model_len=state.max_model_len,
     )
-
-
-def _prompt_bound(state: AppState, body: Any) -> int | None:
-    """The most tokens a request's prompt may have: the context, unless the request
-    truncates its prompt (then any length, cut after tokenising)."""
-    return None if body.truncate_prompt_tokens is not None else state.max_model_len
-
-
-async def _off_the_loop_if_long(tokenise: Callable[[], Any], text: Any) -> Any:
-    """`tokenise()` in a worker thread when `text` (a prompt: a string, or strings in a
-    list) is long, so the event loop serves other requests meanwhile (the tokenizer lets
-    go of the GIL); inline otherwise, where a thread would cost more than the work."""
-    strings = [text] if isinstance(text, str) else text if isinstance(text, list) else []
-    length = sum(len(item) for item in strings if isinstance(item, str))
-    if length > INLINE_TOKENIZE_CHARS:
-        return await asyncio.to_thread(tokenise)
-    return tokenise()
 
 
 def _check_alive(state: AppState, request: Request) -> None:
@@ -466,86 +442,6 @@ async def _releasing(stream: Any, ticket: Ticket) -> Any:
         ticket.release()
         with contextlib.suppress(Exception):
             await stream.aclose()
-
-
-def _job(state: AppState, body: Any, prompt: Any, *, prefix: str) -> GenerationJob:
-    if body.priority and state.settings.engine.scheduling_policy != "priority":
-        raise InvalidRequest(
-            "priority needs the server's --scheduling-policy priority", param="priority"
-        )
-    prompt = _truncated(prompt, body, state.max_model_len)
-    check_token_ids(body.stop_token_ids or [], state.vocab_size, "stop_token_ids")
-    check_token_ids(body.allowed_token_ids or [], state.vocab_size, "allowed_token_ids")
-    check_token_ids([token_id for token_id, _ in body.logit_bias_pairs], state.vocab_size,
-                    "logit_bias")  # fmt: skip
-    sampling = build_sampling_params(
-        body,
-        num_prompt_tokens=len(prompt.token_ids),
-        max_model_len=state.max_model_len,
-        defaults=state.sampling_defaults,
-    )
-    if body.bad_words:
-        banned = bad_word_token_ids(body.bad_words, state.processor.tokenizer)
-        sampling = msgspec.structs.replace(sampling, bad_words_token_ids=banned)
-    thinking_opened = _thinking_opened(state, body, prompt)
-    if thinking_opened and sampling.structured_output is not None:
-        # The model thinks first: the grammar (a format, a required tool) holds after it.
-        after = tuple(state.processor.encode(THINK_END))
-        sampling = msgspec.structs.replace(sampling, structured_output_after=after)
-    if body.cache_salt is not None:
-        prompt = dataclasses.replace(prompt, cache_salt=body.cache_salt)
-    return GenerationJob(
-        request_id=f"{prefix}-{uuid.uuid4().hex}",
-        model_name=state.model_name,
-        prompt=prompt,
-        sampling=sampling,
-        n=body.n,
-        stop=body.stop_list,
-        include_stop=body.include_stop_str_in_output,
-        skip_special_tokens=body.skip_special_tokens,
-        include_usage=body.include_usage,
-        continuous_usage=body.continuous_usage,
-        tokens_as_ids=body.return_tokens_as_token_ids,
-        prompt_only=getattr(body, "prompt_only", False),
-        tools=_tool_plan(state, body),
-        thinking_opened=thinking_opened,
-        priority=body.priority,
-        tokens_per_wake=state.settings.stream_interval if body.stream or body.stop_list else None,
-    )
-
-
-def _truncated(prompt: PreparedPrompt, body: Any, max_model_len: int) -> PreparedPrompt:
-    """The prompt after `truncate_prompt_tokens` (-1: what leaves room for max_tokens)."""
-    keep = body.truncate_prompt_tokens
-    if keep is None:
-        return prompt
-    if keep == -1:
-        keep = max_model_len - (body.requested_max_tokens or 1)
-    if keep < 1:
-        raise InvalidRequest("truncate_prompt_tokens must keep at least one token",
-                             param="truncate_prompt_tokens")  # fmt: skip
-    return prompt.keep_last(keep)
-
-
-def _thinking_opened(state: AppState, body: Any, prompt: PreparedPrompt) -> bool | None:
-    """A chat request's reasoning parsing (server/reasoning.py): None without a parser,
-    else whether the rendered prompt left a <think> open for the model."""
-    if not isinstance(body, ChatCompletionRequest):
-        return None
-    template = body.chat_template or state.processor.chat_template
-    if reasoning_format(state.settings.reasoning_parser, template) is None:
-        return None
-    tail = state.processor.decode(prompt.token_ids[-8:], skip_special_tokens=False)
-    return prompt_opens_thinking(tail)
-
-
-def _tool_plan(state: AppState, body: Any) -> ToolPlan | None:
-    """A chat request's tool plan, parsing calls in the format its chat template teaches."""
-    plan = body.tool_plan if isinstance(body, ChatCompletionRequest) else None
-    if plan is None:
-        return None
-    template = body.chat_template or state.processor.chat_template
-    return dataclasses.replace(plan, format=call_format(state.settings.tool_call_parser, template))
 
 
 def _finisher(state: AppState, request: Request) -> Callable[[GenerationTotals], None]:
