@@ -21,6 +21,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
+import PIL.Image
 import torch
 
 from engine.config import EngineConfig
@@ -239,6 +240,8 @@ class LLM:
     ) -> tuple[EngineRequest, list[torch.Tensor]]:
         from engine.multimodal.prompt import IMAGE_PART_TYPES, VIDEO_PART_TYPES
 
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise InvalidRequest("'messages' is a list of message dicts", param="messages")
         items = []  # (modality, ProcessedImage) of every image and video, in prompt order
         for message_index, message in enumerate(messages):
             content = message.get("content")
@@ -306,10 +309,20 @@ class LLM:
             image = part.get("image")
             if isinstance(image, (bytes, bytearray)):
                 image = decode_image(bytes(image), param=param)
+            if not isinstance(image, PIL.Image.Image):
+                raise InvalidRequest(
+                    f"an image part's 'image' is a PIL image or encoded bytes, not "
+                    f"{type(image).__name__}",
+                    param=param,
+                )
             return process_image(image, processing.image)
         video = part.get("video")
         if isinstance(video, (bytes, bytearray)):
             return load_video(bytes(video), processing.video, param=param)
+        if not isinstance(video, (list, tuple)) or not video:
+            raise InvalidRequest(
+                "a video part's 'video' is a file's bytes or a list of frames", param=param
+            )
         frames = [  # sampled by the caller
             np.array(frame.convert("RGB") if hasattr(frame, "convert") else frame)
             for frame in video

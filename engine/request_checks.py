@@ -94,6 +94,7 @@ class RequestBuilder:
                     f"bad words need at least one token, each id in [0, {mc.vocab_size})",
                     param="bad_words",
                 )
+        _check_sampling_ranges(request.sampling)
         _check_some_token_is_allowed(request.sampling, mc.eos_token_ids)
         if request.priority and self.scheduling_policy != "priority":
             raise InvalidRequest(
@@ -314,6 +315,50 @@ def _share_pixels(media: list[MediaItem]) -> list[MediaItem]:
         else item
         for item in media
     ]
+
+
+# The ranges the HTTP API checks, for every caller of the engine (the offline LLM
+# included): name -> (lowest, highest, whether the lowest itself is refused).
+_SAMPLING_RANGES = {
+    "temperature": (0.0, math.inf, False),
+    "top_p": (0.0, 1.0, True),
+    "min_p": (0.0, 1.0, False),
+    "repetition_penalty": (0.0, math.inf, True),
+    "presence_penalty": (-math.inf, math.inf, False),
+    "frequency_penalty": (-math.inf, math.inf, False),
+}
+SEED_RANGE = (-(2**63), 2**63 - 1)  # what torch's manual_seed takes, as the HTTP API's
+
+
+def _check_sampling_ranges(sampling: SamplingParams) -> None:
+    """A value outside its range drew garbage (a NaN temperature) or failed the step of
+    every request beside it (a seed torch cannot take)."""
+    for name, (low, high, low_refused) in _SAMPLING_RANGES.items():
+        value = getattr(sampling, name)
+        if not (
+            isinstance(value, int | float)
+            and math.isfinite(value)
+            and (low < value if low_refused else low <= value)
+            and value <= high
+        ):
+            side = "(" if low_refused else "["
+            raise InvalidRequest(
+                f"{name} must be a finite number in {side}{low}, {high}], got {value!r}", param=name
+            )
+    if not (isinstance(sampling.top_k, int) and sampling.top_k >= -1):
+        raise InvalidRequest(
+            f"top_k must be an integer >= -1, got {sampling.top_k!r}", param="top_k"
+        )
+    seed = sampling.seed
+    if seed is not None and not (
+        isinstance(seed, int)
+        and not isinstance(seed, bool)
+        and SEED_RANGE[0] <= seed <= SEED_RANGE[1]
+    ):
+        raise InvalidRequest(
+            f"seed must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {seed!r}",
+            param="seed",
+        )
 
 
 def _check_some_token_is_allowed(sampling: SamplingParams, eos_token_ids: Sequence[int]) -> None:

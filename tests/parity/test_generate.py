@@ -203,6 +203,38 @@ def test_bad_inputs_fail_alone(reference, prompts):
     assert "'image_url' part is the HTTP API's" in offline_form.message
 
 
+def test_malformed_prompts_and_sampling_fail_alone(reference, prompts):
+    """Offline inputs the HTTP API's models would refuse: a malformed part raised from
+    generate() (AttributeError) and a bad seed failed every request of its step."""
+    llm = LLM(str(reference.model_dir), num_kv_blocks=256)
+    malformed = [
+        {"messages": [{"role": "user", "content": [{"type": "image", "image": None}]}]},
+        {"messages": [{"role": "user", "content": [{"type": "image", "image": "cat.png"}]}]},
+        {"messages": "hello"},
+        {"messages": [{"role": "user", "content": [{"type": "video", "video": None}]}]},
+    ]
+    results = llm.generate([prompts[0], *malformed, prompts[1]], GREEDY)
+    check([results[0], results[-1]], reference, prompts, [0, 1])
+    params = [r.error.param if r.error else None for r in results[1:-1]]
+    assert params == ["messages[0].content[0]", "messages[0].content[0]", "messages",
+                      "messages[0].content[0]"]  # fmt: skip
+    bad_sampling = [
+        SamplingParams(max_tokens=4, seed="x"),
+        SamplingParams(max_tokens=4, seed=2**70),
+        SamplingParams(max_tokens=4, temperature=float("nan")),
+        SamplingParams(max_tokens=4, temperature=-1.0),
+        SamplingParams(max_tokens=4, top_p=2.0),
+        SamplingParams(max_tokens=4, top_k=-5),
+        SamplingParams(max_tokens=4, repetition_penalty=0.0),
+    ]
+    batch = [prompts[0]] * (len(bad_sampling) + 1)
+    results = llm.generate(batch, [GREEDY, *bad_sampling])
+    check([results[0]], reference, prompts, [0])
+    params = [r.error.param if r.error else None for r in results[1:]]
+    assert params == ["seed", "seed", "temperature", "temperature", "top_p", "top_k",
+                      "repetition_penalty"]  # fmt: skip
+
+
 def test_prefix_cache(reference, prompts):
     # block_size 4: the shared system prompt fills blocks, so requests of the same step
     # share them; the second generate() finds every prompt cached.

@@ -259,3 +259,20 @@ def test_tensor_parallel_shape_errors_name_the_whole_tensor(tmp_path):
     tensors["model.layers.0.mlp.up_proj.weight"] = torch.zeros(47, 32)
     with pytest.raises(ModelLoadError, match=r"up_proj\.weight.*\[47, 32\].*\[48, 32\]"):
         load_shard(write_checkpoint(tmp_path / "m", tensors), 1)
+
+
+def test_a_folder_without_a_tokenizer_fails_before_its_weights_load(tmp_path, monkeypatch):
+    """The engine loaded the weights and said ready; the server then failed to start with a
+    traceback (exit code 3). Now the engine refuses the folder first."""
+    from engine import model_runner
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+    from engine.tiny_model import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "m", seed=0)
+    (model_dir / "tokenizer.json").unlink()
+    loads = []
+    monkeypatch.setattr(model_runner, "load_model", lambda *a, **k: loads.append(1))
+    with pytest.raises(ModelLoadError, match="no tokenizer.json in model folder 'm'"):
+        EngineCore(EngineConfig(model=str(model_dir)))
+    assert loads == []

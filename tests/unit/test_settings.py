@@ -101,6 +101,20 @@ def test_api_server_count_is_checked() -> None:
         load_settings([*addresses, "--api-server-count", "2"], {})
 
 
+@pytest.mark.parametrize(
+    "flag,value",
+    [("--max-num-seqs", "0"), ("--max-num-seqs", "-3"), ("--max-num-batched-tokens", "0"),
+     ("--block-size", "0"), ("--block-size", "-16"), ("--max-model-len", "0"),
+     ("--max-model-len", "-5")],
+)  # fmt: skip
+def test_scheduler_limits_must_be_positive(flag: str, value: str) -> None:
+    """Each of these started a server whose every request waited forever, read 0 as the
+    model's context, or failed in the engine with a ZeroDivisionError."""
+    name = flag.removeprefix("--").replace("-", "_")
+    with pytest.raises(SettingsError, match=f"{name} must be positive"):
+        load_settings([flag, value], {})
+
+
 def test_small_batch_linear_rows_stay_within_the_kernels_rows() -> None:
     assert load_settings(["--small-batch-linear-rows", "8"], {}).engine.small_batch_linear_rows == 8
     for rows in ("9", "-1"):
