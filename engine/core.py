@@ -40,7 +40,6 @@ from engine.config import EngineConfig
 from engine.errors import (
     EngineBroken,
     InvalidRequest,
-    ModelLoadError,
     TesseraError,
 )
 from engine.feature_admission import FeatureAdmission
@@ -86,13 +85,6 @@ class EngineCore:
     """One model, one scheduler, one loop. Not thread-safe: call from one thread."""
 
     def __init__(self, config: EngineConfig) -> None:
-        if not (Path(config.model) / "tokenizer.json").is_file():
-            # Checked before the weights load: the server found it missing only after the
-            # engine was ready, and failed with a traceback.
-            raise ModelLoadError(
-                f"no tokenizer.json in model folder {Path(config.model).name!r} (the server "
-                "and structured outputs read the tokenizer from it)"
-            )
         self._in_flight: InFlightStep | None = None  # launched ahead by step_overlapped
         self._last_finished = 0.0  # perf_counter() when finish_step last returned
         self.runner = ModelRunner(config)

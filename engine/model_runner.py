@@ -35,7 +35,7 @@ from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphRunner, DecodeInputs, graph_max_seq_len
 from engine.device_io import DeviceTimer, to_device
 from engine.encoder_cache import EncoderCache
-from engine.errors import MediaError, TesseraError
+from engine.errors import MediaError, ModelLoadError, TesseraError
 from engine.kv_cache_sizing import (
     CPU_KV_CACHE_GIB,
     GIB,
@@ -223,6 +223,13 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(config.device)
         model_config = ModelConfig.from_model_dir(config.model)
+        if not (Path(config.model) / "tokenizer.json").is_file():
+            # Checked before the weights load: the server found it missing only after the
+            # engine was ready, and failed with a traceback.
+            raise ModelLoadError(
+                f"no tokenizer.json in model folder {Path(config.model).name!r} (the server "
+                "and structured outputs read the tokenizer from it)"
+            )
         self.dtype = resolve_dtype(config.dtype, self.device, model_config.torch_dtype)
         check_attention_backend(config.attention_backend, self.device, self.dtype)
         if config.num_threads:  # the engine process's default: engine/process.py

@@ -263,7 +263,7 @@ def test_tensor_parallel_shape_errors_name_the_whole_tensor(tmp_path):
 
 def test_a_folder_without_a_tokenizer_fails_before_its_weights_load(tmp_path, monkeypatch):
     """The engine loaded the weights and said ready; the server then failed to start with a
-    traceback (exit code 3). Now the engine refuses the folder first."""
+    traceback (exit code 3). Now the engine refuses the folder once its config is read."""
     from engine import model_runner
     from engine.config import EngineConfig
     from engine.core import EngineCore
