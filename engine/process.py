@@ -27,6 +27,7 @@ Undecodable inbox messages are logged and dropped; the engine lives on.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -221,9 +222,7 @@ class EngineLoop:
                 self._publish(result)
                 if not result.outputs and result.stats.num_scheduled_tokens == 0:
                     self._drain_inbox(STALLED_POLL_MS)  # waiting on fetches: do not spin hot
-            elif self.refused:
-                self._publish(EngineOutputs([], self.last_stats or EngineStats()))
-            else:  # idle: figures that move without a step (sent only when they changed)
+            else:  # idle: refusals, and figures that move without a step (if changed)
                 self._publish(EngineOutputs([], self.core.idle_stats()))
 
     def _step(self) -> EngineOutputs:
@@ -263,7 +262,10 @@ class EngineLoop:
         elif isinstance(message, MediaUuid):  # for the other API processes, not the engine
             for index, outbox in enumerate(self.outboxes):
                 if index != api_server:
-                    _send(outbox, message)
+                    # Never wait on a process that stopped reading (draining, as for stats):
+                    # it only misses the uuid, and answers a uuid-only part with a 400.
+                    with contextlib.suppress(zmq.Again):
+                        outbox.send_multipart(encode_message(message), flags=zmq.NOBLOCK)
 
     def _add_request(self, request: EngineRequest, tensors: list) -> None:
         # EngineCore reports bad input itself; this guards the loop against anything else.

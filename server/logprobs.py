@@ -63,13 +63,14 @@ def completion_logprobs(
     offset = text_offset
     characters = codecs.getincrementaldecoder("utf-8")(errors="replace")
     for entry in entries:
-        result.tokens.append(_token_name(tokenizer, entry.token_id, as_ids)[0])
+        name, raw = _token_name(tokenizer, entry.token_id, as_ids)
+        result.tokens.append(name)
         result.token_logprobs.append(entry.logprob)
         result.top_logprobs.append(
             {_token_name(tokenizer, tid, as_ids)[0]: lp for tid, lp in entry.top}
         )
         result.text_offset.append(offset)
-        offset += len(characters.decode(token_bytes(tokenizer, entry.token_id)))
+        offset += len(characters.decode(bytes(raw)))
     return result
 
 
