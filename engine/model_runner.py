@@ -57,7 +57,7 @@ from engine.penalties import InFlightOutputs
 from engine.prompt_logprobs import PendingPromptLogprobs, score_prompt_tokens, scored_positions
 from engine.protocol import ErrorInfo, TokenLogprob
 from engine.request import MediaItem, Request
-from engine.sampler import PendingSample, Sampler, SamplingRow
+from engine.sampler import PendingSample, Sampler, SamplingRow, leaves_no_token
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 from engine.shard_worker import ShardWorkers
 from engine.step_inputs import InFlightTokens, StepInputs, gather_step_inputs
@@ -203,6 +203,29 @@ def _banned_token_ids(chunk: ScheduledChunk) -> tuple[int, ...]:
         return banned
     eos = () if sampling.ignore_eos else request.eos_token_ids
     return (*banned, *eos, *sampling.stop_token_ids)
+
+
+def no_token_left(request: Request) -> ErrorInfo:
+    """The error of a request whose constraints exclude every token at its next pick
+    (`leaves_no_token`): a grammar or `allowed_token_ids`, less bad words, and EOS and stop
+    tokens before `min_tokens`. Most such sets are refused on arrival
+    (engine/request_checks.py); these depend on the tokens written so far."""
+    sampling = request.sampling
+    spec = sampling.structured_output
+    if spec is not None:
+        param = spec.param
+    elif sampling.allowed_token_ids is not None:
+        param = "allowed_token_ids"
+    elif request.num_output_tokens < sampling.min_tokens:
+        param = "min_tokens"  # EOS and stop tokens banned, with the bad words the rest
+    else:
+        param = "bad_words"
+    return ErrorInfo(
+        f"no token is left to pick at output position {request.num_output_tokens}: the "
+        "request's constraints (allowed_token_ids or its structured output, less bad_words, "
+        "and EOS and stop tokens before min_tokens) exclude every token",
+        param=param,
+    )
 
 
 def _bad_word_ends(request: Request, end: int) -> tuple[int, ...]:
@@ -413,7 +436,8 @@ class ModelRunner:
                 chunks.append(chunk)
         sample, request_ids, prompt_logprobs = None, [], []
         if chunks:
-            sample, request_ids, prompt_logprobs = self._run(chunks, previous)
+            sample, request_ids, prompt_logprobs, stuck = self._run(chunks, previous)
+            errors.update(stuck)  # failed at the update, without the token drawn for them
         return PendingStep(
             sample,
             request_ids,
@@ -508,14 +532,14 @@ class ModelRunner:
 
     def _run(
         self, chunks: list[ScheduledChunk], previous: PendingStep | None
-    ) -> tuple[PendingSample | None, list[str], list[PendingPromptLogprobs]]:
+    ) -> tuple[PendingSample | None, list[str], list[PendingPromptLogprobs], dict[str, ErrorInfo]]:
         inputs = gather_step_inputs(chunks, self.block_size, self.encoder_cache)
         in_flight = self._in_flight_tokens(inputs, previous)
         hidden = self._forward(inputs, in_flight)  # [T, hidden]
         prompt_logprobs = self._score_prompts(chunks, inputs, hidden)
         sampling = [(row, chunk) for row, chunk in enumerate(chunks) if chunk.samples]
         if not sampling:
-            return None, [], prompt_logprobs
+            return None, [], prompt_logprobs, {}
         if len(sampling) == inputs.num_tokens:  # every row is the last of a sampling sequence
             last_hidden = hidden[: len(sampling)]  # [S, hidden]
         else:
@@ -537,8 +561,15 @@ class ModelRunner:
             for _, chunk in sampling
         ]
         request_ids = [c.request.request_id for _, c in sampling]
+        vocab = logits.shape[1]
+        stuck = {
+            row.request.request_id: no_token_left(row.request)
+            for row in rows
+            if leaves_no_token(row.allowed_tokens, row.banned_token_ids, vocab)
+        }
         outputs_in_flight = _in_flight_outputs(sampling, inputs, in_flight, self.device)
-        return self.sampler.sample(logits, rows, outputs_in_flight), request_ids, prompt_logprobs
+        sample = self.sampler.sample(logits, rows, outputs_in_flight)
+        return sample, request_ids, prompt_logprobs, stuck
 
     def _score_prompts(
         self, chunks: list[ScheduledChunk], inputs: StepInputs, hidden: torch.Tensor

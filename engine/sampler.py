@@ -309,6 +309,25 @@ def token_bitmask(token_ids: Sequence[int], vocab_size: int) -> torch.Tensor:
     return torch.from_numpy(words.view(np.int32))
 
 
+def leaves_no_token(
+    allowed_tokens: torch.Tensor | None, banned_token_ids: Sequence[int], vocab_size: int
+) -> bool:
+    """Whether a row's constraints exclude every token: its `allowed_tokens` bitmask (None:
+    any token) less its `banned_token_ids`. Every logit would be -inf and the argmax id 0, a
+    token the row did not allow. Host work only (microseconds for 152k tokens)."""
+    if allowed_tokens is None:
+        return len(banned_token_ids) >= vocab_size and len(set(banned_token_ids)) >= vocab_size
+    words = allowed_tokens.numpy()[: (vocab_size + 31) // 32].view(np.uint32).copy()
+    if vocab_size % 32:  # bits past the vocabulary are no tokens
+        words[-1] &= np.uint32((1 << (vocab_size % 32)) - 1)
+    if len(banned_token_ids):
+        ids = np.asarray(banned_token_ids, dtype=np.int64)
+        ids = ids[(ids >= 0) & (ids < vocab_size)]
+        clear = np.invert(np.left_shift(1, ids % 32).astype(np.uint32))
+        np.bitwise_and.at(words, ids // 32, clear)
+    return not words.any()
+
+
 def apply_allowed_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Rows with an `allowed_tokens` bitmask keep only those tokens; [S, V] -> [S, V] (a new
     tensor when any row has one)."""

@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 from engine import LLM, SamplingParams, StructuredOutput  # noqa: E402
-from engine.sampler import Sampler, SamplingRow, token_bitmask  # noqa: E402
+from engine.sampler import Sampler, SamplingRow, leaves_no_token, token_bitmask  # noqa: E402
 from engine.tiny_model import make_tiny_model  # noqa: E402
 from tests.hf_reference import hf_text_tokens  # noqa: E402
 
@@ -106,3 +106,37 @@ def test_the_bitmask_allows_exactly_its_tokens():
     row = SamplingRow(SamplingParams(temperature=1.0), [1], [], allowed_tokens=mask)
     picked = {Sampler(seed=s)(logits, [row]).token_ids[0] for s in range(200)}
     assert picked == set(ids)
+
+
+def test_constraints_that_leave_no_token_later_fail_their_request_without_a_stray_token(
+    model_dir,
+):
+    """A bad word of two tokens bans the only allowed token once it was picked; stop tokens
+    covering the vocabulary ban everything before min_tokens. Every logit was -inf and the
+    sampler drew id 0, a token the request did not allow, as if it were an answer."""
+    with LLM(str(model_dir), num_kv_blocks=64) as llm:
+        vocab = llm.engine.model_config.vocab_size
+        repeat, all_stops, fine = llm.generate(
+            [PROMPT] * 3,
+            [SamplingParams(max_tokens=4, ignore_eos=True, allowed_token_ids=(794,),
+                            bad_words_token_ids=((794, 794),)),
+             SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=tuple(range(vocab))),
+             SamplingParams(max_tokens=4, ignore_eos=True, allowed_token_ids=(794,))],
+        )  # fmt: skip
+    assert repeat.error.param == "allowed_token_ids", repeat
+    assert "output position 1" in repeat.error.message and repeat.token_ids == [794]
+    assert all_stops.error.param == "min_tokens" and all_stops.token_ids == []
+    assert fine.error is None and fine.token_ids == [794] * 4
+
+
+@pytest.mark.parametrize("vocab", [64, 70])
+def test_leaves_no_token_reads_the_bitmask_less_the_bans(vocab):
+    mask = token_bitmask([31, 63], vocab)  # the int32 sign bit of both words
+    assert not leaves_no_token(mask, (), vocab)
+    assert not leaves_no_token(mask, (31, 5, 5), vocab)
+    assert leaves_no_token(mask, (63, 31, 31), vocab)
+    assert leaves_no_token(token_bitmask([], vocab), (), vocab)
+    past_the_end = token_bitmask([vocab + 1], vocab + 32)  # a longer mask: sliced, or masked
+    assert leaves_no_token(past_the_end, (), vocab)  # bits past the vocabulary are no tokens
+    assert not leaves_no_token(None, tuple(range(vocab - 1)), vocab)
+    assert leaves_no_token(None, tuple(range(vocab)) * 2, vocab)
