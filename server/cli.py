@@ -30,7 +30,7 @@ import uvicorn
 from engine.errors import EngineDeadError
 from engine.generation_defaults import GenerationConfigError
 from engine.logging_utils import configure_logging
-from engine.multimodal.prompt import ChatTemplateError
+from engine.multimodal.chat_template import ChatTemplateError
 from server.engine_client import EngineClient
 
 if TYPE_CHECKING:

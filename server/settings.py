@@ -38,7 +38,7 @@ import yaml
 from engine.config import EngineConfig
 from engine.generation_defaults import SamplingDefaults
 from engine.logging_utils import LOG_FORMATS, LOG_LEVELS
-from engine.multimodal.prompt import chat_template_from_setting
+from engine.multimodal.chat_template import chat_template_from_setting
 from server.reasoning import REASONING_PARSERS
 from server.tool_calls import TOOL_CALL_PARSERS
 

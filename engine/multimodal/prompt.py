@@ -1,4 +1,5 @@
-"""Chat template, tokenizer and placeholder expansion for one model folder.
+"""Chat rendering, tokenizer and placeholder expansion for one model folder (the chat
+template itself: engine/multimodal/chat_template.py).
 
 The chat template renders one `<|image_pad|>` (or `<|video_pad|>`) per media item; once
 the items are processed and their token counts known, `expand_placeholders` widens each
@@ -12,21 +13,22 @@ single placeholder into that many copies and records where each item's span star
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import jinja2
-import jinja2.ext
-import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from engine.errors import ContextLengthExceeded, InvalidRequest, MediaError, ModelLoadError
+from engine.multimodal.chat_template import (
+    compile_template,
+    find_chat_template,
+    read_json,
+    render_template,
+    template_for_request,
+)
 
 IMAGE_PART_TYPES = {"image", "image_url", "input_image", "image_features"}
 VIDEO_PART_TYPES = {"video", "video_url", "video_features"}
@@ -41,9 +43,6 @@ NORMALIZER_SLACK = 4
 # Texts longer than this are tokenised off the event loop (server/app.py): ~30 µs inline
 # for a short prompt, against ~1.5 ms a 100k-character one would hold the loop.
 INLINE_TOKENIZE_CHARS = 100_000
-# Template variables that render_chat sets itself: `chat_template_kwargs` may not replace
-# them (the tools must be the ones the answer is parsed against).
-RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt")
 
 
 @dataclass(frozen=True)
@@ -96,7 +95,7 @@ class PromptProcessor:
             # miss at once from each compiling it (~10 ms of held GIL for a small template).
             # A broken template stays a per-request error (render_chat).
             with contextlib.suppress(jinja2.TemplateSyntaxError):
-                _compile_template(chat_template)
+                compile_template(chat_template)
         self.special_tokens = dict(special_tokens or {})
         ids = dict(model_token_ids or {})
 
@@ -150,13 +149,13 @@ class PromptProcessor:
             tokenizer = Tokenizer.from_file(str(tokenizer_path))
         except Exception as exc:  # noqa: BLE001 - the tokenizers library raises bare Exception
             raise ModelLoadError("tokenizer.json could not be loaded") from exc
-        tokenizer_config = _read_json(folder / "tokenizer_config.json")
+        tokenizer_config = read_json(folder / "tokenizer_config.json")
         special_tokens = {
             name: _token_content(tokenizer_config.get(name))
             for name in ("bos_token", "eos_token", "pad_token", "unk_token")
         }
-        generation_config = _read_json(folder / "generation_config.json")
-        model_config = _read_json(folder / "config.json")
+        generation_config = read_json(folder / "generation_config.json")
+        model_config = read_json(folder / "config.json")
         model_token_ids = {
             key: model_config[key]
             for key in (
@@ -172,7 +171,7 @@ class PromptProcessor:
             eos_ids = [eos_ids]
         return cls(
             tokenizer,
-            chat_template or _find_chat_template(folder, tokenizer_config),
+            chat_template or find_chat_template(folder, tokenizer_config),
             special_tokens=special_tokens,
             eos_token_ids=[int(i) for i in eos_ids or []],
             model_token_ids=model_token_ids,
@@ -209,51 +208,14 @@ class PromptProcessor:
                 "this model has no chat template; pass chat_template or use completions",
                 param="chat_template",
             )
-        try:
-            template = _compile_template(template_source)
-        except jinja2.TemplateSyntaxError as exc:
-            raise InvalidRequest(
-                f"the chat template has a syntax error: {exc.message}", param="chat_template"
-            ) from exc
-        taken = sorted(set(template_kwargs or ()) & set(RESERVED_TEMPLATE_VARIABLES))
-        if taken:
-            raise InvalidRequest(
-                f"chat_template_kwargs cannot set {', '.join(taken)}: the request's own fields do",
-                param="chat_template_kwargs",
-            )
-        # The template's own functions (namespace, range, raise_exception, ...): a variable
-        # of the same name would hide one, and the template would fail calling it.
-        shadowed = sorted(set(template_kwargs or ()) & set(template.environment.globals))
-        if shadowed:
-            raise InvalidRequest(
-                f"chat_template_kwargs cannot set {', '.join(shadowed)}: the chat template's "
-                "own functions have those names",
-                param="chat_template_kwargs",
-            )
+        template = template_for_request(template_source, template_kwargs or {})
         context = {name: value for name, value in self.special_tokens.items() if value is not None}
         context.update(template_kwargs or {})
         normalized = normalize_messages(messages)
-        try:
-            text = template.render(
-                messages=normalized,
-                tools=tools,
-                add_generation_prompt=add_generation_prompt,
-                **context,
-            )
-        except jinja2.TemplateError as exc:
-            # raise_exception() in templates (e.g. "roles must alternate") lands here.
-            raise InvalidRequest(
-                f"the chat template rejected the messages: {exc.message}", param="messages"
-            ) from exc
-        except InvalidRequest:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the template is data, as are its inputs
-            # A template (the request's own, or the model's on odd inputs such as
-            # chat_template_kwargs of another type than it expects) that fails in Python.
-            raise InvalidRequest(
-                f"the chat template failed on this request: {type(exc).__name__}: {exc}",
-                param="chat_template" if chat_template else "messages",
-            ) from exc
+        context.update(
+            messages=normalized, tools=tools, add_generation_prompt=add_generation_prompt
+        )
+        text = render_template(template, context, request_template=chat_template is not None)
         return _cut_after_final_message(text, normalized) if continue_final_message else text
 
     # ------------------------------------------------------------------ tokens
@@ -479,99 +441,7 @@ def _mismatch_message(found: list[str], given: list[str]) -> str:
     )
 
 
-# ---------------------------------------------------------------------- model folder files
-
-
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as exc:
-        raise ModelLoadError(f"{path.name} is not valid JSON") from exc
-    return data if isinstance(data, dict) else {}
-
-
 def _token_content(token: Any) -> str | None:
     if isinstance(token, dict):  # older tokenizer_config.json: {"content": "...", ...}
         token = token.get("content")
     return token if isinstance(token, str) else None
-
-
-class ChatTemplateError(ValueError):
-    """A server-wide chat template (`--chat-template`) that cannot be used."""
-
-
-def chat_template_from_setting(value: str) -> str:
-    """`--chat-template` (vLLM's): a file holding a Jinja chat template, or, when the value
-    holds a `{`, the template itself. Its syntax is checked here, at start-up."""
-    source = value
-    if "{" not in value:
-        path = Path(value)
-        if not path.is_file():
-            raise ChatTemplateError(f"chat_template: no file {value}")
-        source = path.read_text(encoding="utf-8")
-    try:
-        _compile_template(source)
-    except jinja2.TemplateSyntaxError as exc:
-        raise ChatTemplateError(
-            f"chat_template has a syntax error on line {exc.lineno}: {exc.message}"
-        ) from None
-    return source
-
-
-def _find_chat_template(folder: Path, tokenizer_config: dict) -> str | None:
-    jinja_file = folder / "chat_template.jinja"
-    if jinja_file.is_file():
-        return jinja_file.read_text(encoding="utf-8")
-    template = _read_json(folder / "chat_template.json").get("chat_template")
-    if template is None:
-        template = tokenizer_config.get("chat_template")
-    if isinstance(template, list):  # [{"name": "default", "template": "..."}, ...]
-        named = {
-            item.get("name"): item.get("template") for item in template if isinstance(item, dict)
-        }
-        template = named.get("default")
-    return template if isinstance(template, str) else None
-
-
-# ---------------------------------------------------------------------- jinja environment
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """Accept `{% generation %}...{% endgeneration %}` (HF's assistant-mask marker) and
-    render its body unchanged."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
-        next(parser.stream)
-        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.TemplateError(message)
-
-
-def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-    # Jinja's own tojson escapes HTML characters; chat templates expect plain JSON.
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _strftime_now(date_format: str) -> str:
-    return datetime.now().strftime(date_format)
-
-
-@lru_cache(maxsize=32)
-def _compile_template(source: str) -> jinja2.Template:
-    environment = ImmutableSandboxedEnvironment(
-        trim_blocks=True,
-        lstrip_blocks=True,
-        extensions=[_GenerationTag, jinja2.ext.loopcontrols],
-    )
-    environment.filters["tojson"] = _tojson
-    environment.globals["raise_exception"] = _raise_exception
-    environment.globals["strftime_now"] = _strftime_now
-    return environment.from_string(source)
