@@ -31,6 +31,7 @@ from engine.errors import EngineDeadError
 from engine.generation_defaults import GenerationConfigError
 from engine.logging_utils import configure_logging
 from engine.multimodal.chat_template import ChatTemplateError
+from server.admission import ServerDraining
 from server.engine_client import EngineClient
 
 if TYPE_CHECKING:
@@ -44,6 +45,9 @@ EXIT_ENGINE_FAILED = 1
 EXIT_USAGE = 2
 HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 API_PROCESS_DRAIN_SIGNAL = signal.SIGUSR1  # one of several API processes drains on it
+# How long a drain that ended its last requests (GracefulServer) waits for their handlers to
+# write the error and finish before uvicorn stops.
+STOPPED_REQUESTS_FLUSH_S = 2.0
 
 
 def serve_main(argv: Sequence[str]) -> int:
@@ -157,7 +161,13 @@ async def run_server(settings: ServerSettings, slot: ApiServerSlot | None = None
             server_header=False,
             lifespan="on",
         )
-        server = GracefulServer(config)
+
+        def stop_all() -> int:
+            return engine.stop_all(
+                ServerDraining("the server shut down before this request finished")
+            )
+
+        server = GracefulServer(config, stop_all)
         if slot is not None:
             server.handled_signals = (API_PROCESS_DRAIN_SIGNAL,)
         await server.serve(sockets=[slot.listener] if slot else None)
@@ -174,11 +184,19 @@ class GracefulServer(uvicorn.Server):
 
     The first signal starts a DRAIN while still listening: `/health` and every new request
     answer 503 at once (the app's AdmissionController), in-flight requests run on for up to
-    `timeout_graceful_shutdown` seconds, then uvicorn stops. A second signal stops now."""
+    `timeout_graceful_shutdown` seconds. What is still running then, or at a second signal,
+    is ended with a 503 `server_draining` error (a stream's last event), not a cut
+    connection (`stop_all`: EngineClient.stop_all), and uvicorn stops. A third signal stops
+    at once."""
 
     _loop: asyncio.AbstractEventLoop | None = None
     _is_draining = False
+    _stop_now = False  # a second signal: end the drain now
     handled_signals: tuple[signal.Signals, ...] = HANDLED_SIGNALS
+
+    def __init__(self, config: uvicorn.Config, stop_all: Callable[[], int] | None = None):
+        super().__init__(config)
+        self._stop_all = stop_all
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -186,6 +204,10 @@ class GracefulServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame) -> None:
         admission = getattr(getattr(self.config.app, "state", None), "admission", None)
+        if self._is_draining and not self._stop_now:
+            self._stop_now = True
+            logger.info("a second signal: ending the requests still in flight")
+            return
         if self._is_draining or admission is None or self._loop is None or not self.started:
             super().handle_exit(sig, frame)
             return
@@ -199,8 +221,17 @@ class GracefulServer(uvicorn.Server):
 
     async def _drain(self, admission) -> None:
         deadline = time.monotonic() + self.config.timeout_graceful_shutdown
-        while admission.num_sequences > 0 and time.monotonic() < deadline and not self.should_exit:
+        while admission.num_sequences > 0 and time.monotonic() < deadline:
+            if self.should_exit or self._stop_now:
+                break
             await asyncio.sleep(0.05)
+        if admission.num_sequences > 0 and self._stop_all is not None and not self.should_exit:
+            ended = self._stop_all()
+            logger.warning("the drain ended %d requests still generating", ended)
+            # Their handlers write the error (a body, a stream's last event) and finish.
+            flushed = time.monotonic() + STOPPED_REQUESTS_FLUSH_S
+            while admission.num_sequences > 0 and time.monotonic() < flushed:
+                await asyncio.sleep(0.05)
         self.config.timeout_graceful_shutdown = max(1, round(deadline - time.monotonic()))
         self.should_exit = True
 

@@ -35,7 +35,7 @@ import zmq
 import zmq.asyncio
 
 from engine.config import EngineConfig
-from engine.errors import EngineDeadError, InvalidRequest
+from engine.errors import EngineDeadError, InvalidRequest, TesseraError
 from engine.process import STOP_SIGNAL, run_engine
 from engine.protocol import (
     AbortRequests,
@@ -122,6 +122,7 @@ class EngineClient:
         self._abort_ids: list[str] = []  # abandoned requests, sent together next tick
         self._is_failed = False
         self._is_shutting_down = False
+        self._stopped: TesseraError | None = None  # what new requests get after stop_all
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -268,6 +269,8 @@ class EngineClient:
         request_id = request.request_id
         if not self.is_alive:
             raise EngineDeadError("the engine is not running")
+        if self._stopped is not None:
+            raise self._stopped
         if request_id in self._collectors:
             raise InvalidRequest(f"duplicate request id {request_id!r}", param="request_id")
         collector = OutputCollector(tokens_per_wake)
@@ -295,6 +298,19 @@ class EngineClient:
         """Abort requests in the engine; their generate() sees finish_reason "abort"."""
         if request_ids and self.is_alive:
             await self._inbox.send_multipart(encode_message(AbortRequests(list(request_ids))))
+
+    def stop_all(self, failure: TesseraError) -> int:
+        """Ends every request: those generating fail with `failure` (their clients get it,
+        as a body or a stream's last event, rather than a cut connection) and are aborted
+        in the engine; those still on their way to it fail with it in `generate()`. For a
+        drain's deadline (server/cli.py). Returns how many were generating."""
+        self._stopped = failure
+        request_ids = list(self._collectors)
+        for collector in self._collectors.values():
+            collector.fail(failure)
+        if request_ids:
+            self._send_nowait(AbortRequests(request_ids))
+        return len(request_ids)
 
     def add_stats_listener(self, callback: Callable[[EngineStats], Any]) -> None:
         """`callback(stats)` for every EngineStats the engine sends (exceptions are logged)."""

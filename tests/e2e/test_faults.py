@@ -198,3 +198,35 @@ def test_sigterm_drains_then_exits_zero(model_dir, tmp_path, to_group):
         )
         assert handle.process.wait(30) == 0, handle.log_tail()
         wait_all_gone(children, timeout=5)  # the engine stopped with the server
+
+
+@pytest.mark.parametrize("ending", ["deadline", "second-signal"])
+def test_requests_a_drain_ends_get_an_error_not_a_cut_connection(model_dir, tmp_path, ending):
+    """At the drain's deadline, or at a second SIGTERM, what still runs ends with a 503
+    `server_draining` error (a stream's last event, then [DONE]); the connection was cut
+    before (a 500 in plain text for a body), and a second signal waited out the deadline."""
+    deadline_s = 1 if ending == "deadline" else 60
+    log_path = tmp_path / "drain_end.log"
+    with run_server(model_dir, log_path, "--shutdown-timeout-s", str(deadline_s)) as handle:
+        base = handle.base_url
+        thread, result, started = stream_in_background(base, _long(stream=True, max_tokens=1900))
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            # n=6 (a fuller batch) keeps both running well past the deadline (1900 tokens
+            # alone took ~2.5 s)
+            body = pool.submit(httpx.post, base + "/v1/chat/completions",
+                               json=_long(max_tokens=1900, n=6), timeout=90)  # fmt: skip
+            assert started.wait(60)
+            time.sleep(0.3)  # the body's request is generating too
+            handle.process.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            if ending == "second-signal":
+                time.sleep(0.5)
+                handle.process.send_signal(signal.SIGTERM)
+            answer = body.result(timeout=90)
+        thread.join(60)
+        assert handle.process.wait(30) == 0, handle.log_tail()
+        assert time.monotonic() - signalled < deadline_s + 10
+    assert answer.status_code == 503, answer.text
+    assert answer.json()["error"]["code"] == "server_draining"
+    assert result["lines"][-1] == "data: [DONE]"
+    assert '"code":"server_draining"' in result["lines"][-2].replace(" ", ""), result["lines"][-2]
