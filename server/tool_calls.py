@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from engine.protocol import StructuredOutput
-from server.unicode_check import is_valid_unicode
+from server.unicode_check import is_valid_unicode, lone_surrogate_path
 
 # The formats the answer's calls are parsed in (--tool-call-parser; "auto" picks by the
 # chat template): Qwen2.5's Hermes blocks, or Llama 3.1's bare JSON objects.
@@ -313,9 +313,12 @@ def _with_object_arguments(call: dict[str, Any]) -> dict[str, Any]:
     arguments = function.get("arguments")
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
+            parsed = json.loads(arguments)
         except _NOT_JSON:
-            pass  # not JSON: the template writes the string as it came
+            parsed = arguments  # not JSON: the template writes the string as it came
+        # A "\ud800" escape in the JSON text decodes to a lone surrogate, which no tokenizer
+        # takes: the template then writes the JSON text as it came, escape and all.
+        arguments = parsed if lone_surrogate_path(parsed) is None else arguments
     return {**call, "function": {**function, "arguments": arguments}}
 
 

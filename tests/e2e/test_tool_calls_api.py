@@ -143,6 +143,27 @@ def test_tools_and_earlier_calls_reach_the_prompt_as_transformers_renders_them(c
         assert response.usage.prompt_tokens == len(expected), tool_choice
 
 
+def test_an_earlier_call_whose_arguments_escape_a_lone_surrogate_is_answered(client):
+    """Its JSON text decodes to a lone surrogate that no tokenizer takes: that was a 500
+    (chat and Responses alike); the template now gets the arguments' text as it came."""
+    arguments = '{"city": "\\ud800"}'  # valid JSON text: the escape, not the surrogate
+    conversation = [
+        *MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]  # fmt: skip
+    response = client.chat.completions.create(model=MODEL_NAME, messages=conversation,
+                                              tools=TOOLS, max_tokens=2)  # fmt: skip
+    assert response.usage.completion_tokens == 2
+    replayed = client.responses.create(model=MODEL_NAME, max_output_tokens=2, input=[
+        *MESSAGES,
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+         "arguments": arguments},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}])  # fmt: skip
+    assert replayed.usage.output_tokens == 2
+
+
 @pytest.fixture(scope="module")
 def llama_client(model_dir, tmp_path_factory):
     openai = pytest.importorskip("openai")

@@ -112,6 +112,15 @@ def test_arguments_become_objects_for_the_template():
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == '{"x": 1}'  # untouched
 
 
+def test_arguments_whose_json_escapes_a_lone_surrogate_stay_text():
+    """'{"city": "\\ud800"}' decodes to a lone surrogate, which the tokenizer refused: a
+    500 for a conversation that replays such a call. The template gets the text instead."""
+    text = '{"city": "\\ud800", "n": [1]}'
+    messages = [{"role": "assistant", "tool_calls": [
+        {"id": "1", "function": {"name": "f", "arguments": text}}]}]  # fmt: skip
+    assert arguments_as_objects(messages)[0]["tool_calls"][0]["function"]["arguments"] == text
+
+
 def test_streamed_call_deltas_are_openai_chunks():
     from server.openai_models import ChatCompletionChunk
 
