@@ -450,9 +450,10 @@ class Scheduler:
                 continue  # mid-prefill: no token this step
             token_id = sampled_token_ids[request.request_id]
             grammar = request.grammar if request.grammar_active else None
-            if grammar is not None and not grammar.accept(token_id):
+            if grammar is not None and (grammar.error is not None or not grammar.accept(token_id)):
                 # The grammar ran out of its limits, or min_tokens / stop-token bans left
-                # nothing it allows: the request fails, without the token.
+                # nothing it allows, or its mask found no way on (then it allows only EOS,
+                # which it takes): the request fails, without the token.
                 request.error = grammar_failure(request.grammar.error, request.sampling)
                 self._finish(request, RequestStatus.FINISHED_ERROR)
                 outputs.append(self._output(request, []))

@@ -119,7 +119,19 @@ class GrammarMatcher:
         """Why the grammar failed (its first line), or None."""
         if not self._matcher.is_error():
             return None
-        return self._matcher.get_error().strip().splitlines()[0][:300]
+        return _readable(self._matcher.get_error())
+
+
+# llguidance's name for a state from which no token leads anywhere the grammar accepts.
+_NO_WAY_ON = "NoExtensionBias"
+
+
+def _readable(error: str) -> str:
+    """The first line of a matcher's error, in words where llguidance's are a name."""
+    first = error.strip().splitlines()[0][:300] if error.strip() else "failed"
+    if first == _NO_WAY_ON:
+        return "no text can follow: the grammar allows nothing that it could finish"
+    return first
 
 
 SpecKey = tuple[str | None, str | None, tuple[str, ...] | None]
@@ -215,6 +227,9 @@ class GrammarCompiler:
         # large schema); copies of this matcher keep them, so their first mask on the
         # engine loop takes ~0.2 ms. A grammar that fails here fails its request there.
         matcher.compute_bitmask()
+        if matcher.is_error():  # a grammar that no text satisfies (a schema of only itself)
+            message = _readable(matcher.get_error())
+            raise InvalidRequest(f"invalid structured output: {message}", param=spec.param)
         if self._cache_size <= 0:
             return GrammarMatcher(matcher, self._vocab_size)
         with self._cache_lock:

@@ -230,6 +230,24 @@ def test_a_grammar_that_runs_out_of_its_limits_fails_only_its_request(model_dir)
     assert answered.token_ids == alone[0].token_ids
 
 
+def test_grammars_that_no_text_satisfies_fail_instead_of_stopping(model_dir):
+    """An empty language (a schema of only itself) is refused when compiled; a property that
+    must hold itself is found out once the output reaches it. Both ended "stop" with an
+    output the grammar does not accept ('' and '{"x": ')."""
+    looping = {"type": "object", "properties": {"x": {"$ref": "#/properties/x"}},
+               "required": ["x"]}  # fmt: skip
+    specs = [StructuredOutput(json='{"anyOf": [{"$ref": "#"}]}'),
+             StructuredOutput(json=json.dumps(looping))]  # fmt: skip
+    with LLM(str(model_dir), num_kv_blocks=64) as llm:
+        results = llm.generate(PROMPTS[:2], [SamplingParams(max_tokens=30, temperature=0.0,
+                                                            structured_output=spec)
+                                             for spec in specs])  # fmt: skip
+    for result in results:
+        assert result.error is not None and "no text can follow" in result.error.message
+        assert result.finish_reason != "stop" and result.error.param == "structured_output"
+    assert results[0].token_ids == []
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_grammar_after_a_marker_holds_from_there_on(model_dir, overlap):
     """`structured_output_after` (the end of a reasoning model's thinking): tokens before

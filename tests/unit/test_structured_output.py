@@ -90,6 +90,35 @@ def test_a_token_outside_the_grammar_is_refused(compiler, tokenizer):
     assert not matcher.is_complete and "satisfy the grammar" in matcher.error  # request fails
 
 
+@pytest.mark.parametrize(
+    "spec",
+    [
+        StructuredOutput(json='{"anyOf": [{"$ref": "#"}]}'),
+        StructuredOutput(json='{"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}'),
+        StructuredOutput(regex=r"[^\s\S]"),
+    ],
+)
+def test_a_grammar_that_no_text_satisfies_is_refused_when_compiled(compiler, spec):
+    """llguidance validates these; their first mask errs and allows only EOS, which ended
+    the answer "stop" with an empty (so invalid) output."""
+    assert grammar_error(spec) is None  # the server's check cannot tell
+    with pytest.raises(InvalidRequest, match="no text can follow") as refused:
+        compiler.matcher(spec)
+    assert refused.value.param == "structured_output"
+
+
+def test_a_grammar_that_finds_no_way_on_fails_its_request(compiler, tokenizer):
+    """A property that must hold itself: the grammar lets '{"x": ' through, then allows only
+    EOS, which it takes; the answer ended "stop" with '{"x": '. The scheduler now sees the
+    error (tests/parity/test_structured_output_parity.py runs it through the engine)."""
+    schema = {"type": "object", "properties": {"x": {"$ref": "#/properties/x"}}, "required": ["x"]}
+    matcher = compiler.matcher(StructuredOutput(json=json.dumps(schema)))
+    for token_id in tokenizer.encode('{"x": ', add_special_tokens=False).ids:
+        assert matcher.accept(token_id)
+    matcher.allowed_tokens()
+    assert matcher.error is not None and "no text can follow" in matcher.error
+
+
 def test_ids_past_the_tokenizer_are_never_allowed(compiler, tokenizer):
     """The logits are wider than the tokenizer (embedding padding rows)."""
     matcher = compiler.matcher(StructuredOutput(regex=".*"))
