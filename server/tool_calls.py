@@ -89,16 +89,21 @@ class ToolPlan:
         schemas = {tool["function"]["name"]: _parameters(tool) for tool in self.tools}
         if self.mode == "named":
             return StructuredOutput(json=json.dumps(schemas[self.named]))
+        # Each tool's schema sits in the array schema's $defs, its local references ("#",
+        # "#/$defs/Color": pydantic's) rewritten to point into it there.
+        defs = {f"tool{i}": _rooted(schema, f"#/$defs/tool{i}") for i, schema in
+                enumerate(schemas.values())}  # fmt: skip
         calls = [
             {
                 "type": "object",
-                "properties": {"name": {"const": name}, "parameters": schema},
+                "properties": {"name": {"const": name}, "parameters": {"$ref": f"#/$defs/{key}"}},
                 "required": ["name", "parameters"],
                 "additionalProperties": False,
             }
-            for name, schema in schemas.items()
+            for name, key in zip(schemas, defs, strict=True)
         ]
-        array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        array: dict[str, Any] = {"$defs": defs, "type": "array", "minItems": 1,
+                                 "items": {"anyOf": calls}}  # fmt: skip
         if not self.parallel:
             array["maxItems"] = 1
         return StructuredOutput(json=json.dumps(array))
@@ -302,6 +307,32 @@ def check_tools(tools: list[dict[str, Any]] | None, tool_choice: Any) -> None:
 
 def _choice_name(tool_choice: Any) -> str:
     return repr(tool_choice) if isinstance(tool_choice, str) else "naming a function"
+
+
+# Schema keywords whose values are data, not schemas: a "$ref" inside them is no reference.
+_DATA_KEYWORDS = ("const", "enum", "default", "examples")
+# Keywords whose values map names to schemas (a property may be called "const").
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def _rooted(schema: Any, root: str) -> Any:
+    """`schema` with each local reference ("#...", a JSON pointer from its own root) made to
+    point from `root`, where it will sit in a larger schema."""
+    if isinstance(schema, list):
+        return [_rooted(item, root) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    rooted: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            rooted[key] = root + value[1:]
+        elif key in _DATA_KEYWORDS:
+            rooted[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            rooted[key] = {name: _rooted(item, root) for name, item in value.items()}
+        else:
+            rooted[key] = _rooted(value, root)
+    return rooted
 
 
 def _parameters(tool: dict[str, Any]) -> dict[str, Any]:

@@ -31,10 +31,8 @@ MESSAGES = [{"role": "user", "content": "Weather in Paris for two days?"}]
 
 
 def create(client, **kwargs):
-    kwargs = {"max_tokens": 96, "temperature": 0, **kwargs}
-    return client.chat.completions.create(
-        model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, **kwargs
-    )
+    kwargs = {"max_tokens": 96, "temperature": 0, "tools": TOOLS, **kwargs}
+    return client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, **kwargs)
 
 
 def streamed(client, **kwargs) -> tuple[str, list[dict], list]:
@@ -90,6 +88,28 @@ def test_required_calls_one_or_more_tools(client):
     assert content == "" and reasons == ["tool_calls"]
     assert [(c["name"], c["arguments"], c["chunks"]) for c in streamed_calls] == [
         (c.function.name, c.function.arguments, 1) for c in calls]  # each whole, as it closed
+
+
+def test_required_calls_keep_to_schemas_with_local_references(client):
+    """pydantic's tools (openai.pydantic_function_tool): "$ref": "#/$defs/..." and a "#"
+    that recurses. "required" nests each schema in an array schema, where such references
+    pointed at the array's root: a 400 "Pointer '/$defs/Color' does not exist"."""
+    paint = {
+        "$defs": {"Color": {"enum": ["red", "blue"]}},
+        "type": "object",
+        "properties": {"color": {"$ref": "#/$defs/Color"},
+                       "inner": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+        "required": ["color", "inner"],
+        "additionalProperties": False,
+    }  # fmt: skip
+    tools = [*TOOLS, {"type": "function", "function": {"name": "paint", "parameters": paint}}]
+    for seed in range(3):
+        response = create(client, tools=tools, tool_choice="required", temperature=1.0,
+                          seed=seed, max_tokens=200)  # fmt: skip
+        assert response.choices[0].finish_reason == "tool_calls"
+        for call in response.choices[0].message.tool_calls:
+            schema = {**SCHEMAS, "paint": paint}[call.function.name]
+            jsonschema.validate(json.loads(call.function.arguments), schema)
 
 
 def test_auto_parses_the_calls_the_model_writes(client):
