@@ -454,9 +454,26 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     chat_template: str | None = Field(default=None, max_length=MAX_CHAT_TEMPLATE_CHARS)
     mm_processor_kwargs: MediaProcessingOptions | None = None
 
+    @field_validator("tools")
+    @classmethod
+    def _distinct_names(cls, tools: list[Tool] | None) -> list[Tool] | None:
+        first: dict[str, int] = {}
+        for index, tool in enumerate(tools or ()):
+            name = tool.function.name
+            if name in first:
+                # The model could not tell them apart, nor the answer which one it called.
+                raise ValueError(
+                    f"tools[{index}] has the name {name!r} of tools[{first[name]}]: each "
+                    "function needs a name of its own"
+                )
+            first[name] = index
+        return tools
+
     @field_validator("tool_choice")
     @classmethod
     def _choice_among_tools(cls, tool_choice: Any, info: ValidationInfo) -> Any:
+        if "tools" not in info.data:
+            return tool_choice  # the tools failed validation: that is the error to report
         tools = info.data.get("tools")
         check_tools([tool.model_dump() for tool in tools or ()], _as_dict(tool_choice))
         constrained = tool_choice == "required" or isinstance(tool_choice, NamedToolChoice)

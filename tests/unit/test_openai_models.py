@@ -186,6 +186,11 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
         ({"tools": [{"type": "function", "function": {"name": "has space"}}]},
          "tools[0].function.name"),
         ({"tools": [TOOL] * 129}, "tools"),
+        # the tools' own error, not "tool_choice 'required' needs tools"
+        ({"tools": [TOOL] * 129, "tool_choice": "required"}, "tools"),
+        # two functions of one name: the grammar followed the last, the prompt showed both
+        ({"tools": [TOOL, {**TOOL, "function": {**TOOL["function"], "parameters": {}}}]},
+         "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice"),
         ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "other"}}},
