@@ -39,6 +39,7 @@ server/response_events.py shapes the answer.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -124,7 +125,7 @@ class ChatTranslation:
     """A Responses request as a chat request, and where each chat message came from."""
 
     chat: ChatCompletionRequest
-    message_sources: tuple[str, ...]  # chat message i came from this Responses field
+    message_sources: tuple[MessageSource, ...]  # where chat message i came from
 
     @contextmanager
     def responses_params(self) -> Iterator[None]:
@@ -135,15 +136,45 @@ class ChatTranslation:
             raise renamed(exc, self.message_sources) from exc.__cause__
 
 
-def responses_param(chat_param: str | None, message_sources: tuple[str, ...]) -> str | None:
+@dataclass(frozen=True)
+class MessageSource:
+    """The input item (`input[3]`) a chat message came from: a function_call_output's
+    fields have other names; an assistant message of calls has one item a call."""
+
+    param: str
+    renames: tuple[tuple[str, str], ...] = ()  # (chat field, Responses field) of the item
+    calls: tuple[str, ...] = ()  # tool_calls[k] came from item calls[k]
+
+
+# A chat tool call's fields, as a function_call item names them.
+_CALL_FIELDS = ((".function.name", ".name"), (".function.arguments", ".arguments"),
+                (".id", ".call_id"), (".function", ""))  # fmt: skip
+_OUTPUT_FIELDS = ((".content", ".output"), (".tool_call_id", ".call_id"))
+
+
+def _renamed_path(path: str, renames: tuple[tuple[str, str], ...]) -> str:
+    for chat_name, name in renames:
+        if path == chat_name or path.startswith((chat_name + ".", chat_name + "[")):
+            return name + path[len(chat_name) :]
+    return path
+
+
+def responses_param(
+    chat_param: str | None, message_sources: tuple[MessageSource, ...]
+) -> str | None:
     """`chat_param` (a chat request's field path) as the Responses field it came from."""
     if chat_param is None:
         return None
     found = re.match(r"messages\[(\d+)\](.*)", chat_param)
     if found:
-        index = int(found.group(1))
-        source = message_sources[index] if index < len(message_sources) else "input"
-        return source + found.group(2)
+        index, rest = int(found.group(1)), found.group(2)
+        if index >= len(message_sources):
+            return "input" + rest
+        source = message_sources[index]
+        call = re.match(r"\.tool_calls\[(\d+)\](.*)", rest)
+        if call and int(call.group(1)) < len(source.calls):
+            return source.calls[int(call.group(1))] + _renamed_path(call.group(2), _CALL_FIELDS)
+        return source.param + _renamed_path(rest, source.renames)
     found = re.match(r"tools\[(\d+)\]\.function(.*)", chat_param)
     if found:
         return f"tools[{found.group(1)}]{found.group(2)}"
@@ -153,7 +184,7 @@ def responses_param(chat_param: str | None, message_sources: tuple[str, ...]) ->
     return chat_param
 
 
-def renamed(exc: TesseraError, message_sources: tuple[str, ...]) -> TesseraError:
+def renamed(exc: TesseraError, message_sources: tuple[MessageSource, ...]) -> TesseraError:
     """`exc` naming the Responses field instead of the chat one, in `param` and message."""
     chat_param = exc.param
     param = responses_param(chat_param, message_sources)
@@ -216,15 +247,15 @@ def _copy_sampling(body: ResponsesRequest, chat: dict[str, Any]) -> None:
         chat["top_logprobs"] = body.top_logprobs or 0
 
 
-def _messages(body: ResponsesRequest) -> tuple[list[dict[str, Any]], list[str]]:
+def _messages(body: ResponsesRequest) -> tuple[list[dict[str, Any]], list[MessageSource]]:
     messages: list[dict[str, Any]] = []
-    sources: list[str] = []
+    sources: list[MessageSource] = []
     if body.instructions is not None:
         messages.append({"role": "system", "content": body.instructions})
-        sources.append("instructions")
+        sources.append(MessageSource("instructions", ((".content", ""),)))
     if isinstance(body.input, str):
         messages.append({"role": "user", "content": body.input})
-        sources.append("input")
+        sources.append(MessageSource("input", ((".content", ""),)))
         return messages, sources
     if not body.input:
         raise InvalidRequest("input must not be empty", param="input")
@@ -247,21 +278,26 @@ def _messages(body: ResponsesRequest) -> tuple[list[dict[str, Any]], list[str]]:
             if previous is not None and previous["role"] == "assistant":
                 # One assistant turn: its text and its calls, or consecutive calls.
                 previous["tool_calls"] = [*(previous.get("tool_calls") or ()), call]
+                sources[-1] = dataclasses.replace(sources[-1], calls=(*sources[-1].calls, param))
                 continue
             messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            sources.append(MessageSource(param, calls=(param,)))
+            continue
         elif kind == "function_call_output":
             output = item.get("output")
             content = _content(output, param + ".output") if isinstance(output, list) else output
             messages.append(
                 {"role": "tool", "tool_call_id": item.get("call_id"), "content": content}
             )
+            sources.append(MessageSource(param, _OUTPUT_FIELDS))
+            continue
         else:
             raise InvalidRequest(
                 f"input items of type {kind!r} are not supported (message, function_call and "
                 "function_call_output are)",
                 param=param + ".type",
             )
-        sources.append(param)
+        sources.append(MessageSource(param))
     return messages, sources
 
 

@@ -181,6 +181,21 @@ def test_logprobs_are_the_chat_completions(client):
          "text.format.schema"),
         ({"input": "hi", "truncation": "auto"}, "truncation"),
         ({"input": []}, "input"),
+        # a function_call's fields and a function_call_output's are named as the item has them
+        ({"input": [{"role": "user", "content": "hi"},
+                    {"type": "function_call", "call_id": "c1", "arguments": "{}"}]},
+         "input[1].name"),
+        ({"input": [{"role": "user", "content": "hi"},
+                    {"type": "function_call", "call_id": "c1", "name": "a", "arguments": 5}]},
+         "input[1].arguments"),
+        ({"input": [{"role": "user", "content": "hi"},  # two calls, one chat message
+                    {"type": "function_call", "call_id": "c1", "name": "a", "arguments": "{}"},
+                    {"type": "function_call", "call_id": "c2", "arguments": "{}"}]},
+         "input[2].name"),
+        ({"input": [{"role": "user", "content": "hi"},
+                    {"type": "function_call_output", "call_id": "c1", "output": {"a": 1}}]},
+         "input[1].output"),
+        ({"input": "hi", "tools": [{"type": "function", "name": "f"}] * 2}, "tools"),
     ],
 )  # fmt: skip
 def test_bad_requests_name_the_responses_field(http, fields, param):
