@@ -29,7 +29,7 @@ import aiohttp
 
 from engine.errors import MediaError
 from engine.multimodal.image_processor import ImageProcessorConfig, ProcessedImage, process_image
-from engine.multimodal.media import decode_data_url, decode_image
+from engine.multimodal.media import decode_data_url, decode_image, is_data_url
 from engine.multimodal.processing import MediaKind, MediaProcessing
 from engine.multimodal.video import VideoConfig, VideoLimits, load_video
 from engine.url_safety import (
@@ -140,7 +140,7 @@ class MediaFetcher:
         self, url: str, kind: MediaKind, param: str, processing: MediaProcessing
     ) -> ProcessedImage:
         loop, pool = asyncio.get_running_loop(), self._pools[kind]
-        if url.startswith("data:"):
+        if is_data_url(url):
             # base64 of a large image is milliseconds of CPU: off the event loop too.
             return await loop.run_in_executor(
                 pool, self._process_data_url, url, kind, param, processing

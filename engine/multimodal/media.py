@@ -109,6 +109,11 @@ class DataUrlError(ValueError):
         self.too_large = too_large
 
 
+def is_data_url(url: str) -> bool:
+    """A `data:` URL (schemes are case-insensitive: "DATA:" too)."""
+    return url[:5].lower() == "data:"
+
+
 def decode_data_url(url: str, *, max_bytes: int, param: str | None = None) -> bytes:
     """`parse_data_url` for an image: a bad URL is a `MediaError` naming `param`."""
     try:
@@ -124,7 +129,7 @@ def parse_data_url(url: str, max_bytes: int) -> bytes:
     The size cap is checked on the base64 text before decoding, so an oversized payload
     costs no decode work.
     """
-    if not url.startswith("data:"):
+    if not is_data_url(url):
         raise DataUrlError("expected a data: URL")
     header, comma, payload = url[5:].partition(",")
     if not comma:

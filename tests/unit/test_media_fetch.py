@@ -73,3 +73,19 @@ def test_an_image_does_not_wait_behind_decoding_videos(monkeypatch):
             await fetcher.aclose()
 
     asyncio.run(scenario())
+
+
+def test_a_data_url_scheme_in_capitals_is_a_data_url():
+    """URL schemes are case-insensitive: "DATA:" was refused as "only http and https URLs
+    can be fetched" while "HTTP://" and "FILE://" worked."""
+    payload = base64.b64encode(png_bytes(picture(56, 56, 1))).decode()
+
+    async def scenario() -> list:
+        fetcher = MediaFetcher(MediaFetchConfig(), ImageProcessorConfig())
+        try:
+            return [await fetcher.load(f"{scheme}:image/png;base64,{payload}", "image", param="i")
+                    for scheme in ("data", "DATA", "Data")]  # fmt: skip
+        finally:
+            await fetcher.aclose()
+
+    assert len({processed.content_hash for processed in asyncio.run(scenario())}) == 1
