@@ -120,6 +120,7 @@ def _make_fetcher(settings: ServerSettings, metrics: ServerMetrics) -> MediaFetc
         allowed_domains=settings.allowed_media_domains,
         allowed_local_path=settings.allowed_local_media_path,
         max_video_bytes=settings.max_video_bytes,
+        max_video_decode_seconds=settings.max_video_decode_seconds,
         num_image_decode_threads=settings.image_decode_thread_count(),
         num_video_decode_threads=settings.video_decode_threads,
     )

@@ -62,6 +62,7 @@ class MediaFetchConfig:
     allowed_domains: str | None = None  # comma-separated host allowlist; None = any
     allowed_local_path: str | None = None  # file:// only under this folder; None = off
     max_video_bytes: int = 64 * 1024 * 1024
+    max_video_decode_seconds: float = 30.0
 
     @property
     def url_policy(self) -> UrlPolicy:
@@ -89,7 +90,10 @@ class MediaFetcher:
         self.on_processed = on_processed
         self.image_config = image_config
         self.video_config = video_config or VideoConfig(image_config)
-        self.video_limits = VideoLimits(max_frame_pixels=config.max_image_pixels)
+        self.video_limits = VideoLimits(
+            max_frame_pixels=config.max_image_pixels,
+            max_decode_seconds=config.max_video_decode_seconds,
+        )
         self.policy = config.url_policy
         self._session: aiohttp.ClientSession | None = None
         self._pools = {

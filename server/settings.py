@@ -73,6 +73,7 @@ class ServerSettings:
     video_fps: float = 2.0  # video frames sampled per second (as transformers' `fps`)
     max_video_frames: int = 32  # frames sampled per video, at most (2 frames = 1 grid step)
     max_video_tokens: int = 16384  # frames shrink so that one video takes at most ~0.9x this many tokens
+    max_video_decode_seconds: float = 30.0  # a video still decoding after this is refused (400)
     image_cache_mb: int = 256  # processed images kept for repeats of the same bytes; 0 = off
     image_decode_threads: int | None = None  # threads that decode and preprocess images, per API process; None = half the cores shared among the API processes, 2 to 8 (a burst of image requests queues on them)
     video_decode_threads: int = 2  # their own threads for videos: an image never waits behind one
@@ -135,6 +136,8 @@ class ServerSettings:
             raise SettingsError("video_fps must be positive")
         if self.media_fetch_timeout_s <= 0:
             raise SettingsError("media_fetch_timeout_s must be positive")
+        if not self.max_video_decode_seconds > 0:
+            raise SettingsError("max_video_decode_seconds must be positive")
         if (self.engine_inbox_address is None) != (self.engine_outbox_address is None):
             raise SettingsError("set both engine_inbox_address and engine_outbox_address, or none")
         if not 1 <= self.api_server_count <= MAX_API_SERVERS:

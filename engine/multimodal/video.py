@@ -38,6 +38,7 @@ import io
 import itertools
 import json
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -222,8 +223,38 @@ def temporal_patch_seconds(
 class VideoLimits:
     """Checks on untrusted video data before and while it is decoded."""
 
-    max_frame_pixels: int = 64_000_000  # width x height of the coded frames
+    max_frame_pixels: int = 64_000_000  # width x height of every coded frame
     max_source_frames: int = 100_000  # frames in the container (decode cost)
+    # Decoding past this fails: what a few kilobytes can cost is not bounded otherwise
+    # (a GIF of 2000 one-pixel frames on an 8000 x 8000 canvas decodes 128 G pixels).
+    max_decode_seconds: float = 30.0
+
+
+class _DecodeGuard:
+    """One decode's `VideoLimits` while it runs, and the request field its errors name."""
+
+    def __init__(self, limits: VideoLimits, param: str | None) -> None:
+        self.limits = limits
+        self.param = param
+        self._deadline = time.monotonic() + limits.max_decode_seconds
+
+    def check_time(self) -> None:
+        """Checked per decoded frame: fails a decode past `max_decode_seconds`."""
+        if time.monotonic() > self._deadline:
+            raise MediaError(
+                f"decoding the video took over {self.limits.max_decode_seconds:g} s "
+                "(max_video_decode_seconds)",
+                param=self.param,
+            )
+
+    def stream(self, container):
+        """The first video stream, its decoder capped at `max_frame_pixels` a frame: the
+        size checked before decoding is the first frames' (a stream may grow later), and a
+        16000 x 16000 frame was decoded and converted (768 MB) before the size change was
+        seen. FFmpeg refuses frames over the cap before it decodes them."""
+        stream = container.streams.video[0]
+        stream.codec_context.options = {"max_pixels": str(self.limits.max_frame_pixels)}
+        return stream
 
 
 def decode_video(
@@ -281,11 +312,12 @@ def decode_video(
             )
         video_fps = float(rate) if rate else None
         wanted = sample_frame_indices(total, video_fps, config)
+        guard = _DecodeGuard(limits, param)
         frames = None
         if seek and index is not None and index.can_seek(total):
-            frames = _decode_by_seeking(data, container_format, index, wanted, config, param)
+            frames = _decode_by_seeking(data, container_format, index, wanted, config, guard)
         if frames is None:
-            frames = _decode_in_order(data, container_format, wanted, config, param)
+            frames = _decode_in_order(data, container_format, wanted, config, guard)
     except MediaError:
         raise
     except Exception as exc:  # noqa: BLE001 - any decoder failure is the client's data
@@ -332,7 +364,7 @@ def _index_packets(data: bytes, container_format: str) -> _PacketIndex:
 
 
 def _decode_in_order(
-    data: bytes, container_format: str, wanted: list[int], config: VideoConfig, param: str | None
+    data: bytes, container_format: str, wanted: list[int], config: VideoConfig, guard: _DecodeGuard
 ) -> list[np.ndarray]:
     """The `wanted` frames, decoding every frame up to the last of them."""
 
@@ -340,14 +372,15 @@ def _decode_in_order(
         if not wanted:
             return
         wanted_set, last = set(wanted), wanted[-1]
-        for index, frame in enumerate(container.decode(container.streams.video[0])):
+        for index, frame in enumerate(container.decode(guard.stream(container))):
+            guard.check_time()
             if index in wanted_set:
                 yield frame
             if index >= last:
                 break
 
     with _open(data, container_format) as container:
-        return _resized_frames(picked(container), len(wanted), config, param)
+        return _resized_frames(picked(container), len(wanted), config, guard.param)
 
 
 class _MissedFrame(Exception):
@@ -360,13 +393,13 @@ def _decode_by_seeking(
     index: _PacketIndex,
     wanted: list[int],
     config: VideoConfig,
-    param: str | None,
+    guard: _DecodeGuard,
 ) -> list[np.ndarray] | None:
     """The `wanted` frames, jumping to a keyframe where one lies between the last frame
     decoded and the next frame wanted; None where a seek misses (then decode in order)."""
 
     def picked(container):
-        stream = container.streams.video[0]
+        stream = guard.stream(container)
         frames, position = None, None  # the decoding iterator; the last timestamp it gave
         for target in (index.pts[i] for i in wanted):
             start = index.keyframe_pts[bisect.bisect_right(index.keyframe_pts, target) - 1]
@@ -375,6 +408,7 @@ def _decode_by_seeking(
                     container.seek(start, stream=stream, backward=True, any_frame=False)
                 frames = container.decode(stream)
             for frame in frames:
+                guard.check_time()
                 position = frame.pts
                 if position is None or position >= target:
                     break
@@ -384,7 +418,7 @@ def _decode_by_seeking(
 
     try:
         with _open(data, container_format) as container:
-            return _resized_frames(picked(container), len(wanted), config, param)
+            return _resized_frames(picked(container), len(wanted), config, guard.param)
     except _MissedFrame:
         return None
 

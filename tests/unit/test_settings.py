@@ -207,3 +207,10 @@ def test_cli_make_tiny_model(tmp_path: Path) -> None:
 
     assert main(["make-tiny-model", str(tmp_path / "m")]) == 0
     assert (tmp_path / "m" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_the_video_decode_time_must_be_positive(value: str) -> None:
+    with pytest.raises(SettingsError, match="max_video_decode_seconds must be positive"):
+        load_settings(["--max-video-decode-seconds", value], {})
+    assert load_settings(["--max-video-decode-seconds", "5"], {}).max_video_decode_seconds == 5

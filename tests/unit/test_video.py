@@ -120,7 +120,12 @@ def test_seeking_gives_the_frames_decoding_in_order_gives(container, codec, opti
     jumps between keyframes and must still give frame i = the decoder's i-th output."""
     import av
 
-    from engine.multimodal.video import _decode_by_seeking, _index_packets, sniff_container
+    from engine.multimodal.video import (
+        _decode_by_seeking,
+        _DecodeGuard,
+        _index_packets,
+        sniff_container,
+    )
 
     data = video_bytes(
         moving_pictures(96, 64, 90, salt=3), fps=10, container=container, codec=codec,
@@ -133,7 +138,8 @@ def test_seeking_gives_the_frames_decoding_in_order_gives(container, codec, opti
     wanted = sample_frame_indices(90, 10.0, config)
     assert len(wanted) == 8 and wanted[-1] - wanted[0] > 70
     # No seek missed its frame (a miss would fall back to decoding in order).
-    assert _decode_by_seeking(data, container_format, index, wanted, config, None) is not None
+    guard = _DecodeGuard(VideoLimits(), None)
+    assert _decode_by_seeking(data, container_format, index, wanted, config, guard) is not None
     by_seeking = decode_video(data, config).frames
     in_order = decode_video(data, config, seek=False).frames
     with av.open(io.BytesIO(data)) as container_file:
@@ -145,14 +151,15 @@ def test_seeking_gives_the_frames_decoding_in_order_gives(container, codec, opti
 
 
 def test_a_seek_that_misses_its_frame_falls_back_to_decoding_in_order():
-    from engine.multimodal.video import _decode_by_seeking, _index_packets
+    from engine.multimodal.video import _decode_by_seeking, _DecodeGuard, _index_packets
 
     data = video_bytes(moving_pictures(96, 64, 40, salt=4), fps=10, options={"g": "4"})
     index = _index_packets(data, "mov")
     wanted = [0, 1, 20, 21]
-    assert _decode_by_seeking(data, "mov", index, wanted, CONFIG, None) is not None
+    guard = _DecodeGuard(VideoLimits(), None)
+    assert _decode_by_seeking(data, "mov", index, wanted, CONFIG, guard) is not None
     shifted = dataclasses.replace(index, pts=[pts + 1 for pts in index.pts])  # lands nowhere
-    assert _decode_by_seeking(data, "mov", shifted, wanted, CONFIG, None) is None
+    assert _decode_by_seeking(data, "mov", shifted, wanted, CONFIG, guard) is None
 
 
 def test_an_animated_gif_is_a_video():
@@ -195,6 +202,54 @@ def test_limits_are_checked_before_decoding():
         decode_video(data, CONFIG, VideoLimits(max_frame_pixels=6000))
     with pytest.raises(MediaError, match="10 frames; the limit is 9"):
         decode_video(data, CONFIG, VideoLimits(max_source_frames=9))
+
+
+def mjpeg_avi(sizes: list[tuple[int, int]]) -> bytes:
+    """An MJPEG AVI whose frames have these (width, height)s: a stream that changes size
+    after the first frames its header describes."""
+    import av
+
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format="avi") as out:
+        stream = out.add_stream("mjpeg", rate=4)
+        stream.width, stream.height, stream.pix_fmt = *sizes[0], "yuvj420p"
+        for index, (width, height) in enumerate(sizes):
+            jpeg = io.BytesIO()
+            Image.new("RGB", (width, height), (128, 128, 128)).save(jpeg, "JPEG", quality=10)
+            packet = av.Packet(jpeg.getvalue())
+            packet.stream, packet.pts, packet.dts = stream, index, index
+            out.mux(packet)
+    return buffer.getvalue()
+
+
+def test_a_frame_over_the_pixel_limit_is_refused_before_it_is_decoded():
+    """The limit was checked on the header's size only: frames that grow later were decoded
+    and converted to RGB (768 MB for one 16000 x 16000 frame) before the size change was
+    seen. The decoder now refuses them: nothing near a big frame's RGB is ever allocated."""
+    import tracemalloc
+
+    data = mjpeg_avi([(64, 48)] * 4 + [(4000, 4000)] * 4)  # RGB of one big frame: 48 MB
+    tracemalloc.start()
+    try:
+        with pytest.raises(MediaError, match="truncated or corrupt"):
+            decode_video(data, CONFIG, VideoLimits(max_frame_pixels=1_000_000))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8_000_000, peak
+
+
+def test_a_decode_that_runs_past_its_time_is_refused():
+    """A few kilobytes of GIF (one-pixel frames on a huge canvas) decoded for minutes."""
+    frames = moving_pictures(64, 48, 6, salt=1)
+    buffer = io.BytesIO()
+    frames[0].save(buffer, format="GIF", save_all=True, append_images=frames[1:], duration=250)
+    seekable = video_bytes(moving_pictures(96, 64, 10), fps=4)
+    for data in (buffer.getvalue(), seekable):  # decoded in order; by seeking
+        with pytest.raises(MediaError, match="took over 1e-09 s") as info:
+            decode_video(data, CONFIG, VideoLimits(max_decode_seconds=1e-9), param="v")
+        assert info.value.param == "v"
+        assert len(decode_video(data, CONFIG, VideoLimits(max_decode_seconds=30)).frames) == 4
 
 
 def test_sniffing_names_one_demuxer_per_container():
