@@ -13,7 +13,7 @@ import io
 
 import numpy as np
 import pybase64
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from engine.errors import MediaError
 
@@ -22,6 +22,10 @@ ALLOWED_IMAGE_FORMATS = {"PNG", "JPEG", "WEBP", "GIF", "BMP"}
 _FORMAT_ALIASES = {"MPO": "JPEG"}
 _SIXTEEN_BIT_MODES = {"I;16", "I;16L", "I;16B", "I;16N"}
 _SUPPORTED = ", ".join(sorted(ALLOWED_IMAGE_FORMATS))
+# `decode_image`'s own limit (max_pixels, from the header, before decoding) replaces
+# Pillow's process-wide one, which otherwise capped every setting at ~89.5 Mpx (and warned
+# on stderr above it).
+Image.MAX_IMAGE_PIXELS = None
 
 
 def decode_image(
@@ -31,14 +35,12 @@ def decode_image(
 
     Raises `MediaError` (carrying `param`) for empty or truncated data, data that is not
     an image in `ALLOWED_IMAGE_FORMATS`, and images over `max_pixels` (checked from the
-    header, before decoding) or over Pillow's decompression-bomb limit.
+    header, before decoding: Pillow's own cap is off).
     """
     if not data:
         raise MediaError("the image is empty", param=param)
     try:
         image = Image.open(io.BytesIO(data), formats=sorted(ALLOWED_IMAGE_FORMATS))
-    except Image.DecompressionBombError as exc:
-        raise MediaError("the image has too many pixels", param=param) from exc
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError) as exc:
         raise MediaError(
             f"the data is not a readable image; supported formats are {_SUPPORTED}", param=param
@@ -51,21 +53,28 @@ def decode_image(
     width, height = image.size
     if width < 1 or height < 1:
         raise MediaError(f"the image has an empty side ({width}x{height})", param=param)
-    pixel_limit = min(max_pixels, Image.MAX_IMAGE_PIXELS or max_pixels)
-    if width * height > pixel_limit:
+    if width * height > max_pixels:
         raise MediaError(
-            f"the image is {width}x{height} = {width * height} pixels; the limit is {pixel_limit}",
+            f"the image is {width}x{height} = {width * height} pixels; the limit is {max_pixels}",
             param=param,
         )
     try:
         if getattr(image, "is_animated", False):
             image.seek(0)
         image.load()
-        return convert_rgb(image)
-    except Image.DecompressionBombError as exc:
-        raise MediaError("the image has too many pixels", param=param) from exc
+        return convert_rgb(_upright(image))
     except Exception as exc:  # noqa: BLE001 - any decoder failure is the client's data
         raise MediaError("the image data is truncated or corrupt", param=param) from exc
+
+
+def _upright(image: Image.Image) -> Image.Image:
+    """The image turned as its EXIF orientation says (phone cameras store photos sideways
+    and say so), as transformers' `load_image` does; as stored where the EXIF is unreadable
+    (a picture with broken metadata is still a picture)."""
+    try:
+        return ImageOps.exif_transpose(image)
+    except Exception:  # noqa: BLE001 - metadata from the client
+        return image
 
 
 def convert_rgb(image: Image.Image) -> Image.Image:

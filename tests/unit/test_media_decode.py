@@ -5,12 +5,11 @@ from __future__ import annotations
 import base64
 import io
 import struct
-import warnings
 import zlib
 
 import numpy as np
 import pytest
-from PIL import Image, features
+from PIL import Image, ImageOps, features
 
 from engine.errors import MediaError
 from engine.multimodal.media import (
@@ -198,16 +197,6 @@ def test_data_url_size_cap_checked_before_decoding():
         decode_data_url("data:image/png;base64," + over, max_bytes=100)
 
 
-def test_pillow_decompression_bomb_limit_applies_even_with_a_higher_max_pixels():
-    # 10000 x 10000 is over Pillow's MAX_IMAGE_PIXELS (~89M) but under 2x of it, where
-    # Pillow only warns; it must still be a MediaError, never a decoded image.
-    assert 10_000 * 10_000 > Image.MAX_IMAGE_PIXELS
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-        with pytest.raises(MediaError, match="pixels"):
-            decode_image(_png_header_only(10_000, 10_000), max_pixels=10**12)
-
-
 # ------------------------------------------------ feature data URLs share the parser
 
 
@@ -239,3 +228,29 @@ def test_feature_data_urls_take_what_image_data_urls_take():
     assert "\n" in encoded
     assert _decode_data_url("data:application/octet-stream;base64," + encoded, 1000) == data
     assert _decode_data_url("data:x;BASE64," + base64.b64encode(data).decode(), 1000) == data
+
+
+def test_the_max_pixels_setting_is_the_limit_above_pillows_own():
+    """Pillow's process-wide cap (89,478,485 pixels) hid every larger setting: a 9500 x 9500
+    image was refused as over "89478485", a value nobody set."""
+    side = 9500
+    buffer = io.BytesIO()
+    Image.new("1", (side, side)).save(buffer, "PNG")  # 1 bit a pixel: small to make
+    with pytest.raises(MediaError, match=f"the limit is {side * side - 1}$"):
+        decode_image(buffer.getvalue(), max_pixels=side * side - 1)
+
+
+@pytest.mark.parametrize("orientation", [3, 6, 8])
+def test_exif_orientation_turns_the_picture_upright(orientation):
+    """Phone cameras store photos sideways and say so in EXIF; transformers' load_image
+    turns them (ImageOps.exif_transpose). The model saw them as stored."""
+    stored = _random_rgb(64, 112)
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    buffer = io.BytesIO()
+    stored.save(buffer, "PNG", exif=exif.tobytes())
+    expected = ImageOps.exif_transpose(Image.open(io.BytesIO(buffer.getvalue())))
+    decoded = decode_image(buffer.getvalue())
+    assert decoded.size == ((64, 112) if orientation == 3 else (112, 64))
+    assert np.array_equal(np.asarray(decoded), np.asarray(expected.convert("RGB")))
+    assert decode_image(_encode(stored, "PNG")).size == stored.size  # no EXIF: as stored
