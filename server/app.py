@@ -15,11 +15,11 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -69,6 +69,7 @@ from server.streaming import (
 from server.unicode_check import check_request_text
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 VERSION = "0.1.0"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -287,7 +288,7 @@ def _add_api_routes(api: APIRouter) -> None:
         state = _state(request)
         state.check_model(body.model)
         _check_alive(state, request)
-        prompt = await _chat_prompt(state, body)
+        prompt = await _chat_prompt(state, body, request)
         job = build_job(state, body, prompt, prefix="chatcmpl")
         ticket = _admit(request, state, job)
         with_logprobs = body.logprobs
@@ -343,7 +344,7 @@ def _add_api_routes(api: APIRouter) -> None:
         _check_alive(state, request)
         translation = chat_request(body)
         with translation.responses_params():
-            prompt = await _chat_prompt(state, translation.chat)
+            prompt = await _chat_prompt(state, translation.chat, request)
             job = build_job(state, translation.chat, prompt, prefix="resp")
         ticket = _admit(request, state, job)
         shaper = ResponseShaper(job, body, state.processor.tokenizer, logprobs=body.wants_logprobs)
@@ -390,16 +391,17 @@ def _add_api_routes(api: APIRouter) -> None:
         return {"prompt": state.processor.decode(body.tokens, skip_special_tokens=False)}
 
 
-async def _chat_prompt(state: AppState, body: ChatCompletionRequest) -> Any:
+async def _chat_prompt(state: AppState, body: ChatCompletionRequest, request: Request) -> Any:
     """A chat request's prompt: its grammar checked, its media fetched and preprocessed,
-    its messages rendered and tokenised."""
+    its messages rendered and tokenised. A client that leaves meanwhile takes its fetches
+    and queued decodes with it (they held the shared connections and decode threads)."""
     await check_structured_output(body)
     if body.chat_template is not None and not state.settings.trust_request_chat_template:
         raise InvalidRequest(
             "request chat templates are disabled on this server (--trust-request-chat-template)",
             param="chat_template",
         )
-    return await prepare_chat_prompt(
+    prepared = prepare_chat_prompt(
         body,
         state.processor,
         state.fetcher,
@@ -408,6 +410,7 @@ async def _chat_prompt(state: AppState, body: ChatCompletionRequest) -> Any:
         max_prompt_tokens=prompt_bound(state, body),
         max_model_len=state.max_model_len,
     )
+    return await _unless_client_leaves(request, prepared)
 
 
 def _check_alive(state: AppState, request: Request) -> None:
@@ -481,25 +484,35 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
+async def _unless_client_leaves(request: Request, work: Coroutine[Any, Any, T]) -> T:
+    """`work`'s result; `work` cancelled and ClientDisconnected raised if the client
+    disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.create_task(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+    if task.cancelled():
+        raise ClientDisconnected()
+    return task.result()
+
+
 async def _collect_until_disconnect(request: Request, state: AppState, job: GenerationJob):
     """Run a non-streaming generation; cancel it (aborting in the engine) if the client
     disconnects first."""
     totals = GenerationTotals(num_prompt_tokens=len(job.prompt.token_ids))
-    work = asyncio.create_task(collect(job, state.engine, state.processor.tokenizer, totals))
-    watcher = asyncio.create_task(_wait_for_disconnect(request))
+    work = collect(job, state.engine, state.processor.tokenizer, totals)
     try:
-        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not work.done():
-            work.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await work
-    if work.cancelled():
+        results = await _unless_client_leaves(request, work)
+    except ClientDisconnected:
         logger.info("client disconnected; request %s aborted", job.request_id)
         totals.abort_unfinished(job.n)
         _finisher(state, request)(totals)
-        raise ClientDisconnected(job.request_id)
-    results = work.result()
+        raise
     _finisher(state, request)(totals)
     return totals, results

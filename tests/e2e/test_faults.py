@@ -6,9 +6,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import concurrent.futures
+import contextlib
 import os
 import signal
+import struct
 import time
+import zlib
 from collections.abc import Iterator
 
 import httpx
@@ -141,6 +144,49 @@ def test_many_clients_disconnect_after_the_first_chunk(busy_server):
     response = httpx.post(base + "/v1/chat/completions", json=_long(max_tokens=4), timeout=60)
     assert response.status_code == 200
     assert response.json()["usage"]["completion_tokens"] == 4
+
+
+def _blank_png(width: int, height: int) -> bytes:
+    """A PNG of zeros: a few hundred KB to send, width x height x 3 bytes to decode."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        crc = zlib.crc32(kind + data)
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
+
+    compressor, row = zlib.compressobj(9), bytes(1 + 3 * width)
+    pixels = b"".join(compressor.compress(row) for _ in range(height)) + compressor.flush()
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", pixels)
+            + chunk(b"IEND", b""))  # fmt: skip
+
+
+def test_a_client_that_leaves_takes_its_queued_media_decodes_with_it(busy_server):
+    """Two clients send 16 large images each and leave after 1 s. Their decodes went on
+    without them, one after another on the decode threads: an image sent next waited
+    17-29 s behind them. Now it waits at most for the decodes already running."""
+    base = busy_server.base_url
+    heavy = _blank_png(8000, 8000)  # ~0.5 s to decode here
+
+    def chat(images: list[bytes], timeout: float) -> httpx.Response:
+        parts = [{"type": "image_url", "image_url": {
+            "url": "data:image/png;base64," + base64.b64encode(data).decode()}}
+            for data in images]  # fmt: skip
+        body = {"model": MODEL_NAME, "max_tokens": 2, "messages": [
+            {"role": "user", "content": [*parts, {"type": "text", "text": "hi"}]}]}  # fmt: skip
+        return httpx.post(base + "/v1/chat/completions", json=body, timeout=timeout)
+
+    def leave(client: int) -> None:
+        # distinct bytes after IEND: not one processed-image cache entry, the same pixels
+        images = [heavy + bytes([client, i]) for i in range(16)]
+        with contextlib.suppress(httpx.TimeoutException):
+            chat(images, timeout=1)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        list(pool.map(leave, range(2)))
+    started = time.monotonic()
+    small = chat([png_bytes(picture(96, 64, 7))], timeout=60)
+    waited = time.monotonic() - started
+    assert small.status_code == 200, small.text
+    assert waited < 6, f"the image waited {waited:.1f} s behind abandoned decodes"
 
 
 def test_poisoned_request_fails_alone(busy_server):
