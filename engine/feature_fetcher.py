@@ -314,9 +314,9 @@ class FeatureFetcher:
         """`open_checked` with the fetcher's errors: unsafe URLs and redirect loops fail at
         once; network errors are transient (retried)."""
         if self._http is None:
-            self._http = guarded_session(
-                self._policy, timeout_s=self.config.timeout_s, max_connections=64
-            )
+            # No limit a host: features usually come from one storage host.
+            self._http = guarded_session(self._policy, timeout_s=self.config.timeout_s,
+                                         max_connections=64, max_connections_per_host=0)  # fmt: skip
         try:
             async with open_checked(
                 self._http, self._policy, method, url, max_redirects=self.config.max_redirects

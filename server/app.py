@@ -118,6 +118,8 @@ def _make_fetcher(settings: ServerSettings, metrics: ServerMetrics) -> MediaFetc
         max_image_pixels=settings.max_image_pixels,
         processed_image_cache_bytes=settings.image_cache_mb * 1024 * 1024,
         max_redirects=settings.media_fetch_max_redirects,
+        max_connections=settings.media_fetch_max_connections,
+        max_connections_per_host=settings.media_fetch_max_connections_per_host,
         allowed_domains=settings.allowed_media_domains,
         allowed_local_path=settings.allowed_local_media_path,
         max_video_bytes=settings.max_video_bytes,

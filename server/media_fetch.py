@@ -63,6 +63,8 @@ class MediaFetchConfig:
     allowed_local_path: str | None = None  # file:// only under this folder; None = off
     max_video_bytes: int = 64 * 1024 * 1024
     max_video_decode_seconds: float = 30.0
+    max_connections: int = 128  # open media downloads, per API process
+    max_connections_per_host: int = 16
 
     @property
     def url_policy(self) -> UrlPolicy:
@@ -201,7 +203,12 @@ class MediaFetcher:
         """GET an http(s) URL under a total deadline and the byte cap of `kind`, following
         at most `max_redirects` redirects (each hop re-checked)."""
         if self._session is None:
-            self._session = guarded_session(self.policy, timeout_s=self.config.timeout_s)
+            self._session = guarded_session(
+                self.policy,
+                timeout_s=self.config.timeout_s,
+                max_connections=self.config.max_connections,
+                max_connections_per_host=self.config.max_connections_per_host,
+            )
         cap = self._max_bytes(kind)
         try:
             async with (

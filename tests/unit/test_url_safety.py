@@ -8,6 +8,7 @@ import contextlib
 import ipaddress
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -242,3 +243,54 @@ def test_cookies_set_by_one_fetch_are_not_sent_by_the_next():
     with listener("127.0.0.1") as (port, counter):
         asyncio.run(twice(f"http://127.0.0.1:{port}/a.png"))
     assert counter.cookies == [None, None]
+
+
+@contextlib.contextmanager
+def hanging_listener() -> Iterator[int]:
+    """A port that accepts connections and never answers."""
+    server = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        server.settimeout(0.1)
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                held.append(server.accept()[0])
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield server.getsockname()[1]
+    finally:
+        stop.set()
+        thread.join()
+        for connection in held:
+            connection.close()
+        server.close()
+
+
+def test_a_host_that_hangs_cannot_take_every_connection():
+    """Media fetches share one connection pool. Without a limit a host, requests of many
+    URLs on a host that never answers held every connection, and other hosts' media waited
+    for their timeouts."""
+    with hanging_listener() as stuck_port, listener("127.0.0.1") as (port, _):
+
+        async def scenario() -> float:
+            fetcher = _fetcher(allow_private_urls=True, max_connections=4,
+                               max_connections_per_host=2)  # fmt: skip
+            stuck = [asyncio.create_task(fetcher.fetch_url_bytes(
+                f"http://127.0.0.1:{stuck_port}/{i}.png", param="p")) for i in range(4)]  # fmt: skip
+            await asyncio.sleep(0.3)  # two connect and hang; two wait for that host's slots
+            started = time.monotonic()
+            try:
+                fetched = await fetcher.fetch_url_bytes(f"http://127.0.0.1:{port}/a", param="p")
+                assert fetched == b"ok"
+                return time.monotonic() - started
+            finally:
+                for task in stuck:
+                    task.cancel()
+                await asyncio.gather(*stuck, return_exceptions=True)
+                await fetcher.aclose()
+
+        assert asyncio.run(scenario()) < 2.0
