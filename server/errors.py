@@ -62,10 +62,17 @@ def loc_to_param(loc: Sequence[Any]) -> str | None:
     if parts and parts[0] in ("body", "query", "path"):
         parts = parts[1:]
     param = ""
+    tag_next = False  # the next name is a tagged union's tag, not a field
     for part in parts:
         if isinstance(part, int):
             param += f"[{part}]"
         elif isinstance(part, str):
+            if tag_next:
+                tag_next = False
+                continue
+            if "tagged-union[" in part:  # a union member named by pydantic: then its tag
+                tag_next = True
+                continue
             if part in _TYPE_LOC_NAMES or "[" in part or part.startswith(("function-", "json-")):
                 continue
             if part[:1].isupper():  # a union's model member (NamedToolChoice): no field name

@@ -48,6 +48,12 @@ def test_max_completion_tokens_wins_and_logprobs():
          "messages[0].content[0].image_url"),
         ({**BASE, "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {}}]}]}, "messages[0].content[0].image_url.url"),
+        # a part's own field (uuid sits beside image_url): the union's tag is no field
+        ({**BASE, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "x"}, "uuid": ""}]}]},
+         "messages[0].content[0].uuid"),
+        ({**BASE, "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+         "messages[0].content[0].text"),
         ({**BASE, "top_logprobs": 50}, "top_logprobs"),
         ({**BASE, "messages": [{"role": "user", "content": [{"type": "video_features",
           "video_features": {"url": "s3://b/k", "grid_thw": [2, 4, 4], "frame_seconds": [-1]}}]}]},
@@ -64,7 +70,8 @@ def test_validation_error_param_paths(body, param):
 
 
 def test_loc_to_param_skips_union_members():
-    loc = ("body", "messages", 0, "content", "list[tagged-union[A,B]]", 1, "text")
+    # pydantic names the member (its tag: "text"), then the field ("text")
+    loc = ("body", "messages", 0, "content", "list[tagged-union[A,B]]", 1, "text", "text")
     assert loc_to_param(loc) == "messages[0].content[1].text"
     assert loc_to_param(("body", "tool_choice", "NamedToolChoice", "function")) == (
         "tool_choice.function"
