@@ -52,6 +52,7 @@ class EngineConfig:
     feature_fetch_retries: int = 3  # transient failures (timeouts, 5xx, throttling)
     s3_endpoint_url: str | None = None  # None = the standard AWS environment / config
     allow_private_feature_urls: bool = False  # allow http(s) feature URLs on private networks
+    engine_step_timeout_s: float = 300.0  # a pass of the engine loop (one step) longer than this is a hang: the engine exits, and the server with it, for its supervisor to restart; 0 = never
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -85,6 +86,10 @@ class EngineConfig:
             raise ValueError(f"grammar_cache_size must be >= 0, got {self.grammar_cache_size}")
         if self.grammar_lexer_fuel < 1:
             raise ValueError(f"grammar_lexer_fuel must be positive, got {self.grammar_lexer_fuel}")
+        if not self.engine_step_timeout_s >= 0:
+            raise ValueError(
+                f"engine_step_timeout_s must be >= 0 (0: never), got {self.engine_step_timeout_s}"
+            )
         if self.kv_cache_memory_gib is not None and not self.kv_cache_memory_gib > 0:
             raise ValueError(f"kv_cache_memory_gib must be positive, got {self.kv_cache_memory_gib}")
 

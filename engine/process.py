@@ -28,10 +28,13 @@ Undecodable inbox messages are logged and dropped; the engine lives on.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import os
 import signal
 import sys
+import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -60,6 +63,7 @@ IDLE_POLL_MS = 500  # blocking poll when idle; also how often a lost parent is n
 STALLED_POLL_MS = 2  # when requests exist but nothing was schedulable (e.g. fetching)
 EXIT_FAILED = 1
 EXIT_PARENT_GONE = 3
+EXIT_HUNG = 4  # a step ran past engine_step_timeout_s (StepWatchdog)
 ENGINE_PROCESS_NAME = "tessera-engine"  # in log lines and ps / top
 STOP_SIGNAL = signal.SIGUSR1
 # The API process that gets every EngineOutputs and exports the engine's stats.
@@ -170,6 +174,7 @@ def _serve(config, inboxes, outboxes, parent_pid, core_factory) -> int:
     )
     _send_to_all(outboxes, ready)
     loop = EngineLoop(core, inboxes, outboxes, parent_pid)
+    StepWatchdog(loop, config.engine_step_timeout_s).start()
     try:
         return loop.run()
     except Exception as exc:  # noqa: BLE001 - the server must learn why we died
@@ -180,6 +185,36 @@ def _serve(config, inboxes, outboxes, parent_pid, core_factory) -> int:
         close = getattr(core, "close", None)  # test cores may have none
         if close is not None:
             close()
+
+
+class StepWatchdog:
+    """Ends the engine process when one pass of its loop runs past `timeout_s`: a device
+    that hangs (a kernel, a collective), or a deadlock. Requests would otherwise wait
+    forever while /health said ok. The exit makes the server fail their requests with a
+    503 and exit non-zero, for its supervisor to restart (SGLang's watchdog does the same).
+    The main thread's stack goes to the log first, to say where it hung."""
+
+    def __init__(self, loop: EngineLoop, timeout_s: float) -> None:
+        self._loop = loop
+        self._timeout_s = timeout_s
+
+    def start(self) -> None:
+        if self._timeout_s > 0:
+            threading.Thread(target=self._watch, name="step-watchdog", daemon=True).start()
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(min(1.0, self._timeout_s / 4))
+            stalled = time.monotonic() - self._loop.last_pass
+            if stalled > self._timeout_s:
+                logger.error(
+                    "engine step has run %.0f s, past engine_step_timeout_s (%g): exiting; "
+                    "the stack it is stuck in follows",
+                    stalled,
+                    self._timeout_s,
+                )
+                faulthandler.dump_traceback(all_threads=True)
+                os._exit(EXIT_HUNG)  # no unwinding: the main thread is stuck
 
 
 class EngineLoop:
@@ -207,9 +242,11 @@ class EngineLoop:
         # request id -> the API process it came from; kept only with several of them
         self.api_server_of: dict[str, int] = {}
         self.is_dropping_stats = False
+        self.last_pass = time.monotonic()  # when the loop last went round (StepWatchdog)
 
     def run(self) -> int:
         while True:
+            self.last_pass = time.monotonic()
             self._drain_inbox(0 if self.core.has_unfinished_requests() else IDLE_POLL_MS)
             if self.is_shutdown:
                 logger.info("engine shutting down")

@@ -17,6 +17,7 @@ import pytest
 from bench.servers import free_port
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
+from engine.process import EXIT_HUNG
 from engine.protocol import EngineRequest, FinishReason, Ready, SamplingParams, Shutdown
 from engine.tiny_model import make_tiny_model
 from server.engine_client import EngineClient
@@ -223,6 +224,37 @@ def test_step_failure_sends_engine_failed_and_exits_nonzero(tmp_path: Path) -> N
             await client.shutdown()
 
     asyncio.run(scenario())
+
+
+class _CoreThatHangsInStep(_CoreThatFailsInStep):
+    """A stand-in EngineCore whose step() never returns (a device or a lock that hangs)."""
+
+    def step(self):
+        time.sleep(600)
+
+
+def test_a_step_that_hangs_ends_the_engine_and_its_requests(tmp_path: Path) -> None:
+    """The request waited forever and /health said ok. Past engine_step_timeout_s the
+    engine exits (EXIT_HUNG), its stack in the log, and its requests fail with a 503."""
+
+    async def scenario() -> float:
+        deaths: list[str] = []
+        client = EngineClient(
+            EngineConfig(model=str(tmp_path), engine_step_timeout_s=1.0),
+            on_engine_death=deaths.append,
+            core_factory=_CoreThatHangsInStep,
+        )
+        await client.start()
+        started = time.monotonic()
+        try:
+            with pytest.raises(EngineDeadError):
+                await asyncio.wait_for(_collect(client, _request("r", 1, 4)), 30)
+            assert deaths and f"exited with code {EXIT_HUNG}" in deaths[0], deaths
+            return time.monotonic() - started
+        finally:
+            await client.shutdown()
+
+    assert asyncio.run(scenario()) < 10
 
 
 class _CoreThatLoadsForever:
