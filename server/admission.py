@@ -8,24 +8,23 @@ ALL its sequences fit — `n > 1` is all-or-nothing — under
     prompt tokens: max_waiting_tokens
 
 An idle server admits any one request (so a single large one is never refused forever).
-With several API processes (server/api_servers.py) each admits its `share` of every
-budget, so that together they admit what one would. A refused request gets 503
-`server_overloaded` with `Retry-After`. While draining (SIGTERM)
-every new request gets 503 `server_draining`. Counting happens here, on the event loop
-thread, so no lock is needed.
+With several API processes (server/api_servers.py) they count together: each process's
+admitted work sits in shared memory (`SharedCounts`, made by the launcher), and a request
+fits if the sum over all processes leaves room, whichever process it reached. (Each one
+admitting a fixed share refused requests at half the capacity when the kernel handed
+most connections to one process.) A refused request gets 503 `server_overloaded` with
+`Retry-After`. While draining (SIGTERM) every new request gets 503 `server_draining`.
+Within a process counting happens on the event loop thread; across processes under the
+shared array's lock.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.errors import ServerOverloaded
-
-
-def share(total: int, count: int, index: int) -> int:
-    """Part `index` of `total` split into `count` parts that differ by at most one and add
-    up to `total`."""
-    return total // count + (index < total % count)
 
 
 class ServerDraining(ServerOverloaded):
@@ -49,9 +48,32 @@ class Ticket:
             self.controller._release(self)
 
 
+@dataclass(frozen=True)
+class SharedCounts:
+    """What every API process has admitted: `counts` is a lock-guarded shared array
+    (`multiprocessing.Array("q", 2 * processes)`) of [sequences, tokens] per process;
+    this process is `index`."""
+
+    counts: Any
+    index: int
+
+    def totals(self) -> tuple[int, int]:
+        """(sequences, tokens) over every process; call under `counts.get_lock()`."""
+        raw = self.counts.get_obj()
+        return sum(raw[0::2]), sum(raw[1::2])
+
+    def add(self, num_sequences: int, num_tokens: int) -> None:
+        """Adds to this process's counts; call under `counts.get_lock()`."""
+        raw = self.counts.get_obj()
+        raw[2 * self.index] += num_sequences
+        raw[2 * self.index + 1] += num_tokens
+
+
 @dataclass
 class AdmissionController:
-    """Counts admitted, unfinished work and refuses what does not fit (see module doc)."""
+    """Counts admitted, unfinished work and refuses what does not fit (see module doc).
+    `num_sequences` and `num_tokens` are this process's; with `shared` the budgets bound
+    the sum over every API process."""
 
     max_running: int
     max_waiting_requests: int
@@ -60,6 +82,7 @@ class AdmissionController:
     num_tokens: int = 0
     is_draining: bool = False
     num_rejected: dict[str, int] = field(default_factory=dict)
+    shared: SharedCounts | None = None
 
     @property
     def max_sequences(self) -> int:
@@ -75,27 +98,44 @@ class AdmissionController:
             self._count("draining")
             raise ServerDraining("the server is shutting down; retry on another replica")
         num_tokens = num_prompt_tokens * num_sequences
-        if not self.is_idle:
-            if self.num_sequences + num_sequences > self.max_sequences:
-                self._count("max_waiting_requests")
-                raise ServerOverloaded(
-                    "the server is at capacity (too many requests waiting); retry later"
-                )
-            if self.num_tokens + num_tokens > self.max_waiting_tokens:
-                self._count("max_waiting_tokens")
-                raise ServerOverloaded(
-                    "the server is at capacity (too many prompt tokens waiting); retry later"
-                )
+        with self._counting():
+            if self.shared is None:
+                admitted = (self.num_sequences, self.num_tokens)
+            else:
+                admitted = self.shared.totals()
+            self._check_room(*admitted, num_sequences, num_tokens)
+            self._add(num_sequences, num_tokens)
+        return Ticket(self, num_sequences, num_tokens)
+
+    def _check_room(self, sequences: int, tokens: int, num_sequences: int, num_tokens: int):
+        if sequences == 0:
+            return  # idle: any one request
+        if sequences + num_sequences > self.max_sequences:
+            self._count("max_waiting_requests")
+            raise ServerOverloaded(
+                "the server is at capacity (too many requests waiting); retry later"
+            )
+        if tokens + num_tokens > self.max_waiting_tokens:
+            self._count("max_waiting_tokens")
+            raise ServerOverloaded(
+                "the server is at capacity (too many prompt tokens waiting); retry later"
+            )
+
+    def _counting(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if self.shared is None else self.shared.counts.get_lock()
+
+    def _add(self, num_sequences: int, num_tokens: int) -> None:
         self.num_sequences += num_sequences
         self.num_tokens += num_tokens
-        return Ticket(self, num_sequences, num_tokens)
+        if self.shared is not None:
+            self.shared.add(num_sequences, num_tokens)
 
     def start_draining(self) -> None:
         self.is_draining = True
 
     def _release(self, ticket: Ticket) -> None:
-        self.num_sequences -= ticket.num_sequences
-        self.num_tokens -= ticket.num_tokens
+        with self._counting():
+            self._add(-ticket.num_sequences, -ticket.num_tokens)
 
     def _count(self, reason: str) -> None:
         self.num_rejected[reason] = self.num_rejected.get(reason, 0) + 1

@@ -14,8 +14,9 @@ busy). With N > 1, `tessera serve` is a launcher:
 * Each API process binds its own inbox and outbox (ipc:// in the launcher's private 0700
   directory); the engine connects to all of them and answers each request through the
   outbox of the process it came from (engine/process.py).
-* Each API process admits its share of `max_num_seqs`, `max_waiting_requests` and
-  `max_waiting_tokens` (server/admission.py), and keeps its own processed-image cache.
+* The API processes admit against one budget of `max_num_seqs`, `max_waiting_requests`
+  and `max_waiting_tokens`: what each admitted sits in a shared array of the launcher's
+  (server/admission.py). Each keeps its own processed-image cache.
 * /metrics: prometheus_client's multiprocess mode, in a directory of the launcher's; any
   process answers with the sum (server/metrics.py). API process 0 exports the engine's
   stats.
@@ -44,6 +45,7 @@ import socket
 import sys
 import tempfile
 from dataclasses import dataclass
+from typing import Any
 
 from engine.logging_utils import configure_logging, name_this_process
 from engine.process import STOP_SIGNAL, run_engine
@@ -75,6 +77,8 @@ class ApiServerSlot:
     outbox_address: str
     engine_pid: int
     listener: socket.socket
+    # [sequences, tokens] admitted by each API process, shared (server/admission.py)
+    admission_counts: Any = None
 
 
 def run_api_servers(settings: ServerSettings) -> int:
@@ -103,13 +107,15 @@ def run_api_servers(settings: ServerSettings) -> int:
         daemon=True,
     )
     api_servers: list[multiprocessing.process.BaseProcess] = []
+    admission_counts = spawn.Array("q", 2 * count)  # zeros, lock-guarded
     launcher = _Launcher()
     try:
         with launcher.capturing_signals():
             engine.start()
             logger.info("engine process %d starting (model %s)", engine.pid, settings.engine.model)
             for index in range(count):
-                slot = ApiServerSlot(index, inboxes[index], outboxes[index], engine.pid, listener)
+                slot = ApiServerSlot(index, inboxes[index], outboxes[index], engine.pid, listener,
+                                     admission_counts)  # fmt: skip
                 process = spawn.Process(
                     target=serve_api_process,
                     args=(settings, slot),

@@ -29,7 +29,7 @@ from engine.generation_defaults import SamplingDefaults
 from engine.multimodal.image_processor import ImageProcessorConfig
 from engine.multimodal.prompt import PromptProcessor
 from engine.multimodal.video import VideoConfig
-from server.admission import AdmissionController, ServerDraining, Ticket, share
+from server.admission import AdmissionController, ServerDraining, SharedCounts, Ticket
 from server.auth import check_api_key
 from server.chat import UUIDS, messages_as_dicts, prepare_chat_prompt
 from server.completions import chat_response, completion_response, prepare_completion_prompt
@@ -155,19 +155,30 @@ async def _ensure_started(engine: Any) -> Any:
     return ready
 
 
-def build_app(settings: ServerSettings, engine: Any, *, api_server_index: int = 0) -> FastAPI:
+def build_app(
+    settings: ServerSettings,
+    engine: Any,
+    *,
+    api_server_index: int = 0,
+    admission_counts: Any = None,
+) -> FastAPI:
     """The FastAPI app serving `engine`; starts the engine in its lifespan if needed.
 
     `api_server_index` is this process's among `settings.api_server_count` (see
-    server/api_servers.py): it admits its share of each budget, and process 0 exports the
-    engine's stats."""
+    server/api_servers.py): process 0 exports the engine's stats, and `admission_counts`
+    (the launcher's shared array) holds what every process admitted, which the budgets
+    bound together (server/admission.py)."""
     model_name = settings.model_name
     metrics = ServerMetrics(model_name, exports_engine_stats=api_server_index == 0)
     count = settings.api_server_count
+    shared = None
+    if admission_counts is not None:
+        shared = SharedCounts(admission_counts, api_server_index)
     admission = AdmissionController(
-        max_running=share(settings.engine.max_num_seqs, count, api_server_index),
-        max_waiting_requests=share(settings.max_waiting_requests, count, api_server_index),
-        max_waiting_tokens=share(settings.max_waiting_tokens, count, api_server_index),
+        max_running=settings.engine.max_num_seqs,
+        max_waiting_requests=settings.max_waiting_requests,
+        max_waiting_tokens=settings.max_waiting_tokens,
+        shared=shared,
     )
 
     @asynccontextmanager

@@ -147,7 +147,12 @@ async def run_server(settings: ServerSettings, slot: ApiServerSlot | None = None
         from server.app import build_app
 
         config = uvicorn.Config(
-            build_app(settings, engine, api_server_index=slot.index if slot else 0),
+            build_app(
+                settings,
+                engine,
+                api_server_index=slot.index if slot else 0,
+                admission_counts=slot.admission_counts if slot else None,
+            ),
             host=settings.host,
             port=settings.port,
             http="h11",  # so that the h11 header-size backstop below applies

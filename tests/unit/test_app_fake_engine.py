@@ -485,18 +485,40 @@ def test_a_grammar_waits_for_the_thinking_a_template_opens(model_dir):
         assert engine.requests[-1].sampling.structured_output_after == ()  # no grammar
 
 
-def test_each_api_process_admits_its_share_and_only_the_first_exports_engine_stats(model_dir):
+def test_api_processes_admit_against_one_budget_together(model_dir):
+    """Each process admitted a fixed share of every budget: when the kernel handed most
+    connections to one of them (it often does), requests were refused at a fraction of the
+    capacity while the others sat idle. The launcher's shared counts make the budgets
+    bound the sum over all of them, whichever process a request reaches."""
+    import multiprocessing
+
+    from engine.errors import ServerOverloaded
+
     settings = ServerSettings(
-        engine=EngineConfig(model=str(model_dir), max_num_seqs=7),
-        max_waiting_requests=10,
-        max_waiting_tokens=1001,
+        engine=EngineConfig(model=str(model_dir), max_num_seqs=3),
+        max_waiting_requests=2,
+        max_waiting_tokens=1000,
         api_server_count=3,
     )
     engine = FakeEngine(str(model_dir / "tokenizer.json"))
-    apps = [build_app(settings, engine, api_server_index=index) for index in range(3)]
-    admissions = [app.state.admission for app in apps]
-    assert [a.max_running for a in admissions] == [3, 2, 2]
-    assert [a.max_waiting_requests for a in admissions] == [4, 3, 3]
-    assert [a.max_waiting_tokens for a in admissions] == [334, 334, 333]
-    single = build_app(settings.replace(api_server_count=1), engine).state.admission
-    assert (single.max_running, single.max_waiting_tokens) == (7, 1001)
+    counts = multiprocessing.get_context("spawn").Array("q", 2 * 3)
+    apps = [build_app(settings, engine, api_server_index=index, admission_counts=counts)
+            for index in range(3)]  # fmt: skip
+    first, second, third = (app.state.admission for app in apps)
+    tickets = [first.admit(num_sequences=1, num_prompt_tokens=10) for _ in range(5)]  # all at one
+    with pytest.raises(ServerOverloaded):
+        second.admit(num_sequences=1, num_prompt_tokens=10)  # 3 running + 2 waiting: full
+    tickets[0].release()
+    tickets.append(third.admit(num_sequences=1, num_prompt_tokens=10))
+    tickets[1].release()
+    with pytest.raises(ServerOverloaded, match="prompt tokens"):
+        second.admit(num_sequences=1, num_prompt_tokens=1000)
+    assert (first.num_sequences, third.num_sequences) == (3, 1)  # each drains its own
+    assert list(counts) == [3, 30, 0, 0, 1, 10]
+    for ticket in tickets:
+        ticket.release()
+    assert list(counts) == [0] * 6
+    big = second.admit(num_sequences=2, num_prompt_tokens=5000)  # idle everywhere: any one
+    with pytest.raises(ServerOverloaded):
+        first.admit(num_sequences=1, num_prompt_tokens=1)
+    big.release()
