@@ -49,7 +49,7 @@ from typing import Any
 
 from engine.logging_utils import configure_logging, name_this_process
 from engine.process import STOP_SIGNAL, run_engine
-from server.cli import API_PROCESS_DRAIN_SIGNAL, run_server
+from server.cli import API_PROCESS_DRAIN_SIGNAL, bind_port, run_server
 from server.settings import ServerSettings
 
 logger = logging.getLogger("tessera.api_servers")
@@ -86,7 +86,7 @@ def run_api_servers(settings: ServerSettings) -> int:
     returns the exit code (0 after a clean stop, 1 when a process failed)."""
     run_dir = tempfile.mkdtemp(prefix="tessera-")  # mode 0700: only us
     try:
-        listener = _listen(settings.host, settings.port)
+        listener = bind_port(settings.host, settings.port)
     except OSError as exc:
         logger.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc)
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -201,19 +201,6 @@ def _stop(process: multiprocessing.process.BaseProcess, signum: int, timeout: fl
     if process.is_alive():
         process.kill()
         process.join(2.0)
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    listener = socket.socket(family, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        listener.bind((host, port))
-    except OSError:
-        listener.close()
-        raise
-    listener.set_inheritable(True)
-    return listener
 
 
 def serve_api_process(settings: ServerSettings, slot: ApiServerSlot) -> None:

@@ -4,8 +4,9 @@
     tessera make-tiny-model OUT_DIR [--seed N] [--size tiny|...]      write a random checkpoint
 
 `serve` exits 0 after a clean shutdown (SIGTERM / SIGINT: stop accepting, drain in-flight
-requests for up to `shutdown_timeout_s`, stop the engine), 1 when the engine fails to
-start or dies (so a supervisor restarts the server), 2 on bad settings. With
+requests for up to `shutdown_timeout_s`, stop the engine), 1 when the port is taken (found
+before the engine loads) or the engine fails to start or dies (so a supervisor restarts
+the server), 2 on bad settings. With
 `--api-server-count N` > 1 it is the launcher of server/api_servers.py, with the same
 exit codes; each of its API processes runs `run_server` here.
 """
@@ -18,6 +19,7 @@ import ipaddress
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -103,6 +105,22 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def bind_port(host: str, port: int) -> socket.socket:
+    """The server's socket, bound but not yet listening: a port in use is found before
+    the engine loads (minutes on a GPU), and until uvicorn listens a client is refused
+    rather than left waiting on a server that is not ready."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    bound = socket.socket(family, socket.SOCK_STREAM)
+    bound.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        bound.bind((host, port))
+    except OSError:
+        bound.close()
+        raise
+    bound.set_inheritable(True)
+    return bound
+
+
 async def run_server(settings: ServerSettings, slot: ApiServerSlot | None = None) -> int:
     """Engine first (wait for Ready), then the HTTP server; returns the exit code.
 
@@ -110,6 +128,14 @@ async def run_server(settings: ServerSettings, slot: ApiServerSlot | None = None
     to the launcher's engine and serves on the launcher's listening socket."""
     server: uvicorn.Server | None = None
     death_reasons: list[str] = []
+    if slot is not None:
+        bound = slot.listener
+    else:
+        try:
+            bound = bind_port(settings.host, settings.port)
+        except OSError as exc:
+            logger.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc)
+            return EXIT_ENGINE_FAILED
 
     def on_engine_death(reason: str) -> None:
         death_reasons.append(reason)
@@ -175,12 +201,14 @@ async def run_server(settings: ServerSettings, slot: ApiServerSlot | None = None
         server = GracefulServer(config, stop_all)
         if slot is not None:
             server.handled_signals = (API_PROCESS_DRAIN_SIGNAL,)
-        await server.serve(sockets=[slot.listener] if slot else None)
+        await server.serve(sockets=[bound])
         if death_reasons or not server.started:
             return EXIT_ENGINE_FAILED
         return EXIT_OK
     finally:
         await engine.shutdown(timeout=10.0)
+        if slot is None:
+            bound.close()
 
 
 class GracefulServer(uvicorn.Server):

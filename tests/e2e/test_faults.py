@@ -9,7 +9,10 @@ import concurrent.futures
 import contextlib
 import os
 import signal
+import socket
 import struct
+import subprocess
+import sys
 import time
 import zlib
 from collections.abc import Iterator
@@ -17,7 +20,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from bench.servers import child_pids, engine_pid
+from bench.servers import child_pids, engine_pid, repo_pythonpath
 from tests.e2e.conftest import (
     MODEL_NAME,
     ServerHandle,
@@ -276,3 +279,17 @@ def test_requests_a_drain_ends_get_an_error_not_a_cut_connection(model_dir, tmp_
     assert answer.json()["error"]["code"] == "server_draining"
     assert result["lines"][-1] == "data: [DONE]"
     assert '"code":"server_draining"' in result["lines"][-2].replace(" ", ""), result["lines"][-2]
+
+
+def test_a_port_in_use_is_found_before_the_engine_loads(model_dir):
+    """The engine loaded (minutes for a real model on a GPU, each try of a crash loop),
+    then binding failed with exit code 3. The port is now bound first: exit 1 at once."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        command = [sys.executable, "-m", "server.cli", "serve", "--model", str(model_dir),
+                   "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": repo_pythonpath()}
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
+    assert "engine ready" not in done.stderr
