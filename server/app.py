@@ -232,6 +232,7 @@ def build_app(
         RequestLimitMiddleware,
         max_header_bytes=settings.max_header_bytes,
         max_body_bytes=settings.max_request_body_bytes,
+        read_timeout_s=settings.request_read_timeout_s,
     )
     # Outermost: logs, ids and counts every request, refusals included.
     app.add_middleware(

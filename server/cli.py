@@ -35,6 +35,7 @@ from engine.logging_utils import configure_logging
 from engine.multimodal.chat_template import ChatTemplateError
 from server.admission import ServerDraining
 from server.engine_client import EngineClient
+from server.http_protocol import timed_h11_protocol
 
 if TYPE_CHECKING:
     from server.api_servers import ApiServerSlot
@@ -181,7 +182,9 @@ async def run_server(settings: ServerSettings, slot: ApiServerSlot | None = None
             ),
             host=settings.host,
             port=settings.port,
-            http="h11",  # so that the h11 header-size backstop below applies
+            # h11, so that its header-size backstop below applies, with a deadline for each
+            # header block (server/http_protocol.py)
+            http=timed_h11_protocol(settings.request_read_timeout_s),
             # server/request_limits.py enforces max_header_bytes exactly (431); h11's
             # limit bounds what is buffered until then (see that module's docstring).
             h11_max_incomplete_event_size=2 * settings.max_header_bytes,

@@ -9,7 +9,10 @@ bounds what is buffered before this check can run.
 
 Body: a `Content-Length` over the limit is refused before the app runs; otherwise the
 bytes actually received are counted, so a chunked (or lying) upload is cut off at the
-limit with 413 `request_too_large` instead of being buffered whole.
+limit with 413 `request_too_large` instead of being buffered whole. A body whose next
+bytes take longer than `read_timeout_s` to come gets 408 `request_timeout`: a client that
+stalls mid-body held its connection (and its handler) forever, and every drain waited
+for it to the deadline. (A header block that stalls is closed by server/http_protocol.py.)
 
 Pure ASGI: a streamed response passes through with one extra call per chunk
 (Starlette's BaseHTTPMiddleware would hand every chunk across a task and a memory
@@ -18,6 +21,7 @@ stream).
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -30,14 +34,22 @@ class _BodyTooLarge(Exception):
     pass
 
 
-class RequestLimitMiddleware:
-    """Wraps an ASGI app; header blocks over `max_header_bytes` get 431 and bodies over
-    `max_body_bytes` 413, in OpenAI error shape."""
+class _BodyTooSlow(Exception):
+    pass
 
-    def __init__(self, app: Any, *, max_header_bytes: int, max_body_bytes: int) -> None:
+
+class RequestLimitMiddleware:
+    """Wraps an ASGI app; header blocks over `max_header_bytes` get 431, bodies over
+    `max_body_bytes` 413 and bodies that stall for `read_timeout_s` 408, in OpenAI error
+    shape."""
+
+    def __init__(
+        self, app: Any, *, max_header_bytes: int, max_body_bytes: int, read_timeout_s: float = 30.0
+    ) -> None:
         self.app = app
         self.max_header_bytes = max_header_bytes
         self.max_body_bytes = max_body_bytes
+        self.read_timeout_s = read_timeout_s
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -51,14 +63,22 @@ class RequestLimitMiddleware:
             await self._too_large(send)
             return
         received = 0
-        is_over = False
+        is_over = is_slow = body_done = False
         has_started = False
 
         async def limited_receive() -> dict:
-            nonlocal received, is_over
-            message = await receive()
+            nonlocal received, is_over, is_slow, body_done
+            if body_done:  # later reads wait for the client to leave: no deadline
+                return await receive()
+            try:
+                async with asyncio.timeout(self.read_timeout_s):
+                    message = await receive()
+            except TimeoutError:
+                is_slow = True
+                raise _BodyTooSlow from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
+                body_done = not message.get("more_body", False)
                 if received > self.max_body_bytes:
                     is_over = True
                     raise _BodyTooLarge
@@ -66,20 +86,25 @@ class RequestLimitMiddleware:
 
         async def guarded_send(message: dict) -> None:
             nonlocal has_started
-            if is_over:
-                return  # whatever the app answers, the client gets our 413 below
+            if is_over or is_slow:
+                return  # whatever the app answers, the client gets our 413 / 408 below
             has_started = has_started or message["type"] == "http.response.start"
             await send(message)
 
         try:
             await self.app(scope, limited_receive, guarded_send)
-        except _BodyTooLarge:
+        except (_BodyTooLarge, _BodyTooSlow):
             pass
         except Exception:
-            if not is_over:
+            if not (is_over or is_slow):
                 raise
-        if is_over and not has_started:
+        if has_started:
+            return
+        if is_over:
             await self._too_large(send)
+        elif is_slow:
+            message = f"the request body stalled for over {self.read_timeout_s:g} s"
+            await _refuse(send, 408, message, "request_timeout")
 
     async def _too_large(self, send: Any) -> None:
         message = f"the request body is over {self.max_body_bytes} bytes"

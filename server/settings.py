@@ -99,6 +99,7 @@ class ServerSettings:
     engine_outbox_address: str | None = None  # set together with engine_inbox_address
     stream_interval: int = 1  # new tokens a streamed chunk waits for after the first (vLLM's and SGLang's --stream-interval): more cost the API process less per token and make chunks coarser
     timeout_keep_alive_s: int = 5  # idle HTTP keep-alive
+    request_read_timeout_s: float = 30.0  # a request's header block, and each wait for more of its body, must come within this (else the connection closes, or 408)
     max_header_bytes: int = 64 * 1024  # request line + headers; over it: 431
     enable_feature_inputs: bool = False  # accept image_features / video_features parts
     allowed_feature_buckets: str | None = None  # comma-separated S3 buckets; None = any
@@ -140,6 +141,12 @@ class ServerSettings:
             raise SettingsError("video_fps must be positive")
         if self.media_fetch_timeout_s <= 0:
             raise SettingsError("media_fetch_timeout_s must be positive")
+        for name in ("request_read_timeout_s", "timeout_keep_alive_s", "shutdown_timeout_s",
+                     "max_waiting_tokens"):  # fmt: skip
+            if not getattr(self, name) > 0:
+                raise SettingsError(f"{name} must be positive")
+        if self.max_waiting_requests < 0:
+            raise SettingsError("max_waiting_requests must be >= 0")
         if not self.max_video_decode_seconds > 0:
             raise SettingsError("max_video_decode_seconds must be positive")
         if (self.engine_inbox_address is None) != (self.engine_outbox_address is None):

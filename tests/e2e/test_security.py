@@ -8,10 +8,12 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import io
+import json
 import pickle
 import re
 import socket
 import struct
+import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -359,3 +361,52 @@ def test_garbage_and_pickle_on_the_socket_are_dropped(strict, api):
     context.term()
     assert_healthy(api)
     assert "pwned" not in strict[1].read_text(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def impatient(model_dir, tmp_path_factory) -> Iterator[str]:
+    log_path = tmp_path_factory.mktemp("logs") / "impatient.log"
+    with run_server(model_dir, log_path, "--request-read-timeout-s", "1") as handle:
+        yield handle.base_url
+
+
+def _silence_after(base_url: str, sent: bytes) -> tuple[bytes, float]:
+    """What the server answers a connection that sends `sent` and then nothing, and when
+    (b"" once it closes the connection)."""
+    host, port = base_url.removeprefix("http://").split(":")
+    started = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=20) as sock:
+        sock.sendall(sent)
+        reply = b""
+        while data := sock.recv(65536):
+            reply += data
+    return reply, time.monotonic() - started
+
+
+def test_connections_that_stall_are_closed_and_a_stalled_body_is_408(impatient):
+    """Nothing, half a header block, or half a body: each held its connection forever (and
+    a stalled body held every drain to its deadline)."""
+    headers = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    for sent in (b"", headers):
+        reply, waited = _silence_after(impatient, sent)
+        assert reply == b"" and waited < 8, (sent, reply, waited)
+    reply, waited = _silence_after(impatient, headers + b'Content-Length: 100\r\n\r\n{"model":')
+    status, _, body = reply.partition(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 408") and waited < 8, reply
+    assert json.loads(body)["error"]["code"] == "request_timeout"
+
+
+def test_a_request_longer_than_the_read_timeout_is_answered_on_a_kept_alive_connection(
+    impatient,
+):
+    """The header deadline stops once a request begins: a generation of several seconds
+    is answered whole, and the connection takes the next request after a pause."""
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Talk."}],
+            "max_tokens": 1900, "ignore_eos": True}  # fmt: skip
+    with httpx.Client(base_url=impatient, timeout=60) as session:
+        started = time.monotonic()
+        long = session.post("/v1/chat/completions", json=body)
+        assert long.status_code == 200 and time.monotonic() - started > 1.0
+        time.sleep(0.5)
+        again = session.post("/v1/chat/completions", json={**body, "max_tokens": 2})
+        assert again.status_code == 200

@@ -214,3 +214,18 @@ def test_the_video_decode_time_must_be_positive(value: str) -> None:
     with pytest.raises(SettingsError, match="max_video_decode_seconds must be positive"):
         load_settings(["--max-video-decode-seconds", value], {})
     assert load_settings(["--max-video-decode-seconds", "5"], {}).max_video_decode_seconds == 5
+
+
+@pytest.mark.parametrize(
+    "flag,value,says",
+    [("--request-read-timeout-s", "0", "request_read_timeout_s must be positive"),
+     ("--timeout-keep-alive-s", "0", "timeout_keep_alive_s must be positive"),
+     ("--shutdown-timeout-s", "-5", "shutdown_timeout_s must be positive"),
+     ("--max-waiting-tokens", "0", "max_waiting_tokens must be positive"),
+     ("--max-waiting-requests", "-1", "max_waiting_requests must be >= 0")],
+)  # fmt: skip
+def test_timeouts_and_waiting_bounds_are_checked(flag: str, value: str, says: str) -> None:
+    """Each was taken as given (a negative drain, a keep-alive of 0, a waiting room of -1)."""
+    with pytest.raises(SettingsError, match=says):
+        load_settings([flag, value], {})
+    assert load_settings(["--max-waiting-requests", "0"], {}).max_waiting_requests == 0
