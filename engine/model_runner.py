@@ -191,18 +191,23 @@ def _in_flight_outputs(
 
 
 def _banned_token_ids(chunk: ScheduledChunk) -> tuple[int, ...]:
-    """The last tokens of bad words the sequence would complete, and EOS and stop tokens
-    while the token this chunk samples is one of the first `min_tokens` outputs. Counted
+    """The last tokens of bad words the sequence would complete, EOS and stop tokens while
+    the token this chunk samples is one of the first `min_tokens` outputs, and EOS while a
+    grammar waits for its marker (`structured_output_after`). Counted
     from the chunk's end, not from `output_token_ids`, which lags a token behind while the
     previous step's token is in flight (a request with bad words of several tokens is never
     scheduled while a token of it is in flight: `SamplingParams.needs_output_on_host`)."""
     request = chunk.request
     sampling = request.sampling
     banned = _bad_word_ends(request, chunk.end) if sampling.bad_words_token_ids else ()
-    if chunk.end - request.num_prompt_tokens >= sampling.min_tokens:
-        return banned
     eos = () if sampling.ignore_eos else request.eos_token_ids
-    return (*banned, *eos, *sampling.stop_token_ids)
+    if chunk.end - request.num_prompt_tokens < sampling.min_tokens:
+        return (*banned, *eos, *sampling.stop_token_ids)
+    if sampling.structured_output is not None and not request.grammar_active:
+        # A grammar that holds after a marker (a thinking model's </think>): an answer
+        # that ended before it would have nothing in the format the request asked for.
+        return (*banned, *eos)
+    return banned
 
 
 def no_token_left(request: Request) -> ErrorInfo:

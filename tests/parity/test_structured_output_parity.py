@@ -271,3 +271,18 @@ def test_a_grammar_after_a_marker_holds_from_there_on(model_dir, overlap):
     assert re.fullmatch("[0-9]{3}", at_once.text) and marker not in at_once.token_ids
     # A marker that never comes leaves the answer free (here: the biased token throughout).
     assert never.token_ids == [marker] * 12 and never.finish_reason == "length"
+
+
+def test_eos_waits_for_the_marker_that_a_grammar_follows(model_dir):
+    """A model that ended (EOS) before writing the marker answered "stop" with no output
+    in the requested format: EOS is now banned until the marker, as before min_tokens."""
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    marker = tokenizer.token_to_id(".")
+    with LLM(str(model_dir), num_kv_blocks=64) as llm:
+        eos = llm.engine.model_config.eos_token_ids[0]
+        params = SamplingParams(max_tokens=6, temperature=0.0, logit_bias=((eos, 100.0),),
+                                structured_output=StructuredOutput(regex="[0-9]{3}"),
+                                structured_output_after=(marker,))  # fmt: skip
+        [waited] = llm.generate(["the quick brown fox"], params)
+    assert waited.error is None and eos not in waited.token_ids
+    assert waited.finish_reason == "length" and len(waited.token_ids) == 6
