@@ -431,9 +431,12 @@ def _mismatch_message(found: list[str], given: list[str]) -> str:
         num_found, num_given = found.count(modality), given.count(modality)
         if num_found != num_given:
             verb = "was" if num_given == 1 else "were"
+            hint = ""
+            if num_found < num_given:  # a tool message's image, say, under Qwen2-VL's template
+                hint = "; the chat template writes no placeholder for media in some messages"
             return (
                 f"the prompt has {_plural(num_found, modality + ' placeholder')} "
-                f"but {_plural(num_given, modality)} {verb} given"
+                f"but {_plural(num_given, modality)} {verb} given{hint}"
             )
     return (
         f"the media items ({', '.join(given)}) are not in the order of the prompt's "

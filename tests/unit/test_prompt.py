@@ -133,6 +133,20 @@ def test_count_mismatch_messages(processor):
         processor.expand_placeholders([image], [("image", 4), ("video", 4)])
 
 
+def test_media_the_template_left_out_are_named_as_such(processor):
+    """An image in a tool message: Qwen2-VL's template writes no placeholder there, and the
+    400 said only "0 image placeholders but 1 image was given"."""
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c", "content": [{"type": "image"}]},
+    ]  # fmt: skip
+    token_ids = processor.encode(processor.render_chat(messages))
+    with pytest.raises(MediaError, match="writes no placeholder for media in some messages"):
+        processor.expand_placeholders(token_ids, [("image", 4)])
+
+
 def test_order_mismatch_and_empty_item(processor):
     image, video = processor.image_token_id, processor.video_token_id
     with pytest.raises(MediaError, match="not in the order"):
