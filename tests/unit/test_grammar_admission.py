@@ -126,9 +126,15 @@ def test_the_compile_worker_takes_the_smallest_spec_first():
     from engine.grammar_admission import SmallestFirstWorker
 
     worker = SmallestFirstWorker("test-compile")
-    release, ran = threading.Event(), []
+    started, release, ran = threading.Event(), threading.Event(), []
+
+    def hold() -> None:
+        started.set()
+        release.wait(10)
+
     try:
-        busy = worker.submit(100, release.wait, 10)  # under way: the others queue
+        busy = worker.submit(100, hold)
+        assert started.wait(10)  # under way: the others queue behind it
         futures = [worker.submit(size, ran.append, size) for size in (50, 1, 30, 1)]
         cancelled = worker.submit(2, ran.append, "never")
         assert cancelled.cancel()
