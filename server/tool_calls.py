@@ -316,15 +316,17 @@ _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "depe
 
 
 def _rooted(schema: Any, root: str) -> Any:
-    """`schema` with each local reference ("#...", a JSON pointer from its own root) made to
-    point from `root`, where it will sit in a larger schema."""
+    """`schema` with each local reference ("#" or "#/...", a JSON pointer from its own
+    root) made to point from `root`, where it will sit in a larger schema. A subschema with
+    an "$id" is a resource of its own, whose references resolve against it: kept as it is;
+    so are anchors ("#name"), which name a place wherever it sits."""
     if isinstance(schema, list):
         return [_rooted(item, root) for item in schema]
-    if not isinstance(schema, dict):
+    if not isinstance(schema, dict) or "$id" in schema:
         return schema
     rooted: dict[str, Any] = {}
     for key, value in schema.items():
-        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
             rooted[key] = root + value[1:]
         elif key in _DATA_KEYWORDS:
             rooted[key] = value

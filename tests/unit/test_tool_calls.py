@@ -325,3 +325,25 @@ def test_json_nested_past_the_stack_is_no_call_and_no_crash():
             body = f"[{body}]"
         _, rest, calls = run(plan, body, 1000)
         assert calls == [] and rest == body
+
+
+@pytest.mark.parametrize(
+    "parameters",
+    [
+        {"$defs": {"A": {"type": "integer"}}, "type": "object",
+         "properties": {"a": {"$ref": "#/$defs/A"}, "b": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}}},
+        # a resource of its own: its references resolve against its $id, not the document
+        {"$id": "https://example.com/s.json", "type": "object", "$defs": {"A": {"type": "integer"}},
+         "properties": {"a": {"$ref": "#/$defs/A"}}, "required": ["a"]},
+        # an anchor names a place wherever it sits: not a pointer to rewrite
+        {"type": "object", "$defs": {"A": {"$anchor": "aa", "type": "integer"}},
+         "properties": {"a": {"$ref": "#aa"}}, "required": ["a"]},
+    ],
+)  # fmt: skip
+def test_required_keeps_each_schemas_references_resolvable(parameters):
+    """The "required" grammar nests each tool's schema in an array schema; its references
+    must still reach what they named there."""
+    from engine.structured_output import grammar_error
+
+    tools = [*TOOLS, {"type": "function", "function": {"name": "f", "parameters": parameters}}]
+    assert grammar_error(ToolPlan("required", tools).constraint()) is None
