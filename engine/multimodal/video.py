@@ -230,6 +230,12 @@ class VideoLimits:
     max_decode_seconds: float = 30.0
 
 
+# FFmpeg's max_pixels counts FFALIGN(width, STRIDE_ALIGN) x height: a width under 64 counts
+# as 64, one of 64 or more as at most twice itself; heights stay under 2^16.
+_STRIDE_ALIGN = 64
+_MAX_CODED_HEIGHT = 65536
+
+
 class _DecodeGuard:
     """One decode's `VideoLimits` while it runs, and the request field its errors name."""
 
@@ -248,13 +254,26 @@ class _DecodeGuard:
             )
 
     def stream(self, container):
-        """The first video stream, its decoder capped at `max_frame_pixels` a frame: the
+        """The first video stream, its decoder capped near `max_frame_pixels` a frame: the
         size checked before decoding is the first frames' (a stream may grow later), and a
         16000 x 16000 frame was decoded and converted (768 MB) before the size change was
-        seen. FFmpeg refuses frames over the cap before it decodes them."""
+        seen. FFmpeg refuses frames over its cap before it decodes them; the cap is loose
+        (FFmpeg counts the width rounded up to its stride alignment, 64), and
+        `check_frame` holds each decoded frame to the exact limit."""
         stream = container.streams.video[0]
-        stream.codec_context.options = {"max_pixels": str(self.limits.max_frame_pixels)}
+        cap = 2 * self.limits.max_frame_pixels + _STRIDE_ALIGN * _MAX_CODED_HEIGHT
+        stream.codec_context.options = {"max_pixels": str(cap)}
         return stream
+
+    def check_frame(self, frame) -> None:
+        """A decoded frame (before it is converted) within `max_frame_pixels`."""
+        width, height = frame.width, frame.height
+        if width * height > self.limits.max_frame_pixels:
+            raise MediaError(
+                f"a frame of the video is {width}x{height} = {width * height} pixels; "
+                f"the limit is {self.limits.max_frame_pixels}",
+                param=self.param,
+            )
 
 
 def decode_video(
@@ -380,7 +399,7 @@ def _decode_in_order(
                 break
 
     with _open(data, container_format) as container:
-        return _resized_frames(picked(container), len(wanted), config, guard.param)
+        return _resized_frames(picked(container), len(wanted), config, guard)
 
 
 class _MissedFrame(Exception):
@@ -418,23 +437,26 @@ def _decode_by_seeking(
 
     try:
         with _open(data, container_format) as container:
-            return _resized_frames(picked(container), len(wanted), config, guard.param)
+            return _resized_frames(picked(container), len(wanted), config, guard)
     except _MissedFrame:
         return None
 
 
-def _resized_frames(frames, num_frames: int, config: VideoConfig, param: str | None):
+def _resized_frames(frames, num_frames: int, config: VideoConfig, guard: _DecodeGuard):
     """Decoded frames (PyAV) -> [H, W, 3] uint8 RGB, each resized to the video's final
     frame size (from the first frame's size and the number of frames)."""
     resized: list[np.ndarray] = []
     source_shape, size = None, None
     for frame in frames:
+        guard.check_frame(frame)
         rgb = frame.to_ndarray(format="rgb24")  # [H, W, 3] uint8
         if source_shape is None:
             source_shape = rgb.shape
             size = frame_size(rgb.shape[0], rgb.shape[1], num_frames, config)
         elif rgb.shape != source_shape:
-            raise MediaError("the video's frames change size; that is not supported", param=param)
+            raise MediaError(
+                "the video's frames change size; that is not supported", param=guard.param
+            )
         resized.append(resize_frame(rgb, *size))  # type: ignore[misc]
     return resized
 

@@ -222,21 +222,37 @@ def mjpeg_avi(sizes: list[tuple[int, int]]) -> bytes:
     return buffer.getvalue()
 
 
-def test_a_frame_over_the_pixel_limit_is_refused_before_it_is_decoded():
+@pytest.mark.parametrize(
+    ("big", "says"),
+    [((2000, 2000), "a frame of the video is 2000x2000 = 4000000 pixels; the limit is 1000000"),
+     ((4000, 4000), "truncated or corrupt")],  # past FFmpeg's own cap: never decoded
+)  # fmt: skip
+def test_a_frame_over_the_pixel_limit_is_refused_before_it_is_converted(big, says):
     """The limit was checked on the header's size only: frames that grow later were decoded
     and converted to RGB (768 MB for one 16000 x 16000 frame) before the size change was
-    seen. The decoder now refuses them: nothing near a big frame's RGB is ever allocated."""
+    seen. Nothing near a big frame's RGB (12 or 48 MB here) is allocated now."""
     import tracemalloc
 
-    data = mjpeg_avi([(64, 48)] * 4 + [(4000, 4000)] * 4)  # RGB of one big frame: 48 MB
+    data = mjpeg_avi([(64, 48)] * 4 + [big] * 4)
     tracemalloc.start()
     try:
-        with pytest.raises(MediaError, match="truncated or corrupt"):
+        with pytest.raises(MediaError, match=says):
             decode_video(data, CONFIG, VideoLimits(max_frame_pixels=1_000_000))
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
     assert peak < 8_000_000, peak
+
+
+@pytest.mark.parametrize(("width", "height"), [(100, 100), (64, 48), (30, 200)])
+def test_frames_exactly_at_the_pixel_limit_decode(width, height):
+    """FFmpeg's own cap counts the width rounded up to 64: frames at the limit were refused
+    as "truncated or corrupt" when that cap was the limit itself."""
+    data = mjpeg_avi([(width, height)] * 4)
+    decoded = decode_video(data, CONFIG, VideoLimits(max_frame_pixels=width * height))
+    assert len(decoded.frames) == 4
+    with pytest.raises(MediaError, match="the limit is"):
+        decode_video(data, CONFIG, VideoLimits(max_frame_pixels=width * height - 1))
 
 
 def test_a_decode_that_runs_past_its_time_is_refused():
