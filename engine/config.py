@@ -86,9 +86,12 @@ class EngineConfig:
             raise ValueError(f"grammar_cache_size must be >= 0, got {self.grammar_cache_size}")
         if self.grammar_lexer_fuel < 1:
             raise ValueError(f"grammar_lexer_fuel must be positive, got {self.grammar_lexer_fuel}")
-        if not self.engine_step_timeout_s >= 0:
+        # An idle engine goes round its loop every IDLE_POLL_MS (500 ms): a shorter timeout
+        # would end an engine that is only waiting.
+        if not (self.engine_step_timeout_s == 0 or self.engine_step_timeout_s >= 1):
             raise ValueError(
-                f"engine_step_timeout_s must be >= 0 (0: never), got {self.engine_step_timeout_s}"
+                f"engine_step_timeout_s must be 0 (never) or at least 1, "
+                f"got {self.engine_step_timeout_s}"
             )
         if self.kv_cache_memory_gib is not None and not self.kv_cache_memory_gib > 0:
             raise ValueError(f"kv_cache_memory_gib must be positive, got {self.kv_cache_memory_gib}")

@@ -211,8 +211,8 @@ def guarded_session(
     policy: UrlPolicy,
     *,
     timeout_s: float,
-    max_connections: int = 128,
-    max_connections_per_host: int = 16,
+    max_connections: int = 256,
+    max_connections_per_host: int = 64,
 ) -> aiohttp.ClientSession:
     """A session whose every connection is SSRF-checked, with no cookie jar and no proxies
     from the environment (a proxy would dial for us, unchecked). Create it on the event

@@ -63,8 +63,8 @@ class MediaFetchConfig:
     allowed_local_path: str | None = None  # file:// only under this folder; None = off
     max_video_bytes: int = 64 * 1024 * 1024
     max_video_decode_seconds: float = 30.0
-    max_connections: int = 128  # open media downloads, per API process
-    max_connections_per_host: int = 16
+    max_connections: int = 256  # open media downloads, per API process
+    max_connections_per_host: int = 64
 
     @property
     def url_policy(self) -> UrlPolicy:

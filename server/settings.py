@@ -79,8 +79,8 @@ class ServerSettings:
     video_decode_threads: int = 2  # their own threads for videos: an image never waits behind one
     media_fetch_timeout_s: float = 10.0  # total deadline per media URL
     media_fetch_max_redirects: int = 3  # each hop re-checked by the URL guard
-    media_fetch_max_connections: int = 128  # open media downloads per API process
-    media_fetch_max_connections_per_host: int = 16  # so that one slow host cannot take them all
+    media_fetch_max_connections: int = 256  # open media downloads per API process
+    media_fetch_max_connections_per_host: int = 64  # so that one slow host cannot take them all
     allow_private_media_urls: bool = False  # allow image URLs on loopback / private networks
     allowed_media_domains: str | None = None  # comma-separated host allowlist; None = any
     allowed_local_media_path: str | None = None  # file:// image URLs only under this folder

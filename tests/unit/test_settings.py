@@ -229,3 +229,10 @@ def test_timeouts_and_waiting_bounds_are_checked(flag: str, value: str, says: st
     with pytest.raises(SettingsError, match=says):
         load_settings([flag, value], {})
     assert load_settings(["--max-waiting-requests", "0"], {}).max_waiting_requests == 0
+
+
+def test_an_engine_step_timeout_shorter_than_the_idle_poll_is_refused() -> None:
+    """0.3 s ended an idle engine right after it was ready (it polls every 0.5 s)."""
+    with pytest.raises(SettingsError, match="engine_step_timeout_s must be 0"):
+        load_settings(["--engine-step-timeout-s", "0.3"], {})
+    assert load_settings(["--engine-step-timeout-s", "0"], {}).engine.engine_step_timeout_s == 0

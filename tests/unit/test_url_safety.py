@@ -294,3 +294,42 @@ def test_a_host_that_hangs_cannot_take_every_connection():
                 await fetcher.aclose()
 
         assert asyncio.run(scenario()) < 2.0
+
+
+def test_a_burst_of_media_from_one_host_is_fetched_at_once():
+    """40 images of one request burst from one (healthy) host: with 16 connections a host
+    they queued in three waves, and the wait counted against each fetch's deadline (a 400
+    "took longer than" for a third of them). The default allows 64."""
+
+    class Slow(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            time.sleep(0.5)
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"ok")
+
+        def log_message(self, *args):
+            pass
+
+    class Server(ThreadingHTTPServer):
+        request_queue_size = 64  # socketserver's 5 would queue the burst in the kernel
+
+    httpd = Server(("127.0.0.1", 0), Slow)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    port = httpd.server_address[1]
+
+    async def scenario() -> list[bytes]:
+        fetcher = MediaFetcher(MediaFetchConfig(timeout_s=1.2, allow_private_urls=True),
+                               ImageProcessorConfig())  # fmt: skip
+        try:
+            return await asyncio.gather(*(fetcher.fetch_url_bytes(
+                f"http://127.0.0.1:{port}/{i}.png", param="p") for i in range(40)))  # fmt: skip
+        finally:
+            await fetcher.aclose()
+
+    try:
+        assert asyncio.run(scenario()) == [b"ok"] * 40
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
