@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import ipaddress
 import logging
 import os
@@ -204,7 +205,17 @@ async def run_server(settings: ServerSettings, slot: ApiServerSlot | None = None
         server = GracefulServer(config, stop_all)
         if slot is not None:
             server.handled_signals = (API_PROCESS_DRAIN_SIGNAL,)
-        await server.serve(sockets=[bound])
+        try:
+            await server.serve(sockets=[bound])
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            # Bound (not listening) since start-up, but another server listened first.
+            logger.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc)
+            lifespan = getattr(server, "lifespan", None)  # started: end it, as uvicorn does
+            if lifespan is not None:
+                await lifespan.shutdown()
+            return EXIT_ENGINE_FAILED
         if death_reasons or not server.started:
             return EXIT_ENGINE_FAILED
         return EXIT_OK

@@ -293,3 +293,28 @@ def test_a_port_in_use_is_found_before_the_engine_loads(model_dir):
     assert done.returncode == 1, done.stderr[-3000:]
     assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
     assert "engine ready" not in done.stderr
+
+
+def test_a_port_taken_while_the_engine_loads_fails_cleanly(model_dir):
+    """Another server's socket, bound (it is loading) when this one binds too, then
+    listening first: this one learnt it at listen() and died with tracebacks."""
+    other = socket.socket()
+    other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    other.bind(("127.0.0.1", 0))
+    port = other.getsockname()[1]
+    command = [sys.executable, "-m", "server.cli", "serve", "--model", str(model_dir),
+               "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": repo_pythonpath()}
+    with other:
+        server = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        output = ""
+        for line in server.stdout:  # bound: the engine starts after that
+            output += line
+            if "engine process" in line and "starting" in line:
+                break
+        other.listen()  # before this server's engine is ready
+        rest, _ = server.communicate(timeout=120)
+        output += rest
+    assert server.returncode == 1, output[-3000:]
+    assert f"cannot listen on 127.0.0.1:{port}" in output and "Traceback" not in output
