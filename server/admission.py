@@ -20,6 +20,7 @@ shared array's lock.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,6 +84,28 @@ class AdmissionController:
     is_draining: bool = False
     num_rejected: dict[str, int] = field(default_factory=dict)
     shared: SharedCounts | None = None
+    # Requests still preparing their prompt (fetching media...), not yet admitted: a drain
+    # waits for them too (server/cli.py).
+    num_preparing: int = 0
+    _stopping: asyncio.Future | None = None
+
+    @property
+    def num_in_flight(self) -> int:
+        """What a drain waits for: admitted sequences and requests still preparing."""
+        return self.num_sequences + self.num_preparing
+
+    def stopping(self) -> asyncio.Future:
+        """Done once the drain ends what is left (`stop_all`): requests still preparing
+        race it (server/app.py). Made on the running loop at first use."""
+        if self._stopping is None:
+            self._stopping = asyncio.get_running_loop().create_future()
+        return self._stopping
+
+    def stop_all(self) -> None:
+        """The drain's deadline, or a second signal: what still prepares gives up."""
+        stopping = self.stopping()
+        if not stopping.done():
+            stopping.set_result(None)
 
     @property
     def max_sequences(self) -> int:

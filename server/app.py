@@ -424,7 +424,12 @@ async def _chat_prompt(state: AppState, body: ChatCompletionRequest, request: Re
         max_prompt_tokens=prompt_bound(state, body),
         max_model_len=state.max_model_len,
     )
-    return await _unless_client_leaves(request, prepared)
+    admission = request.app.state.admission
+    admission.num_preparing += 1
+    try:
+        return await _unless_client_leaves(request, prepared)
+    finally:
+        admission.num_preparing -= 1
 
 
 def _check_alive(state: AppState, request: Request) -> None:
@@ -500,11 +505,12 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 async def _unless_client_leaves(request: Request, work: Coroutine[Any, Any, T]) -> T:
     """`work`'s result; `work` cancelled and ClientDisconnected raised if the client
-    disconnects first."""
+    disconnects first, or ServerDraining if a drain ends what is left first."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.create_task(_wait_for_disconnect(request))
+    stopping = request.app.state.admission.stopping()
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, watcher, stopping}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
         if not task.done():
@@ -512,6 +518,8 @@ async def _unless_client_leaves(request: Request, work: Coroutine[Any, Any, T]) 
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
     if task.cancelled():
+        if stopping.done():
+            raise ServerDraining("the server shut down before this request finished")
         raise ClientDisconnected()
     return task.result()
 

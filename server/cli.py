@@ -174,13 +174,14 @@ async def run_server(settings: ServerSettings, slot: ApiServerSlot | None = None
             loop.remove_signal_handler(stop_signal)
         from server.app import build_app
 
+        app = build_app(
+            settings,
+            engine,
+            api_server_index=slot.index if slot else 0,
+            admission_counts=slot.admission_counts if slot else None,
+        )
         config = uvicorn.Config(
-            build_app(
-                settings,
-                engine,
-                api_server_index=slot.index if slot else 0,
-                admission_counts=slot.admission_counts if slot else None,
-            ),
+            app,
             host=settings.host,
             port=settings.port,
             # h11, so that its header-size backstop below applies, with a deadline for each
@@ -198,6 +199,7 @@ async def run_server(settings: ServerSettings, slot: ApiServerSlot | None = None
         )
 
         def stop_all() -> int:
+            app.state.admission.stop_all()  # those still preparing (fetching media, ...)
             return engine.stop_all(
                 ServerDraining("the server shut down before this request finished")
             )
@@ -255,6 +257,10 @@ class GracefulServer(uvicorn.Server):
             self._stop_now = True
             logger.info("a second signal: ending the requests still in flight")
             return
+        if self._stop_now:
+            logger.info("a third signal: stopping at once")
+            self.should_exit = self.force_exit = True
+            return
         if self._is_draining or admission is None or self._loop is None or not self.started:
             super().handle_exit(sig, frame)
             return
@@ -268,16 +274,17 @@ class GracefulServer(uvicorn.Server):
 
     async def _drain(self, admission) -> None:
         deadline = time.monotonic() + self.config.timeout_graceful_shutdown
-        while admission.num_sequences > 0 and time.monotonic() < deadline:
+        while admission.num_in_flight > 0 and time.monotonic() < deadline:
             if self.should_exit or self._stop_now:
                 break
             await asyncio.sleep(0.05)
-        if admission.num_sequences > 0 and self._stop_all is not None and not self.should_exit:
+        if admission.num_in_flight > 0 and self._stop_all is not None and not self.should_exit:
             ended = self._stop_all()
-            logger.warning("the drain ended %d requests still generating", ended)
+            logger.warning("the drain ended %d requests still generating, and %d preparing",
+                           ended, admission.num_preparing)  # fmt: skip
             # Their handlers write the error (a body, a stream's last event) and finish.
             flushed = time.monotonic() + STOPPED_REQUESTS_FLUSH_S
-            while admission.num_sequences > 0 and time.monotonic() < flushed:
+            while admission.num_in_flight > 0 and time.monotonic() < flushed:
                 await asyncio.sleep(0.05)
         self.config.timeout_graceful_shutdown = max(1, round(deadline - time.monotonic()))
         self.should_exit = True

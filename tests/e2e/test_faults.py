@@ -318,3 +318,34 @@ def test_a_port_taken_while_the_engine_loads_fails_cleanly(model_dir):
         output += rest
     assert server.returncode == 1, output[-3000:]
     assert f"cannot listen on 127.0.0.1:{port}" in output and "Traceback" not in output
+
+
+def test_requests_still_fetching_media_when_a_drain_ends_get_its_error(model_dir, tmp_path):
+    """Requests that had not reached the engine (an image URL that never answers) were
+    not waited for: uvicorn waited out the whole deadline, even after more signals, then
+    cancelled them (a plain-text 500)."""
+    from tests.unit.test_url_safety import hanging_listener
+
+    log_path = tmp_path / "drain_fetching.log"
+    extra = ["--shutdown-timeout-s", "1", "--allow-private-media-urls",
+             "--media-fetch-timeout-s", "60"]  # fmt: skip
+    with hanging_listener() as stuck_port, run_server(model_dir, log_path, *extra) as handle:
+        url = f"http://127.0.0.1:{stuck_port}/a.png"
+        body = {"model": MODEL_NAME, "max_tokens": 4, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "hi"}]}]}
+
+        def post(stream: bool) -> httpx.Response:
+            return httpx.post(handle.base_url + "/v1/chat/completions",
+                              json={**body, "stream": stream}, timeout=90)  # fmt: skip
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            answers = [pool.submit(post, stream) for stream in (False, True)]
+            time.sleep(1.0)  # both are fetching
+            handle.process.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            for answer in answers:
+                response = answer.result(timeout=60)
+                assert response.status_code == 503, response.text
+                assert response.json()["error"]["code"] == "server_draining"
+        assert handle.process.wait(30) == 0, handle.log_tail()
+        assert time.monotonic() - signalled < 10
