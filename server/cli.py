@@ -112,7 +112,9 @@ def bind_port(host: str, port: int) -> socket.socket:
     the engine loads (minutes on a GPU), and until uvicorn listens a client is refused
     rather than left waiting on a server that is not ready."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    bound = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP named: asyncio sets TCP_NODELAY on accepted connections only then (with
+    # proto 0, Nagle held every small response ~40 ms behind the delayed ACK)
+    bound = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     bound.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         bound.bind((host, port))
