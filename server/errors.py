@@ -93,6 +93,8 @@ def validation_error_to_invalid(errors: Sequence[dict[str, Any]]) -> InvalidRequ
     if first.get("type") == "json_invalid":
         return InvalidRequest("request body is not valid JSON", code="invalid_json")
     message = first.get("msg", "invalid value")
+    if first.get("type") == "value_error":  # our validators' own words, without pydantic's tag
+        message = message.removeprefix("Value error, ")
     if param is None:  # the body itself: empty, or JSON that is not an object
         missing = first.get("type") == "missing"
         return InvalidRequest("the request needs a JSON object as its body" if missing
