@@ -29,7 +29,12 @@ import aiohttp
 
 from engine.errors import MediaError
 from engine.multimodal.image_processor import ImageProcessorConfig, ProcessedImage, process_image
-from engine.multimodal.media import decode_data_url, decode_image, is_data_url
+from engine.multimodal.media import (
+    allow_image_pixels,
+    decode_data_url,
+    decode_image,
+    is_data_url,
+)
 from engine.multimodal.processing import MediaKind, MediaProcessing
 from engine.multimodal.video import VideoConfig, VideoLimits, load_video
 from engine.url_safety import (
@@ -92,6 +97,7 @@ class MediaFetcher:
         self.on_processed = on_processed
         self.image_config = image_config
         self.video_config = video_config or VideoConfig(image_config)
+        allow_image_pixels(config.max_image_pixels)
         self.video_limits = VideoLimits(
             max_frame_pixels=config.max_image_pixels,
             max_decode_seconds=config.max_video_decode_seconds,

@@ -22,10 +22,15 @@ ALLOWED_IMAGE_FORMATS = {"PNG", "JPEG", "WEBP", "GIF", "BMP"}
 _FORMAT_ALIASES = {"MPO": "JPEG"}
 _SIXTEEN_BIT_MODES = {"I;16", "I;16L", "I;16B", "I;16N"}
 _SUPPORTED = ", ".join(sorted(ALLOWED_IMAGE_FORMATS))
-# `decode_image`'s own limit (max_pixels, from the header, before decoding) replaces
-# Pillow's process-wide one, which otherwise capped every setting at ~89.5 Mpx (and warned
-# on stderr above it).
-Image.MAX_IMAGE_PIXELS = None
+
+
+def allow_image_pixels(max_pixels: int) -> None:
+    """Raises Pillow's process-wide decompression-bomb cap (`Image.MAX_IMAGE_PIXELS`,
+    ~89.5 Mpx; it refuses twice that at open) to `max_pixels` where that is higher, so a
+    server's `--max-image-pixels` is its limit; never lowers it. `decode_image` holds each
+    image to its own `max_pixels` (from the header, before decoding) either way."""
+    if Image.MAX_IMAGE_PIXELS is not None and max_pixels > Image.MAX_IMAGE_PIXELS:
+        Image.MAX_IMAGE_PIXELS = max_pixels
 
 
 def decode_image(
@@ -35,12 +40,14 @@ def decode_image(
 
     Raises `MediaError` (carrying `param`) for empty or truncated data, data that is not
     an image in `ALLOWED_IMAGE_FORMATS`, and images over `max_pixels` (checked from the
-    header, before decoding: Pillow's own cap is off).
+    header, before decoding; see `allow_image_pixels` for limits above Pillow's own).
     """
     if not data:
         raise MediaError("the image is empty", param=param)
     try:
         image = Image.open(io.BytesIO(data), formats=sorted(ALLOWED_IMAGE_FORMATS))
+    except Image.DecompressionBombError as exc:
+        raise MediaError("the image has too many pixels", param=param) from exc
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError) as exc:
         raise MediaError(
             f"the data is not a readable image; supported formats are {_SUPPORTED}", param=param
@@ -63,6 +70,8 @@ def decode_image(
             image.seek(0)
         image.load()
         return convert_rgb(_upright(image))
+    except Image.DecompressionBombError as exc:
+        raise MediaError("the image has too many pixels", param=param) from exc
     except Exception as exc:  # noqa: BLE001 - any decoder failure is the client's data
         raise MediaError("the image data is truncated or corrupt", param=param) from exc
 

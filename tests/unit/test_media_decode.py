@@ -14,6 +14,7 @@ from PIL import Image, ImageOps, features
 from engine.errors import MediaError
 from engine.multimodal.media import (
     ALLOWED_IMAGE_FORMATS,
+    allow_image_pixels,
     convert_rgb,
     decode_data_url,
     decode_image,
@@ -230,14 +231,23 @@ def test_feature_data_urls_take_what_image_data_urls_take():
     assert _decode_data_url("data:x;BASE64," + base64.b64encode(data).decode(), 1000) == data
 
 
-def test_the_max_pixels_setting_is_the_limit_above_pillows_own():
+def test_the_max_pixels_setting_is_the_limit_above_pillows_own(monkeypatch):
     """Pillow's process-wide cap (89,478,485 pixels) hid every larger setting: a 9500 x 9500
-    image was refused as over "89478485", a value nobody set."""
+    image was refused as over "89478485", a value nobody set; past twice that Pillow refuses
+    at open. A server raises the cap to its setting (never lowers it)."""
     side = 9500
     buffer = io.BytesIO()
     Image.new("1", (side, side)).save(buffer, "PNG")  # 1 bit a pixel: small to make
     with pytest.raises(MediaError, match=f"the limit is {side * side - 1}$"):
         decode_image(buffer.getvalue(), max_pixels=side * side - 1)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", Image.MAX_IMAGE_PIXELS)  # restored after
+    allow_image_pixels(500_000_000)
+    assert Image.MAX_IMAGE_PIXELS == 500_000_000
+    allow_image_pixels(1000)
+    assert Image.MAX_IMAGE_PIXELS == 500_000_000
+    header = _png_header_only(20_000, 20_000)  # 400 Mpx: over twice Pillow's own cap
+    with pytest.raises(MediaError, match="the data is not a readable image|truncated"):
+        decode_image(header, max_pixels=500_000_000)  # past the size checks: no pixels
 
 
 @pytest.mark.parametrize("orientation", [3, 6, 8])
