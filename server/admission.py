@@ -88,6 +88,7 @@ class AdmissionController:
     # waits for them too (server/cli.py).
     num_preparing: int = 0
     _stopping: asyncio.Future | None = None
+    _stopped: bool = False
 
     @property
     def num_in_flight(self) -> int:
@@ -96,13 +97,18 @@ class AdmissionController:
 
     def stopping(self) -> asyncio.Future:
         """Done once the drain ends what is left (`stop_all`): requests still preparing
-        race it (server/app.py). Made on the running loop at first use."""
-        if self._stopping is None:
-            self._stopping = asyncio.get_running_loop().create_future()
+        race it (server/app.py). Made on the running loop at first use (again on another
+        loop: a test client may run each request on its own)."""
+        loop = asyncio.get_running_loop()
+        if self._stopping is None or self._stopping.get_loop() is not loop:
+            self._stopping = loop.create_future()
+            if self._stopped:
+                self._stopping.set_result(None)
         return self._stopping
 
     def stop_all(self) -> None:
         """The drain's deadline, or a second signal: what still prepares gives up."""
+        self._stopped = True
         stopping = self.stopping()
         if not stopping.done():
             stopping.set_result(None)

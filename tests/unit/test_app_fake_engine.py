@@ -522,3 +522,24 @@ def test_api_processes_admit_against_one_budget_together(model_dir):
     with pytest.raises(ServerOverloaded):
         first.admit(num_sequences=1, num_prompt_tokens=1)
     big.release()
+
+
+def test_the_drains_stop_signal_lives_on_the_loop_that_asks_for_it():
+    """Requests race `stopping()` (server/app.py); a future of another loop (a test client
+    that runs each request on its own loop) could not be awaited there."""
+    from server.admission import AdmissionController
+
+    admission = AdmissionController(max_running=1, max_waiting_requests=0, max_waiting_tokens=1)
+
+    async def current() -> tuple[bool, bool]:
+        stopping = admission.stopping()
+        return stopping.get_loop() is asyncio.get_running_loop(), stopping.done()
+
+    assert asyncio.run(current()) == (True, False)
+    assert asyncio.run(current()) == (True, False)
+
+    async def stop() -> None:
+        admission.stop_all()
+
+    asyncio.run(stop())
+    assert asyncio.run(current()) == (True, True)  # stopped stays stopped on a new loop
