@@ -31,7 +31,8 @@ import numpy as np
 
 from bench.local_inputs import picture, png_bytes
 from engine.multimodal.image_processor import ImageProcessorConfig
-from engine.multimodal.video import VideoConfig, decode_video, load_video
+from engine.multimodal.video import VideoConfig
+from engine.multimodal.video_decode import decode_video, load_video
 from server.media_fetch import MediaFetchConfig, MediaFetcher
 
 CLIPS = [  # name, width, height, frames, keyframe interval (None: x264's 250)

@@ -37,9 +37,8 @@ from engine.multimodal.video import (
     DEFAULT_MAX_FRAMES,
     DEFAULT_MAX_TOKENS,
     VideoConfig,
-    load_video,
-    sniff_container,
 )
+from engine.multimodal.video_decode import load_video, sniff_container
 
 VIDEO_CONTAINERS = ("mov", "matroska", "avi")  # an animated GIF stays an image, as on the server
 

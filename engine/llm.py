@@ -300,7 +300,8 @@ class LLM:
         `processing` (a MediaProcessing)."""
         from engine.multimodal.image_processor import process_image
         from engine.multimodal.media import decode_image
-        from engine.multimodal.video import load_video, process_video
+        from engine.multimodal.video import process_video
+        from engine.multimodal.video_decode import load_video
 
         if processing is None:
             raise InvalidRequest("this model takes no images or videos", param=param)

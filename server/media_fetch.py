@@ -36,7 +36,8 @@ from engine.multimodal.media import (
     is_data_url,
 )
 from engine.multimodal.processing import MediaKind, MediaProcessing
-from engine.multimodal.video import VideoConfig, VideoLimits, load_video
+from engine.multimodal.video import VideoConfig
+from engine.multimodal.video_decode import VideoLimits, load_video
 from engine.url_safety import (
     BodyTooLargeError,
     RedirectError,

@@ -343,7 +343,8 @@ def test_http_route_label_is_template(http):
 
 def test_greedy_text_matches_transformers(client, model_dir, image_server):
     pytest.importorskip("transformers")
-    from engine.multimodal.video import VideoConfig, load_video
+    from engine.multimodal.video import VideoConfig
+    from engine.multimodal.video_decode import load_video
     from tests.hf_reference import HFGreedy
 
     reference = HFGreedy(model_dir)
@@ -376,7 +377,8 @@ def test_mm_processor_kwargs_match_transformers(client, model_dir, image_server)
     # inputs processed with the same settings. Each is sent first without options, so a
     # processed-media cache keyed by the bytes alone would answer from the default entry.
     pytest.importorskip("transformers")
-    from engine.multimodal.video import VideoConfig, load_video
+    from engine.multimodal.video import VideoConfig
+    from engine.multimodal.video_decode import load_video
     from tests.hf_reference import HFGreedy
 
     reference = HFGreedy(model_dir)

@@ -23,7 +23,8 @@ from engine.attention import get_attention_backend  # noqa: E402
 from engine.model_config import ModelConfig  # noqa: E402
 from engine.models.loader import load_model  # noqa: E402
 from engine.models.qwen2_5_vl_vision import window_order  # noqa: E402
-from engine.multimodal.video import VideoConfig, load_video  # noqa: E402
+from engine.multimodal.video import VideoConfig  # noqa: E402
+from engine.multimodal.video_decode import load_video  # noqa: E402
 from engine.tiny_model import make_tiny_model  # noqa: E402
 from tests.hf_reference import HFGreedy  # noqa: E402
 

@@ -34,10 +34,10 @@ from engine.models.loader import load_model  # noqa: E402
 from engine.multimodal.video import (  # noqa: E402
     VideoConfig,
     frame_size,
-    load_video,
     sample_frame_indices,
     temporal_patch_seconds,
 )
+from engine.multimodal.video_decode import load_video  # noqa: E402
 from engine.tiny_model import make_tiny_model  # noqa: E402
 from tests.hf_reference import HFGreedy  # noqa: E402
 from tests.parity.test_qwen2_5_vl_parity import chat  # noqa: E402

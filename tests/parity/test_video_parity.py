@@ -15,7 +15,8 @@ pytest.importorskip("av")
 
 from bench.local_inputs import moving_pictures, picture, video_bytes  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.multimodal.video import VideoConfig, load_video  # noqa: E402
+from engine.multimodal.video import VideoConfig  # noqa: E402
+from engine.multimodal.video_decode import load_video  # noqa: E402
 from engine.tiny_model import make_tiny_model  # noqa: E402
 from tests.hf_reference import HFGreedy  # noqa: E402
 

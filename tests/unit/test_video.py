@@ -19,13 +19,15 @@ from engine.errors import MediaError  # noqa: E402
 from engine.multimodal.image_processor import ImageProcessorConfig, process_image  # noqa: E402
 from engine.multimodal.video import (  # noqa: E402
     VideoConfig,
-    VideoLimits,
-    decode_video,
     frame_size,
-    load_video,
     process_video,
     resize_frame,
     sample_frame_indices,
+)
+from engine.multimodal.video_decode import (  # noqa: E402
+    VideoLimits,
+    decode_video,
+    load_video,
     sniff_container,
 )
 
@@ -120,7 +122,7 @@ def test_seeking_gives_the_frames_decoding_in_order_gives(container, codec, opti
     jumps between keyframes and must still give frame i = the decoder's i-th output."""
     import av
 
-    from engine.multimodal.video import (
+    from engine.multimodal.video_decode import (
         _decode_by_seeking,
         _DecodeGuard,
         _index_packets,
@@ -151,7 +153,7 @@ def test_seeking_gives_the_frames_decoding_in_order_gives(container, codec, opti
 
 
 def test_a_seek_that_misses_its_frame_falls_back_to_decoding_in_order():
-    from engine.multimodal.video import _decode_by_seeking, _DecodeGuard, _index_packets
+    from engine.multimodal.video_decode import _decode_by_seeking, _DecodeGuard, _index_packets
 
     data = video_bytes(moving_pictures(96, 64, 40, salt=4), fps=10, options={"g": "4"})
     index = _index_packets(data, "mov")
