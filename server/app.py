@@ -15,11 +15,11 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -33,6 +33,7 @@ from server.admission import AdmissionController, ServerDraining, SharedCounts, 
 from server.auth import check_api_key
 from server.chat import UUIDS, messages_as_dicts, prepare_chat_prompt
 from server.completions import chat_response, completion_response, prepare_completion_prompt
+from server.disconnects import ClientDisconnected, unless_client_leaves
 from server.errors import error_body, install_error_handlers
 from server.generation import (
     OPENAI_DEFAULTS,
@@ -69,7 +70,6 @@ from server.streaming import (
 from server.unicode_check import check_request_text
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 
 VERSION = "0.1.0"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -427,7 +427,7 @@ async def _chat_prompt(state: AppState, body: ChatCompletionRequest, request: Re
     admission = request.app.state.admission
     admission.num_preparing += 1
     try:
-        return await _unless_client_leaves(request, prepared)
+        return await unless_client_leaves(request, prepared)
     finally:
         admission.num_preparing -= 1
 
@@ -492,45 +492,13 @@ def _finisher(state: AppState, request: Request) -> Callable[[GenerationTotals],
     return on_finished
 
 
-class ClientDisconnected(Exception):
-    """The client went away before a non-streaming response was ready."""
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def _unless_client_leaves(request: Request, work: Coroutine[Any, Any, T]) -> T:
-    """`work`'s result; `work` cancelled and ClientDisconnected raised if the client
-    disconnects first, or ServerDraining if a drain ends what is left first."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.create_task(_wait_for_disconnect(request))
-    stopping = request.app.state.admission.stopping()
-    try:
-        await asyncio.wait({task, watcher, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-    if task.cancelled():
-        if stopping.done():
-            raise ServerDraining("the server shut down before this request finished")
-        raise ClientDisconnected()
-    return task.result()
-
-
 async def _collect_until_disconnect(request: Request, state: AppState, job: GenerationJob):
     """Run a non-streaming generation; cancel it (aborting in the engine) if the client
     disconnects first."""
     totals = GenerationTotals(num_prompt_tokens=len(job.prompt.token_ids))
     work = collect(job, state.engine, state.processor.tokenizer, totals)
     try:
-        results = await _unless_client_leaves(request, work)
+        results = await unless_client_leaves(request, work)
     except ClientDisconnected:
         logger.info("client disconnected; request %s aborted", job.request_id)
         totals.abort_unfinished(job.n)
