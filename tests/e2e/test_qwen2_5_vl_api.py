@@ -24,7 +24,8 @@ from tokenizers import Tokenizer  # noqa: E402
 from bench.datasets import data_url  # noqa: E402
 from bench.local_inputs import moving_pictures, picture, png_bytes, video_bytes  # noqa: E402
 from engine.encode_features import main as encode_main  # noqa: E402
-from engine.multimodal.video import VideoConfig, load_video  # noqa: E402
+from engine.multimodal.video import VideoConfig  # noqa: E402
+from engine.multimodal.video_decode import load_video  # noqa: E402
 from engine.tiny_model import make_tiny_model  # noqa: E402
 from tests.e2e.conftest import MODEL_NAME, run_server  # noqa: E402
 from tests.hf_reference import HFGreedy  # noqa: E402
