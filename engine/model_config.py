@@ -158,7 +158,10 @@ class ModelConfig:
             raw = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
             raise ModelLoadError(f"config.json is not valid JSON: {exc}") from exc
-        return cls.from_dict(raw)
+        config = cls.from_dict(raw)
+        extra_eos = _generation_eos_ids(Path(model_dir) / "generation_config.json")
+        eos = tuple(dict.fromkeys([*config.eos_token_ids, *extra_eos]))
+        return dataclasses.replace(config, eos_token_ids=eos)
 
     @classmethod
     def from_dict(cls, raw: dict) -> ModelConfig:
@@ -353,3 +356,16 @@ def _attention_bias(architecture: str, text: dict) -> bool:
             f"{architecture} checkpoints with attention_bias or mlp_bias are not supported"
         )
     return False
+
+
+def _generation_eos_ids(path: Path) -> tuple[int, ...]:
+    """generation_config.json's `eos_token_id`s, which transformers' generate() stops on
+    (Qwen2-VL-Instruct lists <|im_end|> and <|endoftext|>, where config.json names only the
+    first); () without the file, or where it is unreadable (the sampling defaults' reader,
+    engine/generation_defaults.py, says so)."""
+    try:
+        value = json.loads(path.read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return ()
+    values = value if isinstance(value, list) else [value]
+    return tuple(v for v in values if isinstance(v, int) and not isinstance(v, bool))

@@ -53,6 +53,21 @@ def test_eos_waits_for_min_tokens_as_in_transformers(llm, model_dir, overlap):
     assert results[1].token_ids == [eos]  # no minimum: the biased EOS comes first
 
 
+def test_every_eos_of_generation_config_ends_the_answer_as_in_transformers(llm, model_dir):
+    """generation_config.json lists <|im_end|> and <|endoftext|> (as Qwen2-VL-Instruct's
+    does); config.json names only the first. transformers' generate() stops on both; the
+    engine read config.json alone and wrote on past <|endoftext|>."""
+    import json
+
+    listed = json.loads((model_dir / "generation_config.json").read_text())["eos_token_id"]
+    assert list(llm.engine.model_config.eos_token_ids) == listed
+    second = listed[1]
+    results = llm.generate(PROMPTS, [params(second, 3), params(second, 0)])
+    assert results[0].token_ids == hf_tokens(model_dir, PROMPTS[0], 3, second)
+    assert results[0].token_ids[-1] == second and results[0].finish_reason == "stop"
+    assert results[1].token_ids == [second] and results[1].finish_reason == "stop"
+
+
 def test_stop_token_ids_wait_too(llm):
     eos = llm.engine.model_config.eos_token_ids[0]
     stop = 77
