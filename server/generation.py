@@ -240,8 +240,9 @@ def build_engine_requests(
     for i, engine_request_id in enumerate(ids):
         params = sampling
         if n > 1 and sampling.seed is not None:
-            # Same seed on every choice would make all n choices identical.
-            params = _with_seed(sampling, sampling.seed + i)
+            # Same seed on every choice would make all n choices identical. Wrapped in the
+            # int64 range the client's seed came from (2**63 - 1 + 1 was refused).
+            params = _with_seed(sampling, _wrapped_int64(sampling.seed + i))
         if i and score_prompt_once and sampling.prompt_logprobs is not None:
             params = msgspec.structs.replace(params, prompt_logprobs=None)
         requests.append(
@@ -260,6 +261,10 @@ def build_engine_requests(
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
     return msgspec.structs.replace(params, seed=seed)
+
+
+def _wrapped_int64(value: int) -> int:
+    return (value + 2**63) % 2**64 - 2**63
 
 
 async def _merge(

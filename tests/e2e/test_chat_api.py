@@ -220,6 +220,18 @@ def test_seed_reproducible(client):
     assert first != other
 
 
+def test_n_choices_of_a_seed_at_the_top_of_its_range_are_answered(client):
+    """Choice i draws with seed + i: 2**63 - 1 and n=2 gave choice 1 a seed of 2**63, which
+    the engine refused (a 400 naming a seed the client never sent). It wraps now."""
+    kwargs = {"model": MODEL_NAME, "messages": user("Say something."), "max_tokens": 4,
+              "temperature": 1.0, "n": 3, "extra_body": {"ignore_eos": True}}  # fmt: skip
+    top = client.chat.completions.create(seed=2**63 - 1, **kwargs)
+    assert [len(c.message.content or "") > 0 for c in top.choices] == [True] * 3
+    bottom = client.chat.completions.create(seed=-(2**63), **{**kwargs, "n": 2})
+    # choice 1 of 2**63 - 1 draws with the seed choice 0 of -2**63 draws with
+    assert top.choices[1].message.content == bottom.choices[0].message.content
+
+
 def test_completions_endpoint(client, model_dir):
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     ids = tokenizer.encode("the quick brown fox", add_special_tokens=False).ids
