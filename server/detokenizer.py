@@ -170,6 +170,7 @@ class SequenceDetokenizer:
             tokenizer, prompt_token_ids, skip_special_tokens=skip_special_tokens
         )
         self._stop = StopChecker(stop, include_stop=include_stop)
+        self.include_stop = include_stop
         self._min_tokens = min_tokens
         self._num_tokens = 0
         self.text = ""

@@ -394,8 +394,18 @@ def _apply_output(
     if output.prompt_logprobs is not None and totals.prompt_logprobs is None:
         totals.prompt_logprobs = output.prompt_logprobs
     totals.note_output(index, output)
-    text, taken = detokenizer.step_until_stop(output.new_token_ids)
-    token_ids = list(output.new_token_ids[:taken])
+    new_token_ids = output.new_token_ids
+    # A stop token (stop_token_ids) ends the answer without its text, as vLLM's does unless
+    # include_stop_str_in_output; it still counts, with its logprob and as stop_reason.
+    ends_on_stop_token = (output.finish_reason == FinishReason.STOP and bool(new_token_ids)
+                          and new_token_ids[-1] in sampling.stop_token_ids
+                          and not detokenizer.include_stop)  # fmt: skip
+    text, taken = detokenizer.step_until_stop(
+        new_token_ids[:-1] if ends_on_stop_token else new_token_ids
+    )
+    if ends_on_stop_token and not detokenizer.is_stopped:
+        taken += 1
+    token_ids = list(new_token_ids[:taken])
     totals.num_generated_tokens += taken
     finish_reason = stop_reason = None
     if not detokenizer.is_stopped and output.finish_reason is not None:

@@ -82,8 +82,22 @@ def test_a_stop_token_is_the_stop_reason(http):
     choice = completion(http, stop_token_ids=[stop_id])["choices"][0]
     assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop_id)
     body = {**GREEDY, "prompt": "A dog in", "stop_token_ids": [stop_id]}
-    last = events(http, "/v1/completions", body)[-1]["choices"][0]
+    chunks = events(http, "/v1/completions", body)
+    last = chunks[-1]["choices"][0]
     assert (last["finish_reason"], last["stop_reason"]) == ("stop", stop_id)
+    # Its text is left out, as vLLM leaves it (unless include_stop_str_in_output); it is
+    # counted, with its logprob. The text was kept.
+    before = detokenized(http, tokens[:3])
+    assert choice["text"] == before == "".join(c["choices"][0]["text"] for c in chunks)
+    kept = completion(http, stop_token_ids=[stop_id], include_stop_str_in_output=True,
+                      logprobs=0, return_tokens_as_token_ids=True)["choices"][0]  # fmt: skip
+    assert kept["text"] == detokenized(http, tokens[:4]) and generated_ids(kept) == tokens[:4]
+    assert completion(http, stop_token_ids=[stop_id])["usage"]["completion_tokens"] == 4
+
+
+def detokenized(http, token_ids: list[int]) -> str:
+    response = http.post("/detokenize", json={"model": MODEL_NAME, "tokens": token_ids})
+    return response.json()["prompt"]
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
