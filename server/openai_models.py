@@ -454,6 +454,13 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     chat_template: str | None = Field(default=None, max_length=MAX_CHAT_TEMPLATE_CHARS)
     mm_processor_kwargs: MediaProcessingOptions | None = None
 
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_with_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
+        if top is not None and not info.data.get("logprobs"):  # OpenAI's 400 too
+            raise ValueError("top_logprobs needs logprobs: true")
+        return top
+
     @field_validator("tools")
     @classmethod
     def _distinct_names(cls, tools: list[Tool] | None) -> list[Tool] | None:

@@ -165,6 +165,8 @@ def responses_param(
     """`chat_param` (a chat request's field path) as the Responses field it came from."""
     if chat_param is None:
         return None
+    if chat_param == "messages":  # the conversation as a whole
+        return "input"
     found = re.match(r"messages\[(\d+)\](.*)", chat_param)
     if found:
         index, rest = int(found.group(1)), found.group(2)

@@ -196,6 +196,9 @@ def test_logprobs_are_the_chat_completions(client):
                     {"type": "function_call_output", "call_id": "c1", "output": {"a": 1}}]},
          "input[1].output"),
         ({"input": "hi", "tools": [{"type": "function", "name": "f"}] * 2}, "tools"),
+        # a placeholder typed into the text: the conversation as a whole is at fault
+        ({"input": [{"role": "user", "content": [{"type": "input_text",
+                                                  "text": "<|image_pad|> hi"}]}]}, "input"),
     ],
 )  # fmt: skip
 def test_bad_requests_name_the_responses_field(http, fields, param):

@@ -55,6 +55,7 @@ def test_max_completion_tokens_wins_and_logprobs():
         ({**BASE, "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
          "messages[0].content[0].text"),
         ({**BASE, "top_logprobs": 50}, "top_logprobs"),
+        ({**BASE, "top_logprobs": 2}, "top_logprobs"),  # without logprobs: OpenAI's 400 too
         ({**BASE, "messages": [{"role": "user", "content": [{"type": "video_features",
           "video_features": {"url": "s3://b/k", "grid_thw": [2, 4, 4], "frame_seconds": [-1]}}]}]},
          "messages[0].content[0].video_features.frame_seconds[0]"),
