@@ -175,13 +175,13 @@ def test_an_earlier_call_whose_arguments_escape_a_lone_surrogate_is_answered(cli
     ]  # fmt: skip
     response = client.chat.completions.create(model=MODEL_NAME, messages=conversation,
                                               tools=TOOLS, max_tokens=2)  # fmt: skip
-    assert response.usage.completion_tokens == 2
+    assert response.usage.completion_tokens >= 1  # answered (EOS may come first)
     replayed = client.responses.create(model=MODEL_NAME, max_output_tokens=2, input=[
         *MESSAGES,
         {"type": "function_call", "call_id": "call_1", "name": "get_weather",
          "arguments": arguments},
         {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}])  # fmt: skip
-    assert replayed.usage.output_tokens == 2
+    assert replayed.usage.output_tokens >= 1
 
 
 @pytest.fixture(scope="module")
