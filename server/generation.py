@@ -55,11 +55,13 @@ class PreparedPrompt:
         cut = len(self.token_ids) - num_tokens
         if cut <= 0:
             return self
-        for item in self.media:
+        for item in reversed(self.media):  # the last item the cut reaches: the one it splits
             if item.offset < cut:
+                modality = item.modality.value
+                article = "an" if modality[0] in "aeiou" else "a"
                 raise InvalidRequest(
                     f"keeping the last {num_tokens} of the prompt's {len(self.token_ids)} "
-                    f"tokens would cut away a {item.modality.value} (tokens {item.offset}-"
+                    f"tokens would cut away {article} {modality} (tokens {item.offset}-"
                     f"{item.offset + item.num_tokens - 1})",
                     param="truncate_prompt_tokens",
                 )

@@ -7,7 +7,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from engine.errors import ContextLengthExceeded
+from engine.errors import ContextLengthExceeded, InvalidRequest
 from engine.protocol import StructuredOutput
 from server.errors import loc_to_param, validation_error_to_invalid
 from server.generation import build_sampling_params
@@ -233,3 +233,22 @@ def test_tool_choice_picks_the_plan_and_its_grammar():
     # Asking for a JSON answer while the model may still call a tool is fine.
     both = plan_of(response_format={"type": "json_object"})
     assert both.tool_plan.mode == "auto" and both.structured_output[1] == "response_format"
+
+
+
+def test_a_truncation_through_the_last_image_names_that_image():
+    """Every image before the cut goes, but the one the cut splits is the one to name (the
+    400 named the first image's tokens, as "a image")."""
+    from engine.protocol import MediaInput, Modality
+    from server.generation import PreparedPrompt
+
+    def image(offset: int) -> MediaInput:
+        return MediaInput(modality=Modality.IMAGE, content_hash="h", offset=offset,
+                          num_tokens=4, grid_thw=(1, 4, 4))  # fmt: skip
+
+    prompt = PreparedPrompt(token_ids=list(range(20)), media=[image(2), image(10)])
+    with pytest.raises(InvalidRequest, match=r"cut away an image \(tokens 10-13\)"):
+        prompt.keep_last(8)  # the cut falls at 12, inside the second image
+    with pytest.raises(InvalidRequest, match=r"an image \(tokens 2-5\)"):
+        prompt.keep_last(10)  # at 10: the second image stays whole, the first goes
+    assert prompt.keep_last(20) is prompt
