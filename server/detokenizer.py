@@ -94,7 +94,7 @@ class StopChecker:
 
     def __init__(self, stop: Sequence[str] = (), *, include_stop: bool = False):
         self._stops = [s for s in stop if s]
-        self._include_stop = include_stop
+        self.include_stop = include_stop
         self._pending = ""  # text received but not yet released
         self.matched: str | None = None
 
@@ -116,7 +116,7 @@ class StopChecker:
         if found is not None:
             start, self.matched = found
             self._pending = ""
-            cut = start + len(self.matched) if self._include_stop else start
+            cut = start + len(self.matched) if self.include_stop else start
             return StopResult(text[:cut], True)
         hold = _longest_partial_suffix(text, self._stops)
         self._pending = text[len(text) - hold :] if hold else ""
@@ -170,7 +170,6 @@ class SequenceDetokenizer:
             tokenizer, prompt_token_ids, skip_special_tokens=skip_special_tokens
         )
         self._stop = StopChecker(stop, include_stop=include_stop)
-        self.include_stop = include_stop
         self._min_tokens = min_tokens
         self._num_tokens = 0
         self.text = ""
@@ -182,6 +181,11 @@ class SequenceDetokenizer:
     @property
     def matched_stop(self) -> str | None:
         return self._stop.matched
+
+    @property
+    def include_stop(self) -> bool:
+        """Whether the text keeps what stopped it (`include_stop_str_in_output`)."""
+        return self._stop.include_stop
 
     def step(self, new_token_ids: Sequence[int]) -> str:
         self._num_tokens += len(new_token_ids)
