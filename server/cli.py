@@ -255,15 +255,15 @@ class GracefulServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame) -> None:
         admission = getattr(getattr(self.config.app, "state", None), "admission", None)
-        if self._is_draining and not self._stop_now:
-            self._stop_now = True
-            logger.info("a second signal: ending the requests still in flight")
-            return
         if self._stop_now:
             logger.info("a third signal: stopping at once")
             self.should_exit = self.force_exit = True
             return
-        if self._is_draining or admission is None or self._loop is None or not self.started:
+        if self._is_draining:
+            self._stop_now = True
+            logger.info("a second signal: ending the requests still in flight")
+            return
+        if admission is None or self._loop is None or not self.started:
             super().handle_exit(sig, frame)
             return
         self._is_draining = True
