@@ -48,11 +48,9 @@ from server.openai_models import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    ModelCard,
-    ModelList,
     TokenizeRequest,
-    dump,
 )
+from server.openai_replies import ModelCard, ModelList, dump
 from server.prompt_echo import PromptEcho
 from server.request_limits import RequestLimitMiddleware
 from server.request_log import RequestLogMiddleware, arrival_of, record_of

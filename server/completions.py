@@ -9,11 +9,11 @@ from engine.errors import InvalidRequest
 from engine.multimodal.prompt import PromptProcessor
 from server.generation import GenerationTotals, PreparedPrompt, check_token_ids
 from server.logprobs import chat_logprobs, prompt_logprobs
-from server.openai_models import (
+from server.openai_models import CompletionRequest
+from server.openai_replies import (
     ChatChoice,
     ChatCompletionResponse,
     CompletionChoice,
-    CompletionRequest,
     CompletionResponse,
     ResponseMessage,
     ResponseToolCall,

@@ -9,7 +9,7 @@ from tokenizers import Tokenizer
 
 from engine.protocol import TokenLogprob
 from server.detokenizer import token_bytes
-from server.openai_models import (
+from server.openai_replies import (
     ChoiceLogprobs,
     CompletionLogprobs,
     PromptLogprob,

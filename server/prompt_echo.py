@@ -10,7 +10,8 @@ from tokenizers import Tokenizer
 from engine.multimodal.prompt import PromptProcessor
 from engine.protocol import TokenLogprob
 from server.logprobs import completion_logprobs, echoed_prompt_logprobs, prompt_logprobs
-from server.openai_models import CompletionLogprobs, CompletionRequest
+from server.openai_models import CompletionRequest
+from server.openai_replies import CompletionLogprobs
 
 
 @dataclass(frozen=True)

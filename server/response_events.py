@@ -42,7 +42,7 @@ from engine.errors import TesseraError
 from engine.protocol import TokenLogprob
 from server.generation import GenerationTotals
 from server.logprobs import chat_logprobs
-from server.openai_models import dump
+from server.openai_replies import dump
 from server.responses import ResponsesRequest
 from server.streaming import (
     ChoiceResult,

@@ -32,7 +32,7 @@ from server.logprobs import (
     prompt_logprobs,
     prompt_logprobs_json,
 )
-from server.openai_models import PromptTokensDetails, UsageInfo, dump
+from server.openai_replies import PromptTokensDetails, UsageInfo, dump
 from server.prompt_echo import PromptEcho
 from server.reasoning import ReasoningSplitter
 from server.tool_calls import ToolPlan

@@ -16,8 +16,8 @@ from engine.errors import EngineDeadError
 from engine.protocol import ErrorInfo, FinishReason, Modality, Ready, RequestOutput, TokenLogprob
 from engine.tiny_model import make_tiny_model
 from server.app import build_app
-from server.openai_models import ChatCompletionChunk
-from server.openai_models import CompletionResponse as Completion
+from server.openai_replies import ChatCompletionChunk
+from server.openai_replies import CompletionResponse as Completion
 from server.settings import ServerSettings
 
 SCRIPT = "The cat sat on the mat. 🎉 Done and done again and again."

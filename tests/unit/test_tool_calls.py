@@ -122,7 +122,7 @@ def test_arguments_whose_json_escapes_a_lone_surrogate_stay_text():
 
 
 def test_streamed_call_deltas_are_openai_chunks():
-    from server.openai_models import ChatCompletionChunk
+    from server.openai_replies import ChatCompletionChunk
 
     [call] = run(AUTO, '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>', 4)[2]
     chunk = {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": "m",
