@@ -41,10 +41,11 @@ from engine.errors import (
     EngineBroken,
     InvalidRequest,
     TesseraError,
+    error_info,
 )
 from engine.feature_admission import FeatureAdmission
 from engine.grammar_admission import GrammarAdmission
-from engine.model_runner import ModelRunner, PendingStep, error_info
+from engine.model_runner import ModelRunner, PendingStep
 from engine.protocol import (
     EngineOutputs,
     EngineRequest,

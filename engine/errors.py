@@ -9,6 +9,8 @@ never internals (paths, addresses, stack traces).
 
 from __future__ import annotations
 
+from engine.protocol import ErrorInfo
+
 
 class TesseraError(Exception):
     """Base class. `status`, `type` and `code` map onto the OpenAI error body."""
@@ -71,3 +73,13 @@ class ServerOverloaded(TesseraError):
     status = 503
     type = "server_error"
     code = "server_overloaded"
+
+
+def error_info(exc: Exception) -> ErrorInfo:
+    """The ErrorInfo an engine-side failure reaches its requests as: a typed error's own
+    message, status and param; anything else a generic 500 that leaks no internals."""
+    if isinstance(exc, TesseraError):
+        return ErrorInfo(
+            exc.message, type=exc.type, code=exc.code, param=exc.param, status=exc.status
+        )
+    return ErrorInfo("internal error while running the model", type="internal_error", status=500)

@@ -24,9 +24,9 @@ import msgspec
 import torch
 
 from engine.config import EngineConfig
+from engine.errors import error_info
 from engine.feature_fetcher import FeatureFetcher, FeatureJob, FetchConfig, FetchResult
 from engine.feature_validation import FeatureSpec
-from engine.model_runner import error_info
 from engine.protocol import FinishReason, MediaInput, RequestOutput
 from engine.request import Request
 

@@ -28,8 +28,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from engine.errors import TesseraError
-from engine.model_runner import error_info
+from engine.errors import TesseraError, error_info
 from engine.protocol import FinishReason, MediaInput, RequestOutput
 from engine.request import Request
 

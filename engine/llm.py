@@ -26,9 +26,8 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.errors import InvalidRequest, TesseraError
+from engine.errors import InvalidRequest, TesseraError, error_info
 from engine.generation_defaults import SamplingDefaults
-from engine.model_runner import error_info
 from engine.multimodal.placement import place_media
 from engine.protocol import (
     EngineRequest,

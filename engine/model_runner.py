@@ -21,9 +21,7 @@ rows of CUDA-graph steps write into; the scheduler never hands it out.
 
 from __future__ import annotations
 
-import functools
 import logging
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,9 +31,10 @@ from engine.attention import check_attention_backend, get_attention_backend
 from engine.attention.base import AttentionMetadata, AttentionShape
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphRunner, DecodeInputs, graph_max_seq_len
+from engine.device_config import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from engine.device_io import DeviceTimer, to_device
 from engine.encoder_cache import EncoderCache
-from engine.errors import MediaError, ModelLoadError, TesseraError
+from engine.errors import MediaError, ModelLoadError, error_info
 from engine.kv_cache_sizing import (
     CPU_KV_CACHE_GIB,
     GIB,
@@ -53,19 +52,18 @@ from engine.models.cpu_prepack import can_prepack, prepack_linears
 from engine.models.loader import load_model
 from engine.models.small_batch_linear import use_small_batch_linears
 from engine.multimodal.image_processor import normalize_pixels
-from engine.penalties import InFlightOutputs
+from engine.penalties import in_flight_outputs
 from engine.prompt_logprobs import PendingPromptLogprobs, score_prompt_tokens, scored_positions
 from engine.protocol import ErrorInfo, TokenLogprob
-from engine.request import MediaItem, Request
+from engine.request import MediaItem
 from engine.sampler import PendingSample, Sampler, SamplingRow, leaves_no_token
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 from engine.shard_worker import ShardWorkers
 from engine.step_inputs import InFlightTokens, StepInputs, gather_step_inputs
+from engine.token_bans import banned_token_ids, no_token_left
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 @dataclass(frozen=True)
@@ -113,135 +111,6 @@ class PendingStep:
             self.num_encoder_batches,
             {p.request_id: (p.first_index, p.entries()) for p in self.prompt_logprobs},
         )
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(
-    name: str, device: torch.device, checkpoint_dtype: str | None = None
-) -> torch.dtype:
-    """`auto`: bfloat16 on CUDA; on CPU bfloat16 only for a bfloat16 checkpoint on a CPU
-    with native bf16 matmuls (AVX512-BF16 / AMX: about 2x float32 there), else float32."""
-    if name == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16
-        if checkpoint_dtype == "bfloat16" and cpu_has_native_bf16():
-            return torch.bfloat16
-        return torch.float32
-    if name not in _DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; choose one of auto, {', '.join(_DTYPES)}")
-    return _DTYPES[name]
-
-
-def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, scale: float) -> torch.dtype:
-    """`auto`: the model dtype; `fp8`: float8_e4m3fn storing `x / scale` (1 byte/element)."""
-    if name not in KV_CACHE_DTYPES:
-        raise ValueError(
-            f"unknown kv_cache_dtype {name!r}; choose one of {', '.join(KV_CACHE_DTYPES)}"
-        )
-    if not (scale > 0 and math.isfinite(scale)):
-        raise ValueError(f"kv_cache_scale must be a positive finite number, got {scale}")
-    return model_dtype if name == "auto" else torch.float8_e4m3fn
-
-
-@functools.cache
-def cpu_has_native_bf16() -> bool:
-    """True when /proc/cpuinfo lists avx512_bf16 or amx_bf16 (False where it cannot be read)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def error_info(exc: Exception) -> ErrorInfo:
-    if isinstance(exc, TesseraError):
-        return ErrorInfo(
-            exc.message, type=exc.type, code=exc.code, param=exc.param, status=exc.status
-        )
-    return ErrorInfo("internal error while running the model", type="internal_error", status=500)
-
-
-def _in_flight_outputs(
-    sampling: list[tuple[int, ScheduledChunk]],
-    inputs: StepInputs,
-    in_flight: InFlightTokens | None,
-    device: torch.device,
-) -> InFlightOutputs | None:
-    """The newest output token of each sampling row whose request has one in flight (the
-    previous step sampled it and it is not in `output_token_ids` yet), for the penalties;
-    None when no row has penalties or no token is in flight."""
-    if in_flight is None or not any(c.request.sampling.has_penalties for _, c in sampling):
-        return None
-    position = {request_id: i for i, request_id in enumerate(inputs.pending_request_ids)}
-    pairs = [
-        (row, position[chunk.request.request_id])
-        for row, (_, chunk) in enumerate(sampling)
-        if chunk.request.request_id in position
-    ]
-    if not pairs:
-        return None
-    host_rows, host_sources = zip(*pairs, strict=True)
-    rows, sources = to_device([host_rows, host_sources], torch.long, device)  # [2, P]
-    return InFlightOutputs(rows, in_flight.token_ids.index_select(0, sources), host_rows)
-
-
-def _banned_token_ids(chunk: ScheduledChunk) -> tuple[int, ...]:
-    """The last tokens of bad words the sequence would complete, EOS and stop tokens while
-    the token this chunk samples is one of the first `min_tokens` outputs, and EOS while a
-    grammar waits for its marker (`structured_output_after`). Counted
-    from the chunk's end, not from `output_token_ids`, which lags a token behind while the
-    previous step's token is in flight (a request with bad words of several tokens is never
-    scheduled while a token of it is in flight: `SamplingParams.needs_output_on_host`)."""
-    request = chunk.request
-    sampling = request.sampling
-    banned = _bad_word_ends(request, chunk.end) if sampling.bad_words_token_ids else ()
-    eos = () if sampling.ignore_eos else request.eos_token_ids
-    if chunk.end - request.num_prompt_tokens < sampling.min_tokens:
-        return (*banned, *eos, *sampling.stop_token_ids)
-    if sampling.structured_output is not None and not request.grammar_active:
-        # A grammar that holds after a marker (a thinking model's </think>): an answer
-        # that ended before it would have nothing in the format the request asked for.
-        return (*banned, *eos)
-    return banned
-
-
-def no_token_left(request: Request) -> ErrorInfo:
-    """The error of a request whose constraints exclude every token at its next pick
-    (`leaves_no_token`): a grammar or `allowed_token_ids`, less bad words, and EOS and stop
-    tokens before `min_tokens`. Most such sets are refused on arrival
-    (engine/request_checks.py); these depend on the tokens written so far."""
-    sampling = request.sampling
-    spec = sampling.structured_output
-    if spec is not None:
-        param = spec.param
-    elif sampling.allowed_token_ids is not None:
-        param = "allowed_token_ids"
-    elif request.num_output_tokens < sampling.min_tokens:
-        param = "min_tokens"  # EOS and stop tokens banned, with the bad words the rest
-    else:
-        param = "bad_words"
-    return ErrorInfo(
-        f"no token is left to pick at output position {request.num_output_tokens}: the "
-        "request's constraints (allowed_token_ids or its structured output, less bad_words, "
-        "and EOS and stop tokens before min_tokens) exclude every token",
-        param=param,
-    )
-
-
-def _bad_word_ends(request: Request, end: int) -> tuple[int, ...]:
-    """The last token of each bad word whose other tokens are the sequence's last ones
-    before index `end` (prompt and output alike, as transformers' `bad_words_ids`)."""
-    banned = []
-    for word in request.sampling.bad_words_token_ids:
-        head = list(word[:-1])
-        if len(head) <= end and request.token_ids_between(end - len(head), end) == head:
-            banned.append(word[-1])
-    return tuple(banned)
 
 
 class ModelRunner:
@@ -559,7 +428,7 @@ class ModelRunner:
                 chunk.request.prompt_token_ids,  # the penalties read the sampler's table
                 chunk.request.output_token_ids,  # (engine/held_tokens.py) instead
                 chunk.request.generator_on(self.device),
-                _banned_token_ids(chunk),
+                banned_token_ids(chunk),
                 chunk.request.allowed_tokens(),
                 chunk.request,
             )
@@ -572,7 +441,7 @@ class ModelRunner:
             for row in rows
             if leaves_no_token(row.allowed_tokens, row.banned_token_ids, vocab)
         }
-        outputs_in_flight = _in_flight_outputs(sampling, inputs, in_flight, self.device)
+        outputs_in_flight = in_flight_outputs(sampling, inputs, in_flight, self.device)
         sample = self.sampler.sample(logits, rows, outputs_in_flight)
         return sample, request_ids, prompt_logprobs, stuck
 

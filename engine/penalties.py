@@ -23,6 +23,8 @@ from engine.device_io import to_device
 if TYPE_CHECKING:
     from engine.held_tokens import HeldRows
     from engine.sampler import SamplingRow
+    from engine.scheduler import ScheduledChunk
+    from engine.step_inputs import InFlightTokens, StepInputs
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,30 @@ class InFlightOutputs:
     def has_unnamed_rows(self) -> bool:
         """Tokens are in flight on rows the caller did not name on the host."""
         return bool(self.rows.numel()) and not self.rows_host
+
+
+def in_flight_outputs(
+    sampling: list[tuple[int, ScheduledChunk]],
+    inputs: StepInputs,
+    in_flight: InFlightTokens | None,
+    device: torch.device,
+) -> InFlightOutputs | None:
+    """The newest output token of each sampling row whose request has one in flight (the
+    previous step sampled it and it is not in `output_token_ids` yet), for the penalties;
+    None when no row has penalties or no token is in flight."""
+    if in_flight is None or not any(c.request.sampling.has_penalties for _, c in sampling):
+        return None
+    position = {request_id: i for i, request_id in enumerate(inputs.pending_request_ids)}
+    pairs = [
+        (row, position[chunk.request.request_id])
+        for row, (_, chunk) in enumerate(sampling)
+        if chunk.request.request_id in position
+    ]
+    if not pairs:
+        return None
+    host_rows, host_sources = zip(*pairs, strict=True)
+    rows, sources = to_device([host_rows, host_sources], torch.long, device)  # [2, P]
+    return InFlightOutputs(rows, in_flight.token_ids.index_select(0, sources), host_rows)
 
 
 def apply_penalties(

@@ -133,7 +133,7 @@ def set_intra_op_threads(config: EngineConfig) -> None:
     run with one thread for the same reason."""
     import torch
 
-    from engine.model_runner import resolve_device
+    from engine.device_config import resolve_device
 
     threads = config.num_threads
     if not threads and resolve_device(config.device).type == "cuda":

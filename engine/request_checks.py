@@ -363,9 +363,8 @@ def _check_sampling_ranges(sampling: SamplingParams) -> None:
 
 def _check_some_token_is_allowed(sampling: SamplingParams, eos_token_ids: Sequence[int]) -> None:
     """Refuses `allowed_token_ids` that the request's own bans empty: bad words of one token
-    at every step, or EOS and stop tokens before `min_tokens` (engine/model_runner.py's
-    `_banned_token_ids`). With every logit -inf the sampler would pick id 0, a token the
-    request did not allow."""
+    at every step, or EOS and stop tokens before `min_tokens` (`engine/token_bans.py`).
+    With every logit -inf the sampler would pick id 0, a token the request did not allow."""
     allowed = sampling.allowed_token_ids
     if allowed is None:
         return

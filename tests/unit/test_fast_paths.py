@@ -7,7 +7,7 @@ import torch
 
 from engine.attention.base import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.model_runner import resolve_dtype
+from engine.device_config import resolve_dtype
 from engine.models.layers import RMSNorm, apply_rotary, apply_rotary_folded, rotary_tables
 from engine.protocol import SamplingParams
 from engine.request import Request

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.model_runner import ModelRunner, resolve_kv_cache_dtype
+from engine.device_config import resolve_kv_cache_dtype
+from engine.model_runner import ModelRunner
 from engine.tiny_model import make_tiny_model
 
 

@@ -1,0 +1,56 @@
+"""The torch device and dtypes that an EngineConfig's names (`--device`, `--dtype`,
+`--kv-cache-dtype`) resolve to on this machine."""
+
+from __future__ import annotations
+
+import functools
+import math
+from pathlib import Path
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_CACHE_DTYPES = ("auto", "fp8")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(
+    name: str, device: torch.device, checkpoint_dtype: str | None = None
+) -> torch.dtype:
+    """`auto`: bfloat16 on CUDA; on CPU bfloat16 only for a bfloat16 checkpoint on a CPU
+    with native bf16 matmuls (AVX512-BF16 / AMX: about 2x float32 there), else float32."""
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16
+        if checkpoint_dtype == "bfloat16" and cpu_has_native_bf16():
+            return torch.bfloat16
+        return torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, scale: float) -> torch.dtype:
+    """`auto`: the model dtype; `fp8`: float8_e4m3fn storing `x / scale` (1 byte/element)."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"unknown kv_cache_dtype {name!r}; choose one of {', '.join(KV_CACHE_DTYPES)}"
+        )
+    if not (scale > 0 and math.isfinite(scale)):
+        raise ValueError(f"kv_cache_scale must be a positive finite number, got {scale}")
+    return model_dtype if name == "auto" else torch.float8_e4m3fn
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """True when /proc/cpuinfo lists avx512_bf16 or amx_bf16 (False where it cannot be read)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
