@@ -39,12 +39,9 @@ budget grows to it at `add_request`, with a warning.
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import logging
 import time
-from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
@@ -53,6 +50,7 @@ from engine.errors import ContextLengthExceeded
 from engine.kv_cache_manager import KVCacheManager
 from engine.protocol import ErrorInfo, RequestOutput, SamplingParams, TokenLogprob
 from engine.request import MediaItem, Request, RequestStatus
+from engine.waiting_queue import PriorityQueue, WaitingQueue
 
 logger = logging.getLogger(__name__)
 
@@ -88,48 +86,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.chunks
-
-
-class WaitingQueue:
-    """The requests waiting to run, in arrival order; a preempted request goes first.
-    `peek` is the next to try."""
-
-    def __init__(self) -> None:
-        self._items: deque[Request] = deque()
-
-    def push(self, request: Request) -> None:  # a new arrival
-        self._items.append(request)
-
-    def push_front(self, request: Request) -> None:  # a preempted request
-        self._items.appendleft(request)
-
-    def peek(self) -> Request:
-        return self._items[0]
-
-    def pop(self) -> Request:
-        return self._items.popleft()
-
-    def remove(self, request: Request) -> None:
-        self._items.remove(request)
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __iter__(self) -> Iterator[Request]:
-        return iter(self._items)
-
-    def __contains__(self, request: object) -> bool:
-        return request in self._items
-
-
-class PriorityQueue(WaitingQueue):
-    """By `Request.urgency`: priority, then arrival (a preempted request keeps its place)."""
-
-    def push(self, request: Request) -> None:
-        bisect.insort(self._items, request, key=lambda r: r.urgency)
-
-    def push_front(self, request: Request) -> None:
-        self.push(request)
 
 
 @dataclass
