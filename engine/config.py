@@ -9,7 +9,10 @@ resolved config via `dataclasses.replace`, never mutated in place.
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 SMALL_BATCH_LINEAR_MAX_ROWS = 8  # the kernel's MAX_ROWS (kernels/triton/small_batch_linear.py)
@@ -64,14 +67,18 @@ class EngineConfig:
                 f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
             )
         # Zero or less left every request waiting forever (nothing could be scheduled), or
-        # failed inside the engine with a ZeroDivisionError.
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(
-                f"max_model_len must be positive (or unset: the model's), got {self.max_model_len}"
-            )
+        # failed inside the engine with a ZeroDivisionError; others failed only after the
+        # model had loaded (minutes on a GPU), or were taken as given.
+        check_ranges(
+            self,
+            positive=("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len",
+                      "kv_cache_memory_gib", "kv_cache_scale", "num_kv_blocks",
+                      "encoder_cache_tokens", "max_encoder_tokens_per_step",
+                      "cuda_graph_max_batch_size", "cuda_graph_max_seq_len", "num_threads",
+                      "feature_fetch_parallel", "feature_fetch_timeout_s", "max_feature_bytes",
+                      "grammar_lexer_fuel"),
+            non_negative=("feature_fetch_retries", "grammar_cache_size"),
+        )  # fmt: skip
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
@@ -82,10 +89,6 @@ class EngineConfig:
                 f"small_batch_linear_rows must be in [0, {SMALL_BATCH_LINEAR_MAX_ROWS}], "
                 f"got {self.small_batch_linear_rows}"
             )
-        if self.grammar_cache_size < 0:
-            raise ValueError(f"grammar_cache_size must be >= 0, got {self.grammar_cache_size}")
-        if self.grammar_lexer_fuel < 1:
-            raise ValueError(f"grammar_lexer_fuel must be positive, got {self.grammar_lexer_fuel}")
         # An idle engine goes round its loop every IDLE_POLL_MS (500 ms): a shorter timeout
         # would end an engine that is only waiting.
         if not (self.engine_step_timeout_s == 0 or self.engine_step_timeout_s >= 1):
@@ -93,8 +96,6 @@ class EngineConfig:
                 f"engine_step_timeout_s must be 0 (never) or at least 1, "
                 f"got {self.engine_step_timeout_s}"
             )
-        if self.kv_cache_memory_gib is not None and not self.kv_cache_memory_gib > 0:
-            raise ValueError(f"kv_cache_memory_gib must be positive, got {self.kv_cache_memory_gib}")
 
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)
@@ -104,3 +105,22 @@ class EngineConfig:
         if self.served_model_name:
             return self.served_model_name
         return self.model.rstrip("/").rsplit("/", 1)[-1]
+
+
+def check_ranges(
+    settings: Any, *, positive: Iterable[str] = (), non_negative: Iterable[str] = ()
+) -> None:
+    """Raises ValueError naming the first field of the dataclass `settings` out of its range:
+    any float that is not finite (NaN or infinity; no setting means "never" by it), then the
+    `positive` fields at 0 or below and the `non_negative` ones below 0. An unset (None)
+    optional field passes."""
+    for field in dataclasses.fields(settings):
+        value = getattr(settings, field.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{field.name} must be a finite number, got {value}")
+    for names, holds, wanted in ((positive, lambda v: v > 0, "positive"),
+                                 (non_negative, lambda v: v >= 0, ">= 0")):  # fmt: skip
+        for name in names:
+            value = getattr(settings, name)
+            if value is not None and not holds(value):
+                raise ValueError(f"{name} must be {wanted}, got {value}")

@@ -35,7 +35,7 @@ from typing import Any
 
 import yaml
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, check_ranges
 from engine.generation_defaults import SamplingDefaults
 from engine.logging_utils import LOG_FORMATS, LOG_LEVELS
 from engine.multimodal.chat_template import chat_template_from_setting
@@ -122,33 +122,22 @@ class ServerSettings:
             raise SettingsError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         if not 0 <= self.port <= 65535:
             raise SettingsError(f"port must be in 0..65535, got {self.port}")
-        for name in (
-            "max_request_body_bytes",
-            "max_image_bytes",
-            "max_video_bytes",
-            "max_header_bytes",
-            "max_video_frames",
-            "max_video_tokens",
-            "image_decode_threads",
-            "video_decode_threads",
-            "stream_interval",
-            "media_fetch_max_connections",
-            "media_fetch_max_connections_per_host",
-        ):
-            if (value := getattr(self, name)) is not None and value <= 0:
-                raise SettingsError(f"{name} must be positive")
-        if not self.video_fps > 0:
-            raise SettingsError("video_fps must be positive")
-        if self.media_fetch_timeout_s <= 0:
-            raise SettingsError("media_fetch_timeout_s must be positive")
-        for name in ("request_read_timeout_s", "timeout_keep_alive_s", "shutdown_timeout_s",
-                     "max_waiting_tokens"):  # fmt: skip
-            if not getattr(self, name) > 0:
-                raise SettingsError(f"{name} must be positive")
-        if self.max_waiting_requests < 0:
-            raise SettingsError("max_waiting_requests must be >= 0")
-        if not self.max_video_decode_seconds > 0:
-            raise SettingsError("max_video_decode_seconds must be positive")
+        try:
+            check_ranges(
+                self,
+                positive=("max_request_body_bytes", "max_image_bytes", "max_video_bytes",
+                          "max_header_bytes", "max_video_frames", "max_video_tokens",
+                          "image_decode_threads", "video_decode_threads", "stream_interval",
+                          "media_fetch_max_connections", "media_fetch_max_connections_per_host",
+                          "video_fps", "media_fetch_timeout_s", "request_read_timeout_s",
+                          "timeout_keep_alive_s", "shutdown_timeout_s", "max_waiting_tokens",
+                          "max_video_decode_seconds", "max_image_pixels",
+                          "engine_startup_timeout_s"),
+                non_negative=("max_waiting_requests", "max_images_per_request",
+                              "image_cache_mb", "media_fetch_max_redirects"),
+            )  # fmt: skip
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
         if (self.engine_inbox_address is None) != (self.engine_outbox_address is None):
             raise SettingsError("set both engine_inbox_address and engine_outbox_address, or none")
         if not 1 <= self.api_server_count <= MAX_API_SERVERS:

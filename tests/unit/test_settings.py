@@ -236,3 +236,36 @@ def test_an_engine_step_timeout_shorter_than_the_idle_poll_is_refused() -> None:
     with pytest.raises(SettingsError, match="engine_step_timeout_s must be 0"):
         load_settings(["--engine-step-timeout-s", "0.3"], {})
     assert load_settings(["--engine-step-timeout-s", "0"], {}).engine.engine_step_timeout_s == 0
+
+
+@pytest.mark.parametrize(
+    "flag,value",
+    [("--media-fetch-timeout-s", "nan"), ("--shutdown-timeout-s", "inf"),
+     ("--video-fps", "inf"), ("--kv-cache-memory-gib", "inf"),
+     ("--engine-startup-timeout-s", "nan"), ("--engine-startup-timeout-s", "-1"),
+     ("--kv-cache-scale", "0"), ("--kv-cache-scale", "nan"),
+     ("--feature-fetch-timeout-s", "0"), ("--feature-fetch-retries", "-1"),
+     ("--feature-fetch-parallel", "0"), ("--max-feature-bytes", "0"),
+     ("--num-kv-blocks", "0"), ("--num-threads", "0"), ("--encoder-cache-tokens", "-1"),
+     ("--max-encoder-tokens-per-step", "0"), ("--cuda-graph-max-batch-size", "0"),
+     ("--cuda-graph-max-seq-len", "-1"), ("--max-image-pixels", "0"),
+     ("--max-images-per-request", "-1"), ("--image-cache-mb", "-1"),
+     ("--media-fetch-max-redirects", "-1")],
+)  # fmt: skip
+def test_every_limit_out_of_its_range_is_refused_at_start_up(flag: str, value: str) -> None:
+    """Each was accepted: a NaN fetch deadline, a start-up deadline of -1 s, a KV scale of 0
+    (found only after the model loaded), no KV blocks (after loading too), and negative
+    sizes of caches and redirects taken as given."""
+    name = flag.removeprefix("--").replace("-", "_")
+    with pytest.raises(SettingsError, match=name):
+        load_settings([flag, value], {})
+
+
+def test_zero_still_means_off_or_none_where_a_limit_says_so() -> None:
+    settings = load_settings(
+        ["--feature-fetch-retries", "0", "--max-images-per-request", "0", "--image-cache-mb", "0",
+         "--media-fetch-max-redirects", "0", "--grammar-cache-size", "0", "--engine-step-timeout-s",
+         "0", "--num-threads", "none", "--num-kv-blocks", "none"], {},
+    )  # fmt: skip
+    assert settings.image_cache_mb == 0 and settings.engine.feature_fetch_retries == 0
+    assert settings.engine.num_kv_blocks is None and settings.engine.num_threads is None
