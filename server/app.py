@@ -85,6 +85,7 @@ class AppState:
     model_name: str
     max_model_len: int
     vocab_size: int
+    eos_token_ids: tuple[int, ...] = ()  # the engine's: the model's EOS and generation_config's
     sampling_defaults: SamplingDefaults = OPENAI_DEFAULTS  # --generation-config
 
     def check_model(self, model: str | None) -> None:
@@ -201,6 +202,7 @@ def build_app(
             model_name=model_name,
             max_model_len=ready.max_model_len,
             vocab_size=ready.vocab_size,
+            eos_token_ids=tuple(ready.eos_token_ids),
             sampling_defaults=sampling_defaults,
         )
         cpu_counter = asyncio.create_task(_count_api_cpu(metrics), name="api-cpu")

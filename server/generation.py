@@ -334,6 +334,7 @@ async def generate_choices(
     keep_output: bool = True,
     score_prompt_once: bool = True,
     tokens_per_wake: int | None = 1,
+    eos_token_ids: Sequence[int] = (),
 ) -> AsyncIterator[ChoiceDelta]:
     """Yield text deltas of all choices until every choice has finished. Without
     `keep_output` the generated tokens are dropped as they come (a prompt-only answer:
@@ -368,7 +369,9 @@ async def generate_choices(
                 raise EngineDeadError("the engine failed while serving the request") from item
             if not keep_output:
                 item = msgspec.structs.replace(item, new_token_ids=[], logprobs=None)
-            delta = _apply_output(detokenizers[index], index, item, totals, sampling, prompt)
+            delta = _apply_output(
+                detokenizers[index], index, item, totals, sampling, prompt, eos_token_ids
+            )
             if delta.finish_reason is not None:
                 finished[index] = True
                 totals.finish_reasons.append(delta.finish_reason)
@@ -388,6 +391,7 @@ def _apply_output(
     totals: GenerationTotals,
     sampling: SamplingParams,
     prompt: PreparedPrompt,
+    eos_token_ids: Sequence[int],
 ) -> ChoiceDelta:
     if output.error is not None:
         raise error_info_to_exception(output.error, prompt.media_params)
@@ -397,10 +401,13 @@ def _apply_output(
         totals.prompt_logprobs = output.prompt_logprobs
     totals.note_output(index, output)
     new_token_ids = output.new_token_ids
-    # A stop token (stop_token_ids) ends the answer without its text, as vLLM's does unless
-    # include_stop_str_in_output; it still counts, with its logprob and as stop_reason.
-    ends_on_stop_token = (output.finish_reason == FinishReason.STOP and bool(new_token_ids)
-                          and new_token_ids[-1] in sampling.stop_token_ids
+    # A stop token (stop_token_ids) or EOS ends the answer without its text, as vLLM's does
+    # unless include_stop_str_in_output (whatever skip_special_tokens says); it still
+    # counts, with its logprob (a stop token also as stop_reason).
+    last = new_token_ids[-1] if new_token_ids else None
+    ends_on_stop_token = (output.finish_reason == FinishReason.STOP and last is not None
+                          and (last in sampling.stop_token_ids
+                               or (last in eos_token_ids and not sampling.ignore_eos))
                           and not detokenizer.include_stop)  # fmt: skip
     text, taken = detokenizer.step_until_stop(
         new_token_ids[:-1] if ends_on_stop_token else new_token_ids

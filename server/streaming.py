@@ -67,6 +67,7 @@ class GenerationJob:
     # Tokens a delta waits for after the first (--stream-interval); None: the answer is
     # read only once it has ended (not streamed, no stop strings to look for).
     tokens_per_wake: int | None = 1
+    eos_token_ids: tuple[int, ...] = ()  # an answer ending on one leaves its text out
     created: int = field(default_factory=lambda: int(time.time()))
 
     def reasoning_splitter(self) -> ReasoningSplitter | None:
@@ -183,6 +184,7 @@ def run_job(
         priority=job.priority,
         include_stop=job.include_stop,
         keep_output=not job.prompt_only,
+        eos_token_ids=job.eos_token_ids,
         score_prompt_once=not scores_per_choice,
         tokens_per_wake=job.tokens_per_wake,
     )

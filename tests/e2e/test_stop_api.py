@@ -95,6 +95,32 @@ def test_a_stop_token_is_the_stop_reason(http):
     assert completion(http, stop_token_ids=[stop_id])["usage"]["completion_tokens"] == 4
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_the_eos_text_is_left_out_even_with_special_tokens_shown(http, path):
+    """EOS ends an answer as a stop token does: vLLM leaves its text out unless
+    include_stop_str_in_output, whatever skip_special_tokens says. '<|im_end|>' was kept."""
+    eos = http.post("/tokenize", json={"model": MODEL_NAME, "prompt": "<|im_end|>"}).json()
+    (eos_id,) = eos["tokens"]
+    fields = {"ignore_eos": False, "logit_bias": {str(eos_id): 100}, "skip_special_tokens": False}
+    body = {**GREEDY, **fields}
+    body.update({"messages": MESSAGES} if "chat" in path else {"prompt": "A dog in"})
+
+    def text(**extra) -> str:
+        response = http.post(path, json={**body, **extra})
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", None)
+        assert response.json()["usage"]["completion_tokens"] == 1
+        return choice["message"]["content"] if "chat" in path else choice["text"]
+
+    assert text() == ""
+    assert text(include_stop_str_in_output=True) == "<|im_end|>"
+    chunks = events(http, path, body)
+    pieces = [c["choices"][0].get("text") or c["choices"][0].get("delta", {}).get("content")
+              for c in chunks if c["choices"]]  # fmt: skip
+    assert "".join(p or "" for p in pieces) == ""
+
+
 def detokenized(http, token_ids: list[int]) -> str:
     response = http.post("/detokenize", json={"model": MODEL_NAME, "tokens": token_ids})
     return response.json()["prompt"]
