@@ -61,9 +61,9 @@ def completion_response(
 ) -> CompletionResponse:
     choices = []
     for i, result in enumerate(results):
-        echoed, logprobs, scores = echo.first(
-            processor.tokenizer, job.prompt.token_ids, totals.prompt_logprobs, result.logprobs
-        )
+        echoed, logprobs, scores = echo.first(processor.tokenizer, job.prompt.token_ids,
+                                              totals.prompt_logprobs, result.logprobs,
+                                              result.text_offsets)  # fmt: skip
         choices.append(
             CompletionChoice(
                 index=i,

@@ -67,6 +67,15 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._token_ids)
         return full_text[len(prefix_text) :]
 
+    @property
+    def is_holding(self) -> bool:
+        """Whether tokens wait for text (the start of a character; a skipped special token)."""
+        return len(self._token_ids) > self._read_offset
+
+    def text_alone(self, token_id: int) -> str:
+        """One token's text decoded by itself."""
+        return self._decode((token_id,))
+
     def finish(self) -> str:
         """Flush held-back text at the end of the sequence (may contain U+FFFD if the
         model really produced invalid UTF-8)."""
@@ -165,6 +174,7 @@ class SequenceDetokenizer:
         skip_special_tokens: bool = True,
         min_tokens: int = 0,
         include_stop: bool = False,
+        track_offsets: bool = False,
     ):
         self._detokenizer = IncrementalDetokenizer(
             tokenizer, prompt_token_ids, skip_special_tokens=skip_special_tokens
@@ -173,6 +183,11 @@ class SequenceDetokenizer:
         self._min_tokens = min_tokens
         self._num_tokens = 0
         self.text = ""
+        # With `track_offsets`: where each token's text starts in the sequence's text (a
+        # special token left out, or the first bytes of a character a later token ends,
+        # add nothing), counted before stop strings hold text back.
+        self.text_offsets: list[int] | None = [] if track_offsets else None
+        self._num_decoded_chars = 0
 
     @property
     def is_stopped(self) -> bool:
@@ -190,6 +205,7 @@ class SequenceDetokenizer:
     def step(self, new_token_ids: Sequence[int]) -> str:
         self._num_tokens += len(new_token_ids)
         delta = self._detokenizer.step(new_token_ids)
+        self._num_decoded_chars += len(delta)
         text = delta if self._num_tokens <= self._min_tokens else self._stop.feed(delta).text
         self.text += text
         return text
@@ -197,15 +213,36 @@ class SequenceDetokenizer:
     def step_until_stop(self, new_token_ids: Sequence[int]) -> tuple[str, int]:
         """`step`, and how many of `new_token_ids` it took: with stop strings, tokens go
         in one by one and those after the one that completes a stop string are left out
-        (they are no part of the answer: not counted, no logprobs)."""
-        if not self._stop.has_stops or len(new_token_ids) < 2:
+        (they are no part of the answer: not counted, no logprobs). With `track_offsets`
+        every token goes in alone, its offset noted first."""
+        if self.text_offsets is None and (not self._stop.has_stops or len(new_token_ids) < 2):
             return self.step(new_token_ids), len(new_token_ids)
         text = ""
         for taken, token_id in enumerate(new_token_ids, start=1):
-            text += self.step((token_id,))
+            text += self._step_one(token_id)
             if self.is_stopped:
                 return text, taken
         return text, len(new_token_ids)
+
+    def _step_one(self, token_id: int) -> str:
+        """`step` with one token, noting its offset with `track_offsets`: where the text
+        so far ends, or, when its text comes out with held-back text (bytes that turned
+        out to be no character), the end of that held text."""
+        if self.text_offsets is None:
+            return self.step((token_id,))
+        start, held = self._num_decoded_chars, self._detokenizer.is_holding
+        text = self.step((token_id,))
+        if held:
+            released = self._num_decoded_chars - start
+            start += max(0, released - len(self._detokenizer.text_alone(token_id)))
+        self.text_offsets.append(start)
+        return text
+
+    def note_token_offset(self) -> None:
+        """With `track_offsets`, note where the next token's text starts (also for a token
+        that is counted but not decoded: a stop token left out of the text)."""
+        if self.text_offsets is not None:
+            self.text_offsets.append(self._num_decoded_chars)
 
     def finish(self) -> str:
         """Flush all held text; call once when the engine reports the sequence finished."""

@@ -78,6 +78,8 @@ class ChoiceDelta:
     token_ids: list[int]
     logprobs: list[TokenLogprob]
     finish_reason: str | None = None
+    # With `text_offsets`: where each token's text starts in the choice's text.
+    text_offsets: list[int] = field(default_factory=list)
     # vLLM's: the stop string or stop token id that finished the choice (None for EOS,
     # a grammar's end or the length limit).
     stop_reason: str | int | None = None
@@ -335,6 +337,7 @@ async def generate_choices(
     score_prompt_once: bool = True,
     tokens_per_wake: int | None = 1,
     eos_token_ids: Sequence[int] = (),
+    text_offsets: bool = False,
 ) -> AsyncIterator[ChoiceDelta]:
     """Yield text deltas of all choices until every choice has finished. Without
     `keep_output` the generated tokens are dropped as they come (a prompt-only answer:
@@ -353,6 +356,7 @@ async def generate_choices(
             skip_special_tokens=skip_special_tokens,
             min_tokens=sampling.min_tokens,
             include_stop=include_stop,
+            track_offsets=text_offsets,
         )
         for _ in range(n)
     ]
@@ -409,10 +413,12 @@ def _apply_output(
                           and (last in sampling.stop_token_ids
                                or (last in eos_token_ids and not sampling.ignore_eos))
                           and not detokenizer.include_stop)  # fmt: skip
+    first_offset = len(detokenizer.text_offsets or ())
     text, taken = detokenizer.step_until_stop(
         new_token_ids[:-1] if ends_on_stop_token else new_token_ids
     )
     if ends_on_stop_token and not detokenizer.is_stopped:
+        detokenizer.note_token_offset()
         taken += 1
     token_ids = list(new_token_ids[:taken])
     totals.num_generated_tokens += taken
@@ -436,6 +442,7 @@ def _apply_output(
         logprobs=list(output.logprobs or [])[:taken],
         finish_reason=finish_reason,
         stop_reason=stop_reason,
+        text_offsets=(detokenizer.text_offsets or [])[first_offset:],
     )
 
 

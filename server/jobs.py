@@ -85,6 +85,7 @@ def build_job(state: AppState, body: Any, prompt: Any, *, prefix: str) -> Genera
         continuous_usage=body.continuous_usage,
         tokens_as_ids=body.return_tokens_as_token_ids,
         prompt_only=getattr(body, "prompt_only", False),
+        text_offsets=getattr(body, "wants_text_offsets", False),
         tools=_tool_plan(state, body),
         thinking_opened=thinking_opened,
         priority=body.priority,

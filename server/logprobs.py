@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import codecs
 from collections.abc import Sequence
 
 from tokenizers import Tokenizer
 
 from engine.protocol import TokenLogprob
-from server.detokenizer import token_bytes
+from server.detokenizer import SequenceDetokenizer, token_bytes
 from server.openai_replies import (
     ChoiceLogprobs,
     CompletionLogprobs,
@@ -51,27 +50,38 @@ def chat_logprobs(
 def completion_logprobs(
     tokenizer: Tokenizer,
     entries: Sequence[TokenLogprob],
-    text_offset: int = 0,
+    text_offsets: Sequence[int],
     *,
     as_ids: bool = False,
 ) -> CompletionLogprobs:
-    """The legacy `/v1/completions` logprobs shape (parallel lists); `text_offset` counts
-    the tokens' text even when they are named by id. A token that ends inside a UTF-8
-    character adds nothing to the offset until a later one completes the character (the
-    tokens of one character share its offset), so offsets index the returned text."""
-    result = CompletionLogprobs()
-    offset = text_offset
-    characters = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    """The legacy `/v1/completions` logprobs shape (parallel lists). `text_offsets`, one
+    per entry, is where each token's text starts in the returned text (the detokenizer's
+    `SequenceDetokenizer.text_offsets`, or `echoed_text_offsets`), also when the tokens
+    are named by id."""
+    result = CompletionLogprobs(text_offset=list(text_offsets))
     for entry in entries:
-        name, raw = _token_name(tokenizer, entry.token_id, as_ids)
+        name, _ = _token_name(tokenizer, entry.token_id, as_ids)
         result.tokens.append(name)
         result.token_logprobs.append(entry.logprob)
         result.top_logprobs.append(
             {_token_name(tokenizer, tid, as_ids)[0]: lp for tid, lp in entry.top}
         )
-        result.text_offset.append(offset)
-        offset += len(characters.decode(bytes(raw)))
     return result
+
+
+def echoed_text_offsets(tokenizer: Tokenizer, token_ids: Sequence[int], echoed: str) -> list[int]:
+    """Where each prompt token's text starts in `echoed`, the prompt's text as the answer
+    echoes it. The tokens are decoded one by one as generated ones are (special tokens
+    shown); tokens the tokenizer added that the prompt string lacks (a BOS before it, an
+    EOS after it) take no room: their offsets are the echo's start or end."""
+    detokenizer = SequenceDetokenizer(tokenizer, skip_special_tokens=False, track_offsets=True)
+    detokenizer.step_until_stop(token_ids)
+    decoded = detokenizer.text + detokenizer.finish()
+    offsets = detokenizer.text_offsets or []
+    if decoded != echoed and decoded.endswith(echoed):
+        added = len(decoded) - len(echoed)
+        offsets = [max(0, offset - added) for offset in offsets]
+    return [min(offset, len(echoed)) for offset in offsets]
 
 
 def prompt_logprobs(
@@ -107,14 +117,16 @@ def echoed_prompt_logprobs(
     prompt_token_ids: Sequence[int],
     scores: Sequence[TokenLogprob],
     num_top: int,
+    echoed: str,
     *,
     as_ids: bool = False,
 ) -> CompletionLogprobs:
-    """The legacy logprobs of an echoed prompt (`num_top` alternatives each): its first
-    token has no logprob (None)."""
+    """The legacy logprobs of an echoed prompt (`num_top` alternatives each), whose text
+    is `echoed`: its first token has no logprob (None)."""
     entries = [TokenLogprob(prompt_token_ids[0], 0.0)]
     entries += [TokenLogprob(s.token_id, s.logprob, s.top[:num_top]) for s in scores]
-    result = completion_logprobs(tokenizer, entries, as_ids=as_ids)
+    offsets = echoed_text_offsets(tokenizer, prompt_token_ids, echoed)
+    result = completion_logprobs(tokenizer, entries, offsets, as_ids=as_ids)
     result.token_logprobs[0] = None
     result.top_logprobs[0] = None
     return result

@@ -539,6 +539,11 @@ class CompletionRequest(SamplingFields):
         return self.max_tokens == 0
 
     @property
+    def wants_text_offsets(self) -> bool:
+        """The legacy logprobs' `text_offset`: where each token's text starts."""
+        return self.logprobs is not None
+
+    @property
     def requested_max_tokens(self) -> int | None:
         return 1 if self.prompt_only else self.max_tokens
 

@@ -42,10 +42,13 @@ class PromptEcho:
                    request.return_tokens_as_token_ids)  # fmt: skip
 
     def logprobs(
-        self, tokenizer: Tokenizer, entries: list[TokenLogprob], text_offset: int
+        self, tokenizer: Tokenizer, entries: list[TokenLogprob], text_offsets: list[int]
     ) -> CompletionLogprobs:
-        """The legacy logprobs of generated tokens whose text starts at `text_offset`."""
-        return completion_logprobs(tokenizer, entries, text_offset, as_ids=self.tokens_as_ids)
+        """The legacy logprobs of generated tokens whose text starts at `text_offsets` of
+        the generated text (after the echo, if any)."""
+        echoed = len(self.text or "")
+        offsets = [echoed + offset for offset in text_offsets]
+        return completion_logprobs(tokenizer, entries, offsets, as_ids=self.tokens_as_ids)
 
     def first(
         self,
@@ -53,16 +56,18 @@ class PromptEcho:
         prompt_token_ids: list[int],
         scores: list[TokenLogprob] | None,
         entries: list[TokenLogprob],
+        text_offsets: list[int],
     ) -> tuple[str, CompletionLogprobs | None, list | None]:
-        """The echoed text, the logprobs of it and of the first `entries`, and vLLM's
-        prompt_logprobs."""
+        """The echoed text, the logprobs of it and of the first `entries` (their text at
+        `text_offsets` of the generated text), and vLLM's prompt_logprobs."""
         echoed = self.text or ""
         logprobs = None
         if self.num_logprobs is not None:
-            logprobs = self.logprobs(tokenizer, entries, len(echoed))
+            logprobs = self.logprobs(tokenizer, entries, text_offsets)
             if self.text is not None:
                 prompt = echoed_prompt_logprobs(tokenizer, prompt_token_ids, scores or [],
-                                                self.num_logprobs, as_ids=self.tokens_as_ids)  # fmt: skip
+                                                self.num_logprobs, self.text,
+                                                as_ids=self.tokens_as_ids)  # fmt: skip
                 logprobs = CompletionLogprobs(
                     tokens=prompt.tokens + logprobs.tokens,
                     token_logprobs=prompt.token_logprobs + logprobs.token_logprobs,

@@ -59,6 +59,7 @@ class GenerationJob:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats
     tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprobs name "token_id:{id}"
     prompt_only: bool = False  # echo with max_tokens 0: the generated token is left out
+    text_offsets: bool = False  # completions' logprobs: each token's place in the text
     tools: ToolPlan | None = None  # chat with tools: answers are parsed for tool calls
     # chat with a reasoning parser: None (plain answers), or whether the prompt opened the
     # thinking already (server/reasoning.py)
@@ -83,6 +84,7 @@ class ChoiceResult:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    text_offsets: list[int] = field(default_factory=list)  # GenerationJob.text_offsets
     num_tokens: int = 0
 
 
@@ -185,6 +187,7 @@ def run_job(
         include_stop=job.include_stop,
         keep_output=not job.prompt_only,
         eos_token_ids=job.eos_token_ids,
+        text_offsets=job.text_offsets,
         score_prompt_once=not scores_per_choice,
         tokens_per_wake=job.tokens_per_wake,
     )
@@ -199,6 +202,7 @@ async def collect(
         result = results[delta.index]
         result.text += delta.text
         result.logprobs.extend(delta.logprobs)
+        result.text_offsets.extend(delta.text_offsets)
         result.num_tokens += len(delta.token_ids)
         if delta.finish_reason is not None:
             result.finish_reason = delta.finish_reason
@@ -287,7 +291,7 @@ async def stream_completion(
 ) -> AsyncIterator[bytes]:
     """Each choice's first chunk carries what `echo` shows of the prompt."""
     totals = GenerationTotals(num_prompt_tokens=len(job.prompt.token_ids))
-    offsets: list[int | None] = [None] * job.n  # None: the choice's first chunk is to come
+    started = [False] * job.n  # whether the choice's first chunk (with the echo) went out
     chunk = _ChunkWriter(job, "text_completion", totals)
 
     with counted_if_left(totals, job.n, on_finished):
@@ -298,26 +302,24 @@ async def stream_completion(
                     yield piece
                     return
                 index = piece.index
-                offset = offsets[index]
                 # A piece with no text may still carry logprobs (its text is held back).
                 has_logprobs = echo.num_logprobs is not None and piece.logprobs
-                is_first = offset is None
+                is_first = not started[index]
                 if not (piece.text or piece.finish_reason or is_first or has_logprobs):
                     continue
                 choice: dict[str, Any] = {"index": index, "text": piece.text}
                 if is_first:
-                    echoed, logprobs, scores = echo.first(
-                        tokenizer, job.prompt.token_ids, totals.prompt_logprobs, piece.logprobs
-                    )
+                    echoed, logprobs, scores = echo.first(tokenizer, job.prompt.token_ids,
+                                                          totals.prompt_logprobs, piece.logprobs,
+                                                          piece.text_offsets)  # fmt: skip
                     choice["text"] = echoed + piece.text
-                    offset = len(echoed)
+                    started[index] = True
                     if scores is not None:
                         choice["prompt_logprobs"] = prompt_logprobs_json(scores)
                 elif echo.num_logprobs is not None:
-                    logprobs = echo.logprobs(tokenizer, piece.logprobs, offset)
+                    logprobs = echo.logprobs(tokenizer, piece.logprobs, piece.text_offsets)
                 else:
                     logprobs = None
-                offsets[index] = offset + len(piece.text)
                 choice["logprobs"] = None if logprobs is None else dump(logprobs)
                 choice["finish_reason"] = piece.finish_reason
                 if piece.finish_reason is not None:

@@ -76,6 +76,22 @@ def test_tokenize_counts_what_completions_run(server, model_dir):
     assert without["tokens"] == tokenizer("Once upon a time", add_special_tokens=False)["input_ids"]
 
 
+def test_echoed_text_offsets_index_the_echo_past_a_bos(client, model_dir):
+    """A Llama tokenizer adds a BOS the prompt string lacks: its offset is the echo's start
+    and it takes no room. Before, the prompt's offsets counted the BOS's name (13 past
+    their text) and the completion's went back to the echo's end."""
+    prompt = "Once upon a time"
+    choice = client.completions.create(model=MODEL_NAME, prompt=prompt, echo=True, logprobs=0,
+                                       **GREEDY).choices[0]  # fmt: skip
+    text, tokens = choice.text, choice.logprobs.tokens
+    offsets = choice.logprobs.text_offset
+    assert text.startswith(prompt) and offsets == sorted(offsets) and offsets[0] == 0
+    words = [(token, offset) for token, offset in zip(tokens, offsets, strict=True)
+             if token.strip() and token.isascii() and not token.startswith("<|")]  # fmt: skip
+    assert len(words) > 3
+    assert all(text[offset : offset + len(token)] == token for token, offset in words)
+
+
 def test_an_image_part_is_a_400_and_the_server_goes_on(server, client):
     image = {"type": "image_url", "image_url": {"url": data_url(png_bytes(picture(56, 56, 2)),
                                                                 "image/png")}}  # fmt: skip

@@ -194,19 +194,35 @@ def test_tokens_after_a_stop_string_are_no_part_of_the_answer(tokenizer):
     assert detokenizer.step_until_stop(ids) == (detokenizer.text, len(ids))
 
 
-def test_completion_text_offsets_index_the_text_through_multibyte_characters(tokenizer):
-    """Each token's text_offset is where its text starts in the returned text; the tokens
-    of one character share its offset. They counted each U+FFFD piece as a character and
-    ran past the text (0..17 for 10 characters, then the completion restarted at 10)."""
-    from engine.protocol import TokenLogprob
-    from server.logprobs import completion_logprobs
+def test_text_offsets_index_the_text_through_multibyte_characters(tokenizer):
+    """Each token's text offset is where its text starts in the text; the tokens of one
+    character share its offset. They counted each U+FFFD piece as a character and ran past
+    the text (0..17 for 10 characters, then the completion restarted at 10)."""
+    from server.logprobs import echoed_text_offsets
 
     text = "héllo 世界 🙂 ok"
     ids = tokenizer.encode(text, add_special_tokens=False).ids
     assert any("\ufffd" in tokenizer.decode([i]) for i in ids)  # some token splits a character
-    offsets = completion_logprobs(tokenizer, [TokenLogprob(i, -1.0) for i in ids]).text_offset
+    detokenizer = SequenceDetokenizer(tokenizer, track_offsets=True)
+    for token_id in ids:  # one by one, as a stream brings them, or all at once: the same
+        detokenizer.step_until_stop([token_id])
+    offsets = detokenizer.text_offsets
     assert offsets == sorted(offsets) and offsets[0] == 0 and offsets[-1] < len(text)
     for index, offset in enumerate(offsets):  # a prefix cut inside a character: U+FFFD
         assert tokenizer.decode(ids[:index]).rstrip("\ufffd") == text[:offset]
-    then = completion_logprobs(tokenizer, [TokenLogprob(ids[0], -1.0)], text_offset=len(text))
-    assert then.text_offset == [len(text)]  # a completion after the echoed prompt goes on
+    whole = SequenceDetokenizer(tokenizer, track_offsets=True)
+    whole.step_until_stop(ids)
+    assert whole.text_offsets == offsets == echoed_text_offsets(tokenizer, ids, text)
+
+
+def test_a_token_released_with_bytes_that_were_no_character_starts_after_them(tokenizer):
+    """Two lone bytes are held back (they might start a character) and come out as U+FFFD
+    with the next token's text: that token starts after them, not where they do."""
+    lone = tokenizer.encode("é", add_special_tokens=False).ids
+    word = tokenizer.encode(" the", add_special_tokens=False).ids
+    ids = [lone[1], lone[0], *word]  # a continuation byte, then a lead byte, then a word
+    detokenizer = SequenceDetokenizer(tokenizer, track_offsets=True)
+    detokenizer.step_until_stop(ids)
+    text = detokenizer.text + detokenizer.finish()
+    assert text == "\ufffd\ufffd the"
+    assert detokenizer.text_offsets[-1] == 2 and text[2:] == " the"
