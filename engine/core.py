@@ -254,6 +254,7 @@ class EngineCore:
                 )
                 encoder_seconds = result.encoder_seconds
                 num_items, num_batches = result.num_encoder_items, result.num_encoder_batches
+        self._forget_unstored_media(step.scheduler_output)
         stats = self._stats(
             num_scheduled_tokens=step.scheduler_output.num_scheduled_tokens,
             step_seconds=self._step_seconds(step),
@@ -307,6 +308,16 @@ class EngineCore:
                 logger.exception("could not admit request %s", request.request_id)
                 outputs.append(request.unscheduled_output(FinishReason.ERROR, error_info(exc)))
         return outputs
+
+    def _forget_unstored_media(self, scheduler_output: SchedulerOutput) -> None:
+        """The step's new encoder entries whose rows the runner does not hold (the encode
+        failed, or the whole step did) are forgotten: a later request with the item
+        encodes it again instead of finding an entry with nothing behind it."""
+        store = self.runner.encoder_cache
+        lost = [m.content_hash for m in scheduler_output.media_to_encode
+                if m.content_hash not in store]  # fmt: skip
+        if lost:
+            self.scheduler.forget_media(lost)
 
     def _fail_step(self, scheduler_output: SchedulerOutput) -> list[RequestOutput]:
         failure = error_info(RuntimeError())

@@ -10,8 +10,10 @@ chunk then takes its slice of rows:
 `EncoderCacheManager` (pure Python, used by the scheduler) decides what is held:
 a token budget; each entry is referenced by the requests that still need it; an
 entry with no references sits in an LRU list and is evicted only to make room.
-An entry a running request still needs is never evicted. Evicted hashes are
-handed to the model runner, which drops them from the `EncoderCache` tensor store.
+An entry a running request still needs is never evicted, nor one a request holds
+from admission because nothing else can serve it (`MediaItem.cached_only`). Evicted
+hashes are handed to the model runner, which drops them from the `EncoderCache` tensor
+store; an entry whose rows never came (a failed encode) is forgotten.
 """
 
 from __future__ import annotations
@@ -66,6 +68,16 @@ class EncoderCacheManager:
         refs.discard(request_id)
         if not refs:
             self._unreferenced[content_hash] = None
+
+    def forget(self, content_hashes: Collection[str]) -> None:
+        """Drops entries whose rows never reached the tensor store (their encode failed,
+        or their step did), references and all: a later request must encode its item again
+        rather than find an entry with nothing behind it."""
+        for content_hash in content_hashes:
+            if (num_tokens := self._num_tokens.pop(content_hash, None)) is not None:
+                self.num_used_tokens -= num_tokens
+                del self._refs[content_hash]
+                self._unreferenced.pop(content_hash, None)
 
     def is_referenced_by(self, content_hash: str, request_id: str) -> bool:
         return request_id in self._refs.get(content_hash, ())

@@ -70,6 +70,10 @@ class MediaItem:
     # Set where it moves the span's positions (a Qwen2.5-VL video): the same content at
     # another time spacing has other KV, so the prefix-cache key includes it.
     second_per_grid_t: float | None = None
+    # Neither pixels nor features (a uuid-only part, or an item the server knows cached):
+    # only its cached encoding can serve it, so its request holds that encoding from
+    # admission to its finish, through waiting and preemption (Scheduler.add_request).
+    cached_only: bool = False
 
     @property
     def end(self) -> int:

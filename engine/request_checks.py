@@ -208,6 +208,7 @@ class RequestBuilder:
             pixel_values,
             media.normalization if pixel_values is not None else None,
             second_per_grid_t=media.second_per_grid_t if is_timed else None,
+            cached_only=pixel_values is None and media.feature is None,
         )
 
     def _check_placeholders(self, prompt: list[int], media: list[MediaItem]) -> None:

@@ -32,7 +32,9 @@ max_tokens is not scheduled again, and one stopped by a token it did not know ye
 its extra row dropped in `update`.
 
 Encoder references: a request holds one only while a span of that item is part-way
-computed, so a request waiting for encoder room never holds room itself. An item
+computed, so a request waiting for encoder room never holds room itself. The exception
+is an item only the cache can serve (`MediaItem.cached_only`: a uuid-only part): it is
+held from `add_request` to the finish, through preemption, and needs no new room. An item
 larger than `encoder_cache_tokens` or `max_encoder_tokens_per_step` still runs: the
 budget grows to it at `add_request`, with a warning.
 """
@@ -42,11 +44,12 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.encoder_cache import EncoderCacheManager
-from engine.errors import ContextLengthExceeded
+from engine.errors import ContextLengthExceeded, MediaError
 from engine.kv_cache_manager import KVCacheManager
 from engine.protocol import ErrorInfo, RequestOutput, SamplingParams, TokenLogprob
 from engine.request import MediaItem, Request, RequestStatus
@@ -134,6 +137,17 @@ class Scheduler:
             )
         for media in request.media:
             self._fit_encoder_budgets(media.num_tokens)
+        for content_hash in _cached_only_hashes(request):
+            if not self.encoder_cache.has(content_hash):
+                raise MediaError(
+                    f"unknown media uuid {content_hash.removeprefix('uuid:')!r}: its cached "
+                    "encoding was evicted; send the media with its uuid again",
+                    code="unknown_media_uuid",
+                )
+        for content_hash in _cached_only_hashes(request):
+            self.encoder_cache.acquire(content_hash, request.request_id)
+            self.counters.encoder_cache_queries += 1
+            self.counters.encoder_cache_hits += 1
         self.requests[request.request_id] = request
         request.queued_time = time.monotonic()
         request.queue_order = next(self._queue_order)
@@ -176,6 +190,10 @@ class Scheduler:
         request.error = error
         self._finish(request, RequestStatus.FINISHED_ERROR)
         return self._output(request, [])
+
+    def forget_media(self, content_hashes: Collection[str]) -> None:
+        """Entries whose rows the runner never stored (engine/core.py, after a step)."""
+        self.encoder_cache.forget(content_hashes)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -445,22 +463,24 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         self.kv.free(request, keep_cached=status != RequestStatus.FINISHED_ERROR)
-        self._release_media(request, everything=True)
+        self._release_media(request, everything=True, finished=True)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         self.requests.pop(request.request_id, None)
 
-    def _release_media(self, request: Request, *, everything: bool) -> None:
-        """Drops encoder references a request no longer needs (spans already in its KV)."""
+    def _release_media(self, request: Request, *, everything: bool, finished: bool = False) -> None:
+        """Drops encoder references a request no longer needs (spans already in its KV;
+        `everything`: preempted or finished). A cached-only item stays held until the
+        request has `finished`: recomputed after a preemption, it needs the entry again."""
         # The same image twice: its hash stays referenced while a later span of it is
         # part-way done (only part-way spans hold references, so no request can wait
-        # on room that it holds itself).
+        # on room that it holds itself; a cached-only item needs no room).
         computed = request.num_computed_tokens
-        still_needed = set()
+        still_needed = set() if finished else _cached_only_hashes(request)
         if not everything:
-            still_needed = {m.content_hash for m in request.media if m.offset < computed < m.end}
+            still_needed |= {m.content_hash for m in request.media if m.offset < computed < m.end}
         for media in request.media:
             if media.content_hash not in still_needed and (everything or media.end <= computed):
                 self.encoder_cache.release(media.content_hash, request.request_id)
@@ -493,6 +513,15 @@ class Scheduler:
             num_cached_tokens=request.num_cached_tokens,
             **request.phase_seconds(time.monotonic()),
         )
+
+
+def _cached_only_hashes(request: Request) -> set[str]:
+    """The entries only the cache can serve to `request` (none of its items carries
+    their pixels or features)."""
+    if not any(m.cached_only for m in request.media):
+        return set()
+    served = {m.content_hash for m in request.media if not m.cached_only}
+    return {m.content_hash for m in request.media if m.cached_only} - served
 
 
 def grammar_failure(reason: str | None, sampling: SamplingParams) -> ErrorInfo:

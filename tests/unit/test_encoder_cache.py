@@ -3,8 +3,11 @@ scheduler's reference rules for chunks that end inside media spans."""
 
 import logging
 
+import pytest
+
 from engine.config import EngineConfig
 from engine.encoder_cache import EncoderCache, EncoderCacheManager
+from engine.errors import MediaError
 from engine.protocol import SamplingParams
 from engine.request import MediaItem, Request
 from engine.scheduler import Scheduler
@@ -120,3 +123,64 @@ def test_counts_queries_and_hits_per_item_across_requests():
     assert sorted(m.content_hash for m in out.media_to_encode) == ["p", "q"]
     counters = scheduler.pop_counters()
     assert (counters.encoder_cache_queries, counters.encoder_cache_hits) == (5, 3)
+
+
+def cached_only(offset: int, num_tokens: int, content_hash: str) -> MediaItem:
+    """A part with neither pixels nor features (a uuid-only part): only its cached
+    encoding can serve it."""
+    item = image(offset, num_tokens, content_hash)
+    item.cached_only = True
+    return item
+
+
+def test_a_cached_only_item_is_held_from_admission_to_the_finish():
+    """A uuid-only part was checked on arrival, then not held: a request scheduled first
+    evicted it, and the accepted request failed ('no pixels and no cached encoding')."""
+    scheduler = make_scheduler(encoder_cache_tokens=10)
+    run_to_end_with(scheduler, make_request("warm", 8, [image(2, 4, "uuid:u1")]))
+    assert scheduler.encoder_cache.has("uuid:u1")
+    scheduler.add_request(make_request("other", 12, [image(2, 8, "v")]))  # needs the room
+    scheduler.add_request(make_request("only", 8, [cached_only(2, 4, "uuid:u1")]))
+    encoded = [m.content_hash for out in run_to_end(scheduler) for m in out.media_to_encode]
+    assert "uuid:u1" not in encoded and encoded == ["v"]
+    assert not scheduler.encoder_cache.is_referenced_by("uuid:u1", "only")
+
+
+def test_a_cached_only_item_survives_the_preemption_of_its_request():
+    """A computed span released its reference; preempted, the request needed the item again,
+    evicted meanwhile: its stream ended with an error."""
+    scheduler = make_scheduler(encoder_cache_tokens=10)
+    run_to_end_with(scheduler, make_request("warm", 8, [image(2, 4, "uuid:u1")]))
+    only = make_request("only", 8, [cached_only(2, 4, "uuid:u1")], max_tokens=20)
+    scheduler.add_request(only)
+    step(scheduler)  # its whole prompt, the span computed
+    scheduler.add_request(make_request("other", 12, [image(2, 8, "v")]))
+    encoded = [m.content_hash for m in step(scheduler).media_to_encode]  # beside its decode
+    scheduler._preempt(only)
+    encoded += [m.content_hash for out in run_to_end(scheduler) for m in out.media_to_encode]
+    assert "uuid:u1" not in encoded and only.num_preemptions == 1
+
+
+def test_a_cached_only_item_evicted_before_admission_is_refused():
+    scheduler = make_scheduler(encoder_cache_tokens=10)
+    with pytest.raises(MediaError) as refused:
+        scheduler.add_request(make_request("only", 8, [cached_only(2, 4, "uuid:u1")]))
+    assert refused.value.code == "unknown_media_uuid"
+    assert not scheduler.has_unfinished_requests()
+
+
+def test_an_entry_whose_rows_never_came_is_forgotten():
+    """An item whose encode failed stayed accounted: a later request with its pixels was a
+    'hit' with no rows, and failed."""
+    manager = EncoderCacheManager(10)
+    manager.allocate("x", 4, "r1")
+    manager.forget(["x", "never-seen"])
+    assert not manager.has("x") and manager.num_used_tokens == 0
+    manager.release("x", "r1")  # the failed request's reference is gone with it
+    manager.allocate("x", 4, "r2")
+    assert manager.has("x") and manager.num_used_tokens == 4
+
+
+def run_to_end_with(scheduler: Scheduler, request: Request) -> None:
+    scheduler.add_request(request)
+    run_to_end(scheduler)
