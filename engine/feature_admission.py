@@ -3,10 +3,13 @@
 `EngineCore.add_request` builds and validates a request as usual, then hands it here if
 any media item carries a `FeatureSource`. The request is not in the scheduler (it is
 counted as `num_fetching`) until the FeatureFetcher has downloaded and validated all its
-features. `admit_finished()` (called at the top of every step, non-blocking) then puts the
-rows into the encoder cache under the blake3 hash of the file's bytes, re-keys the media
-items to that hash, holds an encoder-cache reference for the request (so nothing evicts
-the rows before its prefill), and adds the request to the scheduler.
+features. `admit_finished()` (called at the top of every step, non-blocking) then gives
+each media item its rows (the request's own copy, as an image item carries its pixels),
+re-keys it to the blake3 hash of the file's bytes and its grid, and adds the request to
+the scheduler, which accounts the rows in the encoder cache when a chunk reaches the item
+(the runner puts them in as it would encode an image). Holding room from admission made
+waiting requests hold room, which the scheduler's rule forbids: beside images, requests
+waited on each other forever.
 
     add_request ──▶ FETCHING ──(fetch ok)──▶ scheduler.waiting ──▶ running ...
                        │ └──(fetch failed)──▶ finished with a 4xx ErrorInfo
@@ -76,7 +79,8 @@ class FeatureAdmission:
         for index, item in enumerate(media):
             if item.feature is not None:
                 job = FeatureJob(item.feature.url, _file_spec(item, hidden_size))
-                uses.setdefault(job, []).append(FeatureUse(index, item.feature.rows))
+                grid = tuple(item.grid_thw)
+                uses.setdefault(job, []).append(FeatureUse(index, grid, item.feature.rows))
         if not uses:
             return False
         jobs = list(uses)
@@ -135,27 +139,18 @@ class FeatureAdmission:
         )
 
     def _admit(self, request: Request, uses: list[list[FeatureUse]], result: FetchResult) -> None:
-        manager, cache = self.scheduler.encoder_cache, self.runner.encoder_cache
+        cache = self.runner.encoder_cache
         for feature, job_uses in zip(result.features, uses, strict=True):
             for use in job_uses:
                 item = request.media[use.index]
                 item.content_hash = use.key(feature.content_hash)
                 # The request keeps its own copy of the rows (like an image keeps its
-                # pixels): if preemption lets them be evicted, the runner puts them back.
+                # pixels): the runner puts them into the encoder cache when a chunk needs
+                # them and they are not there (evicted, or never put).
                 if feature.embeds is not None:
                     item.embeds = use.rows_of(feature.embeds)
-                else:  # reused entry: copy the cached rows to the host
+                else:  # reused entry, checked still cached: copy its rows to the host
                     item.embeds = cache.get(item.content_hash).to("cpu")
-                # Holds a reference for this request (or accounts a new entry) so that the
-                # rows survive until its prefill has consumed them.
-                manager.allocate(item.content_hash, item.num_tokens, request.request_id)
-        # Entries evicted just now leave the tensor store before new rows go in.
-        cache.drop(manager.pop_evicted())
-        for index in (use.index for job_uses in uses for use in job_uses):
-            item = request.media[index]
-            if item.content_hash not in cache:
-                rows = item.embeds.to(device=self.runner.device, dtype=self.runner.dtype)
-                cache.put(item.content_hash, rows)  # [num_tokens, hidden]
         self.scheduler.add_request(request)
 
     def stats_fields(self) -> dict[str, Any]:
@@ -180,11 +175,16 @@ class FeatureUse:
     """One media item a fetched file fills: all its rows, or `rows` [start, stop) of them."""
 
     index: int  # into the request's media
+    grid_thw: tuple[int, ...]  # the item's, as its part gives it
     rows: tuple[int, int] | None = None
 
     def key(self, file_hash: str) -> str:
-        """The item's encoder-cache key: the file's hash, and which rows."""
-        return file_hash if self.rows is None else f"{file_hash}/rows{self.rows[0]}-{self.rows[1]}"
+        """The item's encoder-cache and prefix-cache key: the file's hash, the item's grid
+        (a file without a grid_thw tensor may be sent under several grids; the rows'
+        positions follow the grid, so their KV must not be shared), and which rows."""
+        t, h, w = self.grid_thw
+        key = f"{file_hash}@{t}x{h}x{w}"
+        return key if self.rows is None else f"{key}/rows{self.rows[0]}-{self.rows[1]}"
 
     def rows_of(self, embeds: torch.Tensor) -> torch.Tensor:
         return embeds if self.rows is None else embeds[self.rows[0] : self.rows[1]]

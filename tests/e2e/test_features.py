@@ -427,3 +427,57 @@ def test_qwen3_vl_video_features_from_s3_are_fetched_once_and_reused(
     assert downloaded - before == size  # one download for five patches
     assert text_of(chat(http, [part], max_tokens=8)) == with_video
     assert metric(http, "tessera:feature_fetch_bytes_total") == downloaded  # reused
+
+
+def grid_free_features(seed: int, rows: int, copy: int = 0) -> str:
+    """A data: URL of a feature file without a grid_thw tensor (the part's grid rules);
+    another `copy` has the same rows in other bytes (a metadata entry)."""
+    generator = torch.Generator().manual_seed(seed)
+    embeds = torch.randn(rows, TINY_HIDDEN, generator=generator) * 5
+    return data_url(save({"embeds": embeds}, metadata={"copy": str(copy)}),
+                    "application/octet-stream")  # fmt: skip
+
+
+def test_one_feature_file_under_two_grids_shares_no_prefix_kv(fhttp):
+    """The rows' positions follow the part's grid (M-RoPE): the prefix cache keyed the
+    item by the file's hash alone, so the file sent again under [1, 8, 6] reused the KV
+    computed under [1, 6, 8] and answered exactly as that grid did."""
+
+    def scores(url: str, grid: tuple[int, int, int]) -> list[float]:
+        body = {"model": MODEL_NAME, "temperature": 0, "max_tokens": 4, "ignore_eos": True,
+                "logprobs": True, "messages": [{"role": "user", "content": [
+                    feature_part(url, grid), {"type": "text", "text": "describe " * 40}]}]}  # fmt: skip
+        response = fhttp.post("/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        return [t["logprob"] for t in response.json()["choices"][0]["logprobs"]["content"]]
+
+    first = scores(grid_free_features(11, 12), (1, 6, 8))
+    again = scores(grid_free_features(11, 12), (1, 8, 6))
+    fresh = scores(grid_free_features(11, 12, copy=1), (1, 8, 6))
+    assert again == pytest.approx(fresh, abs=1e-4) and again != pytest.approx(first, abs=1e-4)
+
+
+@pytest.fixture(scope="module")
+def small_encoder_cache_server(model_dir, tmp_path_factory):
+    log_path = tmp_path_factory.mktemp("logs") / "small_encoder_cache_server.log"
+    with run_server(model_dir, log_path, "--enable-feature-inputs",
+                    "--encoder-cache-tokens", "8", "--max-num-batched-tokens", "16") as handle:  # fmt: skip
+        yield handle
+
+
+def test_features_beside_images_never_wait_on_room_they_hold(small_encoder_cache_server):
+    """Feature requests held encoder-cache room from their admission: with requests that
+    also carry an image, each running request waited for room the others held, and a third
+    of them never answered."""
+    images = [data_url(png_bytes(picture(112, 84, 30 + i)), "image/png") for i in range(3)]
+    urls = [grid_free_features(40 + i, 12) for i in range(6)]
+
+    def ask(i: int) -> int:
+        parts = [feature_part(urls[i % 6], (1, 6, 8)), feature_part(urls[(i + 1) % 6], (1, 6, 8))]
+        if i % 3 == 0:
+            parts.insert(1, {"type": "image_url", "image_url": {"url": images[i % 3]}})
+        with httpx.Client(base_url=small_encoder_cache_server.base_url, timeout=60) as client:
+            return chat(client, parts, max_tokens=8).status_code
+
+    with ThreadPoolExecutor(12) as pool:
+        assert list(pool.map(ask, range(12))) == [200] * 12
