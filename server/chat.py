@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from yarl import URL
+
 from engine.errors import ContextLengthExceeded, InvalidRequest, MediaError
 from engine.multimodal.image_processor import ImageProcessorConfig, ProcessedImage
 from engine.multimodal.placement import place_media
@@ -151,7 +153,7 @@ class FeaturePolicy:
                     f"bucket {bucket!r} is not in the allowed feature buckets",
                     param=part.param + ".url",
                 )
-        if self.url_prefixes is not None and not url.startswith(self.url_prefixes):
+        if self.url_prefixes is not None and not _is_under(url, self.url_prefixes):
             shown = "a data: URL" if url.startswith("data:") else f"URL {url[:200]!r}"
             raise InvalidRequest(
                 f"{shown} is not under an allowed feature URL prefix", param=part.param + ".url"
@@ -188,16 +190,39 @@ def _split(value: str | None) -> tuple[str, ...] | None:
 
 
 @functools.lru_cache(maxsize=8)
+def as_fetched(url: str) -> str:
+    """An http(s) URL as aiohttp will ask for it (yarl's form: scheme and host lower-case,
+    the default port dropped, dot segments resolved, percent-encoded ones too); any other
+    URL as it is (an s3:// key reaches S3 literally)."""
+    if not url.startswith(("http://", "https://")):
+        return url
+    try:
+        return str(URL(url))
+    except ValueError:
+        return url
+
+
+def _is_under(url: str, prefixes: tuple[str, ...]) -> bool:
+    """Whether `url`, as it will be fetched, starts with one of `prefixes`. An encoded
+    slash or backslash in an http(s) path is refused: a store that decodes it could still
+    climb out of the allowed folder."""
+    fetched = as_fetched(url)
+    is_http = url.startswith(("http://", "https://"))
+    if is_http and ("%2f" in fetched.lower() or "%5c" in fetched.lower()):
+        return False
+    return fetched.startswith(prefixes)
+
+
 def _policy(enabled: bool, buckets: str | None, prefixes: str | None, model: str, fps: float):
     merge, temporal_patch = 2, 2
     if (Path(model) / "preprocessor_config.json").is_file():
         config = ImageProcessorConfig.from_model_dir(model)
         merge, temporal_patch = config.merge_size, config.temporal_patch_size
-    bucket_list = _split(buckets)
+    bucket_list, prefix_list = _split(buckets), _split(prefixes)
     return FeaturePolicy(
         enabled,
         None if bucket_list is None else frozenset(bucket_list),
-        _split(prefixes),
+        None if prefix_list is None else tuple(as_fetched(p) for p in prefix_list),
         merge,
         temporal_patch / fps,
     )

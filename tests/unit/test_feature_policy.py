@@ -1,0 +1,38 @@
+"""Where feature URLs may come from (`--allowed-feature-url-prefixes`): a URL is held to the
+prefixes as it will be fetched, so dot segments cannot climb out of an allowed folder."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.errors import InvalidRequest
+from engine.protocol import Modality
+from server.chat import FeaturePolicy, MediaPart
+
+POLICY = FeaturePolicy(True, None, ("http://store.test/allowed/", "s3://feat/allowed/"), 2)
+
+
+def check(url: str) -> None:
+    POLICY.check(MediaPart("messages[0].content[0]", Modality.IMAGE, url, None, (1, 4, 4), True))
+
+
+@pytest.mark.parametrize("url", [
+    "http://store.test/allowed/x.safetensors", "http://STORE.TEST/allowed/x.safetensors",
+    "http://store.test:80/allowed/./x.safetensors", "s3://feat/allowed/x.safetensors",
+])  # fmt: skip
+def test_urls_under_an_allowed_prefix_pass(url):
+    check(url)
+
+
+@pytest.mark.parametrize("url", [
+    "http://store.test/allowed/../secret/x", "http://store.test/allowed/%2e%2e/secret/x",
+    "http://store.test/allowed/%2E%2E/secret/x", "http://store.test/allowed/..%2Fsecret",
+    "http://store.test/allowed/..%5Csecret", "http://store.test/allowedx/y",
+    "s3://feat/other/x", "data:application/octet-stream;base64,AAAA",
+])  # fmt: skip
+def test_urls_that_leave_the_allowed_prefixes_are_refused(url):
+    """The first four passed: the check read the string as sent, and the fetch asked the
+    store for /secret/x (aiohttp resolves dot segments, percent-encoded ones too)."""
+    with pytest.raises(InvalidRequest) as refused:
+        check(url)
+    assert refused.value.param == "messages[0].content[0].url"
