@@ -64,6 +64,11 @@ _NOT_FOUND_CODES = {"NoSuchKey", "NoSuchBucket", "404", "NotFound"}
 _DENIED_CODES = {"AccessDenied", "403", "401", "InvalidAccessKeyId", "SignatureDoesNotMatch"}
 
 
+# Connections of all requests' downloads together, per storage kind (each request takes up
+# to `parallel` of them).
+MAX_CONNECTIONS = 64
+
+
 @dataclass(frozen=True)
 class FetchConfig:
     """Limits of the fetcher; mirrors the `feature_*` fields of EngineConfig."""
@@ -316,7 +321,8 @@ class FeatureFetcher:
         if self._http is None:
             # No limit a host: features usually come from one storage host.
             self._http = guarded_session(self._policy, timeout_s=self.config.timeout_s,
-                                         max_connections=64, max_connections_per_host=0)  # fmt: skip
+                                         max_connections=MAX_CONNECTIONS,
+                                         max_connections_per_host=0)  # fmt: skip
         try:
             async with open_checked(
                 self._http, self._policy, method, url, max_redirects=self.config.max_redirects
@@ -354,7 +360,12 @@ class FeatureFetcher:
                 "s3",
                 endpoint_url=self.config.s3_endpoint_url,
                 config=Config(
-                    retries={"max_attempts": 1},
+                    # One attempt a call: the fetcher retries (`max_retries`) itself.
+                    # botocore's `max_attempts` counts retries, so 1 was a second GET.
+                    retries={"total_max_attempts": 1},
+                    # botocore's default pool of 10 is shared by every request: two
+                    # requests' parallel downloads of slow objects held it whole.
+                    max_pool_connections=MAX_CONNECTIONS,
                     connect_timeout=self.config.timeout_s,
                     read_timeout=self.config.timeout_s,
                 ),

@@ -187,3 +187,33 @@ def test_connections_are_kept_alive(origin, fetcher):
         assert fetch(fetcher, urls, force=True).error is None
     client_ports = {port for _, _, port in origin.log}
     assert len(origin.log) == 12 and len(client_ports) <= 4
+
+
+def test_an_s3_object_is_asked_for_once_per_attempt(origin, monkeypatch):
+    """botocore retried each of the fetcher's attempts once more (its `max_attempts: 1` is
+    one retry): --feature-fetch-retries 0 made two GETs, the default 3 made eight."""
+    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                        "AWS_DEFAULT_REGION": "us-east-1"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    origin.answers["/bucket/broken"] = [(500, {}, b"")]
+    config = FetchConfig(max_retries=1, backoff_s=0.01, s3_endpoint_url=origin.base)
+    fetcher = FeatureFetcher(config)
+    try:
+        result = fetch(fetcher, ["s3://bucket/broken"])
+    finally:
+        fetcher.close()
+    assert result.error is not None
+    assert [entry[:2] for entry in origin.log] == [("GET", "/bucket/broken")] * 2
+
+
+def test_s3_downloads_have_more_connections_than_one_request_uses():
+    """botocore's pool of 10 was shared by every request: two requests' eight parallel
+    downloads of slow objects held it, and a fast object waited seconds behind them."""
+    fetcher = FeatureFetcher(FetchConfig(parallel=8))
+    try:
+        import asyncio
+
+        client = asyncio.run_coroutine_threadsafe(fetcher._s3_client(), fetcher._loop).result(10)
+        assert client.meta.config.max_pool_connections >= 64
+    finally:
+        fetcher.close()
