@@ -14,6 +14,8 @@ per file goes to stdout: {"image" or "video", "url", "grid_thw", "num_tokens"} a
 video, "second_per_grid_t" (the seconds one temporal patch spans, by which Qwen2.5-VL spaces
 video positions) and "frame_seconds" (each temporal patch's time, which Qwen3-VL writes
 into the prompt): what a chat request's `image_features` / `video_features` part needs.
+A line is printed once its file is written; two inputs of one stem are refused before
+anything runs, and a bad input ends the run with a one-line error (exit 1).
 """
 
 from __future__ import annotations
@@ -21,14 +23,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save
 
 from engine.attention import get_attention_backend
+from engine.errors import TesseraError
 from engine.models.loader import load_model
 from engine.multimodal.image_processor import ImageProcessorConfig, process_image
 from engine.multimodal.media import decode_image
@@ -55,10 +60,36 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--s3-endpoint-url", default=None)
-    parser.add_argument("--video-fps", type=float, default=DEFAULT_FPS, help="frames per second")
-    parser.add_argument("--max-video-frames", type=int, default=DEFAULT_MAX_FRAMES)
-    parser.add_argument("--max-video-tokens", type=int, default=DEFAULT_MAX_TOKENS)
+    parser.add_argument("--video-fps", type=_positive(float), default=DEFAULT_FPS,
+                        help="frames per second")  # fmt: skip
+    parser.add_argument("--max-video-frames", type=_positive(int), default=DEFAULT_MAX_FRAMES)
+    parser.add_argument("--max-video-tokens", type=_positive(int), default=DEFAULT_MAX_TOKENS)
     return parser
+
+
+def _positive(kind: type) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if not (value > 0 and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its error
+    return parse
+
+
+def output_urls(output: str, inputs: Sequence[str]) -> list[str]:
+    """Where each input's features go, `<output>/<stem>.safetensors`. Raises ValueError
+    when two inputs would be written to one file (the second over the first, both lines
+    naming it)."""
+    urls = [f"{output}/{Path(name).stem}.safetensors" for name in inputs]
+    first: dict[str, str] = {}
+    for name, url in zip(inputs, urls, strict=True):
+        if url in first:
+            raise ValueError(f"{first[url]} and {name} would both be written to {url}: "
+                             "encode them in separate runs or rename one")  # fmt: skip
+        first[url] = name
+    return urls
 
 
 @torch.inference_mode()
@@ -90,17 +121,60 @@ def feature_file_bytes(embeds: torch.Tensor, grid_thw: tuple[int, int, int], dty
     )
 
 
-async def _upload(files: dict[str, bytes], endpoint_url: str | None) -> None:
+async def _upload(url: str, data: bytes, endpoint_url: str | None) -> None:
     import aioboto3
 
     async with aioboto3.Session().client("s3", endpoint_url=endpoint_url) as s3:
-        for url, data in files.items():
-            bucket, _, key = url.removeprefix("s3://").partition("/")
-            await s3.put_object(Bucket=bucket, Key=key, Body=data)
+        bucket, _, key = url.removeprefix("s3://").partition("/")
+        await s3.put_object(Bucket=bucket, Key=key, Body=data)
+
+
+def write(url: str, data: bytes, endpoint_url: str | None) -> None:
+    """One feature file to its local path or S3 URL."""
+    if url.startswith("s3://"):
+        asyncio.run(_upload(url, data, endpoint_url))
+    else:
+        Path(url).parent.mkdir(parents=True, exist_ok=True)
+        Path(url).write_bytes(data)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    """Encodes, writes and prints one file at a time: a printed line's file exists. A bad
+    input ends the run with a one-line error (exit 1), after the lines of those before it."""
+    parser = build_parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    output = args.output.rstrip("/")
+    try:
+        urls = output_urls(output, args.images)
+    except ValueError as exc:
+        parser.error(str(exc))
+    for name in args.images:
+        if not Path(name).is_file():
+            parser.error(f"{name}: no such file")
+    try:
+        model, config, video_config, device = _load(args)
+    except (TesseraError, OSError, ValueError) as exc:
+        print(f"tessera encode-features: error: {exc}", file=sys.stderr)
+        return 1
+    for name, url in zip(args.images, urls, strict=True):
+        try:
+            embeds, image, kind = encode_file(model, config, video_config, Path(name), device)
+            write(url, feature_file_bytes(embeds, tuple(image.grid_thw), args.dtype),
+                  args.s3_endpoint_url)  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - a bad input or store: one line, not a traceback
+            print(f"tessera encode-features: error: {name}: {exc}", file=sys.stderr)
+            return 1
+        line = {kind: name, "url": url, "grid_thw": list(image.grid_thw)}
+        line["num_tokens"] = embeds.shape[0]
+        if kind == "video":
+            line["second_per_grid_t"] = image.second_per_grid_t
+            line["frame_seconds"] = list(image.frame_seconds)
+        print(json.dumps(line), flush=True)
+    return 0
+
+
+def _load(args: argparse.Namespace) -> tuple:
+    """The model (its vision tower), its image and video processing, and the device."""
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = load_model(
@@ -113,26 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_frames=args.max_video_frames,
         max_tokens=args.max_video_tokens,
     )
-    output = args.output.rstrip("/")
-    files: dict[str, bytes] = {}
-    for name in args.images:
-        path = Path(name)
-        embeds, image, kind = encode_file(model, config, video_config, path, device)
-        url = f"{output}/{path.stem}.safetensors"
-        files[url] = feature_file_bytes(embeds, tuple(image.grid_thw), args.dtype)
-        line = {kind: name, "url": url, "grid_thw": list(image.grid_thw)}
-        line["num_tokens"] = embeds.shape[0]
-        if kind == "video":
-            line["second_per_grid_t"] = image.second_per_grid_t
-            line["frame_seconds"] = list(image.frame_seconds)
-        print(json.dumps(line))
-    if output.startswith("s3://"):
-        asyncio.run(_upload(files, args.s3_endpoint_url))
-    else:
-        Path(output).mkdir(parents=True, exist_ok=True)
-        for url, data in files.items():
-            Path(url).write_bytes(data)
-    return 0
+    return model, config, video_config, device
 
 
 if __name__ == "__main__":
