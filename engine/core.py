@@ -283,6 +283,8 @@ class EngineCore:
             encoder_cache_hits_total=counters.encoder_cache_hits,
             prefix_cache_queries_total=counters.prefix_cache_queries,
             prefix_cache_hits_total=counters.prefix_cache_hits,
+            prompt_tokens_total=counters.prompt_tokens,
+            generation_tokens_total=counters.generation_tokens,
             **self.features.stats_fields(),
             **step_fields,
         )

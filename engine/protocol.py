@@ -255,6 +255,11 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     encoder_cache_hits_total: int = 0
     prefix_cache_queries_total: int = 0  # tokens
     prefix_cache_hits_total: int = 0  # tokens
+    # Counted as the engine makes them (vLLM's unit): every sampled token, those no client
+    # reads included (past a stop string, after a client left), and each request's prompt
+    # at its first token (n > 1: once a choice).
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
     feature_fetch_seconds: list[float] = []  # one per finished feature download
     feature_fetch_bytes_total: int = 0
     feature_fetch_failures: dict[str, int] = {}  # reason -> count since the last message

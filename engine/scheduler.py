@@ -100,6 +100,8 @@ class SchedulerCounters:
     encoder_cache_hits: int = 0
     prefix_cache_queries: int = 0  # tokens
     prefix_cache_hits: int = 0  # tokens
+    prompt_tokens: int = 0  # of requests that sampled their first token
+    generation_tokens: int = 0
 
 
 class Scheduler:
@@ -434,8 +436,10 @@ class Scheduler:
                 continue
             request.output_token_ids.append(token_id)
             request.note_output_token()
+            self.counters.generation_tokens += 1
             if request.first_token_time is None:
                 request.first_token_time = time.monotonic()
+                self.counters.prompt_tokens += request.num_prompt_tokens
             token_logprob = logprobs.get(request.request_id)
             if request.logprobs is not None and token_logprob is not None:
                 request.logprobs.append(token_logprob)

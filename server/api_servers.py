@@ -50,6 +50,7 @@ from typing import Any
 from engine.logging_utils import configure_logging, name_this_process
 from engine.process import STOP_SIGNAL, run_engine
 from server.cli import API_PROCESS_DRAIN_SIGNAL, bind_port, run_server
+from server.metric_names import MULTIPROC_DIR_ENV
 from server.settings import ServerSettings
 
 logger = logging.getLogger("tessera.api_servers")
@@ -94,7 +95,7 @@ def run_api_servers(settings: ServerSettings) -> int:
     metrics_dir = os.path.join(run_dir, "metrics")
     os.mkdir(metrics_dir)
     # Read by prometheus_client when each spawned API process imports it.
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    os.environ[MULTIPROC_DIR_ENV] = metrics_dir
     count = settings.api_server_count
     inboxes = [f"ipc://{run_dir}/inbox-{index}" for index in range(count)]
     outboxes = [f"ipc://{run_dir}/outbox-{index}" for index in range(count)]

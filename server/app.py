@@ -191,6 +191,7 @@ def build_app(
         fetcher = _make_fetcher(settings, metrics)
         with contextlib.suppress(AttributeError):
             engine.add_stats_listener(metrics.on_engine_stats)
+            engine.add_finish_listener(metrics.on_engine_request_finished)
         if count > 1:  # a uuid-only part may reach another process than its media did
             engine.share_media_uuids(UUIDS)
         app.state.tessera = AppState(
@@ -472,18 +473,19 @@ def _finisher(state: AppState, request: Request) -> Callable[[GenerationTotals],
     start = arrival_of(request)
 
     def on_finished(totals: GenerationTotals) -> None:
-        ttft = None if totals.first_token_time is None else totals.first_token_time - start
-        state.metrics.on_request_finished(
-            num_prompt_tokens=totals.num_prompt_tokens,
-            num_generated_tokens=totals.num_generated_tokens,
-            finish_reasons=totals.finish_reasons,
-            ttft_s=ttft,
-            latency_s=time.monotonic() - start,
-            inter_token_s=totals.inter_token_seconds,
-            queued_s=totals.queued_seconds,
-            prefill_s=totals.prefill_seconds,
-            decode_s=totals.decode_seconds,
-        )
+        now = time.monotonic()
+        for choice in totals.choices.values():
+            if choice.finish_reason is None:
+                continue
+            first = choice.first_token_time
+            state.metrics.on_choice_finished(
+                finish_reason=choice.finish_reason,
+                num_prompt_tokens=totals.num_prompt_tokens,
+                num_generated_tokens=choice.num_tokens,
+                ttft_s=None if first is None else first - start,
+                latency_s=(choice.finish_time or now) - start,
+            )
+        state.metrics.on_token_gaps(totals.inter_token_seconds)
         record = record_of(request)
         if record is not None:
             record.prompt_tokens = totals.num_prompt_tokens

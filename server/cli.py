@@ -37,6 +37,7 @@ from engine.multimodal.chat_template import ChatTemplateError
 from server.admission import ServerDraining
 from server.engine_client import EngineClient
 from server.http_protocol import timed_h11_protocol
+from server.metric_names import MULTIPROC_DIR_ENV
 
 if TYPE_CHECKING:
     from server.api_servers import ApiServerSlot
@@ -80,7 +81,20 @@ def serve_main(argv: Sequence[str]) -> int:
         from server.api_servers import run_api_servers
 
         return run_api_servers(settings)
+    _ignore_inherited_multiprocess_dir()
     return asyncio.run(run_server(settings))
+
+
+def _ignore_inherited_multiprocess_dir() -> None:
+    """One API process keeps its metrics in memory. prometheus_client would switch to its
+    multiprocess files on an inherited PROMETHEUS_MULTIPROC_DIR (set for gunicorn, say):
+    the process metrics gone, and an earlier run's files summed into the counters. Only
+    the --api-server-count launcher sets it, for its own processes. prometheus_client
+    reads it at import, which comes later (server/metrics.py)."""
+    inherited = os.environ.pop(MULTIPROC_DIR_ENV, None)
+    if inherited is not None:
+        logger.warning("ignoring %s=%s: one API process keeps its metrics in memory",
+                       MULTIPROC_DIR_ENV, inherited)  # fmt: skip
 
 
 def _resolve_default_model(settings: ServerSettings) -> ServerSettings:

@@ -112,6 +112,7 @@ class EngineClient:
         }
         self._collectors: dict[str, OutputCollector] = {}
         self._stats_listeners: list[Callable[[EngineStats], Any]] = []
+        self._finish_listeners: list[Callable[[RequestOutput], Any]] = []
         self._media_uuid_registry: Any = None  # set by share_media_uuids
         self._process: multiprocessing.process.BaseProcess | AttachedEngine | None = None
         self._context: zmq.asyncio.Context | None = None
@@ -316,6 +317,12 @@ class EngineClient:
         """`callback(stats)` for every EngineStats the engine sends (exceptions are logged)."""
         self._stats_listeners.append(callback)
 
+    def add_finish_listener(self, callback: Callable[[RequestOutput], Any]) -> None:
+        """`callback(output)` for the last output of every request of this client's, also
+        one no `generate()` waits for any more (a stop string ended it, its client left):
+        it carries the engine-side phases (exceptions are logged)."""
+        self._finish_listeners.append(callback)
+
     def share_media_uuids(self, registry: Any) -> None:
         """With several API processes: what `registry` (server/chat.py's UuidRegistry)
         learns of a client's media uuid goes to the others through the engine, and what
@@ -378,6 +385,12 @@ class EngineClient:
                 collector = self._collectors.get(output.request_id)
                 if collector is not None:
                     collector.put(output)
+                if output.finish_reason is not None:
+                    for callback in self._finish_listeners:
+                        try:
+                            callback(output)
+                        except Exception:  # noqa: BLE001 - metrics must not break serving
+                            logger.exception("finish listener failed")
             self.stats.update(message.stats)
             for callback in self._stats_listeners:
                 try:

@@ -92,40 +92,62 @@ class GenerationTotals:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_generated_tokens: int = 0
-    first_token_time: float | None = None
-    finish_reasons: list[str] = field(default_factory=list)
-    # For the latency histograms: gaps between consecutive tokens of one choice, and the
-    # engine-side phases of every finished choice (RequestOutput.*_seconds).
+    # Per choice, for the metrics (each choice counts as one request, as vLLM's children of
+    # n > 1 do): what the client got of it and when; and the gaps between consecutive
+    # tokens of a choice, all choices together.
+    choices: dict[int, ChoiceFigures] = field(default_factory=dict)
     inter_token_seconds: list[float] = field(default_factory=list)
-    queued_seconds: list[float] = field(default_factory=list)
-    prefill_seconds: list[float] = field(default_factory=list)
-    decode_seconds: list[float] = field(default_factory=list)
-    last_token_times: dict[int, float] = field(default_factory=dict)  # choice -> monotonic
     # SamplingParams.prompt_logprobs: the prompt's scores (the same for every choice).
     prompt_logprobs: list[TokenLogprob] | None = None
+
+    def choice(self, index: int) -> ChoiceFigures:
+        if (figures := self.choices.get(index)) is None:
+            figures = self.choices[index] = ChoiceFigures()
+        return figures
 
     def abort_unfinished(self, n: int) -> None:
         """The client left: each of the `n` choices that has not finished counts as
         aborted (vLLM's finished_reason "abort")."""
-        self.finish_reasons += ["abort"] * (n - len(self.finish_reasons))
+        for index in range(n):
+            if self.choice(index).finish_reason is None:
+                self.finish(index, "abort")
 
-    def note_output(self, index: int, output: RequestOutput) -> None:
-        """Record token timing and, on the finishing output, the engine-side phases."""
-        num_tokens = len(output.new_token_ids)
-        if num_tokens:
-            now = time.monotonic()
-            if self.first_token_time is None:
-                self.first_token_time = now
-            last = self.last_token_times.get(index)
-            if last is not None:  # several tokens in one output share the gap
-                self.inter_token_seconds += [(now - last) / num_tokens] * num_tokens
-            elif num_tokens > 1:  # the first token came with others (a merged backlog)
+    def finish(self, index: int, reason: str) -> None:
+        figures = self.choice(index)
+        figures.finish_reason, figures.finish_time = reason, time.monotonic()
+
+    def note_tokens(self, index: int, num_tokens: int) -> None:
+        """`num_tokens` of choice `index` reached the client now (one output's, less
+        those after a stop string): its token count and timing."""
+        if not num_tokens:
+            return
+        self.num_generated_tokens += num_tokens
+        figures = self.choice(index)
+        now = time.monotonic()
+        if figures.first_token_time is None:
+            figures.first_token_time = now
+            if num_tokens > 1:  # the first token came with others (a merged backlog)
                 self.inter_token_seconds += [0.0] * (num_tokens - 1)
-            self.last_token_times[index] = now
-        for name in ("queued_seconds", "prefill_seconds", "decode_seconds"):
-            value = getattr(output, name)
-            if value is not None:
-                getattr(self, name).append(value)
+        else:  # several tokens in one output share the gap
+            gap = (now - figures.last_token_time) / num_tokens
+            self.inter_token_seconds += [gap] * num_tokens
+        figures.last_token_time = now
+        figures.num_tokens += num_tokens
+
+    @property
+    def finish_reasons(self) -> list[str]:
+        return [c.finish_reason for c in self.choices.values() if c.finish_reason is not None]
+
+
+@dataclass
+class ChoiceFigures:
+    """One choice as the client got it: tokens, first and last token times, its end."""
+
+    num_tokens: int = 0
+    first_token_time: float | None = None
+    last_token_time: float = 0.0
+    finish_reason: str | None = None
+    finish_time: float | None = None
 
 
 async def check_structured_output(request: SamplingFields) -> None:
@@ -378,7 +400,7 @@ async def generate_choices(
             )
             if delta.finish_reason is not None:
                 finished[index] = True
-                totals.finish_reasons.append(delta.finish_reason)
+                totals.finish(index, delta.finish_reason)
                 if delta.finish_reason == "stop" and item.finish_reason is None:
                     await _abort_quietly(engine, [requests[index].request_id])
             yield delta
@@ -403,7 +425,6 @@ def _apply_output(
         totals.num_cached_tokens = max(totals.num_cached_tokens, output.num_cached_tokens)
     if output.prompt_logprobs is not None and totals.prompt_logprobs is None:
         totals.prompt_logprobs = output.prompt_logprobs
-    totals.note_output(index, output)
     new_token_ids = output.new_token_ids
     # A stop token (stop_token_ids) or EOS ends the answer without its text, as vLLM's does
     # unless include_stop_str_in_output (whatever skip_special_tokens says); it still
@@ -421,7 +442,7 @@ def _apply_output(
         detokenizer.note_token_offset()
         taken += 1
     token_ids = list(new_token_ids[:taken])
-    totals.num_generated_tokens += taken
+    totals.note_tokens(index, taken)
     finish_reason = stop_reason = None
     if not detokenizer.is_stopped and output.finish_reason is not None:
         if output.finish_reason == FinishReason.ERROR:

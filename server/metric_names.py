@@ -25,6 +25,9 @@ from typing import Literal, NamedTuple
 MetricType = Literal["counter", "gauge", "histogram"]
 
 MODEL_LABEL = "model_name"
+# prometheus_client reads it at import: set by the --api-server-count launcher only
+# (server/api_servers.py, server/cli.py)
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 # fmt: off
 # Seconds, for latencies from ~1 ms (one decode step on a GPU) to minutes (long prefills).
@@ -90,8 +93,16 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
     _counter("tessera:num_preemptions_total", "Requests preempted (KV freed, recomputed later)."),
     # Tokens and finished requests.
-    _counter("tessera:prompt_tokens_total", "Prompt tokens processed (prefill)."),
-    _counter("tessera:generation_tokens_total", "Tokens generated (decode)."),
+    _counter(
+        "tessera:prompt_tokens_total",
+        "Prompt tokens processed (prefill), counted at each request's first token; "
+        "with n > 1 once per choice.",
+    ),
+    _counter(
+        "tessera:generation_tokens_total",
+        "Tokens generated (decode), as the engine samples them: also those no client "
+        "read (past a stop string, after the client left).",
+    ),
     _counter(
         "tessera:request_success_total",
         "Requests finished, by finish reason (stop, length, abort).",

@@ -2,8 +2,12 @@
 
 The registry is built from `server.metric_names.METRICS` (the one list of names, types,
 labels and buckets). Engine gauges and counters come from the EngineStats the engine sends
-with every step (`EngineClient.add_stats_listener`); per-request counters and latencies are
-recorded here when a request finishes. `tessera:http_requests_total` is labelled by the
+with every step (`EngineClient.add_stats_listener`), the prompt and generated token
+counters among them (counted as the engine makes tokens, as vLLM counts); each engine
+request's queue / prefill / decode phases from its last output
+(`EngineClient.add_finish_listener`); and what a client saw of each choice (finish reason,
+sizes, TTFT, end-to-end latency, token gaps) when its request finishes. With n > 1 each
+choice counts as one request, as vLLM's child requests do. `tessera:http_requests_total` is labelled by the
 route TEMPLATE (`/v1/chat/completions`), never the raw path, so a scan of random URLs
 cannot blow up the label set. The standard process and platform collectors
 (`process_cpu_seconds_total`, `process_resident_memory_bytes`, `python_info`, ...) live on
@@ -37,10 +41,9 @@ from prometheus_client import (
     multiprocess,
 )
 
-from engine.protocol import EngineStats, Ready
-from server.metric_names import METRICS
+from engine.protocol import EngineStats, Ready, RequestOutput
+from server.metric_names import METRICS, MULTIPROC_DIR_ENV
 
-MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client reads it at import
 # With several API processes, the one answering a scrape cannot read the others' CPU: each
 # counts its own this often.
 API_CPU_COUNT_INTERVAL_S = 1.0
@@ -56,6 +59,8 @@ _STATS_COUNTERS = {
     "prefix_cache_queries_total": "tessera:prefix_cache_queries_total",
     "prefix_cache_hits_total": "tessera:prefix_cache_hits_total",
     "feature_fetch_bytes_total": "tessera:feature_fetch_bytes_total",
+    "prompt_tokens_total": "tessera:prompt_tokens_total",
+    "generation_tokens_total": "tessera:generation_tokens_total",
 }
 _STATS_GAUGES = {
     "num_running": "tessera:num_requests_running",
@@ -137,38 +142,40 @@ class ServerMetrics:
         """A 503 before the engine; `reason` is an error code of ours, never request data."""
         self._labelled("tessera:requests_rejected_total", reason).inc()
 
-    def on_request_finished(
+    def on_choice_finished(
         self,
         *,
+        finish_reason: str,
         num_prompt_tokens: int,
         num_generated_tokens: int,
-        finish_reasons: list[str],
         ttft_s: float | None,
         latency_s: float,
-        inter_token_s: Iterable[float] = (),
-        queued_s: Iterable[float] = (),
-        prefill_s: Iterable[float] = (),
-        decode_s: Iterable[float] = (),
     ) -> None:
-        """Per-request figures; the `*_s` iterables hold one value per token gap / choice."""
-        for reason in finish_reasons:
-            self._labelled("tessera:request_success_total", reason).inc()
-        self._labelled("tessera:prompt_tokens_total").inc(num_prompt_tokens)
-        self._labelled("tessera:generation_tokens_total").inc(num_generated_tokens)
+        """One choice of a request (vLLM's unit: a child request of n > 1), as the client
+        saw it: its finish reason, sizes, and latencies from the request's arrival."""
+        self._labelled("tessera:request_success_total", finish_reason).inc()
         self._labelled("tessera:request_prompt_tokens").observe(num_prompt_tokens)
         self._labelled("tessera:request_generation_tokens").observe(num_generated_tokens)
         if ttft_s is not None:
             self._labelled("tessera:time_to_first_token_seconds").observe(ttft_s)
         self._labelled("tessera:e2e_request_latency_seconds").observe(latency_s)
-        for name, values in (
-            ("tessera:inter_token_latency_seconds", inter_token_s),
-            ("tessera:request_queue_time_seconds", queued_s),
-            ("tessera:request_prefill_time_seconds", prefill_s),
-            ("tessera:request_decode_time_seconds", decode_s),
+
+    def on_token_gaps(self, seconds: Iterable[float]) -> None:
+        histogram = self._labelled("tessera:inter_token_latency_seconds")
+        for value in seconds:
+            histogram.observe(value)
+
+    def on_engine_request_finished(self, output: RequestOutput) -> None:
+        """The engine-side phases of a finished engine request (one choice), from its last
+        output, which arrives whether or not the server still listens (a stop string, a
+        client that left). A phase it never reached is left out."""
+        for name, value in (
+            ("tessera:request_queue_time_seconds", output.queued_seconds),
+            ("tessera:request_prefill_time_seconds", output.prefill_seconds),
+            ("tessera:request_decode_time_seconds", output.decode_seconds),
         ):
-            histogram = self._labelled(name)
-            for value in values:
-                histogram.observe(value)
+            if value is not None:
+                self._labelled(name).observe(value)
 
     def count_api_cpu(self) -> None:
         """Add this process's CPU time since the last call to

@@ -163,6 +163,61 @@ def test_requests_the_client_leaves_count_as_aborted(http, server):
     assert after["tessera:prompt_tokens_total"] > before["tessera:prompt_tokens_total"]
     latency = "tessera:e2e_request_latency_seconds_count"
     assert after[latency] - before[latency] == 2
+    # The engine's phases of both: it reports them on its abort output, which reached no
+    # one once the server had stopped listening (count +0 for a request left queued).
+    settled = wait_for(http, lambda s, _: s["tessera:request_queue_time_seconds_count"]
+                       - before["tessera:request_queue_time_seconds_count"] >= 2)[0]  # fmt: skip
+    assert settled["tessera:request_queue_time_seconds_count"] - before[
+        "tessera:request_queue_time_seconds_count"] == 2  # fmt: skip
+    # Counted as the engine generates them: the non-streamed request's backlog, which no
+    # one read, counted +0 (a second of the tiny model is hundreds of tokens).
+    generated = settled["tessera:generation_tokens_total"] - before["tessera:generation_tokens_total"]
+    assert generated >= 6 + 20
+
+
+def test_every_choice_counts_once_in_every_per_request_metric(http):
+    """vLLM's unit for n > 1 is the choice (a child request). Before, success and phases
+    counted per choice but latencies and sizes per HTTP request, with the choices' tokens
+    added together (one 15-token request for three 5-token choices)."""
+    before, _ = scrape(http)
+    body = {"model": MODEL_NAME, "prompt": "count the tiles", "max_tokens": 5, "n": 3,
+            "temperature": 0.0, "ignore_eos": True}  # fmt: skip
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    prompt_tokens = response.json()["usage"]["prompt_tokens"]
+    after, _ = wait_for(http, lambda s, _: s["tessera:request_decode_time_seconds_count"]
+                        - before["tessera:request_decode_time_seconds_count"] >= 3)  # fmt: skip
+
+    def moved(name: str) -> float:
+        return after[name] - before[name]
+
+    for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
+                      "request_prompt_tokens", "request_generation_tokens",
+                      "request_queue_time_seconds", "request_prefill_time_seconds",
+                      "request_decode_time_seconds"):  # fmt: skip
+        assert moved(f"tessera:{histogram}_count") == 3, histogram
+    assert moved("tessera:request_generation_tokens_sum") == 15
+    assert moved("tessera:request_prompt_tokens_sum") == 3 * prompt_tokens
+    assert moved("tessera:request_success_total") == 3
+    assert moved("tessera:inter_token_latency_seconds_count") == 3 * (5 - 1)
+    assert moved("tessera:generation_tokens_total") == 15
+
+
+def test_a_request_a_stop_string_ends_has_its_engine_phases(http):
+    """The server aborts a choice its stop string ends; the engine's last output, with the
+    phases, came after the server had stopped listening: counted nowhere."""
+    text = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "count the tiles",
+                     "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}).json()  # fmt: skip
+    stop = text["choices"][0]["text"][4:7]
+    before, _ = scrape(http)
+    body = {"model": MODEL_NAME, "prompt": "count the tiles", "max_tokens": 12, "stop": [stop],
+            "temperature": 0.0, "ignore_eos": True}  # fmt: skip
+    assert http.post("/v1/completions", json=body).json()["choices"][0]["finish_reason"] == "stop"
+    after, _ = wait_for(http, lambda s, _: s["tessera:request_decode_time_seconds_count"]
+                        > before["tessera:request_decode_time_seconds_count"])  # fmt: skip
+    for phase in ("queue", "prefill", "decode"):
+        name = f"tessera:request_{phase}_time_seconds_count"
+        assert after[name] - before[name] == 1, phase
 
 
 def test_vision_encoder_time_moves(http):
@@ -306,3 +361,22 @@ def test_scheduler_gauges_and_preemptions_move(small_kv_server):
     # idle again: the gauges come back down
     idle, _ = wait_for(http, lambda samples, _: samples["tessera:num_requests_running"] == 0)
     assert idle["tessera:num_requests_waiting"] == 0
+
+
+def test_an_inherited_multiprocess_dir_is_ignored_by_one_api_process(
+    model_dir, tmp_path, monkeypatch
+):
+    """PROMETHEUS_MULTIPROC_DIR left in the environment (images built for gunicorn set it)
+    switched a single-process server to prometheus_client's files: the process metrics
+    vanished, and an earlier run's files were summed into its counters."""
+    inherited = tmp_path / "multiproc"
+    inherited.mkdir()
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(inherited))
+    with run_server(model_dir, tmp_path / "server.log") as handle:
+        with httpx.Client(base_url=handle.base_url, timeout=60) as http:
+            completion(http, max_tokens=2)
+            samples, _ = scrape(http)
+    assert samples["process_resident_memory_bytes"] > 0
+    assert samples["tessera:request_success_total"] == 1
+    assert list(inherited.iterdir()) == []
+    assert "PROMETHEUS_MULTIPROC_DIR" in (tmp_path / "server.log").read_text()

@@ -189,6 +189,9 @@ def test_tokens_after_a_stop_string_are_no_part_of_the_answer(tokenizer):
     assert deltas[-1].finish_reason == "stop" and deltas[-1].stop_reason == "mat"
     assert [t for d in deltas for t in d.token_ids] == ids[: stop_at + 1]
     assert sum(len(d.logprobs) for d in deltas) == stop_at + 1 == totals.num_generated_tokens
+    # One token gap after each token the client got but the first: the tokens past the stop
+    # string counted gaps too (more gaps than tokens, most of them 0 s).
+    assert len(totals.inter_token_seconds) == stop_at
     # Without stop strings every token counts, in one step.
     detokenizer = SequenceDetokenizer(tokenizer)
     assert detokenizer.step_until_stop(ids) == (detokenizer.text, len(ids))
