@@ -19,6 +19,7 @@ out now (a tail that could begin a tag is held back until it cannot), `finish` t
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Literal
 
 from server.tool_calls import partial_prefix_length
@@ -102,6 +103,18 @@ class ReasoningSplitter:
         if self._state == "reasoning":
             return held, ""
         return "", held if self._state in ("start", "content") else ""
+
+    def count_reasoning_tokens(self, token_texts: Iterable[str]) -> int:
+        """How many of an answer's tokens (given by their texts, in order) are its
+        reasoning: those up to and including the one that ends </think>, all of them if
+        it never comes; 0 for an answer that does not open with the thinking."""
+        count = 0
+        for text in token_texts:
+            if self._state not in ("start", "reasoning"):
+                break
+            count += 1
+            self._feed(text)
+        return count if self.has_reasoning else 0
 
     def split(self, text: str) -> tuple[str | None, str]:
         """A whole answer's (reasoning or None, content)."""

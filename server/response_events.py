@@ -40,6 +40,7 @@ from tokenizers import Tokenizer
 
 from engine.errors import TesseraError
 from engine.protocol import TokenLogprob
+from server.detokenizer import SequenceDetokenizer
 from server.generation import GenerationTotals
 from server.logprobs import chat_logprobs
 from server.openai_replies import dump
@@ -70,6 +71,18 @@ class ResponseShaper:
         self.with_logprobs = logprobs
         self.created_at = int(time.time())
         self.message_id = f"msg_{uuid.uuid4().hex}"
+        self.reasoning_tokens = 0  # of the answer's, once `count_reasoning` has its tokens
+
+    def count_reasoning(self, token_ids: Sequence[int]) -> None:
+        """`usage.output_tokens_details.reasoning_tokens`: the answer's tokens, read one
+        by one as the reasoning parser reads their text, up to the end of its thinking."""
+        splitter = self.job.reasoning_splitter()
+        if splitter is None:
+            return
+        detokenizer = SequenceDetokenizer(self.tokenizer, self.job.prompt.token_ids,
+                                          skip_special_tokens=self.job.skip_special_tokens)  # fmt: skip
+        texts = (detokenizer.step((token_id,)) for token_id in token_ids)
+        self.reasoning_tokens = splitter.count_reasoning_tokens(texts)
 
     def response(
         self,
@@ -103,7 +116,7 @@ class ResponseShaper:
             "tools": body.tools or [],
             "top_p": body.top_p,
             "truncation": "disabled",
-            "usage": None if totals is None else usage(totals),
+            "usage": None if totals is None else usage(totals, self.reasoning_tokens),
             "user": body.user,
         }
 
@@ -132,6 +145,7 @@ class ResponseShaper:
 
     def final(self, result: ChoiceResult, totals: GenerationTotals) -> dict[str, Any]:
         """The Response of a finished, non-streamed choice."""
+        self.count_reasoning(result.token_ids)
         text, calls, reasoning = result.text, [], None
         splitter = self.job.reasoning_splitter()
         if splitter is not None:
@@ -169,7 +183,7 @@ def call_item(call: ToolCall, status: str, arguments: str | None = None) -> dict
             "status": status}  # fmt: skip
 
 
-def usage(totals: GenerationTotals) -> dict[str, Any]:
+def usage(totals: GenerationTotals, reasoning_tokens: int = 0) -> dict[str, Any]:
     return {
         "input_tokens": totals.num_prompt_tokens,
         "input_tokens_details": {
@@ -177,7 +191,7 @@ def usage(totals: GenerationTotals) -> dict[str, Any]:
             "cache_write_tokens": 0,
         },
         "output_tokens": totals.num_generated_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": totals.num_prompt_tokens + totals.num_generated_tokens,
     }
 
@@ -340,10 +354,12 @@ async def stream_response(
         streamed = _StreamedOutput(shaper, event)
         extractor = job.tools.extractor() if job.tools is not None else None
         splitter = job.reasoning_splitter()
+        token_ids: list[int] = []
         try:
             async with contextlib.aclosing(run_job(job, engine, tokenizer, totals)) as deltas:
                 async for delta in deltas:
                     text, call_deltas = delta.text, []
+                    token_ids += delta.token_ids
                     if splitter is not None:  # the thinking first, then the answer
                         reasoning, text = splitter.feed(text, last=delta.finish_reason is not None)
                         for chunk in streamed.add_reasoning(reasoning):
@@ -365,6 +381,7 @@ async def stream_response(
                     status = response_status(delta.finish_reason)
                     for chunk in streamed.finish(calls, status):
                         yield chunk
+                    shaper.count_reasoning(token_ids)
                     final = shaper.response(status, streamed.output, totals)
                     yield event(f"response.{status}", response=final)
         except TesseraError as exc:

@@ -85,7 +85,7 @@ class ChoiceResult:
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     text_offsets: list[int] = field(default_factory=list)  # GenerationJob.text_offsets
-    num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
 
 
 OnFinished = Callable[[GenerationTotals], None]
@@ -203,7 +203,7 @@ async def collect(
         result.text += delta.text
         result.logprobs.extend(delta.logprobs)
         result.text_offsets.extend(delta.text_offsets)
-        result.num_tokens += len(delta.token_ids)
+        result.token_ids += delta.token_ids
         if delta.finish_reason is not None:
             result.finish_reason = delta.finish_reason
             result.stop_reason = delta.stop_reason

@@ -139,3 +139,8 @@ def test_responses_put_the_thinking_in_a_reasoning_item(client, http_base):
     assert deltas == thought
     assert [item["type"] for item in done["output"]] == ["reasoning", "message"]
     assert done["output"][1]["content"][0]["text"] == message["content"][0]["text"]
+    # The tokens up to the one that ends </think> are the reasoning's (they were 0).
+    usage = response["usage"]
+    reasoning_tokens = usage["output_tokens_details"]["reasoning_tokens"]
+    assert 0 < reasoning_tokens < usage["output_tokens"]
+    assert done["usage"] == usage
