@@ -100,12 +100,16 @@ class RequestBuilder:
             raise InvalidRequest(
                 "priority needs the server's --scheduling-policy priority", param="priority"
             )
-        if len(prompt) >= max_len:
+        # One token sampled after a prompt that fills the context needs no room of its own
+        # (it is never fed back): how a prompt-only request (echo, max_tokens 0) scores a
+        # full window.
+        fills_and_samples_one = len(prompt) == max_len and max_tokens == 1
+        if len(prompt) >= max_len and not fills_and_samples_one:
             raise ContextLengthExceeded(
                 f"the prompt has {len(prompt)} tokens but the model's context length is {max_len}",
                 param="messages",
             )
-        if len(prompt) + max_tokens > max_len:
+        if len(prompt) + max_tokens > max_len and not fills_and_samples_one:
             raise ContextLengthExceeded(
                 f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the "
                 f"model's context length of {max_len}",

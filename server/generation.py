@@ -178,20 +178,30 @@ def build_sampling_params(
     field the request leaves out takes its value from `defaults`."""
     requested = request.requested_max_tokens  # type: ignore[attr-defined]
     room = max_model_len - num_prompt_tokens
+    prompt_param = "messages" if hasattr(request, "messages") else "prompt"
+    if room < 0:
+        raise ContextLengthExceeded(
+            f"the prompt is {num_prompt_tokens} tokens, longer than this model's context "
+            f"length of {max_model_len} tokens",
+            param=prompt_param,
+        )
     if requested is None:
         if room < 1:
             raise ContextLengthExceeded(
                 f"the prompt is {num_prompt_tokens} tokens, which leaves no room to generate "
                 f"in this model's context length of {max_model_len} tokens",
-                param="messages" if hasattr(request, "messages") else "prompt",
+                param=prompt_param,
             )
         max_tokens = defaults.max_tokens_for(None, room)
     else:
-        if num_prompt_tokens + requested > max_model_len:
+        # A prompt-only request (echo, max_tokens 0) needs no room: its one sampled token
+        # is never shown, nor fed back.
+        asked = 0 if getattr(request, "prompt_only", False) else requested
+        if num_prompt_tokens + asked > max_model_len:
             raise ContextLengthExceeded(
                 f"this model's maximum context length is {max_model_len} tokens; the request "
-                f"has {num_prompt_tokens} prompt tokens and asks for {requested} completion "
-                f"tokens ({num_prompt_tokens + requested} in all)",
+                f"has {num_prompt_tokens} prompt tokens and asks for {asked} completion "
+                f"tokens ({num_prompt_tokens + asked} in all)",
                 param="max_tokens",
             )
         max_tokens = defaults.max_tokens_for(requested, room)

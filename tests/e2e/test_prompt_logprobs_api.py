@@ -128,6 +128,25 @@ def test_echo_with_no_tokens_scores_the_prompt_alone(client, http, offline):
         assert_error(response, 400, param="max_tokens")
 
 
+def test_echo_with_no_tokens_scores_a_prompt_that_fills_the_context(http):
+    """Scoring needs no room to generate: a window of exactly the context was a 400 that
+    said the request asked for 1 completion token (it asked for 0), as evaluation
+    harnesses send rolling windows of the full length."""
+    max_model_len = http.get("/v1/models").json()["data"][0]["max_model_len"]
+    body = {"model": MODEL_NAME, "echo": True, "logprobs": 0, "max_tokens": 0,
+            "prompt": [5, 6, 7, 8] * (max_model_len // 4)}  # fmt: skip
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    usage = response.json()["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (max_model_len, 0)
+    logprobs = response.json()["choices"][0]["logprobs"]
+    assert len(logprobs["tokens"]) == max_model_len
+    over = http.post("/v1/completions", json={**body, "prompt": [5] * (max_model_len + 1)})
+    assert_error(over, 400, param="prompt")
+    full = http.post("/v1/completions", json={**body, "max_tokens": 1, "echo": False})
+    assert_error(full, 400, param="max_tokens")
+
+
 def test_every_choice_shows_the_prompt_scores_once_computed(http, offline):
     ids, reference = offline
     body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 3, "temperature": 1.0,
