@@ -105,6 +105,9 @@ class StopChecker:
         self._stops = [s for s in stop if s]
         self.include_stop = include_stop
         self._pending = ""  # text received but not yet released
+        # Where in `_pending` the text that `hold` passed over ends: a stop string must
+        # end after it (min_tokens).
+        self._checked_from = 0
         self.matched: str | None = None
 
     @property
@@ -121,7 +124,8 @@ class StopChecker:
         if not self._stops:
             return StopResult(delta)
         text = self._pending + delta
-        found = _first_stop(text, self._stops)
+        found = _first_stop(text, self._stops, must_end_after=self._checked_from)
+        self._checked_from = 0
         if found is not None:
             start, self.matched = found
             self._pending = ""
@@ -131,16 +135,32 @@ class StopChecker:
         self._pending = text[len(text) - hold :] if hold else ""
         return StopResult(text[: len(text) - hold])
 
+    def hold(self, delta: str) -> str:
+        """Text no stop string may end in (vLLM's `min_tokens`): released unchecked, but
+        what could begin a stop string is held back, for a stop string that begins in it
+        and ends in a later `feed`."""
+        if not self._stops:
+            return delta
+        text = self._pending + delta
+        hold = _longest_partial_suffix(text, self._stops)
+        self._pending = text[len(text) - hold :] if hold else ""
+        self._checked_from = len(self._pending)
+        return text[: len(text) - hold]
+
     def flush(self) -> str:
         """Release held text at the end of the sequence (no stop string followed)."""
         text, self._pending = self._pending, ""
         return "" if self.is_stopped else text
 
 
-def _first_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
-    """(where, which) of the stop string that starts first in `text` (of two that start
-    together, the shorter: it ends first)."""
-    found = [(i, len(stop), stop) for stop in stops if (i := text.find(stop)) >= 0]
+def _first_stop(text: str, stops: Sequence[str], must_end_after: int = 0) -> tuple[int, str] | None:
+    """(where, which) of the stop string that starts first in `text` and ends after
+    `must_end_after` characters (of two that start together, the shorter: it ends first)."""
+    found = [
+        (i, len(stop), stop)
+        for stop in stops
+        if (i := text.find(stop, max(0, must_end_after - len(stop) + 1))) >= 0
+    ]
     if not found:
         return None
     start, _, stop = min(found)
@@ -161,9 +181,9 @@ def _longest_partial_suffix(text: str, stops: Sequence[str]) -> int:
 class SequenceDetokenizer:
     """Detokenizer + stop checker for one output sequence; also keeps the full text.
 
-    Stop strings apply to the text of tokens after the first `min_tokens` (as in vLLM):
-    the text of those first tokens goes out unchecked, so a stop string that begins in
-    it is not matched."""
+    A stop string must end in the text of a token after the first `min_tokens`, and may
+    begin in theirs (as vLLM's): their text goes out unchecked, less what could begin a
+    stop string."""
 
     def __init__(
         self,
@@ -206,7 +226,10 @@ class SequenceDetokenizer:
         self._num_tokens += len(new_token_ids)
         delta = self._detokenizer.step(new_token_ids)
         self._num_decoded_chars += len(delta)
-        text = delta if self._num_tokens <= self._min_tokens else self._stop.feed(delta).text
+        if self._num_tokens <= self._min_tokens:
+            text = self._stop.hold(delta)
+        else:
+            text = self._stop.feed(delta).text
         self.text += text
         return text
 

@@ -146,6 +146,22 @@ def test_stop_strings_wait_for_min_tokens(tokenizer):
     assert "".join(emitted) == text[: text.rindex("cat")] == seq.text
 
 
+@pytest.mark.parametrize("stop, expected", [("t s", "The ca"), ("The", None), ("cat", "The cat sat on the mat today, the ")])
+def test_a_stop_string_may_begin_in_the_min_tokens_and_end_after_them(tokenizer, stop, expected):
+    """As vLLM's: a stop string must end after the first min_tokens tokens, and may begin
+    in them ("t s" across "cat" and " sat"); one wholly in them is not matched. The text
+    of those tokens that might begin a stop string was not held back, so a stop across
+    the boundary was never found."""
+    text = "The cat sat on the mat today, the cat sat"
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    min_tokens = len(tokenizer.encode("The cat", add_special_tokens=False).ids)
+    seq = SequenceDetokenizer(tokenizer, stop=[stop], min_tokens=min_tokens)
+    emitted = "".join(seq.step([token_id]) for token_id in ids)
+    emitted += seq.finish()
+    assert seq.is_stopped == (expected is not None)
+    assert emitted == seq.text == (text if expected is None else expected)
+
+
 def test_token_bytes(tokenizer):
     ids = tokenizer.encode("é🎉 x", add_special_tokens=False).ids
     assert b"".join(token_bytes(tokenizer, i) for i in ids) == "é🎉 x".encode()
