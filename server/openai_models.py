@@ -527,6 +527,28 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = Field(default=None, ge=0)  # 0: with echo, the prompt only
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
+    # OpenAI's fields that would change the answer and that Tessera does not serve: refused
+    # rather than ignored (an ignored suffix answers a fill-in-the-middle prompt wrongly).
+    suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1)
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, suffix: str | None) -> str | None:
+        if suffix:
+            raise ValueError("suffix (fill in the middle) is not supported")
+        return suffix
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)
+        if best_of is not None and best_of < n:
+            raise ValueError(f"best_of ({best_of}) must be at least n ({n})")
+        if best_of is not None and best_of > n:
+            raise ValueError("best_of larger than n (candidates ranked on the server) is not "
+                             "supported; ask for n choices instead")  # fmt: skip
+        return best_of
 
     @property
     def prompt_only(self) -> bool:

@@ -252,3 +252,22 @@ def test_a_truncation_through_the_last_image_names_that_image():
     with pytest.raises(InvalidRequest, match=r"an image \(tokens 2-5\)"):
         prompt.keep_last(10)  # at 10: the second image stays whole, the first goes
     assert prompt.keep_last(20) is prompt
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"suffix": "\n    return result\n"}, "suffix"),
+    ({"best_of": 4}, "best_of"),
+    ({"best_of": 1, "n": 2}, "best_of"),
+])  # fmt: skip
+def test_completion_fields_that_change_the_answer_and_are_not_served_are_refused(fields, param):
+    """`suffix` (fill in the middle) and `best_of` were ignored: a 200 with the answer
+    given without them, so a FIM client got a wrong answer with no sign (vLLM refuses a
+    suffix; OpenAI refuses best_of below n)."""
+    with pytest.raises(ValidationError) as info:
+        CompletionRequest.model_validate({"model": "m", "prompt": "def f():", **fields})
+    assert validation_error_to_invalid(info.value.errors()).param == param
+
+
+def test_completion_fields_that_change_nothing_are_accepted():
+    for fields in ({"suffix": None}, {"suffix": ""}, {"best_of": 1}, {"best_of": 3, "n": 3}):
+        CompletionRequest.model_validate({"model": "m", "prompt": "x", **fields})
