@@ -396,7 +396,11 @@ def _add_api_routes(api: APIRouter) -> None:
         encode = state.processor.encode_prompt if raw_prompt else state.processor.encode
         # No bound here: counting a text longer than the context is what /tokenize is for.
         tokens = await tokenised_off_the_loop_if_long(functools.partial(encode, text), text)
-        return {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
+        answer = {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
+        if body.return_token_strs:
+            tokenizer = state.processor.tokenizer
+            answer["token_strs"] = [tokenizer.id_to_token(token_id) for token_id in tokens]
+        return answer
 
     @api.post("/detokenize")
     async def detokenize(body: DetokenizeRequest, request: Request) -> dict:

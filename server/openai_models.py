@@ -586,6 +586,7 @@ class TokenizeRequest(ChatTemplateFields):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
+    return_token_strs: bool = False  # vLLM's: each token's own string, as the vocabulary has it
 
 
 class DetokenizeRequest(_Request):

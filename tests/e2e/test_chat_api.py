@@ -250,6 +250,9 @@ def test_tokenize_detokenize(http):
     assert tokens["count"] == len(tokens["tokens"]) > 0
     back = http.post("/detokenize", json={"model": MODEL_NAME, "tokens": tokens["tokens"]})
     assert back.json()["prompt"] == "hello world"
+    # vLLM's `return_token_strs`: each token's own string (it was ignored).
+    named = http.post("/tokenize", json={"prompt": "hello world", "return_token_strs": True})
+    assert named.json()["token_strs"][-1] == "Ġworld" and "token_strs" not in tokens
 
 
 def test_concurrent_streams_match_offline_engine(client, model_dir):
