@@ -27,6 +27,7 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass, field
 
@@ -81,6 +82,9 @@ class FetchConfig:
     s3_endpoint_url: str | None = None
     allow_private_urls: bool = False  # http(s) URLs may point at loopback / private hosts
     max_redirects: int = 3  # each hop is re-checked by the SSRF guard
+    # URLs whose version (ETag / Last-Modified) is remembered to skip a download, newest
+    # used kept: a forgotten one is downloaded again. Presigned URLs are all distinct.
+    max_known_versions: int = 16384
 
 
 @dataclass(frozen=True)
@@ -135,7 +139,7 @@ class FeatureFetcher:
         self._done: queue.SimpleQueue[FetchResult] = queue.SimpleQueue()
         self._tasks: dict[str, asyncio.Task] = {}  # touched on the loop thread only
         # url -> (etag / last-modified, blake3 of the bytes, the spec they passed)
-        self._versions: dict[str, tuple[str, str, FeatureSpec]] = {}
+        self._versions: OrderedDict[str, tuple[str, str, FeatureSpec]] = OrderedDict()
         self._stats = FetchStats()
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
@@ -254,6 +258,8 @@ class FeatureFetcher:
 
     async def _download_and_check(self, job: FeatureJob, force: bool) -> FetchedFeature:
         known = self._versions.get(job.url)
+        if known is not None:
+            self._versions.move_to_end(job.url)
         # Reused only for the span it was checked against: the same URL with another
         # grid_thw is downloaded and checked again (cached rows of another length would
         # fail the model step for every request in it).
@@ -273,6 +279,9 @@ class FeatureFetcher:
         content_hash = blake3.blake3(data).hexdigest()
         if version is not None:
             self._versions[job.url] = (version, content_hash, job.spec)
+            self._versions.move_to_end(job.url)
+            while len(self._versions) > self.config.max_known_versions:
+                self._versions.popitem(last=False)
         return FetchedFeature(job.url, content_hash, embeds)
 
     async def _with_retries(self, operation, url: str):

@@ -217,3 +217,22 @@ def test_s3_downloads_have_more_connections_than_one_request_uses():
         assert client.meta.config.max_pool_connections >= 64
     finally:
         fetcher.close()
+
+
+def test_the_versions_remembered_are_bounded_oldest_first(origin):
+    """One entry per URL ever fetched, its whole URL included, for the life of the process:
+    distinct presigned URLs grew it without end."""
+    fetcher = FeatureFetcher(FetchConfig(allow_private_urls=True, max_known_versions=2))
+    try:
+        urls = []
+        for name in ("a", "b", "c"):
+            origin.answers[f"/{name}"] = [(200, {"ETag": f'"{name}"'}, features(5))]
+            urls.append(f"{origin.base}/{name}")
+            assert fetch(fetcher, [urls[-1]]).error is None
+        assert len(fetcher._versions) == 2
+        del origin.log[:]
+        fetch(fetcher, [urls[2]])  # remembered: checked with HEAD
+        fetch(fetcher, [urls[0]])  # forgotten: downloaded again
+        assert [method for method, _, _ in origin.log] == ["HEAD", "GET"]
+    finally:
+        fetcher.close()
