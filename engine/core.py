@@ -322,13 +322,7 @@ class EngineCore:
             self.scheduler.forget_media(lost)
 
     def _fail_step(self, scheduler_output: SchedulerOutput) -> list[RequestOutput]:
-        failure = error_info(RuntimeError())
-        outputs = []
-        for chunk in scheduler_output.chunks:
-            output = self.scheduler.fail(chunk.request.request_id, failure)
-            if output is not None:
-                outputs.append(output)
-        return outputs
+        return self.scheduler.fail_step(scheduler_output, error_info(RuntimeError()))
 
     def _refuse(self, request: EngineRequest, error: ErrorInfo) -> None:
         self._pending.append(

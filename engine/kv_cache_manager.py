@@ -51,6 +51,7 @@ class KVCacheManager:
         # ref_count == 0 blocks, eviction order first; value unused.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[bytes, int] = {}  # block hash -> block id
+        self._newly_cached: list[int] = []  # since the last pop_newly_cached()
 
     @property
     def num_free_blocks(self) -> int:
@@ -141,6 +142,17 @@ class KVCacheManager:
         request.block_ids = []
         request.num_registered_blocks = 0
 
+    def pop_newly_cached(self) -> list[int]:
+        """Blocks entered into the prefix cache since the last call (one step's: their KV
+        is written only when that step runs)."""
+        blocks, self._newly_cached = self._newly_cached, []
+        return blocks
+
+    def uncache(self, block_ids: list[int]) -> None:
+        """Takes blocks out of the prefix cache (a failed step never wrote their KV)."""
+        for block_id in block_ids:
+            self._uncache(self.blocks[block_id])
+
     def _take(self, block_id: int, *, is_hit: bool) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:
@@ -173,6 +185,7 @@ class KVCacheManager:
             if block_hash not in self._cached:  # a duplicate keeps the first copy cached
                 self._cached[block_hash] = block.block_id
                 block.block_hash = block_hash
+                self._newly_cached.append(block.block_id)
         request.num_registered_blocks = max(request.num_registered_blocks, end)
 
     def _update_hashes(self, request: Request, num_tokens: int) -> None:

@@ -81,6 +81,8 @@ class SchedulerOutput:
     media_to_encode: list[MediaItem] = field(default_factory=list)
     evicted_encoder_hashes: list[str] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
+    # Blocks this step enters into the prefix cache: its KV is written when the step runs.
+    newly_cached_block_ids: list[int] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -197,6 +199,17 @@ class Scheduler:
         """Entries whose rows the runner never stored (engine/core.py, after a step)."""
         self.encoder_cache.forget(content_hashes)
 
+    def fail_step(self, scheduler_output: SchedulerOutput, error: ErrorInfo) -> list[RequestOutput]:
+        """A step that failed: its requests fail, and the blocks it entered into the prefix
+        cache leave it, also those of a request aborted while the step ran (freed with
+        its entries kept), whose KV the step never wrote."""
+        self.kv.uncache(scheduler_output.newly_cached_block_ids)
+        outputs = []
+        for chunk in scheduler_output.chunks:
+            if (output := self.fail(chunk.request.request_id, error)) is not None:
+                outputs.append(output)
+        return outputs
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -276,6 +289,7 @@ class Scheduler:
             media_to_encode=list(to_encode.values()),
             evicted_encoder_hashes=self.encoder_cache.pop_evicted(),
             preempted_request_ids=preempted,
+            newly_cached_block_ids=self.kv.pop_newly_cached(),
         )
 
     def _plan_chunk(

@@ -4,7 +4,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.errors import ContextLengthExceeded
-from engine.protocol import FinishReason, SamplingParams
+from engine.protocol import ErrorInfo, FinishReason, SamplingParams
 from engine.request import MediaItem, Request, RequestStatus
 from engine.scheduler import Scheduler
 
@@ -306,3 +306,19 @@ def test_preemption_for_blocks_picks_the_least_urgent_running_request():
 def test_an_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="scheduling_policy"):
         make_scheduler(scheduling_policy="lifo")
+
+
+def test_a_failed_step_leaves_no_prefix_cache_entry_of_an_aborted_request():
+    """Overlap scheduling reads aborts while a step runs: an aborted request's blocks went
+    back with their prefix-cache entries, and when the step then failed, the KV it never
+    wrote stayed cached for the next request of the same prompt."""
+    scheduler = make_scheduler(enable_prefix_caching=True)
+    first = make_request("first", 12)
+    scheduler.add_request(first)
+    out = scheduler.schedule()  # registers its 3 full blocks
+    scheduler.abort(["first"])  # while the step runs
+    assert scheduler.fail_step(out, ErrorInfo("step failed")) == []
+    again = make_request("again", 12)
+    scheduler.add_request(again)
+    scheduler.schedule()
+    assert again.num_cached_tokens == 0
