@@ -59,7 +59,8 @@ from engine.protocol import (
 )
 from engine.request import Request
 from engine.request_checks import RequestBuilder
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler
+from engine.scheduler_output import SchedulerOutput
 
 if TYPE_CHECKING:
     from engine.structured_output import GrammarCompiler

@@ -57,7 +57,7 @@ from engine.prompt_logprobs import PendingPromptLogprobs, score_prompt_tokens, s
 from engine.protocol import ErrorInfo, TokenLogprob
 from engine.request import MediaItem
 from engine.sampler import PendingSample, Sampler, SamplingRow, leaves_no_token
-from engine.scheduler import ScheduledChunk, SchedulerOutput
+from engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from engine.shard_worker import ShardWorkers
 from engine.step_inputs import InFlightTokens, StepInputs, gather_step_inputs
 from engine.token_bans import banned_token_ids, no_token_left

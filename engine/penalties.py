@@ -23,7 +23,7 @@ from engine.device_io import to_device
 if TYPE_CHECKING:
     from engine.held_tokens import HeldRows
     from engine.sampler import SamplingRow
-    from engine.scheduler import ScheduledChunk
+    from engine.scheduler_output import ScheduledChunk
     from engine.step_inputs import InFlightTokens, StepInputs
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.encoder_cache import EncoderCache
-from engine.scheduler import ScheduledChunk
+from engine.scheduler_output import ScheduledChunk
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from engine.protocol import ErrorInfo
 
 if TYPE_CHECKING:
     from engine.request import Request
-    from engine.scheduler import ScheduledChunk
+    from engine.scheduler_output import ScheduledChunk
 
 
 def banned_token_ids(chunk: ScheduledChunk) -> tuple[int, ...]:

@@ -8,7 +8,7 @@ import torch
 from engine.encoder_cache import EncoderCache
 from engine.protocol import SamplingParams
 from engine.request import MediaItem, Request
-from engine.scheduler import ScheduledChunk
+from engine.scheduler_output import ScheduledChunk
 from engine.step_inputs import gather_step_inputs
 
 BLOCK = 4
