@@ -152,13 +152,21 @@ class ModelConfig:
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> ModelConfig:
         path = Path(model_dir) / "config.json"
+        if not Path(model_dir).is_dir():
+            raise ModelLoadError(f"the model folder {model_dir} does not exist")
         if not path.is_file():
-            raise ModelLoadError(f"no config.json in model folder {Path(model_dir).name!r}")
+            raise ModelLoadError(f"no config.json in the model folder {model_dir}")
         try:
             raw = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
             raise ModelLoadError(f"config.json is not valid JSON: {exc}") from exc
-        config = cls.from_dict(raw)
+        try:
+            config = cls.from_dict(raw)
+        except ModelLoadError:
+            raise
+        except (TypeError, AttributeError, ValueError, ZeroDivisionError) as exc:
+            # a list where an object goes, zero heads: not a config we can read
+            raise ModelLoadError(f"config.json is invalid: {type(exc).__name__}: {exc}") from exc
         extra_eos = _generation_eos_ids(Path(model_dir) / "generation_config.json")
         eos = tuple(dict.fromkeys([*config.eos_token_ids, *extra_eos]))
         return dataclasses.replace(config, eos_token_ids=eos)
@@ -369,3 +377,18 @@ def _generation_eos_ids(path: Path) -> tuple[int, ...]:
         return ()
     values = value if isinstance(value, list) else [value]
     return tuple(v for v in values if isinstance(v, int) and not isinstance(v, bool))
+
+
+def check_max_model_len(max_model_len: int | None, model_config: ModelConfig) -> int:
+    """The context length to serve: `max_model_len`, or the model's trained positions
+    (`max_position_embeddings`). A longer one is refused, as vLLM refuses it: positions
+    past the trained ones give wrong answers."""
+    trained = model_config.max_position_embeddings
+    if max_model_len is None:
+        return trained
+    if max_model_len > trained:
+        raise ModelLoadError(
+            f"max_model_len {max_model_len} is longer than the model's "
+            f"max_position_embeddings ({trained}), the positions it was trained on"
+        )
+    return max_model_len

@@ -46,7 +46,7 @@ from engine.kv_cache_sizing import (
     log_sizing,
     profile_kv_cache_bytes,
 )
-from engine.model_config import ModelConfig
+from engine.model_config import ModelConfig, check_max_model_len
 from engine.models import moe
 from engine.models.cpu_prepack import can_prepack, prepack_linears
 from engine.models.loader import load_model
@@ -174,7 +174,7 @@ class ModelRunner:
         if config.small_batch_linear_rows and self.device.type == "cuda":
             use_small_batch_linears(self.model.model, config.small_batch_linear_rows)
         self.model_config = self.model.config
-        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.max_model_len = check_max_model_len(config.max_model_len, self.model_config)
         self.block_size = config.block_size
         self.num_kv_blocks = self._num_kv_blocks(memory_probe)
         capacity = self.num_kv_blocks * self.block_size

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
-from engine.errors import EngineDeadError
+from engine.errors import EngineDeadError, ModelLoadError
 from engine.generation_defaults import GenerationConfigError
 from engine.logging_utils import configure_logging
 from engine.multimodal.chat_template import ChatTemplateError
@@ -38,6 +38,7 @@ from server.admission import ServerDraining
 from server.engine_client import EngineClient
 from server.http_protocol import timed_h11_protocol
 from server.metric_names import MULTIPROC_DIR_ENV
+from server.preflight import check_model_folder
 
 if TYPE_CHECKING:
     from server.api_servers import ApiServerSlot
@@ -70,6 +71,11 @@ def serve_main(argv: Sequence[str]) -> int:
     except (GenerationConfigError, ChatTemplateError) as exc:
         print(f"tessera serve: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    try:
+        check_model_folder(settings)
+    except ModelLoadError as exc:
+        print(f"tessera serve: error: {exc.message}", file=sys.stderr)
+        return EXIT_ENGINE_FAILED
     if settings.api_key is None and not _is_loopback(settings.host):
         logger.warning(
             "listening on %s without an API key: anyone who reaches port %d can use the "
@@ -225,6 +231,9 @@ async def run_server(settings: ServerSettings, slot: ApiServerSlot | None = None
             server.handled_signals = (API_PROCESS_DRAIN_SIGNAL,)
         try:
             await server.serve(sockets=[bound])
+        except SystemExit:  # uvicorn's exit 3: the app's start-up failed (logged above)
+            logger.error("the API failed to start; see the error above")
+            return EXIT_ENGINE_FAILED
         except OSError as exc:
             if exc.errno != errno.EADDRINUSE:
                 raise

@@ -1,0 +1,83 @@
+"""`tessera serve` checks the model folder's files before the engine loads the weights
+(minutes on a GPU): a broken file is one line and exit 1 at once. Each of these loaded the
+weights first and then failed with tracebacks (exit 3), or started and failed every
+request, or started on a wrong setting."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+
+from engine.tiny_model import make_tiny_model
+from server.cli import main
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("preflight"), seed=4)
+
+
+def broken_copy(tiny: Path, tmp_path: Path, change) -> Path:
+    folder = tmp_path / "model"
+    shutil.copytree(tiny, folder)
+    change(folder)
+    return folder
+
+
+def serve(capsys, folder: Path | str, *args: str) -> tuple[int, str]:
+    """`tessera serve` on a port already taken: a folder the check misses then fails at
+    once ("cannot listen"), not with a server that runs on."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        code = main(["serve", "--model", str(folder), "--port", str(port), *args])
+    return code, capsys.readouterr().err
+
+
+def write(name: str, text: str):
+    return lambda folder: (folder / name).write_text(text)
+
+
+def edit_config(**changes):
+    def change(folder: Path) -> None:
+        config = json.loads((folder / "config.json").read_text())
+        config.update(changes)
+        (folder / "config.json").write_text(json.dumps(config))
+
+    return change
+
+
+@pytest.mark.parametrize("change, words", [
+    (write("tokenizer.json", "{not json"), "tokenizer.json"),
+    (write("tokenizer_config.json", "{not json"), "tokenizer_config.json"),
+    (lambda folder: ((folder / "chat_template.jinja").unlink(missing_ok=True),
+                     (folder / "chat_template.json").write_text("{not json")),
+     "chat_template.json"),
+    (write("preprocessor_config.json", "{not json"), "preprocessor_config.json"),
+    (lambda folder: (folder / "preprocessor_config.json").unlink(), "preprocessor_config.json"),
+    (write("chat_template.jinja", "{% for m in messages %}{{ m.content }"), "chat template"),
+    (write("config.json", "[]"), "config.json"),
+    (edit_config(num_attention_heads=0), "config.json"),
+    (edit_config(text_config=[1]), "config.json"),
+])  # fmt: skip
+def test_a_broken_model_folder_fails_before_the_engine_starts(tiny, tmp_path, capsys, change, words):
+    code, err = serve(capsys, broken_copy(tiny, tmp_path, change))
+    assert code == 1 and words in err, err
+    assert "Traceback" not in err and "engine" not in err.lower()
+
+
+def test_a_model_folder_that_does_not_exist_is_named_whole(tmp_path, capsys):
+    missing = tmp_path / "no" / "such" / "model"
+    code, err = serve(capsys, missing)
+    assert code == 1 and str(missing) in err and "does not exist" in err
+
+
+def test_a_context_longer_than_the_model_was_trained_for_is_refused(tiny, capsys):
+    """vLLM refuses it too: positions past the trained ones give wrong answers."""
+    trained = json.loads((tiny / "config.json").read_text()).get("max_position_embeddings")
+    code, err = serve(capsys, tiny, "--max-model-len", str(trained + 1))
+    assert code == 1 and "max_position_embeddings" in err
