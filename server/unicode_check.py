@@ -1,7 +1,7 @@
 """Refuses request bodies whose JSON strings hold a lone UTF-16 surrogate.
 
 JSON may escape any UTF-16 code unit (`"\\ud800"`), and Python's decoder turns a lone one
-into a `str` that cannot be encoded as UTF-8: the tokenizer refuses it (a TypeError), and
+(or its raw bytes, ED A0 80) into a `str` that cannot be encoded as UTF-8: the tokenizer refuses it (a TypeError), and
 a response that echoes it fails to encode. Valid Unicode never holds one, so such a body
 gets 400 naming the field, before the route reads it. A surrogate pair (`"\\ud83d\\ude00"`)
 decodes to its one character and passes.
@@ -22,7 +22,9 @@ from engine.errors import InvalidRequest
 
 # "\u" then D800-DFFF, either case: every escape that could make a surrogate. An escaped
 # backslash before it ("\\ud800", the text \ud800) matches too; the decode then finds none.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+# Or a surrogate's own bytes (ED A0-BF: CESU-8), which no valid UTF-8 holds and which
+# Python's JSON decoder takes (surrogatepass).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 
 
 def lone_surrogate_path(value: Any, path: str = "") -> str | None:
