@@ -42,6 +42,7 @@ from server.generation import (
     check_token_ids,
 )
 from server.jobs import build_job, prompt_bound, tokenised_off_the_loop_if_long
+from server.json_body import BoundedJsonRoute
 from server.media_fetch import MediaFetchConfig, MediaFetcher
 from server.metrics import API_CPU_COUNT_INTERVAL_S, ServerMetrics
 from server.openai_models import (
@@ -244,7 +245,11 @@ def build_app(
     async def require_api_key(request: Request) -> None:
         check_api_key(request, settings.api_key)
 
-    api = APIRouter(dependencies=[Depends(require_api_key), Depends(check_request_text)])
+    app.state.max_json_containers = settings.max_request_json_containers  # server/json_body.py
+    api = APIRouter(
+        dependencies=[Depends(require_api_key), Depends(check_request_text)],
+        route_class=BoundedJsonRoute,
+    )
     _add_api_routes(api)
     app.include_router(api)
     _add_open_routes(app)

@@ -138,7 +138,8 @@ def install_error_handlers(app: FastAPI) -> None:
             )
         else:
             kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-            body = error_body(str(exc.detail), type=kind, code=None)
+            code = "request_too_large" if exc.status_code == 413 else None
+            body = error_body(str(exc.detail), type=kind, code=code)
         return json_error(exc.status_code, body)
 
     @app.exception_handler(Exception)

@@ -46,11 +46,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError, field_validator
 
 from engine.errors import InvalidRequest, TesseraError
 from server.errors import validation_error_to_invalid
-from server.openai_models import MAX_TOP_LOGPROBS, ChatCompletionRequest, _Request
+from server.openai_models import (
+    MAX_TOP_LOGPROBS,
+    ChatCompletionRequest,
+    _Request,
+    few_enough_messages,
+)
 
 # Chat fields a Responses request may carry as extras, as vLLM's Responses endpoint does.
 PASSTHROUGH_FIELDS = (
@@ -114,6 +119,9 @@ class ResponsesRequest(_Request):
     conversation: Any = None
     prompt: Any = None
     background: bool | None = None
+
+    # Input items become messages: as many, with as many content parts, are allowed.
+    _few_enough_items = field_validator("input", mode="before")(few_enough_messages)
 
     @property
     def wants_logprobs(self) -> bool:

@@ -66,6 +66,7 @@ class ServerSettings:
     log_level: str = "info"  # debug | info | warning | error
     log_format: str = "text"  # "text" | "json" (one JSON object per line)
     max_request_body_bytes: int = 64 * 1024 * 1024  # larger bodies get 413
+    max_request_json_containers: int = 500_000  # JSON objects and arrays in a body, counted before it is parsed (the parse holds the event loop: 5 M small arrays took 3 s); more get 413; no text a context holds has that many braces
     max_image_bytes: int = 20 * 1024 * 1024  # per fetched / data: image
     max_images_per_request: int = 16  # media parts (images, videos, features) in one request
     max_image_pixels: int = 64_000_000  # checked before decoding (decompression bombs)
@@ -125,7 +126,7 @@ class ServerSettings:
         try:
             check_ranges(
                 self,
-                positive=("max_request_body_bytes", "max_image_bytes", "max_video_bytes",
+                positive=("max_request_body_bytes", "max_request_json_containers", "max_image_bytes", "max_video_bytes",
                           "max_header_bytes", "max_video_frames", "max_video_tokens",
                           "image_decode_threads", "video_decode_threads", "stream_interval",
                           "media_fetch_max_connections", "media_fetch_max_connections_per_host",

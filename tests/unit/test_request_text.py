@@ -170,3 +170,24 @@ def test_an_image_the_processor_refuses_names_its_part(client):
                            "messages": [{"role": "user", "content": content}]})  # fmt: skip
     assert response.status_code == 400 and "aspect ratio" in response.json()["error"]["message"]
     assert response.json()["error"]["param"].startswith("messages[0].content[1]")
+
+
+def test_a_body_of_too_many_json_containers_is_refused_before_it_is_parsed(client):
+    """5 M `[0]` prompts in 25 MB held the event loop 3 s to parse (and 10 s to validate),
+    while every other stream waited; now they are counted first (C speed): 413."""
+    body = '{"model": "tiny", "max_tokens": 2, "prompt": [' + ",".join(["[0]"] * 600_000) + "]}"
+    response = post(client, "/v1/completions", body)
+    assert response.status_code == 413, response.text
+    assert response.json()["error"]["code"] == "request_too_large"
+    assert "600002 JSON objects and arrays" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("body", [
+    '{"model": "tiny", "max_tokens": ' + "9" * 100_000 + ', "prompt": "x"}',
+    '{"model": "tiny", "prompt": "x", "extra": ' + "[" * 100_000 + "]" * 100_000 + "}",
+], ids=["huge-number", "deep-nesting"])  # fmt: skip
+def test_json_the_parser_gives_up_on_is_the_invalid_json_error(client, body):
+    """They were 400 "There was an error parsing the body", without a code."""
+    response = post(client, "/v1/completions", body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["code"] == "invalid_json"
