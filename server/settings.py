@@ -107,6 +107,10 @@ class ServerSettings:
     allowed_feature_url_prefixes: str | None = None  # comma-separated URL prefixes, each ending in '/' (else https://a.example also lets https://a.example.evil.net in); a URL is held to them as it will be fetched (dot segments resolved); None = any
 
     def __post_init__(self) -> None:
+        if self.api_key is not None:
+            # A key read from a file ends in a newline no client sends; an empty one (an
+            # optional Secret left empty) is no key, and `tessera serve` warns of that.
+            object.__setattr__(self, "api_key", self.api_key.strip() or None)
         if self.log_format not in LOG_FORMATS:
             raise SettingsError(f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}")
         if self.tool_call_parser not in TOOL_CALL_PARSERS:

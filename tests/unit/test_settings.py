@@ -269,3 +269,13 @@ def test_zero_still_means_off_or_none_where_a_limit_says_so() -> None:
     )  # fmt: skip
     assert settings.image_cache_mb == 0 and settings.engine.feature_fetch_retries == 0
     assert settings.engine.num_kv_blocks is None and settings.engine.num_threads is None
+
+
+@pytest.mark.parametrize("given, key", [("sk-1\n", "sk-1"), ("  sk-1 ", "sk-1"), ("", None),
+                                        ("  \n", None)])  # fmt: skip
+def test_an_api_key_is_taken_without_surrounding_whitespace_and_empty_is_none(given, key):
+    """A key from a file (kubectl create secret --from-file) ends in a newline, which no
+    client can send: every request got 401. An empty key (an optional Secret left empty)
+    turned auth off and also hid the "no API key" warning, which looks for None."""
+    assert load_settings([], {"TESSERA_API_KEY": given}).api_key == key
+    assert load_settings(["--api-key", given], {}).api_key == key
