@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 SMALL_BATCH_LINEAR_MAX_ROWS = 8  # the kernel's MAX_ROWS (kernels/triton/small_batch_linear.py)
 
 
@@ -79,6 +81,8 @@ class EngineConfig:
                       "grammar_lexer_fuel"),
             non_negative=("feature_fetch_retries", "grammar_cache_size"),
         )  # fmt: skip
+        if not DEVICE_PATTERN.fullmatch(self.device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "

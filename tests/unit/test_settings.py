@@ -279,3 +279,12 @@ def test_an_api_key_is_taken_without_surrounding_whitespace_and_empty_is_none(gi
     turned auth off and also hid the "no API key" warning, which looks for None."""
     assert load_settings([], {"TESSERA_API_KEY": given}).api_key == key
     assert load_settings(["--api-key", given], {}).api_key == key
+
+
+@pytest.mark.parametrize("device", ["gpu", "tpu", "cuda0", "cuda:x", ""])
+def test_an_unknown_device_is_refused_before_the_engine_starts(device):
+    """It failed in the engine process with a traceback, and the last line gave no reason."""
+    with pytest.raises(SettingsError, match="device"):
+        load_settings(["--device", device], {})
+    for good in ("auto", "cpu", "cuda", "cuda:1"):
+        assert load_settings(["--device", good], {}).engine.device == good
