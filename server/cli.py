@@ -64,7 +64,11 @@ def serve_main(argv: Sequence[str]) -> int:
         print(f"tessera serve: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     configure_logging(settings.log_level, settings.log_format)
-    settings = _resolve_default_model(settings)
+    try:
+        settings = _resolve_default_model(settings)
+    except OSError as exc:  # server.default_model.DefaultModelError
+        print(f"tessera serve: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     try:  # bad settings of the API layer fail before the engine loads (the app reads them again)
         settings.sampling_defaults()
         settings.chat_template_source()

@@ -288,3 +288,38 @@ def test_an_unknown_device_is_refused_before_the_engine_starts(device):
         load_settings(["--device", device], {})
     for good in ("auto", "cpu", "cuda", "cuda:1"):
         assert load_settings(["--device", good], {}).engine.device == good
+
+
+def test_a_cache_dir_that_cannot_hold_the_default_model_is_one_line(tmp_path, capsys):
+    """It was a traceback (NotADirectoryError, PermissionError) and exit 1."""
+    from server.cli import main
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    env = {"TESSERA_CACHE_DIR": str(blocker / "cache")}
+    import os
+    from unittest import mock
+
+    with mock.patch.dict(os.environ, env):
+        assert main(["serve"]) == 2
+    err = capsys.readouterr().err
+    assert "TESSERA_CACHE_DIR" in err and "Traceback" not in err
+
+
+def test_an_incomplete_default_model_folder_is_replaced_and_old_staging_removed(tmp_path):
+    """A folder without config.json (a partial copy) failed every start ("Directory not
+    empty"); a killed generation's staging folder was left for ever."""
+    import os
+    import time
+
+    from server.default_model import ensure_default_model
+
+    path = tmp_path / "default-model-2"
+    path.mkdir()
+    (path / "model.safetensors").write_text("partial")
+    stale = tmp_path / ".default-model-killed"
+    stale.mkdir()
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    assert ensure_default_model(path) == path
+    assert (path / "config.json").is_file() and not stale.exists()
