@@ -42,14 +42,18 @@ class ChatTemplateError(ValueError):
 
 
 def chat_template_from_setting(value: str) -> str:
-    """`--chat-template` (vLLM's): a file holding a Jinja chat template, or, when the value
-    holds a `{`, the template itself. Its syntax is checked here, at start-up."""
-    source = value
-    if "{" not in value:
-        path = Path(value)
-        if not path.is_file():
-            raise ChatTemplateError(f"chat_template: no file {value}")
+    """`--chat-template`, read as vLLM reads it: a file holding a Jinja chat template,
+    or, when no such file opens and the value looks like a template (a `{` or a newline),
+    the template itself, its backslash escapes (`\\n` typed in a shell) decoded. Its
+    syntax is checked here, at start-up."""
+    path = Path(value)
+    if path.is_file():
         source = path.read_text(encoding="utf-8")
+    elif "{" in value or "\n" in value:
+        # unicode_escape reads Latin-1 bytes: other characters go in as \u escapes
+        source = value.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    else:
+        raise ChatTemplateError(f"chat_template: no file {value}")
     try:
         compile_template(source)
     except jinja2.TemplateSyntaxError as exc:

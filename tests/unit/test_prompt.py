@@ -316,3 +316,19 @@ def test_a_text_too_long_for_the_context_is_refused_before_tokenising(processor)
         processor.encode_prompt("a" * (100 * per_token + 1), max_tokens=100)
     assert caught.value.param == "prompt" and caught.value.status == 400
     processor.encode_prompt("a" * (100 * per_token), max_tokens=None)  # no bound asked: none
+
+
+def test_a_chat_template_setting_is_a_file_first_then_the_template(tmp_path):
+    """As vLLM's `load_chat_template`: a path holding a `{` was taken as the template
+    itself (every prompt became the path's text), and an inline template's `\\n`, typed in
+    a shell, stayed two characters."""
+    from engine.multimodal.chat_template import ChatTemplateError, chat_template_from_setting
+
+    folder = tmp_path / "templates{v2}"
+    folder.mkdir()
+    (folder / "t.jinja").write_text("{{ messages[0]['content'] }}")
+    assert chat_template_from_setting(str(folder / "t.jinja")) == "{{ messages[0]['content'] }}"
+    inline = "{% for m in messages %}{{ m.content }}\\n{% endfor %}é"
+    assert chat_template_from_setting(inline) == inline.replace("\\n", "\n")
+    with pytest.raises(ChatTemplateError, match="no file"):
+        chat_template_from_setting(str(tmp_path / "missing.jinja"))
