@@ -57,7 +57,7 @@ class SamplingDefaults:
         """`source`: "auto" (the model folder's file), "none" (OpenAI's defaults) or a
         folder holding a generation_config.json. `override`: a JSON object laid over it."""
         values: dict[str, Any] = {}
-        if source != "none":
+        if source.strip().lower() not in ("none", "null"):
             path = (Path(model_dir) if source == "auto" else Path(source)) / FILE_NAME
             values = _recommended(_read(path, missing_ok=source == "auto"))
             try:

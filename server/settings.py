@@ -303,8 +303,10 @@ def _parse_text(field: _Field, text: str, source: str) -> Any:
 
 
 def _check_yaml_value(field: _Field, value: Any, source: str) -> Any:
-    if value is None and field.is_optional:
-        return None
+    if field.is_optional and (
+        value is None or (isinstance(value, str) and value.strip().lower() in _NONE)
+    ):
+        return None  # `none` means unset, as in a flag or an environment variable
     expected = field.type
     is_ok = isinstance(value, expected) and not (expected is not bool and isinstance(value, bool))
     if expected is float and isinstance(value, int) and not isinstance(value, bool):

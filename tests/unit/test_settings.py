@@ -323,3 +323,17 @@ def test_an_incomplete_default_model_folder_is_replaced_and_old_staging_removed(
     os.utime(stale, (old, old))
     assert ensure_default_model(path) == path
     assert (path / "config.json").is_file() and not stale.exists()
+
+
+def test_none_is_none_in_every_spelling_and_source(tmp_path):
+    """`--generation-config None` was read as a folder named None, and in YAML the word
+    none was a string: `api_key: none` set the key to "none", `allowed_media_domains: none`
+    allowed one host named none."""
+    from engine.generation_defaults import SamplingDefaults
+
+    assert SamplingDefaults.load("None", tmp_path) == SamplingDefaults.load("none", tmp_path)
+    config = tmp_path / "c.yaml"
+    config.write_text("api_key: none\nallowed_media_domains: NULL\nserved_model_name: None\n")
+    settings = load_settings(["--config", str(config)], {})
+    assert settings.api_key is None and settings.allowed_media_domains is None
+    assert settings.engine.served_model_name is None
