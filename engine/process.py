@@ -161,7 +161,10 @@ def _serve(config, inboxes, outboxes, parent_pid, core_factory) -> int:
         core = core_factory(config)
         ready = core.ready
     except Exception as exc:  # noqa: BLE001 - report why start-up failed, then exit
-        logger.exception("engine start-up failed")
+        if isinstance(exc, TesseraError):  # expected (a bad checkpoint): the reason is enough
+            logger.error("engine start-up failed: %s", exc.message)
+        else:
+            logger.exception("engine start-up failed")
         _send_to_all(outboxes, EngineFailed(f"engine start-up failed: {_describe(exc)}"))
         return EXIT_FAILED
     logger.info(

@@ -81,3 +81,28 @@ def test_a_context_longer_than_the_model_was_trained_for_is_refused(tiny, capsys
     trained = json.loads((tiny / "config.json").read_text()).get("max_position_embeddings")
     code, err = serve(capsys, tiny, "--max-model-len", str(trained + 1))
     assert code == 1 and "max_position_embeddings" in err
+
+
+def test_an_expected_engine_start_up_failure_is_logged_without_a_traceback(caplog):
+    """Every ModelLoadError (no config.json, unsupported architecture, a missing shard)
+    came with a full stack trace before the one-line reason; a bug still gets one."""
+    import logging
+    import os
+
+    from engine.config import EngineConfig
+    from engine.errors import ModelLoadError
+    from engine.process import _serve
+
+    def refused(config):
+        raise ModelLoadError("unsupported architecture 'Nope'")
+
+    def broken(config):
+        raise KeyError("a bug")
+
+    config = EngineConfig(model="unused")
+    with caplog.at_level(logging.ERROR):
+        assert _serve(config, [], [], os.getpid(), refused) != 0
+        assert _serve(config, [], [], os.getpid(), broken) != 0
+    expected, bug = [r for r in caplog.records if "start-up failed" in r.getMessage()]
+    assert "unsupported architecture 'Nope'" in expected.getMessage()
+    assert expected.exc_info is None and bug.exc_info is not None
