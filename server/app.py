@@ -66,6 +66,7 @@ from server.streaming import (
     stream_chat,
     stream_completion,
 )
+from server.tool_calls import arguments_as_objects, tool_plan
 from server.unicode_check import check_request_text
 
 logger = logging.getLogger(__name__)
@@ -389,8 +390,13 @@ def _add_api_routes(api: APIRouter) -> None:
         state = _state(request)
         state.check_model(body.model)
         if body.messages is not None:
+            # As a chat renders them: earlier calls' arguments as objects, and the tools
+            tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()]
+            plan = tool_plan(tools, None, None)
             text = state.processor.render_chat(
-                messages_as_dicts(body.messages), **body.template_options
+                arguments_as_objects(messages_as_dicts(body.messages)),
+                tools=plan.tools if plan else None,
+                **body.template_options,
             )
         elif body.prompt is not None:
             text = body.prompt

@@ -626,6 +626,7 @@ class TokenizeRequest(ChatTemplateFields):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)  # rendered as chat's
     _few_enough_messages = field_validator("messages", mode="before")(few_enough_messages)
     add_special_tokens: bool = True
     return_token_strs: bool = False  # vLLM's: each token's own string, as the vocabulary has it

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
 import pytest
 
@@ -161,6 +162,14 @@ def test_tools_and_earlier_calls_reach_the_prompt_as_transformers_renders_them(c
             max_tokens=2, temperature=0,
         )  # fmt: skip
         assert response.usage.prompt_tokens == len(expected), tool_choice
+    # /tokenize counts what the chat runs, tools included (vLLM's takes them too; they
+    # were ignored: 27 tokens for a 290-token prompt).
+    url = str(client.base_url).removesuffix("/v1/") + "/tokenize"
+    body = {"model": MODEL_NAME, "messages": conversation, "tools": TOOLS}
+    counted = httpx.post(url, json=body, timeout=30).json()["count"]
+    with_tools = hf_tokenizer.apply_chat_template(rendered, tools=TOOLS, tokenize=False,
+                                                  add_generation_prompt=True)  # fmt: skip
+    assert counted == len(hf_tokenizer(with_tools, add_special_tokens=False)["input_ids"])
 
 
 def test_an_earlier_call_whose_arguments_escape_a_lone_surrogate_is_answered(client):
