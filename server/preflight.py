@@ -35,13 +35,15 @@ def check_model_folder(settings: ServerSettings) -> None:
     check_max_model_len(settings.engine.max_model_len, model_config)
     template_setting = settings.chat_template_source()
     processor = PromptProcessor.from_model_dir(folder, template_setting)
-    if template_setting is None and processor.chat_template is not None:
-        try:
-            compile_template(processor.chat_template)
-        except jinja2.TemplateSyntaxError as exc:
-            raise ModelLoadError(
-                f"the model folder's chat template has a syntax error on line {exc.lineno}: "
-                f"{exc.message}"
-            ) from None
+    if template_setting is None:
+        for template in (processor.chat_template, processor.tool_chat_template):
+            try:
+                if template is not None:
+                    compile_template(template)
+            except jinja2.TemplateSyntaxError as exc:
+                raise ModelLoadError(
+                    f"the model folder's chat template has a syntax error on line "
+                    f"{exc.lineno}: {exc.message}"
+                ) from None
     if model_config.vision is not None:
         ImageProcessorConfig.from_model_dir(folder)  # the server preprocesses images with it

@@ -63,10 +63,15 @@ def chat_template_from_setting(value: str) -> str:
     return source
 
 
-def find_chat_template(folder: Path, tokenizer_config: dict) -> str | None:
+def find_chat_template(
+    folder: Path, tokenizer_config: dict, *, name: str = "default"
+) -> str | None:
+    """The model folder's chat template. Where the checkpoint names several
+    ([{"name": "default", "template": ...}, {"name": "tool_use", ...}]), the one of `name`
+    (transformers renders a chat with tools through "tool_use" where there is one)."""
     jinja_file = folder / "chat_template.jinja"
     if jinja_file.is_file():
-        return jinja_file.read_text(encoding="utf-8")
+        return jinja_file.read_text(encoding="utf-8") if name == "default" else None
     template = read_json(folder / "chat_template.json").get("chat_template")
     if template is None:
         template = tokenizer_config.get("chat_template")
@@ -74,7 +79,9 @@ def find_chat_template(folder: Path, tokenizer_config: dict) -> str | None:
         named = {
             item.get("name"): item.get("template") for item in template if isinstance(item, dict)
         }
-        template = named.get("default")
+        template = named.get(name)
+    elif name != "default":
+        return None
     return template if isinstance(template, str) else None
 
 

@@ -84,8 +84,11 @@ class PromptProcessor:
         eos_token_ids: list[int] | None = None,
         model_token_ids: dict[str, int] | None = None,
         timestamped_video_frames: bool = False,
+        tool_chat_template: str | None = None,
     ):
         self.tokenizer = tokenizer
+        # A checkpoint's "tool_use" named template: a chat with tools renders through it.
+        self.tool_chat_template = tool_chat_template
         # Qwen3-VL: a video's placeholder becomes, per temporal patch, "<t seconds>" then
         # the patch's own <|vision_start|> pads <|vision_end|> (its processor's layout).
         self.timestamped_video_frames = timestamped_video_frames
@@ -172,6 +175,11 @@ class PromptProcessor:
         return cls(
             tokenizer,
             chat_template or find_chat_template(folder, tokenizer_config),
+            tool_chat_template=(
+                None
+                if chat_template
+                else find_chat_template(folder, tokenizer_config, name="tool_use")
+            ),
             special_tokens=special_tokens,
             eos_token_ids=[int(i) for i in eos_ids or []],
             model_token_ids=model_token_ids,
@@ -202,7 +210,9 @@ class PromptProcessor:
                 "with add_generation_prompt, which starts a new one",
                 param="continue_final_message",
             )
-        template_source = chat_template or self.chat_template
+        template_source = (
+            chat_template or (self.tool_chat_template if tools else None) or self.chat_template
+        )
         if not template_source:
             raise InvalidRequest(
                 "this model has no chat template; pass chat_template or use completions",

@@ -332,3 +332,28 @@ def test_a_chat_template_setting_is_a_file_first_then_the_template(tmp_path):
     assert chat_template_from_setting(inline) == inline.replace("\\n", "\n")
     with pytest.raises(ChatTemplateError, match="no file"):
         chat_template_from_setting(str(tmp_path / "missing.jinja"))
+
+
+def test_named_templates_take_tool_use_when_tools_are_given(model_dir, tmp_path):
+    """transformers' `get_chat_template` (and vLLM) render a chat with tools through the
+    "tool_use" template where the checkpoint names one; Tessera always took "default"."""
+    transformers = pytest.importorskip("transformers")
+    folder = tmp_path / "named"
+    shutil.copytree(model_dir, folder)
+    for name in ("chat_template.jinja", "chat_template.json"):
+        (folder / name).unlink(missing_ok=True)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = [
+        {"name": "default", "template": "D{% for m in messages %}{{ m.content }}{% endfor %}"},
+        {"name": "tool_use",
+         "template": "T{{ tools | length }}{% for m in messages %}{{ m.content }}{% endfor %}"},
+    ]  # fmt: skip
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "hi"}]
+    ours = PromptProcessor.from_model_dir(folder)
+    hf = transformers.AutoTokenizer.from_pretrained(folder)
+    for given in (tools, None):
+        expected = hf.apply_chat_template(messages, tools=given, tokenize=False)
+        assert ours.render_chat(messages, tools=given, add_generation_prompt=False) == expected
+    assert ours.render_chat(messages, tools=tools).startswith("T1")
