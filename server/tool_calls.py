@@ -112,10 +112,13 @@ class ToolPlan:
         return ToolCallExtractor(self)
 
     def split(self, text: str) -> tuple[str, list[ToolCall]]:
-        """A whole answer's content and tool calls (what a non-streamed response shows)."""
+        """A whole answer's content and tool calls (what a non-streamed response shows):
+        read as a stream reads it, so that the two agree. A stream sends each call as its
+        text closes; an answer cut inside a later call (max_tokens) keeps those, the rest
+        content. Read whole, such an answer had no calls and all of it as content."""
         extractor = self.extractor()
-        content = extractor.feed(text)
-        rest, calls = extractor.finish()
+        content, _ = extractor.feed_stream(text)
+        rest, _, calls = extractor.finish_stream()
         return content + rest, calls
 
     def finish_reason(self, engine_reason: str | None, calls: list[ToolCall]) -> str | None:

@@ -347,3 +347,39 @@ def test_required_keeps_each_schemas_references_resolvable(parameters):
 
     tools = [*TOOLS, {"type": "function", "function": {"name": "f", "parameters": parameters}}]
     assert grammar_error(ToolPlan("required", tools).constraint()) is None
+
+
+def streamed_message(plan: ToolPlan, text: str, chunk: int) -> tuple[str, list[tuple[str, str]]]:
+    """What a client rebuilds from a stream's content and tool-call deltas."""
+    extractor = plan.extractor()
+    content, calls = "", {}
+
+    def take(deltas):
+        for delta in deltas:
+            call = calls.setdefault(delta["index"], ["", ""])
+            call[0] += delta["function"].get("name") or ""
+            call[1] += delta["function"].get("arguments") or ""
+
+    for start in range(0, len(text), chunk):
+        piece, deltas = extractor.feed_stream(text[start : start + chunk])
+        content += piece
+        take(deltas)
+    rest, deltas, _ = extractor.finish_stream()
+    take(deltas)
+    return content + rest, [tuple(calls[i]) for i in sorted(calls)]
+
+
+@pytest.mark.parametrize("plan, text", [
+    (ToolPlan("required", TOOLS),
+     '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "param'),
+    (AUTO, TWO_CALLS.replace('"arguments": {}}', '"arguments": {')),
+    (AUTO, TWO_CALLS),
+    (ToolPlan("required", TOOLS), '[{"name": "get_time", "parameters": {}}]'),
+])  # fmt: skip
+def test_a_whole_answer_splits_as_its_stream_does(plan, text):
+    """Cut by max_tokens inside a later call: streamed, the calls closed before were sent
+    and the rest was content; the whole answer had no calls and all of it as content."""
+    content, calls = plan.split(text)
+    whole = (content, [(call.name, call.arguments) for call in calls])
+    for chunk in (1, 5, len(text)):
+        assert streamed_message(plan, text, chunk) == whole, chunk
