@@ -217,6 +217,8 @@ def build_app(
                 await fetcher.aclose()
 
     app = FastAPI(
+        # A trailing slash is a 404, not a 307 to a URL built from the client's Host header.
+        redirect_slashes=False,
         title="Tessera",
         version=VERSION,
         lifespan=lifespan,

@@ -140,7 +140,9 @@ def install_error_handlers(app: FastAPI) -> None:
             kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
             code = "request_too_large" if exc.status_code == 413 else None
             body = error_body(str(exc.detail), type=kind, code=code)
-        return json_error(exc.status_code, body)
+        response = json_error(exc.status_code, body)
+        response.headers.update(exc.headers or {})  # a 405's Allow, say
+        return response
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

@@ -332,6 +332,13 @@ class SamplingFields(_Request):
         schema = json.dumps(response_format.json_schema.schema_)
         return StructuredOutput(json=schema), "response_format.json_schema.schema"
 
+    @field_validator("stream_options")
+    @classmethod
+    def _only_with_stream(cls, options: StreamOptions | None, info: ValidationInfo) -> Any:
+        if options is not None and not info.data.get("stream"):
+            raise ValueError("stream_options needs stream: true")  # as vLLM and OpenAI
+        return options
+
     @field_validator("logit_bias", mode="before")
     @classmethod
     def _few_logit_bias(cls, bias: Any) -> Any:

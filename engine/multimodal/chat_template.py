@@ -94,10 +94,11 @@ def template_for_request(source: str, template_kwargs: dict[str, Any]) -> jinja2
         raise InvalidRequest(
             f"the chat template has a syntax error: {exc.message}", param="chat_template"
         ) from exc
-    taken = sorted(set(template_kwargs) & set(RESERVED_TEMPLATE_VARIABLES))
+    # `self` is Template.render's own first parameter
+    taken = sorted(set(template_kwargs) & {*RESERVED_TEMPLATE_VARIABLES, "self"})
     if taken:
         raise InvalidRequest(
-            f"chat_template_kwargs cannot set {', '.join(taken)}: the request's own fields do",
+            f"chat_template_kwargs cannot set {', '.join(taken)}: the server sets them",
             param="chat_template_kwargs",
         )
     # The template's own functions (namespace, range, raise_exception, ...): a variable

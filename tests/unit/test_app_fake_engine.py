@@ -543,3 +543,21 @@ def test_the_drains_stop_signal_lives_on_the_loop_that_asks_for_it():
 
     asyncio.run(stop())
     assert asyncio.run(current()) == (True, True)  # stopped stays stopped on a new loop
+
+
+def test_protocol_details_of_errors(app):
+    """stream_options without stream was taken silently (vLLM and OpenAI refuse it); a 405
+    had no Allow header (RFC 9110 requires one); a trailing slash got a bare 307 to a URL
+    built from the client's Host header; chat_template_kwargs {"self": 1} blamed the
+    messages."""
+    client, _ = app
+    options = chat(client, stream_options={"include_usage": True})
+    assert options.status_code == 400 and options.json()["error"]["param"] == "stream_options"
+    wrong_method = client.get("/v1/chat/completions")
+    assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST"
+    slash = client.post("/v1/chat/completions/", json={}, headers={"host": "evil.example"},
+                        follow_redirects=False)  # fmt: skip
+    assert slash.status_code == 404 and slash.json()["error"]["code"] == "not_found"
+    kwargs = chat(client, chat_template_kwargs={"self": 1})
+    assert kwargs.status_code == 400
+    assert kwargs.json()["error"]["param"] == "chat_template_kwargs"
