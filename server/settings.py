@@ -324,6 +324,7 @@ def build_parser(prog: str = "tessera serve") -> argparse.ArgumentParser:
         prog=prog,
         description="Serve a vision-language model over an OpenAI-compatible HTTP API.",
         argument_default=argparse.SUPPRESS,  # absent flags stay absent: env/YAML may set them
+        allow_abbrev=False,  # a flag added later must not change what a script's short form means
     )
     parser.add_argument("--config", help=f"YAML settings file (env {CONFIG_ENV})")
     for field in FIELDS.values():

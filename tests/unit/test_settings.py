@@ -337,3 +337,10 @@ def test_none_is_none_in_every_spelling_and_source(tmp_path):
     settings = load_settings(["--config", str(config)], {})
     assert settings.api_key is None and settings.allowed_media_domains is None
     assert settings.engine.served_model_name is None
+
+
+def test_flags_are_not_abbreviated():
+    """argparse took --max-num-s for --max-num-seqs: a flag added later could make such a
+    script's abbreviation ambiguous, or mean another flag."""
+    with pytest.raises(SystemExit):
+        load_settings(["--max-num-s", "3"], {})
