@@ -17,33 +17,27 @@ import logging
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from engine.errors import EngineDeadError, InvalidRequest, ModelNotFound, ServerOverloaded
-from engine.generation_defaults import SamplingDefaults
-from engine.multimodal.image_processor import ImageProcessorConfig
+from engine.errors import EngineDeadError, InvalidRequest, ServerOverloaded
 from engine.multimodal.prompt import PromptProcessor
-from engine.multimodal.video import VideoConfig
 from server.admission import AdmissionController, ServerDraining, SharedCounts, Ticket
+from server.app_state import AppState, load_sampling_defaults, make_fetcher
 from server.auth import check_api_key
 from server.chat import UUIDS, messages_as_dicts, prepare_chat_prompt
 from server.completions import chat_response, completion_response, prepare_completion_prompt
 from server.disconnects import ClientDisconnected, unless_client_leaves
 from server.errors import error_body, install_error_handlers
 from server.generation import (
-    OPENAI_DEFAULTS,
     GenerationTotals,
     check_structured_output,
     check_token_ids,
 )
 from server.jobs import build_job, prompt_bound, tokenised_off_the_loop_if_long
 from server.json_body import BoundedJsonRoute
-from server.media_fetch import MediaFetchConfig, MediaFetcher
 from server.metrics import API_CPU_COUNT_INTERVAL_S, ServerMetrics
 from server.openai_models import (
     ChatCompletionRequest,
@@ -73,73 +67,6 @@ logger = logging.getLogger(__name__)
 
 VERSION = "0.1.0"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-@dataclass
-class AppState:
-    """What the route handlers share; built in the app's lifespan once the engine is READY."""
-
-    settings: ServerSettings
-    engine: Any
-    processor: PromptProcessor
-    fetcher: MediaFetcher | None
-    metrics: ServerMetrics
-    model_name: str
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...] = ()  # the engine's: the model's EOS and generation_config's
-    sampling_defaults: SamplingDefaults = OPENAI_DEFAULTS  # --generation-config
-
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise ModelNotFound(f"the model {model!r} does not exist", param="model")
-
-
-def load_sampling_defaults(settings: ServerSettings, announce: bool = True) -> SamplingDefaults:
-    """The sampling defaults `--generation-config` names (GenerationConfigError if bad);
-    logs them when they are not OpenAI's and `announce` (one API process of several)."""
-    defaults = settings.sampling_defaults()
-    if (changed := defaults.changed()) and announce:
-        logger.warning(
-            "sampling defaults from the generation config (for fields a request leaves out): "
-            "%s; --generation-config none keeps OpenAI's",
-            ", ".join(f"{name}={value}" for name, value in changed.items()),
-        )
-    return defaults
-
-
-def _make_fetcher(settings: ServerSettings, metrics: ServerMetrics) -> MediaFetcher | None:
-    model_dir = Path(settings.engine.model)
-    if not (model_dir / "preprocessor_config.json").is_file():
-        return None
-    config = MediaFetchConfig(
-        max_image_bytes=settings.max_image_bytes,
-        timeout_s=settings.media_fetch_timeout_s,
-        allow_private_urls=settings.allow_private_media_urls,
-        max_image_pixels=settings.max_image_pixels,
-        processed_image_cache_bytes=settings.image_cache_mb * 1024 * 1024,
-        max_redirects=settings.media_fetch_max_redirects,
-        max_connections=settings.media_fetch_max_connections,
-        max_connections_per_host=settings.media_fetch_max_connections_per_host,
-        allowed_domains=settings.allowed_media_domains,
-        allowed_local_path=settings.allowed_local_media_path,
-        max_video_bytes=settings.max_video_bytes,
-        max_video_decode_seconds=settings.max_video_decode_seconds,
-        num_image_decode_threads=settings.image_decode_thread_count(),
-        num_video_decode_threads=settings.video_decode_threads,
-    )
-    video_config = VideoConfig.from_model_dir(
-        model_dir,
-        fps=settings.video_fps,
-        max_frames=settings.max_video_frames,
-        max_tokens=settings.max_video_tokens,
-    )
-    return MediaFetcher(
-        config,
-        ImageProcessorConfig.from_model_dir(model_dir),
-        video_config,
-        on_processed=metrics.on_media_preprocessed,
-    )
 
 
 async def _count_api_cpu(metrics: ServerMetrics) -> None:
@@ -190,7 +117,7 @@ def build_app(
             PromptProcessor.from_model_dir, settings.engine.model, settings.chat_template_source()
         )
         sampling_defaults = load_sampling_defaults(settings, announce=api_server_index == 0)
-        fetcher = _make_fetcher(settings, metrics)
+        fetcher = make_fetcher(settings, metrics)
         with contextlib.suppress(AttributeError):
             engine.add_stats_listener(metrics.on_engine_stats)
             engine.add_finish_listener(metrics.on_engine_request_finished)

@@ -26,7 +26,7 @@ from server.streaming import GenerationJob
 from server.tool_calls import ToolPlan, call_format
 
 if TYPE_CHECKING:
-    from server.app import AppState
+    from server.app_state import AppState
 
 
 def prompt_bound(state: AppState, body: Any) -> int | None:

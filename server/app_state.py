@@ -1,0 +1,90 @@
+"""What the API routes share, built once the engine is ready (server/app.py's lifespan):
+the settings, the engine client, the prompt processor, the media fetcher, the metrics and
+what the engine reported of the model."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.errors import ModelNotFound
+from engine.generation_defaults import SamplingDefaults
+from engine.multimodal.image_processor import ImageProcessorConfig
+from engine.multimodal.prompt import PromptProcessor
+from engine.multimodal.video import VideoConfig
+from server.generation import OPENAI_DEFAULTS
+from server.media_fetch import MediaFetchConfig, MediaFetcher
+from server.metrics import ServerMetrics
+from server.settings import ServerSettings
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class AppState:
+    """What the route handlers share; built in the app's lifespan once the engine is READY."""
+
+    settings: ServerSettings
+    engine: Any
+    processor: PromptProcessor
+    fetcher: MediaFetcher | None
+    metrics: ServerMetrics
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...] = ()  # the engine's: the model's EOS and generation_config's
+    sampling_defaults: SamplingDefaults = OPENAI_DEFAULTS  # --generation-config
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ModelNotFound(f"the model {model!r} does not exist", param="model")
+
+
+def load_sampling_defaults(settings: ServerSettings, announce: bool = True) -> SamplingDefaults:
+    """The sampling defaults `--generation-config` names (GenerationConfigError if bad);
+    logs them when they are not OpenAI's and `announce` (one API process of several)."""
+    defaults = settings.sampling_defaults()
+    if (changed := defaults.changed()) and announce:
+        logger.warning(
+            "sampling defaults from the generation config (for fields a request leaves out): "
+            "%s; --generation-config none keeps OpenAI's",
+            ", ".join(f"{name}={value}" for name, value in changed.items()),
+        )
+    return defaults
+
+
+def make_fetcher(settings: ServerSettings, metrics: ServerMetrics) -> MediaFetcher | None:
+    """The server's media fetcher, for a model with an image processor (None: text only)."""
+    model_dir = Path(settings.engine.model)
+    if not (model_dir / "preprocessor_config.json").is_file():
+        return None
+    config = MediaFetchConfig(
+        max_image_bytes=settings.max_image_bytes,
+        timeout_s=settings.media_fetch_timeout_s,
+        allow_private_urls=settings.allow_private_media_urls,
+        max_image_pixels=settings.max_image_pixels,
+        processed_image_cache_bytes=settings.image_cache_mb * 1024 * 1024,
+        max_redirects=settings.media_fetch_max_redirects,
+        max_connections=settings.media_fetch_max_connections,
+        max_connections_per_host=settings.media_fetch_max_connections_per_host,
+        allowed_domains=settings.allowed_media_domains,
+        allowed_local_path=settings.allowed_local_media_path,
+        max_video_bytes=settings.max_video_bytes,
+        max_video_decode_seconds=settings.max_video_decode_seconds,
+        num_image_decode_threads=settings.image_decode_thread_count(),
+        num_video_decode_threads=settings.video_decode_threads,
+    )
+    video_config = VideoConfig.from_model_dir(
+        model_dir,
+        fps=settings.video_fps,
+        max_frames=settings.max_video_frames,
+        max_tokens=settings.max_video_tokens,
+    )
+    return MediaFetcher(
+        config,
+        ImageProcessorConfig.from_model_dir(model_dir),
+        video_config,
+        on_processed=metrics.on_media_preprocessed,
+    )
