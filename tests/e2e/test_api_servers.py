@@ -12,6 +12,7 @@ import concurrent.futures
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -265,11 +266,7 @@ def test_a_dead_api_process_stops_the_whole_server(model_dir, tmp_path):
         assert "exited with code -9" in log_path.read_text()
 
 
-def test_an_engine_that_cannot_start_fails_the_launcher(tmp_path):
-    model = tmp_path / "broken"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    log_path = tmp_path / "broken.log"
+def _serve_to_exit(model: Path, log_path: Path) -> int:
     command = [sys.executable, "-m", "server.cli", "serve", "--model", str(model),
                "--host", "127.0.0.1", "--port", str(free_port()), *API_SERVERS]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": repo_pythonpath()}
@@ -277,10 +274,24 @@ def test_an_engine_that_cannot_start_fails_the_launcher(tmp_path):
         process = subprocess.run(
             command, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=120
         )
-    assert process.returncode == 1, log_path.read_text()[-3000:]
+    return process.returncode
+
+
+def test_an_engine_that_cannot_start_fails_the_launcher(model_dir, tmp_path):
+    # Weights the model-folder check does not read: the engine fails loading them.
+    model = tmp_path / "broken"
+    shutil.copytree(model_dir, model)
+    (model / "model.safetensors").write_bytes(b"not safetensors")
+    log_path = tmp_path / "broken.log"
+    assert _serve_to_exit(model, log_path) == 1, log_path.read_text()[-3000:]
     engine, api = _pids(log_path)
     wait_all_gone([engine, *api], timeout=5)
-    assert "unsupported architecture" in log_path.read_text()
+    assert "engine failed to start" in log_path.read_text()
+    # A folder the check refuses starts no process at all.
+    (model / "config.json").write_text("{}")
+    assert _serve_to_exit(model, log_path) == 1
+    text = log_path.read_text()
+    assert "unsupported architecture" in text and "engine process" not in text
 
 
 def test_a_killed_launcher_takes_every_process_with_it(model_dir, tmp_path):
