@@ -10,8 +10,9 @@ chunk then takes its slice of rows:
 `EncoderCacheManager` (pure Python, used by the scheduler) decides what is held:
 a token budget; each entry is referenced by the requests that still need it; an
 entry with no references sits in an LRU list and is evicted only to make room.
-An entry a running request still needs is never evicted, nor one a request holds
-from admission because nothing else can serve it (`MediaItem.cached_only`). Evicted
+An entry a running request still needs is never evicted; one that a waiting request
+needs and nothing else can serve (`MediaItem.cached_only`: a uuid-only part) is evicted
+last. Evicted
 hashes are handed to the model runner, which drops them from the `EncoderCache` tensor
 store; an entry whose rows never came (a failed encode) is forgotten.
 """
@@ -43,13 +44,20 @@ class EncoderCacheManager:
         evictable = sum(self._num_tokens[h] for h in self._unreferenced if h not in keep)
         return self.budget_tokens - self.num_used_tokens + evictable >= num_tokens
 
-    def allocate(self, content_hash: str, num_tokens: int, request_id: str) -> None:
-        """Accounts a new entry (the runner fills it this step), referenced by `request_id`."""
+    def allocate(
+        self, content_hash: str, num_tokens: int, request_id: str, *, spare: Collection[str] = ()
+    ) -> None:
+        """Accounts a new entry (the runner fills it this step), referenced by `request_id`.
+        Unreferenced entries make room oldest first, those in `spare` only when no other
+        is left."""
         if self.has(content_hash):
             self.acquire(content_hash, request_id)
             return
         while self.num_used_tokens + num_tokens > self.budget_tokens and self._unreferenced:
-            victim, _ = self._unreferenced.popitem(last=False)
+            victim = next((h for h in self._unreferenced if h not in spare), None)
+            if victim is None:
+                victim = next(iter(self._unreferenced))
+            del self._unreferenced[victim]
             self.num_used_tokens -= self._num_tokens.pop(victim)
             del self._refs[victim]
             self._evicted.append(victim)

@@ -332,11 +332,7 @@ class ModelRunner:
                 return failed_hashes[media.content_hash]
         for media in needed:
             if media.content_hash not in self.encoder_cache:
-                return error_info(
-                    MediaError(
-                        f"{media.modality} at {media.offset} has no pixels and no cached encoding"
-                    )
-                )
+                return error_info(_no_encoding(media))
         return None
 
     def _encode(self, items: list[MediaItem]) -> tuple[dict[str, ErrorInfo], int]:
@@ -351,11 +347,7 @@ class ModelRunner:
                     item.content_hash, to_device(item.embeds, self.dtype, self.device)
                 )  # [num_tokens, hidden]
             elif item.pixel_values is None:
-                failed[item.content_hash] = error_info(
-                    MediaError(
-                        f"{item.modality} at {item.offset} has no pixels and no cached encoding"
-                    )
-                )
+                failed[item.content_hash] = error_info(_no_encoding(item))
             else:
                 ready.append(item)
         if not ready:
@@ -529,3 +521,16 @@ class ModelRunner:
             multimodal_embeds,
             multimodal_rows,
         )
+
+
+def _no_encoding(item: MediaItem) -> MediaError:
+    """The error of an item with neither pixels nor a cached encoding: a uuid-only part
+    whose encoding was evicted while its request waited (the client sends it again)."""
+    if item.cached_only and item.content_hash.startswith("uuid:"):
+        uuid = item.content_hash.removeprefix("uuid:").split("@", 1)[0]
+        return MediaError(
+            f"unknown media uuid {uuid!r}: its cached encoding was evicted while the request "
+            "waited; send the media with its uuid again",
+            code="unknown_media_uuid",
+        )
+    return MediaError(f"{item.modality} at {item.offset} has no pixels and no cached encoding")

@@ -32,9 +32,10 @@ max_tokens is not scheduled again, and one stopped by a token it did not know ye
 its extra row dropped in `update`.
 
 Encoder references: a request holds one only while a span of that item is part-way
-computed, so a request waiting for encoder room never holds room itself. The exception
-is an item only the cache can serve (`MediaItem.cached_only`: a uuid-only part): it is
-held from `add_request` to the finish, through preemption, and needs no new room. An item
+computed, or, running, for an item only the cache can serve (`MediaItem.cached_only`: a
+uuid-only part, which a preemption would need again), so a request waiting for encoder
+room never holds room itself. An entry that a waiting request needs as a cached-only item
+is evicted last; evicted all the same, that request fails with `unknown_media_uuid`. An item
 larger than `encoder_cache_tokens` or `max_encoder_tokens_per_step` still runs: the
 budget grows to it at `add_request`, with a warning.
 """
@@ -100,10 +101,6 @@ class Scheduler:
                     "encoding was evicted; send the media with its uuid again",
                     code="unknown_media_uuid",
                 )
-        for content_hash in _cached_only_hashes(request):
-            self.encoder_cache.acquire(content_hash, request.request_id)
-            self.counters.encoder_cache_queries += 1
-            self.counters.encoder_cache_hits += 1
         self.requests[request.request_id] = request
         request.queued_time = time.monotonic()
         request.queue_order = next(self._queue_order)
@@ -297,14 +294,23 @@ class Scheduler:
                     self.encoder_cache.acquire(media.content_hash, request.request_id)
                     self.counters.encoder_cache_queries += 1
                     self.counters.encoder_cache_hits += 1
+        spare: set[str] | None = None
         for media in overlapping:
             if not self.encoder_cache.has(media.content_hash):
+                if spare is None:
+                    spare = self._needed_cached_only()
                 self.encoder_cache.allocate(
-                    media.content_hash, media.num_tokens, request.request_id
+                    media.content_hash, media.num_tokens, request.request_id, spare=spare
                 )
                 to_encode[media.content_hash] = media
                 encoder_budget[0] -= media.num_tokens
                 self.counters.encoder_cache_queries += 1
+
+    def _needed_cached_only(self) -> set[str]:
+        """Entries that requests not running yet (or preempted) need as cached-only items:
+        evicted last, as they cannot be encoded again. Never held for them, though: a
+        waiting request holding room could stall the running one that needs it."""
+        return {h for request in self.waiting for h in _cached_only_hashes(request)}
 
     def _pending_token_ends(self, request: Request) -> bool:
         """Its in-flight tokens finish it by length (max_tokens, the context): nothing more
@@ -433,23 +439,24 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         self.kv.free(request, keep_cached=status != RequestStatus.FINISHED_ERROR)
-        self._release_media(request, everything=True, finished=True)
+        self._release_media(request, everything=True)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         self.requests.pop(request.request_id, None)
 
-    def _release_media(self, request: Request, *, everything: bool, finished: bool = False) -> None:
+    def _release_media(self, request: Request, *, everything: bool) -> None:
         """Drops encoder references a request no longer needs (spans already in its KV;
-        `everything`: preempted or finished). A cached-only item stays held until the
-        request has `finished`: recomputed after a preemption, it needs the entry again."""
+        `everything`: preempted or finished). A running request keeps its cached-only
+        items: a preemption would need them again, and nothing else can serve them."""
         # The same image twice: its hash stays referenced while a later span of it is
-        # part-way done (only part-way spans hold references, so no request can wait
-        # on room that it holds itself; a cached-only item needs no room).
+        # part-way done (only part-way spans, and a running request's cached-only items,
+        # hold references: no request can wait on room that it holds itself).
         computed = request.num_computed_tokens
-        still_needed = set() if finished else _cached_only_hashes(request)
+        still_needed = set()
         if not everything:
+            still_needed = _cached_only_hashes(request)
             still_needed |= {m.content_hash for m in request.media if m.offset < computed < m.end}
         for media in request.media:
             if media.content_hash not in still_needed and (everything or media.end <= computed):

@@ -133,32 +133,50 @@ def cached_only(offset: int, num_tokens: int, content_hash: str) -> MediaItem:
     return item
 
 
-def test_a_cached_only_item_is_held_from_admission_to_the_finish():
-    """A uuid-only part was checked on arrival, then not held: a request scheduled first
-    evicted it, and the accepted request failed ('no pixels and no cached encoding')."""
-    scheduler = make_scheduler(encoder_cache_tokens=10)
+def test_an_entry_a_waiting_uuid_only_request_needs_is_evicted_last():
+    """A uuid-only part was checked on arrival, then evicted oldest first by a request
+    scheduled before it, and the accepted request failed ('no pixels and no cached
+    encoding'). Now another entry makes the room."""
+    scheduler = make_scheduler(encoder_cache_tokens=12)
     run_to_end_with(scheduler, make_request("warm", 8, [image(2, 4, "uuid:u1")]))
-    assert scheduler.encoder_cache.has("uuid:u1")
-    scheduler.add_request(make_request("other", 12, [image(2, 8, "v")]))  # needs the room
+    run_to_end_with(scheduler, make_request("newer", 8, [image(2, 4, "w")]))
+    scheduler.add_request(make_request("other", 12, [image(2, 8, "v")]))  # needs 4 more
     scheduler.add_request(make_request("only", 8, [cached_only(2, 4, "uuid:u1")]))
     encoded = [m.content_hash for out in run_to_end(scheduler) for m in out.media_to_encode]
-    assert "uuid:u1" not in encoded and encoded == ["v"]
-    assert not scheduler.encoder_cache.is_referenced_by("uuid:u1", "only")
+    assert encoded == ["v"] and scheduler.encoder_cache.has("uuid:u1")
+    assert not scheduler.encoder_cache.has("w")
 
 
-def test_a_cached_only_item_survives_the_preemption_of_its_request():
-    """A computed span released its reference; preempted, the request needed the item again,
-    evicted meanwhile: its stream ended with an error."""
-    scheduler = make_scheduler(encoder_cache_tokens=10)
+def test_a_running_request_keeps_its_cached_only_item_until_it_finishes():
+    """A computed span released its reference: evicted while the request decoded, the
+    item was gone when a preemption needed it again (the stream ended with an error)."""
+    scheduler = make_scheduler(encoder_cache_tokens=12)
     run_to_end_with(scheduler, make_request("warm", 8, [image(2, 4, "uuid:u1")]))
     only = make_request("only", 8, [cached_only(2, 4, "uuid:u1")], max_tokens=20)
     scheduler.add_request(only)
     step(scheduler)  # its whole prompt, the span computed
     scheduler.add_request(make_request("other", 12, [image(2, 8, "v")]))
     encoded = [m.content_hash for m in step(scheduler).media_to_encode]  # beside its decode
-    scheduler._preempt(only)
-    encoded += [m.content_hash for out in run_to_end(scheduler) for m in out.media_to_encode]
-    assert "uuid:u1" not in encoded and only.num_preemptions == 1
+    assert encoded == ["v"] and scheduler.encoder_cache.is_referenced_by("uuid:u1", "only")
+    run_to_end(scheduler)
+    assert not scheduler.encoder_cache.is_referenced_by("uuid:u1", "only")
+
+
+def test_a_waiting_uuid_only_request_never_stalls_the_running_one():
+    """Held from admission, the entry of a queued uuid-only request left no room for the
+    running request's own image, which the queued one waited behind: neither moved. Now
+    the running one takes the room; the queued one finds its encoding gone."""
+    scheduler = make_scheduler(encoder_cache_tokens=8, max_num_seqs=1, max_num_batched_tokens=8)
+    run_to_end_with(scheduler, make_request("warm", 8, [image(2, 8, "uuid:u1")]))
+    running = make_request("running", 40, [image(30, 8, "v")])
+    scheduler.add_request(running)
+    step(scheduler)  # its text first: the image comes in a later chunk
+    scheduler.add_request(make_request("only", 12, [cached_only(2, 8, "uuid:u1")]))
+    for _ in range(50):
+        if not scheduler.has_unfinished_requests():
+            break
+        step(scheduler)
+    assert running.is_finished and not scheduler.has_unfinished_requests()
 
 
 def test_a_cached_only_item_evicted_before_admission_is_refused():

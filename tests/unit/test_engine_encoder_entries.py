@@ -55,14 +55,22 @@ def run(llm: LLM, *requests) -> dict[str, object]:
 
 def test_a_uuid_only_part_accepted_is_served_though_other_images_need_the_room(model_dir):
     """The uuid-only request was accepted (u1 cached), then the image queued before it
-    evicted u1 and it failed ('no pixels and no cached encoding'); after that, even the
-    image sent again with its pixels under u1 failed, every time."""
-    x, y = picture(6), picture(7)
+    evicted u1, oldest first, and it failed ('no pixels and no cached encoding'); after
+    that, even the image sent again with its pixels under u1 failed, every time. Now
+    another entry makes the room; with none other, the request fails naming the uuid,
+    and the image sent again with its pixels is served."""
+    x, y, z = picture(6), picture(7), picture(9)
+    with LLM(str(model_dir), num_kv_blocks=64, encoder_cache_tokens=55) as llm:
+        assert run(llm, asking(llm, "warm", x, uuid="u1")) == {"warm": None}
+        assert run(llm, asking(llm, "newer", z)) == {"newer": None}
+        errors = run(llm, asking(llm, "other", y),
+                     asking(llm, "only", x, uuid="u1", uuid_only=True, lead="another"))  # fmt: skip
+        assert errors == {"other": None, "only": None}
     with LLM(str(model_dir), num_kv_blocks=64, encoder_cache_tokens=30) as llm:
         assert run(llm, asking(llm, "warm", x, uuid="u1")) == {"warm": None}
         errors = run(llm, asking(llm, "other", y),
                      asking(llm, "only", x, uuid="u1", uuid_only=True, lead="another"))  # fmt: skip
-        assert errors == {"other": None, "only": None}
+        assert errors["other"] is None and errors["only"].code == "unknown_media_uuid"
         assert run(llm, asking(llm, "again", x, uuid="u1", lead="third")) == {"again": None}
 
 
