@@ -105,8 +105,8 @@ class StopChecker:
         self._stops = [s for s in stop if s]
         self.include_stop = include_stop
         self._pending = ""  # text received but not yet released
-        # Where in `_pending` the text that `hold` passed over ends: a stop string must
-        # end after it (min_tokens).
+        # How much of `_pending` is text no stop string may end in: looked at already (a
+        # stop ending in it was found then), or passed over by `hold` (min_tokens).
         self._checked_from = 0
         self.matched: str | None = None
 
@@ -125,7 +125,6 @@ class StopChecker:
             return StopResult(delta)
         text = self._pending + delta
         found = _first_stop(text, self._stops, must_end_after=self._checked_from)
-        self._checked_from = 0
         if found is not None:
             start, self.matched = found
             self._pending = ""
@@ -133,6 +132,7 @@ class StopChecker:
             return StopResult(text[:cut], True)
         hold = _longest_partial_suffix(text, self._stops)
         self._pending = text[len(text) - hold :] if hold else ""
+        self._checked_from = len(self._pending)
         return StopResult(text[: len(text) - hold])
 
     def hold(self, delta: str) -> str:

@@ -245,3 +245,12 @@ def test_a_token_released_with_bytes_that_were_no_character_starts_after_them(to
     text = detokenizer.text + detokenizer.finish()
     assert text == "\ufffd\ufffd the"
     assert detokenizer.text_offsets[-1] == 2 and text[2:] == " the"
+
+
+def test_a_stop_string_wholly_inside_the_min_tokens_stays_unmatched_later_too(tokenizer):
+    """"b" ends in the min_tokens text; "abcd" kept "abc" held back, and the next feed
+    looked at all of it again: "b" stopped the answer there, two tokens later."""
+    a, b, c, z = (tokenizer.encode(ch, add_special_tokens=False).ids[0] for ch in "abcz")
+    seq = SequenceDetokenizer(tokenizer, stop=["b", "abcd"], min_tokens=2)
+    emitted = "".join(seq.step([token_id]) for token_id in (a, b, c, z)) + seq.finish()
+    assert not seq.is_stopped and emitted == "abcz"
