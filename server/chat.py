@@ -189,7 +189,6 @@ def _split(value: str | None) -> tuple[str, ...] | None:
     return tuple(item.strip() for item in value.split(",") if item.strip())
 
 
-@functools.lru_cache(maxsize=8)
 def as_fetched(url: str) -> str:
     """An http(s) URL as aiohttp will ask for it (yarl's form: scheme and host lower-case,
     the default port dropped, dot segments resolved, percent-encoded ones too); any other
@@ -213,6 +212,7 @@ def _is_under(url: str, prefixes: tuple[str, ...]) -> bool:
     return fetched.startswith(prefixes)
 
 
+@functools.lru_cache(maxsize=8)  # read per request: preprocessor_config.json once
 def _policy(enabled: bool, buckets: str | None, prefixes: str | None, model: str, fps: float):
     merge, temporal_patch = 2, 2
     if (Path(model) / "preprocessor_config.json").is_file():

@@ -36,3 +36,14 @@ def test_urls_that_leave_the_allowed_prefixes_are_refused(url):
     with pytest.raises(InvalidRequest) as refused:
         check(url)
     assert refused.value.param == "messages[0].content[0].url"
+
+
+def test_the_policy_is_read_once_per_setting(tmp_path):
+    """A request with a feature part read the model's preprocessor_config.json on the
+    event loop every time (the cache decorator had moved to another function)."""
+    from types import SimpleNamespace
+
+    settings = SimpleNamespace(enable_feature_inputs=True, allowed_feature_buckets=None,
+                               allowed_feature_url_prefixes="http://a.test/",
+                               engine=SimpleNamespace(model=str(tmp_path)), video_fps=2.0)  # fmt: skip
+    assert FeaturePolicy.from_settings(settings) is FeaturePolicy.from_settings(settings)
