@@ -96,9 +96,10 @@ class Scheduler:
             self._fit_encoder_budgets(media.num_tokens)
         for content_hash in _cached_only_hashes(request):
             if not self.encoder_cache.has(content_hash):
+                uuid = content_hash.removeprefix("uuid:").split("@", 1)[0]  # "@1x32x32": grid
                 raise MediaError(
-                    f"unknown media uuid {content_hash.removeprefix('uuid:')!r}: its cached "
-                    "encoding was evicted; send the media with its uuid again",
+                    f"unknown media uuid {uuid!r}: its cached encoding was evicted; send the "
+                    "media with its uuid again",
                     code="unknown_media_uuid",
                 )
         self.requests[request.request_id] = request

@@ -134,10 +134,6 @@ class GenerationTotals:
         figures.last_token_time = now
         figures.num_tokens += num_tokens
 
-    @property
-    def finish_reasons(self) -> list[str]:
-        return [c.finish_reason for c in self.choices.values() if c.finish_reason is not None]
-
 
 @dataclass
 class ChoiceFigures:
