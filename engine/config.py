@@ -57,6 +57,7 @@ class EngineConfig:
     feature_fetch_retries: int = 3  # transient failures (timeouts, 5xx, throttling)
     s3_endpoint_url: str | None = None  # None = the standard AWS environment / config
     allow_private_feature_urls: bool = False  # allow http(s) feature URLs on private networks
+    allowed_feature_url_prefixes: str | None = None  # comma-separated URL prefixes, each ending in '/' (else https://a.example also lets https://a.example.evil.net in); a URL, and every redirect it takes, is held to them as it will be fetched (dot segments resolved); None = any
     engine_step_timeout_s: float = 300.0  # a pass of the engine loop (one step) longer than this is a hang: the engine exits, and the server with it, for its supervisor to restart; 0 = never
 
     def __post_init__(self) -> None:

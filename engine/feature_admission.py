@@ -32,6 +32,7 @@ from engine.feature_fetcher import FeatureFetcher, FeatureJob, FetchConfig, Fetc
 from engine.feature_validation import FeatureSpec
 from engine.protocol import FinishReason, MediaInput, RequestOutput
 from engine.request import Request
+from engine.url_safety import http_prefixes
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ class FeatureAdmission:
                     max_retries=c.feature_fetch_retries,
                     s3_endpoint_url=c.s3_endpoint_url,
                     allow_private_urls=c.allow_private_feature_urls,
+                    allowed_url_prefixes=http_prefixes(c.allowed_feature_url_prefixes),
                 )
             )
         return self._fetcher

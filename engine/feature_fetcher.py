@@ -82,6 +82,9 @@ class FetchConfig:
     s3_endpoint_url: str | None = None
     allow_private_urls: bool = False  # http(s) URLs may point at loopback / private hosts
     max_redirects: int = 3  # each hop is re-checked by the SSRF guard
+    # http(s) prefixes every hop must start with (`--allowed-feature-url-prefixes`, which the
+    # server checks on the client's URL; a redirect is checked here); None = any
+    allowed_url_prefixes: tuple[str, ...] | None = None
     # URLs whose version (ETag / Last-Modified) is remembered to skip a download, newest
     # used kept: a forgotten one is downloaded again. Presigned URLs are all distinct.
     max_known_versions: int = 16384
@@ -144,7 +147,9 @@ class FeatureFetcher:
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._http: aiohttp.ClientSession | None = None
-        self._policy = UrlPolicy(allow_private=config.allow_private_urls)
+        self._policy = UrlPolicy(
+            allow_private=config.allow_private_urls, allowed_prefixes=config.allowed_url_prefixes
+        )
         self._s3 = None
         self._s3_context = None
         self._thread = threading.Thread(

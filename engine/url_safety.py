@@ -118,6 +118,9 @@ class UrlPolicy:
     allow_private: bool = False
     allowed_domains: frozenset[str] | None = None
     allowed_local_path: str | None = None
+    # Every hop, redirects included, must start with one of these (yarl's form of the URL,
+    # as fetched); None = any. The feature fetcher's `--allowed-feature-url-prefixes`.
+    allowed_prefixes: tuple[str, ...] | None = None
 
     @classmethod
     def from_strings(
@@ -148,6 +151,8 @@ class UrlPolicy:
             raise UnsafeUrlError("the URL has no host")
         if self.allowed_domains is not None and host not in self.allowed_domains:
             raise UnsafeUrlError("the URL's host is not in the allowed media domains")
+        if self.allowed_prefixes is not None and not str(parsed).startswith(self.allowed_prefixes):
+            raise UnsafeUrlError("the URL is not under an allowed feature URL prefix")
         literal = _parse_ip(host)
         if literal is not None and not self.allow_private and is_blocked_address(literal):
             raise UnsafeUrlError("the URL points to a private or reserved address")
@@ -289,3 +294,12 @@ async def read_capped(
             raise BodyTooLargeError
         received.append(chunk)
     return b"".join(received)
+
+
+def http_prefixes(setting: str | None) -> tuple[str, ...] | None:
+    """The http(s) prefixes of a comma-separated `--allowed-feature-url-prefixes`, in
+    yarl's form (what a fetched URL is compared in); None when the setting is unset."""
+    if setting is None:
+        return None
+    prefixes = [item.strip() for item in setting.split(",")]
+    return tuple(str(URL(p)) for p in prefixes if p.lower().startswith(("http://", "https://")))

@@ -129,7 +129,7 @@ class FeaturePolicy:
         return _policy(
             bool(getattr(settings, "enable_feature_inputs", False)),
             getattr(settings, "allowed_feature_buckets", None),
-            getattr(settings, "allowed_feature_url_prefixes", None),
+            settings.engine.allowed_feature_url_prefixes,
             settings.engine.model,
             float(getattr(settings, "video_fps", 2.0)),
         )
@@ -193,7 +193,7 @@ def as_fetched(url: str) -> str:
     """An http(s) URL as aiohttp will ask for it (yarl's form: scheme and host lower-case,
     the default port dropped, dot segments resolved, percent-encoded ones too); any other
     URL as it is (an s3:// key reaches S3 literally)."""
-    if not url.startswith(("http://", "https://")):
+    if not url.lower().startswith(("http://", "https://")):
         return url
     try:
         return str(URL(url))

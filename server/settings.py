@@ -104,7 +104,6 @@ class ServerSettings:
     max_header_bytes: int = 64 * 1024  # request line + headers; over it: 431
     enable_feature_inputs: bool = False  # accept image_features / video_features parts
     allowed_feature_buckets: str | None = None  # comma-separated S3 buckets; None = any
-    allowed_feature_url_prefixes: str | None = None  # comma-separated URL prefixes, each ending in '/' (else https://a.example also lets https://a.example.evil.net in); a URL is held to them as it will be fetched (dot segments resolved); None = any
 
     def __post_init__(self) -> None:
         if self.api_key is not None:

@@ -236,3 +236,21 @@ def test_the_versions_remembered_are_bounded_oldest_first(origin):
         assert [method for method, _, _ in origin.log] == ["HEAD", "GET"]
     finally:
         fetcher.close()
+
+
+def test_a_redirect_out_of_the_allowed_prefixes_is_not_followed(origin):
+    """The prefixes were checked on the client's URL only: an allowed store's redirect to
+    a file outside them was followed (fuzz15)."""
+    origin.answers["/allowed/a"] = [(302, {"Location": "/secret/x"}, b"")]
+    origin.answers["/allowed/b"] = [(302, {"Location": "/allowed/c"}, b"")]
+    origin.answers["/allowed/c"] = [(200, {}, features(6))]
+    origin.answers["/secret/x"] = [(200, {}, features(7))]
+    config = FetchConfig(allow_private_urls=True, allowed_url_prefixes=(f"{origin.base}/allowed/",))
+    fetcher = FeatureFetcher(config)
+    try:
+        refused = fetch(fetcher, [f"{origin.base}/allowed/a"])
+        assert refused.error is not None and "prefix" in str(refused.error)
+        assert ("GET", "/secret/x") not in [entry[:2] for entry in origin.log]
+        assert fetch(fetcher, [f"{origin.base}/allowed/b"]).error is None
+    finally:
+        fetcher.close()

@@ -43,7 +43,22 @@ def test_the_policy_is_read_once_per_setting(tmp_path):
     event loop every time (the cache decorator had moved to another function)."""
     from types import SimpleNamespace
 
+    engine = SimpleNamespace(model=str(tmp_path), allowed_feature_url_prefixes="http://a.test/")
     settings = SimpleNamespace(enable_feature_inputs=True, allowed_feature_buckets=None,
-                               allowed_feature_url_prefixes="http://a.test/",
-                               engine=SimpleNamespace(model=str(tmp_path)), video_fps=2.0)  # fmt: skip
+                               engine=engine, video_fps=2.0)  # fmt: skip
     assert FeaturePolicy.from_settings(settings) is FeaturePolicy.from_settings(settings)
+
+
+def test_the_engine_fetcher_holds_every_hop_to_the_http_prefixes():
+    from types import SimpleNamespace
+
+    from engine.config import EngineConfig
+    from engine.feature_admission import FeatureAdmission
+
+    config = EngineConfig(model="unused",
+                          allowed_feature_url_prefixes="HTTP://Store.test:80/a/, s3://feat/a/")  # fmt: skip
+    admission = FeatureAdmission(config, SimpleNamespace(), scheduler=None)
+    try:
+        assert admission.fetcher.config.allowed_url_prefixes == ("http://store.test/a/",)
+    finally:
+        admission.close()
