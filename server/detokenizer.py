@@ -208,7 +208,6 @@ class SequenceDetokenizer:
         # add nothing), counted before stop strings hold text back.
         self.text_offsets: list[int] | None = [] if track_offsets else None
         self._num_decoded_chars = 0
-        self._held_tokens: list[int] = []  # stepped since the text last came out
 
     @property
     def is_stopped(self) -> bool:
@@ -250,28 +249,16 @@ class SequenceDetokenizer:
 
     def _step_one(self, token_id: int) -> str:
         """`step` with one token, noting its offset with `track_offsets`: where the text
-        so far ends. Tokens held back (the start of a character, or bytes that may turn
-        out to be none) share that offset until their text comes out; if it is then their
-        own texts one after another (each lone byte its U+FFFD), each gets its own."""
+        so far ends, or, when its text comes out with held-back text (bytes that turned
+        out to be no character), the end of that held text."""
         if self.text_offsets is None:
             return self.step((token_id,))
-        start = self._num_decoded_chars
-        if not self._detokenizer.is_holding:
-            self._held_tokens = []
-        self._held_tokens.append(token_id)
-        self.text_offsets.append(start)
+        start, held = self._num_decoded_chars, self._detokenizer.is_holding
         text = self.step((token_id,))
-        released = self._num_decoded_chars - start
-        held = self._held_tokens
-        if released and len(held) > 1:
-            alone = [self._detokenizer.text_alone(held_id) for held_id in held]
-            if sum(map(len, alone)) == released:
-                offset = self.text_offsets[-len(held)]
-                for index, piece in enumerate(alone, start=len(self.text_offsets) - len(held)):
-                    self.text_offsets[index] = offset
-                    offset += len(piece)
-            else:  # the last token's own text ends what came out
-                self.text_offsets[-1] += max(0, released - len(alone[-1]))
+        if held:
+            released = self._num_decoded_chars - start
+            start += max(0, released - len(self._detokenizer.text_alone(token_id)))
+        self.text_offsets.append(start)
         return text
 
     def note_token_offset(self) -> None:

@@ -254,18 +254,3 @@ def test_a_stop_string_wholly_inside_the_min_tokens_stays_unmatched_later_too(to
     seq = SequenceDetokenizer(tokenizer, stop=["b", "abcd"], min_tokens=2)
     emitted = "".join(seq.step([token_id]) for token_id in (a, b, c, z)) + seq.finish()
     assert not seq.is_stopped and emitted == "abcz"
-
-
-def test_lone_bytes_released_together_keep_one_offset_each(tokenizer):
-    """Each byte that is no character becomes its own U+FFFD; held back together, the
-    second took the first's offset ([0, 1, 1, 3] for [0, 1, 2, 3])."""
-    lone = tokenizer.encode("é", add_special_tokens=False).ids  # C3, A9
-    ids = [tokenizer.encode("2", add_special_tokens=False).ids[0], lone[1], lone[1],
-           tokenizer.encode(" the", add_special_tokens=False).ids[0]]  # fmt: skip
-    detokenizer = SequenceDetokenizer(tokenizer, track_offsets=True)
-    detokenizer.step_until_stop(ids)
-    text = detokenizer.text + detokenizer.finish()
-    assert text == "2\ufffd\ufffd the" and detokenizer.text_offsets == [0, 1, 2, 3]
-    split = SequenceDetokenizer(tokenizer, track_offsets=True)
-    split.step_until_stop([*lone, *ids[3:]])  # one character over two tokens: one offset
-    assert split.text + split.finish() == "é the" and split.text_offsets == [0, 0, 1]
