@@ -71,9 +71,16 @@ def completion_logprobs(
 
 def echoed_text_offsets(tokenizer: Tokenizer, token_ids: Sequence[int], echoed: str) -> list[int]:
     """Where each prompt token's text starts in `echoed`, the prompt's text as the answer
-    echoes it. The tokens are decoded one by one as generated ones are (special tokens
-    shown); tokens the tokenizer added that the prompt string lacks (a BOS before it, an
-    EOS after it) take no room: their offsets are the echo's start or end."""
+    echoes it. Where `echoed` tokenises to these very tokens, the tokenizer's own offsets
+    into it say (a BOS it added at 0; a character its normalizer changed, NFC's "e" +
+    U+0301, mapped back). Else the tokens are decoded one by one as generated ones are
+    (special tokens shown); tokens the tokenizer added that the prompt string lacks (a
+    BOS before it, an EOS after it) take no room: their offsets are the echo's start or
+    end."""
+    for with_special_tokens in (True, False):
+        encoding = tokenizer.encode(echoed, add_special_tokens=with_special_tokens)
+        if encoding.ids == list(token_ids):
+            return [start for start, _ in encoding.offsets]
     detokenizer = SequenceDetokenizer(tokenizer, skip_special_tokens=False, track_offsets=True)
     detokenizer.step_until_stop(token_ids)
     decoded = detokenizer.text + detokenizer.finish()

@@ -254,3 +254,15 @@ def test_a_stop_string_wholly_inside_the_min_tokens_stays_unmatched_later_too(to
     seq = SequenceDetokenizer(tokenizer, stop=["b", "abcd"], min_tokens=2)
     emitted = "".join(seq.step([token_id]) for token_id in (a, b, c, z)) + seq.finish()
     assert not seq.is_stopped and emitted == "abcz"
+
+
+def test_an_echoed_prompt_the_tokenizer_normalises_keeps_its_own_offsets(tokenizer):
+    """NFC makes "e" + U+0301 one character: offsets of the normalised text were one short
+    of the echo (the prompt as given) after it."""
+    from server.logprobs import echoed_text_offsets
+
+    prompt = "e\u0301 combining"
+    ids = tokenizer.encode(prompt).ids
+    offsets = echoed_text_offsets(tokenizer, ids, prompt)
+    assert offsets[0] == 0 and prompt[offsets[-3] :].startswith(tokenizer.decode(ids[-3:-2]))
+    assert offsets == sorted(offsets) and offsets[2] == 2  # " com" right after "e\u0301"
