@@ -36,16 +36,16 @@ from engine.multimodal.image_processor import ImageProcessorConfig, ProcessedIma
 from engine.multimodal.placement import place_media
 from engine.multimodal.prompt import PromptProcessor, final_message_text
 from engine.protocol import FeatureSource, MediaInput, MediaUuid, Modality, TensorRef
-from server.generation import PreparedPrompt
-from server.media_fetch import MediaFetcher, MediaProcessing
-from server.openai_models import (
-    ChatCompletionRequest,
+from server.chat_messages import (
     ChatMessage,
     ImageFeaturesPart,
     ImagePart,
     VideoFeaturesPart,
     VideoPart,
 )
+from server.generation import PreparedPrompt
+from server.media_fetch import MediaFetcher, MediaProcessing
+from server.openai_models import ChatCompletionRequest
 from server.tool_calls import arguments_as_objects
 
 MAX_REMEMBERED_UUIDS = 16384

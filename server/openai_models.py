@@ -23,20 +23,25 @@ from pydantic import (
 
 from engine.errors import InvalidRequest
 from engine.protocol import StructuredOutput
+from server.chat_messages import (
+    MAX_MESSAGES,
+    MAX_TOOLS,
+    ChatMessage,
+    NamedToolChoice,
+    RequestModel,
+    Tool,
+    few_enough_messages,
+)
 from server.tool_calls import ToolPlan, check_tools, tool_plan
 
 # Request limits (each violation is a 400 naming the field). Wide enough for real clients,
 # small enough that no single request can tie up the server.
 MAX_N = 16
-MAX_MESSAGES = 2048
-MAX_CONTENT_PARTS = 8192  # content parts of all messages together
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 512
 MAX_STOP_TOKEN_IDS = 256
 MAX_BAD_WORDS = 128
 MAX_CHOICES = 256  # structured_outputs.choice
-MAX_TOOLS = 128  # tools, and tool calls in one message
-MAX_TOOL_NAME_CHARS = 64
 MAX_REGEX_CHARS = 4096  # structured_outputs.regex
 ANY_JSON_OBJECT = '{"type": "object"}'  # response_format json_object
 # vLLM's older request fields -> the `structured_outputs` key each one is
@@ -48,146 +53,14 @@ MAX_INT64 = 2**63 - 1
 MAX_CHAT_TEMPLATE_CHARS = 64 * 1024
 MAX_CHAT_TEMPLATE_KWARGS = 64
 MAX_CACHE_SALT_CHARS = 256
-MAX_FRAME_SECONDS = 4096  # video_features.frame_seconds: temporal patches of one video
 MAX_ALLOWED_TOKEN_IDS = 2**18  # more than any vocabulary served
 
-# ---------------------------------------------------------------------------- requests
-
-
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class ImageUrl(_Request):
-    url: str
-    detail: str | None = None
-
-
-class TextPart(_Request):
-    type: Literal["text"]
-    text: str
-
-
-class _UrlPart(_Request):
-    """A media part fetched from a URL. With a client `uuid` the engine caches the encoding
-    under it, and a later part may carry the uuid alone (its URL object omitted or "")."""
-
-    url_field: ClassVar[str]
-    uuid: str | None = Field(default=None, min_length=1, max_length=256)  # client's own id
-
-    @model_validator(mode="before")
-    @classmethod
-    def _uuid_only(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("uuid") and data.get(cls.url_field) is None:
-            return {**data, cls.url_field: {"url": ""}}
-        return data
-
-    @property
-    def url(self) -> str:
-        return getattr(self, self.url_field).url
-
-
-class ImagePart(_UrlPart):
-    url_field: ClassVar[str] = "image_url"
-    type: Literal["image_url"]
-    image_url: ImageUrl
-
-
-class VideoUrl(_Request):
-    url: str
-
-
-class VideoPart(_UrlPart):
-    """A video to decode and sample (`http(s)`, `data:` or allowed `file://` URL)."""
-
-    url_field: ClassVar[str] = "video_url"
-    type: Literal["video_url"]
-    video_url: VideoUrl
-
-
-class FeatureRef(_Request):
-    url: str
-    grid_thw: list[int]
-    # Videos: seconds of video one temporal patch spans (vLLM's second_per_grid_ts; what
-    # `tessera encode-features` prints). Qwen2.5-VL spaces video positions by it; default
-    # temporal_patch_size / --video-fps, as for a video_url sampled by this server.
-    second_per_grid_t: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
-    # Videos of models that write each temporal patch's time into the prompt (Qwen3-VL):
-    # those times in seconds, one per temporal patch (what `tessera encode-features`
-    # prints). Other models leave them out.
-    frame_seconds: list[Annotated[float, Field(ge=0.0, allow_inf_nan=False)]] | None = Field(
-        default=None, max_length=MAX_FRAME_SECONDS
-    )
-
-
-class ImageFeaturesPart(_Request):
-    """Pre-encoded image features (server flag --enable-feature-inputs)."""
-
-    type: Literal["image_features"]
-    image_features: FeatureRef
-
-
-class VideoFeaturesPart(_Request):
-    """Pre-encoded video features (server flag --enable-feature-inputs)."""
-
-    type: Literal["video_features"]
-    video_features: FeatureRef
-
-
-ContentPart = Annotated[
-    TextPart | ImagePart | VideoPart | ImageFeaturesPart | VideoFeaturesPart,
-    Field(discriminator="type"),
-]
-
-
-class FunctionCall(_Request):
-    name: str = Field(max_length=MAX_TOOL_NAME_CHARS)
-    arguments: str | dict[str, Any] = "{}"  # OpenAI sends JSON text
-
-
-class ToolCallMessagePart(_Request):
-    """A call an assistant made earlier in the conversation."""
-
-    id: str | None = None
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class ChatMessage(_Request):
-    role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
-    tool_calls: list[ToolCallMessagePart] | None = Field(default=None, max_length=MAX_TOOLS)
-    tool_call_id: str | None = None  # role "tool": the call this answers
-
-
-class FunctionDefinition(_Request):
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON Schema; none = any object
-    strict: bool | None = None
-
-
-class Tool(_Request):
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class NamedFunction(_Request):
-    name: str = Field(max_length=MAX_TOOL_NAME_CHARS)
-
-
-class NamedToolChoice(_Request):
-    type: Literal["function"]
-    function: NamedFunction
-
-
-class StreamOptions(_Request):
+class StreamOptions(RequestModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk
 
 
-class ChatTemplateFields(_Request):
+class ChatTemplateFields(RequestModel):
     """How a chat is rendered (vLLM's names): a generation prompt after the last message
     (the default), or `continue_final_message` to leave the last message open for the
     model to carry on, and extra template variables in `chat_template_kwargs`."""
@@ -211,28 +84,7 @@ class ChatTemplateFields(_Request):
         }
 
 
-def few_enough_messages(messages: Any) -> Any:
-    """A `mode="before"` check of a body's messages: at most MAX_MESSAGES, with at most
-    MAX_CONTENT_PARTS content parts in all, counted before any is validated. pydantic checks
-    a list's length after validating its items, so a 62 MB body of 2.4 M empty text parts
-    held the event loop for 44 s."""
-    if isinstance(messages, list):
-        if len(messages) > MAX_MESSAGES:
-            raise ValueError(f"at most {MAX_MESSAGES} messages are allowed, got {len(messages)}")
-        num_parts = sum(
-            len(message["content"])
-            for message in messages
-            if isinstance(message, dict) and isinstance(message.get("content"), list)
-        )
-        if num_parts > MAX_CONTENT_PARTS:
-            raise ValueError(
-                f"at most {MAX_CONTENT_PARTS} content parts are allowed in all messages, "
-                f"got {num_parts}"
-            )
-    return messages
-
-
-class SamplingFields(_Request):
+class SamplingFields(RequestModel):
     """Fields shared by /v1/chat/completions and /v1/completions."""
 
     model: str
@@ -397,14 +249,14 @@ class SamplingFields(_Request):
         return self.include_usage and self.stream_options.continuous_usage_stats  # type: ignore[union-attr]
 
 
-class JsonSchemaFormat(_Request):
+class JsonSchemaFormat(RequestModel):
     name: str = Field(default="response", max_length=64)
     description: str | None = None
     schema_: dict[str, Any] = Field(alias="schema")
     strict: bool | None = None  # the grammar is always enforced strictly
 
 
-class ResponseFormat(_Request):
+class ResponseFormat(RequestModel):
     """OpenAI's `response_format`: plain text, any JSON object, or JSON matching a schema."""
 
     type: Literal["text", "json_object", "json_schema"]
@@ -639,6 +491,6 @@ class TokenizeRequest(ChatTemplateFields):
     return_token_strs: bool = False  # vLLM's: each token's own string, as the vocabulary has it
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int]

@@ -49,12 +49,11 @@ from typing import Any
 from pydantic import ConfigDict, Field, ValidationError, field_validator
 
 from engine.errors import InvalidRequest, TesseraError
+from server.chat_messages import RequestModel, few_enough_messages
 from server.errors import validation_error_to_invalid
 from server.openai_models import (
     MAX_TOP_LOGPROBS,
     ChatCompletionRequest,
-    _Request,
-    few_enough_messages,
 )
 
 # Chat fields a Responses request may carry as extras, as vLLM's Responses endpoint does.
@@ -92,7 +91,7 @@ _RENAMED = {
 }
 
 
-class ResponsesRequest(_Request):
+class ResponsesRequest(RequestModel):
     """The fields of a Responses request that Tessera reads (others are ignored, as on
     chat; the passthrough fields come in as extras)."""
 

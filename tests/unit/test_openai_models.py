@@ -277,7 +277,8 @@ def test_a_body_of_millions_of_items_is_refused_before_they_are_validated():
     """Each item of a list was validated before its length was checked (2.4 M empty text
     parts in a 62 MB chat: 44 s of the event loop, every other stream frozen). The items
     here are invalid: validated one by one, each would be an error of its own."""
-    from server.openai_models import MAX_CONTENT_PARTS, TokenizeRequest
+    from server.chat_messages import MAX_CONTENT_PARTS
+    from server.openai_models import TokenizeRequest
 
     parts = [{"type": "bogus"}] * 200_000
     cases = [

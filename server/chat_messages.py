@@ -1,0 +1,168 @@
+"""What a chat request carries: its messages, their content parts (text, images, videos,
+pre-encoded features), earlier tool calls, and its tools; and the base of every request
+model. `server/openai_models.py` builds the request bodies from them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# Limits of a chat (each violation a 400 naming the field; see openai_models.py's others)
+MAX_MESSAGES = 2048
+MAX_CONTENT_PARTS = 8192  # content parts of all messages together
+MAX_TOOLS = 128  # tools, and tool calls in one message
+MAX_TOOL_NAME_CHARS = 64
+MAX_FRAME_SECONDS = 4096  # video_features.frame_seconds: temporal patches of one video
+
+
+class RequestModel(BaseModel):
+    """A request body's model: unknown fields are ignored, as OpenAI ignores them."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+class ImageUrl(RequestModel):
+    url: str
+    detail: str | None = None
+
+
+class TextPart(RequestModel):
+    type: Literal["text"]
+    text: str
+
+
+class _UrlPart(RequestModel):
+    """A media part fetched from a URL. With a client `uuid` the engine caches the encoding
+    under it, and a later part may carry the uuid alone (its URL object omitted or "")."""
+
+    url_field: ClassVar[str]
+    uuid: str | None = Field(default=None, min_length=1, max_length=256)  # client's own id
+
+    @model_validator(mode="before")
+    @classmethod
+    def _uuid_only(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("uuid") and data.get(cls.url_field) is None:
+            return {**data, cls.url_field: {"url": ""}}
+        return data
+
+    @property
+    def url(self) -> str:
+        return getattr(self, self.url_field).url
+
+
+class ImagePart(_UrlPart):
+    url_field: ClassVar[str] = "image_url"
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+class VideoUrl(RequestModel):
+    url: str
+
+
+class VideoPart(_UrlPart):
+    """A video to decode and sample (`http(s)`, `data:` or allowed `file://` URL)."""
+
+    url_field: ClassVar[str] = "video_url"
+    type: Literal["video_url"]
+    video_url: VideoUrl
+
+
+class FeatureRef(RequestModel):
+    url: str
+    grid_thw: list[int]
+    # Videos: seconds of video one temporal patch spans (vLLM's second_per_grid_ts; what
+    # `tessera encode-features` prints). Qwen2.5-VL spaces video positions by it; default
+    # temporal_patch_size / --video-fps, as for a video_url sampled by this server.
+    second_per_grid_t: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
+    # Videos of models that write each temporal patch's time into the prompt (Qwen3-VL):
+    # those times in seconds, one per temporal patch (what `tessera encode-features`
+    # prints). Other models leave them out.
+    frame_seconds: list[Annotated[float, Field(ge=0.0, allow_inf_nan=False)]] | None = Field(
+        default=None, max_length=MAX_FRAME_SECONDS
+    )
+
+
+class ImageFeaturesPart(RequestModel):
+    """Pre-encoded image features (server flag --enable-feature-inputs)."""
+
+    type: Literal["image_features"]
+    image_features: FeatureRef
+
+
+class VideoFeaturesPart(RequestModel):
+    """Pre-encoded video features (server flag --enable-feature-inputs)."""
+
+    type: Literal["video_features"]
+    video_features: FeatureRef
+
+
+ContentPart = Annotated[
+    TextPart | ImagePart | VideoPart | ImageFeaturesPart | VideoFeaturesPart,
+    Field(discriminator="type"),
+]
+
+
+class FunctionCall(RequestModel):
+    name: str = Field(max_length=MAX_TOOL_NAME_CHARS)
+    arguments: str | dict[str, Any] = "{}"  # OpenAI sends JSON text
+
+
+class ToolCallMessagePart(RequestModel):
+    """A call an assistant made earlier in the conversation."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(RequestModel):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallMessagePart] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_call_id: str | None = None  # role "tool": the call this answers
+
+
+class FunctionDefinition(RequestModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema; none = any object
+    strict: bool | None = None
+
+
+class Tool(RequestModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    name: str = Field(max_length=MAX_TOOL_NAME_CHARS)
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+def few_enough_messages(messages: Any) -> Any:
+    """A `mode="before"` check of a body's messages: at most MAX_MESSAGES, with at most
+    MAX_CONTENT_PARTS content parts in all, counted before any is validated. pydantic checks
+    a list's length after validating its items, so a 62 MB body of 2.4 M empty text parts
+    held the event loop for 44 s."""
+    if isinstance(messages, list):
+        if len(messages) > MAX_MESSAGES:
+            raise ValueError(f"at most {MAX_MESSAGES} messages are allowed, got {len(messages)}")
+        num_parts = sum(
+            len(message["content"])
+            for message in messages
+            if isinstance(message, dict) and isinstance(message.get("content"), list)
+        )
+        if num_parts > MAX_CONTENT_PARTS:
+            raise ValueError(
+                f"at most {MAX_CONTENT_PARTS} content parts are allowed in all messages, "
+                f"got {num_parts}"
+            )
+    return messages
