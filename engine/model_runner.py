@@ -34,7 +34,7 @@ from engine.cuda_graphs import DecodeGraphRunner, DecodeInputs, graph_max_seq_le
 from engine.device_config import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from engine.device_io import DeviceTimer, to_device
 from engine.encoder_cache import EncoderCache
-from engine.errors import MediaError, ModelLoadError, error_info
+from engine.errors import MediaError, ModelLoadError, error_info, unknown_media_uuid
 from engine.kv_cache_sizing import (
     CPU_KV_CACHE_GIB,
     GIB,
@@ -527,10 +527,9 @@ def _no_encoding(item: MediaItem) -> MediaError:
     """The error of an item with neither pixels nor a cached encoding: a uuid-only part
     whose encoding was evicted while its request waited (the client sends it again)."""
     if item.cached_only and item.content_hash.startswith("uuid:"):
-        uuid = item.content_hash.removeprefix("uuid:").split("@", 1)[0]
-        return MediaError(
-            f"unknown media uuid {uuid!r}: its cached encoding was evicted while the request "
-            "waited; send the media with its uuid again",
-            code="unknown_media_uuid",
+        return unknown_media_uuid(
+            item.content_hash,
+            "its cached encoding was evicted while the request waited; send the media with "
+            "its uuid again",
         )
     return MediaError(f"{item.modality} at {item.offset} has no pixels and no cached encoding")

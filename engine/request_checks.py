@@ -16,7 +16,7 @@ from collections.abc import Collection, Container, Sequence
 
 import torch
 
-from engine.errors import ContextLengthExceeded, InvalidRequest, MediaError
+from engine.errors import ContextLengthExceeded, InvalidRequest, MediaError, unknown_media_uuid
 from engine.model_config import ModelConfig
 from engine.models.mrope import mrope_positions
 from engine.multimodal.image_processor import normalization_table
@@ -194,11 +194,10 @@ class RequestBuilder:
             _check_feature_rows(media, param)
         elif media.content_hash.startswith("uuid:"):
             if cache_key not in self.encoder_cache and cache_key not in sent:
-                raise MediaError(
-                    f"unknown media uuid {media.content_hash.removeprefix('uuid:')!r}: send the "
-                    "media with its uuid first (it may also have been evicted)",
+                raise unknown_media_uuid(
+                    media.content_hash,
+                    "send the media with its uuid first (it may also have been evicted)",
                     param=param,
-                    code="unknown_media_uuid",
                 )
         elif cache_key not in self.encoder_cache:
             raise MediaError("media item has no pixel values and is not cached", param=param)

@@ -49,7 +49,7 @@ from collections.abc import Collection
 
 from engine.config import EngineConfig
 from engine.encoder_cache import EncoderCacheManager
-from engine.errors import ContextLengthExceeded, MediaError
+from engine.errors import ContextLengthExceeded, unknown_media_uuid
 from engine.kv_cache_manager import KVCacheManager
 from engine.protocol import ErrorInfo, RequestOutput, SamplingParams, TokenLogprob
 from engine.request import MediaItem, Request, RequestStatus
@@ -96,11 +96,9 @@ class Scheduler:
             self._fit_encoder_budgets(media.num_tokens)
         for content_hash in _cached_only_hashes(request):
             if not self.encoder_cache.has(content_hash):
-                uuid = content_hash.removeprefix("uuid:").split("@", 1)[0]  # "@1x32x32": grid
-                raise MediaError(
-                    f"unknown media uuid {uuid!r}: its cached encoding was evicted; send the "
-                    "media with its uuid again",
-                    code="unknown_media_uuid",
+                raise unknown_media_uuid(
+                    content_hash,
+                    "its cached encoding was evicted; send the media with its uuid again",
                 )
         self.requests[request.request_id] = request
         request.queued_time = time.monotonic()
