@@ -14,11 +14,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import jinja2
-
 from engine.errors import ModelLoadError
 from engine.model_config import ModelConfig, check_max_model_len
-from engine.multimodal.chat_template import compile_template
+from engine.multimodal.chat_template import syntax_error
 from engine.multimodal.image_processor import ImageProcessorConfig
 from engine.multimodal.prompt import PromptProcessor
 
@@ -29,21 +27,13 @@ if TYPE_CHECKING:
 def check_model_folder(settings: ServerSettings) -> None:
     """Raises ModelLoadError naming what in the model folder the server cannot use."""
     folder = Path(settings.engine.model).expanduser()
-    if not folder.is_dir():
-        raise ModelLoadError(f"the model folder {folder} does not exist")
-    model_config = ModelConfig.from_model_dir(folder)
+    model_config = ModelConfig.from_model_dir(folder)  # a missing folder is named here
     check_max_model_len(settings.engine.max_model_len, model_config)
     template_setting = settings.chat_template_source()
     processor = PromptProcessor.from_model_dir(folder, template_setting)
-    if template_setting is None:
+    if template_setting is None:  # a --chat-template was checked as the settings were read
         for template in (processor.chat_template, processor.tool_chat_template):
-            try:
-                if template is not None:
-                    compile_template(template)
-            except jinja2.TemplateSyntaxError as exc:
-                raise ModelLoadError(
-                    f"the model folder's chat template has a syntax error on line "
-                    f"{exc.lineno}: {exc.message}"
-                ) from None
+            if template is not None and (error := syntax_error(template)) is not None:
+                raise ModelLoadError(f"the model folder's chat template has {error}")
     if model_config.vision is not None:
         ImageProcessorConfig.from_model_dir(folder)  # the server preprocesses images with it

@@ -54,13 +54,18 @@ def chat_template_from_setting(value: str) -> str:
         source = value.encode("latin-1", "backslashreplace").decode("unicode_escape")
     else:
         raise ChatTemplateError(f"chat_template: no file {value}")
+    if (error := syntax_error(source)) is not None:
+        raise ChatTemplateError(f"chat_template has {error}")
+    return source
+
+
+def syntax_error(source: str) -> str | None:
+    """The template's Jinja syntax error ("a syntax error on line 3: ..."), or None."""
     try:
         compile_template(source)
     except jinja2.TemplateSyntaxError as exc:
-        raise ChatTemplateError(
-            f"chat_template has a syntax error on line {exc.lineno}: {exc.message}"
-        ) from None
-    return source
+        return f"a syntax error on line {exc.lineno}: {exc.message}"
+    return None
 
 
 def find_chat_template(
