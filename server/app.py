@@ -60,7 +60,7 @@ from server.streaming import (
     stream_chat,
     stream_completion,
 )
-from server.tool_calls import arguments_as_objects, tool_plan
+from server.tool_calls import arguments_as_objects
 from server.unicode_check import check_request_text
 
 logger = logging.getLogger(__name__)
@@ -321,10 +321,9 @@ def _add_api_routes(api: APIRouter) -> None:
         if body.messages is not None:
             # As a chat renders them: earlier calls' arguments as objects, and the tools
             tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()]
-            plan = tool_plan(tools, None, None)
             text = state.processor.render_chat(
                 arguments_as_objects(messages_as_dicts(body.messages)),
-                tools=plan.tools if plan else None,
+                tools=tools or None,
                 **body.template_options,
             )
         elif body.prompt is not None:

@@ -91,7 +91,6 @@ class GenerationTotals:
 
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
-    num_generated_tokens: int = 0
     # Per choice, for the metrics (each choice counts as one request, as vLLM's children of
     # n > 1 do): what the client got of it and when; and the gaps between consecutive
     # tokens of a choice, all choices together.
@@ -112,6 +111,11 @@ class GenerationTotals:
             if self.choice(index).finish_reason is None:
                 self.finish(index, "abort")
 
+    @property
+    def num_generated_tokens(self) -> int:
+        """What the choices got, all together (usage's `completion_tokens`)."""
+        return sum(figures.num_tokens for figures in self.choices.values())
+
     def finish(self, index: int, reason: str) -> None:
         figures = self.choice(index)
         figures.finish_reason, figures.finish_time = reason, time.monotonic()
@@ -121,7 +125,6 @@ class GenerationTotals:
         those after a stop string): its token count and timing."""
         if not num_tokens:
             return
-        self.num_generated_tokens += num_tokens
         figures = self.choice(index)
         now = time.monotonic()
         if figures.first_token_time is None:
