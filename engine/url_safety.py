@@ -296,10 +296,22 @@ async def read_capped(
     return b"".join(received)
 
 
+def as_fetched(url: str) -> str:
+    """An http(s) URL as aiohttp will ask for it (yarl's form: scheme and host lower-case,
+    the default port dropped, dot segments resolved, percent-encoded ones too); any other
+    URL as it is (an s3:// key reaches S3 literally)."""
+    if not url.lower().startswith(("http://", "https://")):
+        return url
+    try:
+        return str(URL(url))
+    except ValueError:
+        return url
+
+
 def http_prefixes(setting: str | None) -> tuple[str, ...] | None:
     """The http(s) prefixes of a comma-separated `--allowed-feature-url-prefixes`, in
     yarl's form (what a fetched URL is compared in); None when the setting is unset."""
     if setting is None:
         return None
     prefixes = [item.strip() for item in setting.split(",")]
-    return tuple(str(URL(p)) for p in prefixes if p.lower().startswith(("http://", "https://")))
+    return tuple(as_fetched(p) for p in prefixes if p.lower().startswith(("http://", "https://")))

@@ -29,13 +29,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from yarl import URL
-
 from engine.errors import ContextLengthExceeded, InvalidRequest, MediaError
 from engine.multimodal.image_processor import ImageProcessorConfig, ProcessedImage
 from engine.multimodal.placement import place_media
 from engine.multimodal.prompt import PromptProcessor, final_message_text
 from engine.protocol import FeatureSource, MediaInput, MediaUuid, Modality, TensorRef
+from engine.url_safety import as_fetched
 from server.chat_messages import (
     ChatMessage,
     ImageFeaturesPart,
@@ -187,18 +186,6 @@ def _split(value: str | None) -> tuple[str, ...] | None:
     if value is None:
         return None
     return tuple(item.strip() for item in value.split(",") if item.strip())
-
-
-def as_fetched(url: str) -> str:
-    """An http(s) URL as aiohttp will ask for it (yarl's form: scheme and host lower-case,
-    the default port dropped, dot segments resolved, percent-encoded ones too); any other
-    URL as it is (an s3:// key reaches S3 literally)."""
-    if not url.lower().startswith(("http://", "https://")):
-        return url
-    try:
-        return str(URL(url))
-    except ValueError:
-        return url
 
 
 def _is_under(url: str, prefixes: tuple[str, ...]) -> bool:
