@@ -12,9 +12,9 @@ a token budget; each entry is referenced by the requests that still need it; an
 entry with no references sits in an LRU list and is evicted only to make room.
 An entry a running request still needs is never evicted; one that a waiting request
 needs and nothing else can serve (`MediaItem.cached_only`: a uuid-only part) is evicted
-last. Evicted
-hashes are handed to the model runner, which drops them from the `EncoderCache` tensor
-store; an entry whose rows never came (a failed encode) is forgotten.
+last. Evicted hashes are handed to the model runner, which drops them from the
+`EncoderCache` tensor store; an entry whose rows never came (a failed encode) is
+forgotten.
 """
 
 from __future__ import annotations

@@ -7,9 +7,10 @@ counters among them (counted as the engine makes tokens, as vLLM counts); each e
 request's queue / prefill / decode phases from its last output
 (`EngineClient.add_finish_listener`); and what a client saw of each choice (finish reason,
 sizes, TTFT, end-to-end latency, token gaps) when its request finishes. With n > 1 each
-choice counts as one request, as vLLM's child requests do. `tessera:http_requests_total` is labelled by the
-route TEMPLATE (`/v1/chat/completions`), never the raw path, so a scan of random URLs
-cannot blow up the label set. The standard process and platform collectors
+choice counts as one request, as vLLM's child requests do.
+
+`tessera:http_requests_total` is labelled by the route TEMPLATE (`/v1/chat/completions`),
+never the raw path, so a scan of random URLs cannot blow up the label set. The standard process and platform collectors
 (`process_cpu_seconds_total`, `process_resident_memory_bytes`, `python_info`, ...) live on
 the same registry.
 
