@@ -57,15 +57,18 @@ def completion_logprobs(
     """The legacy `/v1/completions` logprobs shape (parallel lists). `text_offsets`, one
     per entry, is where each token's text starts in the returned text (the detokenizer's
     `SequenceDetokenizer.text_offsets`, or `echoed_text_offsets`), also when the tokens
-    are named by id."""
+    are named by id. Each `top_logprobs` entry holds the chosen token first, then its
+    alternatives: "up to logprobs+1 elements" (OpenAI's legacy API; vLLM does the same),
+    so `logprobs: 0` still names the chosen token there."""
     result = CompletionLogprobs(text_offset=list(text_offsets))
     for entry in entries:
         name, _ = _token_name(tokenizer, entry.token_id, as_ids)
         result.tokens.append(name)
         result.token_logprobs.append(entry.logprob)
-        result.top_logprobs.append(
-            {_token_name(tokenizer, tid, as_ids)[0]: lp for tid, lp in entry.top}
-        )
+        top = {name: entry.logprob}
+        for token_id, logprob in entry.top:  # a name two tokens share keeps the first's
+            top.setdefault(_token_name(tokenizer, token_id, as_ids)[0], logprob)
+        result.top_logprobs.append(top)
     return result
 
 

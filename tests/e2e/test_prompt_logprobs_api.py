@@ -48,7 +48,9 @@ def test_echo_with_logprobs_scores_the_prompt_tokens_too(client, offline):
     assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
     scores = [score.logprob for score in reference.prompt_logprobs]
     assert logprobs.token_logprobs[1 : len(ids)] == pytest.approx(scores, abs=1e-5)
-    assert all(len(top) <= 2 for top in logprobs.top_logprobs[1:])
+    for token, logprob, top in zip(logprobs.tokens[1:], logprobs.token_logprobs[1:],
+                                   logprobs.top_logprobs[1:], strict=True):  # fmt: skip
+        assert len(top) <= 3 and top[token] == logprob  # the token, then its 2 alternatives
     assert "".join(logprobs.tokens[: len(ids)]) == PROMPT
     offsets = logprobs.text_offset
     assert offsets[0] == 0 and offsets[len(ids)] == len(PROMPT)  # the completion's first
@@ -85,6 +87,19 @@ def test_vllm_prompt_logprobs_on_both_endpoints(client, http, offline):
     assert len(chunks) == 1 and str(len(entries)) and '"prompt_logprobs":[null,' in chunks[0]
     plain = http.post("/v1/chat/completions", json={**chat_body, "prompt_logprobs": None}).json()
     assert "prompt_logprobs" not in plain
+
+
+def test_logprobs_0_still_names_the_chosen_token_among_the_top_logprobs(client):
+    """OpenAI's legacy API (and vLLM) give "up to logprobs+1 elements": the chosen token
+    and its alternatives. `logprobs: 0` gave empty dicts."""
+    whole = complete(client, logprobs=0).choices[0].logprobs
+    chunks = [c.choices[0].logprobs for c in complete(client, logprobs=0, stream=True)
+              if c.choices and c.choices[0].logprobs]  # fmt: skip
+    for parts in ([whole], chunks):
+        tops = [top for part in parts for top in part.top_logprobs]
+        chosen = [pair for part in parts
+                  for pair in zip(part.tokens, part.token_logprobs, strict=True)]  # fmt: skip
+        assert len(tops) == 3 and tops == [{token: logprob} for token, logprob in chosen]
 
 
 def test_too_many_prompt_alternatives_is_a_400(http):
