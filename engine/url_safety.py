@@ -151,7 +151,7 @@ class UrlPolicy:
             raise UnsafeUrlError("the URL has no host")
         if self.allowed_domains is not None and host not in self.allowed_domains:
             raise UnsafeUrlError("the URL's host is not in the allowed media domains")
-        if self.allowed_prefixes is not None and not str(parsed).startswith(self.allowed_prefixes):
+        if self.allowed_prefixes is not None and not is_under_prefixes(url, self.allowed_prefixes):
             raise UnsafeUrlError("the URL is not under an allowed feature URL prefix")
         literal = _parse_ip(host)
         if literal is not None and not self.allow_private and is_blocked_address(literal):
@@ -306,6 +306,20 @@ def as_fetched(url: str) -> str:
         return str(URL(url))
     except ValueError:
         return url
+
+
+def is_under_prefixes(url: str, prefixes: tuple[str, ...]) -> bool:
+    """Whether `url`, as it will be fetched, starts with one of `prefixes` (in
+    `as_fetched`'s form). An encoded slash or backslash in an http(s) path is refused: a
+    store that decodes it could still climb out of the allowed folder."""
+    if not url.lower().startswith(("http://", "https://")):
+        return url.startswith(prefixes)
+    try:
+        parsed = URL(url)
+    except ValueError:
+        return False
+    path = parsed.raw_path.lower()
+    return "%2f" not in path and "%5c" not in path and str(parsed).startswith(prefixes)
 
 
 def http_prefixes(setting: str | None) -> tuple[str, ...] | None:

@@ -34,7 +34,7 @@ from engine.multimodal.image_processor import ImageProcessorConfig, ProcessedIma
 from engine.multimodal.placement import place_media
 from engine.multimodal.prompt import PromptProcessor, final_message_text
 from engine.protocol import FeatureSource, MediaInput, MediaUuid, Modality, TensorRef
-from engine.url_safety import as_fetched
+from engine.url_safety import as_fetched, is_under_prefixes
 from server.chat_messages import (
     ChatMessage,
     ImageFeaturesPart,
@@ -152,7 +152,7 @@ class FeaturePolicy:
                     f"bucket {bucket!r} is not in the allowed feature buckets",
                     param=part.param + ".url",
                 )
-        if self.url_prefixes is not None and not _is_under(url, self.url_prefixes):
+        if self.url_prefixes is not None and not is_under_prefixes(url, self.url_prefixes):
             shown = "a data: URL" if url.startswith("data:") else f"URL {url[:200]!r}"
             raise InvalidRequest(
                 f"{shown} is not under an allowed feature URL prefix", param=part.param + ".url"
@@ -186,17 +186,6 @@ def _split(value: str | None) -> tuple[str, ...] | None:
     if value is None:
         return None
     return tuple(item.strip() for item in value.split(",") if item.strip())
-
-
-def _is_under(url: str, prefixes: tuple[str, ...]) -> bool:
-    """Whether `url`, as it will be fetched, starts with one of `prefixes`. An encoded
-    slash or backslash in an http(s) path is refused: a store that decodes it could still
-    climb out of the allowed folder."""
-    fetched = as_fetched(url)
-    is_http = url.startswith(("http://", "https://"))
-    if is_http and ("%2f" in fetched.lower() or "%5c" in fetched.lower()):
-        return False
-    return fetched.startswith(prefixes)
 
 
 @functools.lru_cache(maxsize=8)  # read per request: preprocessor_config.json once

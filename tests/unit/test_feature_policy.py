@@ -19,6 +19,7 @@ def check(url: str) -> None:
 @pytest.mark.parametrize("url", [
     "http://store.test/allowed/x.safetensors", "http://STORE.TEST/allowed/x.safetensors",
     "http://store.test:80/allowed/./x.safetensors", "s3://feat/allowed/x.safetensors",
+    "http://store.test/allowed/x?X-Amz-Credential=AK%2F2026%2Fs3&tag=%5C",  # a query's own
 ])  # fmt: skip
 def test_urls_under_an_allowed_prefix_pass(url):
     check(url)
@@ -36,6 +37,21 @@ def test_urls_that_leave_the_allowed_prefixes_are_refused(url):
     with pytest.raises(InvalidRequest) as refused:
         check(url)
     assert refused.value.param == "messages[0].content[0].url"
+
+
+@pytest.mark.parametrize("url", [
+    "http://store.test/allowed/..%2Fsecret", "http://store.test/allowed/..%5csecret",
+    "http://store.test/allowed/%2e%2e/secret/x",
+])  # fmt: skip
+def test_a_redirect_hop_is_held_to_the_prefixes_as_the_first_url_is(url):
+    """The engine's fetcher checks every hop with `UrlPolicy.check_url`, which let an
+    encoded slash through that the first URL's check refuses."""
+    from engine.url_safety import UnsafeUrlError, UrlPolicy
+
+    policy = UrlPolicy(allow_private=True, allowed_prefixes=("http://store.test/allowed/",))
+    policy.check_url("http://store.test/allowed/x.safetensors")
+    with pytest.raises(UnsafeUrlError):
+        policy.check_url(url)
 
 
 def test_the_policy_is_read_once_per_setting(tmp_path):
