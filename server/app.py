@@ -166,12 +166,6 @@ def build_app(
         max_body_bytes=settings.max_request_body_bytes,
         read_timeout_s=settings.request_read_timeout_s,
     )
-    # Outermost: logs, ids and counts every request, refusals included.
-    app.add_middleware(
-        RequestLogMiddleware,
-        on_finished=lambda record: metrics.on_http_request(record.route, record.status),
-    )
-
     async def require_api_key(request: Request) -> None:
         check_api_key(request, settings.api_key)
 
@@ -179,6 +173,12 @@ def build_app(
     api = APIRouter(
         dependencies=[Depends(require_api_key), Depends(check_request_text)],
         route_class=BoundedJsonRoute,
+    )
+    # Outermost: logs, ids and counts every request, refusals included.
+    app.add_middleware(
+        RequestLogMiddleware,
+        on_finished=lambda record: metrics.on_http_request(record.route, record.status),
+        known_routes=lambda: [*api.routes, *app.routes],
     )
     _add_api_routes(api)
     app.include_router(api)

@@ -20,11 +20,12 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from starlette.datastructures import MutableHeaders
+from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 REQUEST_ID_HEADER = "x-request-id"
@@ -78,10 +79,14 @@ class RequestLogMiddleware:
     """Assigns the request id, echoes it in the response, logs one line per request."""
 
     def __init__(
-        self, app: ASGIApp, on_finished: Callable[[RequestLogRecord], None] | None = None
+        self,
+        app: ASGIApp,
+        on_finished: Callable[[RequestLogRecord], None] | None = None,
+        known_routes: Callable[[], Iterable[BaseRoute]] = tuple,
     ) -> None:
         self.app = app
         self.on_finished = on_finished  # e.g. the http_requests_total counter
+        self.known_routes = known_routes  # to name the route of a request refused before routing
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -101,13 +106,26 @@ class RequestLogMiddleware:
         try:
             await self.app(scope, receive, send_with_id)
         finally:
-            route = scope.get("route")
-            record.route = getattr(route, "path", None) or "unmatched"
+            record.route = _route_template(scope, self.known_routes())
             record.latency_s = round(time.monotonic() - start, 6)
             fields = {k: v for k, v in asdict(record).items() if v is not None}
             logger.info("%s", record.as_text(), extra={"fields": fields})
             if self.on_finished is not None:
                 self.on_finished(record)
+
+
+def _route_template(scope: Scope, known_routes: Iterable[BaseRoute]) -> str:
+    """The template of the route that served the request, or of the one its path names
+    when it was refused before routing (a 413 or 431 from server/request_limits.py counts
+    under /v1/chat/completions, not "unmatched"); "unmatched" when no route has the path."""
+    route = scope.get("route")
+    if route is not None:
+        return route.path
+    for candidate in known_routes:
+        path = getattr(candidate, "path", None)  # an included router has none
+        if path is not None and candidate.matches(scope)[0] is not Match.NONE:
+            return path  # Match.PARTIAL: the path, another method (a 405)
+    return "unmatched"
 
 
 def _request_id(scope: Scope) -> str:

@@ -458,12 +458,16 @@ def test_http_requests_are_counted_by_route_template_and_status(model_dir):
             "/v1/chat/completions", content=chunks(), headers={"content-type": "application/json"}
         )
         assert chunked.status_code == 413
+        huge_header = {"x-padding": "x" * (1 << 20)}
+        assert client.get("/v1/models", headers=huge_header).status_code == 431
         counts = _http_requests_total(client)
     assert counts[("/v1/chat/completions", "200")] == 2  # the streamed one included
     assert counts[("/v1/chat/completions", "400")] == 1
     assert counts[("unmatched", "404")] == 1  # the template, never the raw path
-    assert counts[("/v1/chat/completions", "413")] == 1  # cut off while streaming in
-    assert counts[("unmatched", "413")] == 1  # refused before routing
+    # one cut off while streaming in, one refused before routing (it was "unmatched")
+    assert counts[("/v1/chat/completions", "413")] == 2
+    assert ("unmatched", "413") not in counts
+    assert counts[("/v1/models", "431")] == 1
 
 
 def test_a_grammar_waits_for_the_thinking_a_template_opens(model_dir):
