@@ -29,6 +29,7 @@ import os
 import time
 from collections.abc import Iterable
 
+import prometheus_client
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     GC_COLLECTOR,
@@ -44,6 +45,10 @@ from prometheus_client import (
 
 from engine.protocol import EngineStats, Ready, RequestOutput
 from server.metric_names import METRICS, MULTIPROC_DIR_ENV
+
+# No `_created` series: multiprocess mode (several API processes) never exports them, so a
+# dashboard built on one process's would break when the process count changed.
+prometheus_client.disable_created_metrics()
 
 # With several API processes, the one answering a scrape cannot read the others' CPU: each
 # counts its own this often.

@@ -302,6 +302,14 @@ def test_process_metrics_are_exported(http):
     assert samples["python_info"] == 1
 
 
+def test_no_created_series_that_only_one_api_process_would_export(http):
+    """prometheus_client adds a `_created` gauge per counter and histogram, but not in
+    multiprocess mode: a rule on them broke when `--api-server-count` changed (vLLM
+    turns them off too)."""
+    text = http.get("/metrics").text
+    assert "tessera:request_success_total" in text and "_created" not in text
+
+
 def test_api_server_cpu_tracks_the_process(http, server):
     """tessera:api_server_cpu_seconds_total counts the API process's CPU as /proc does."""
     name = "tessera:api_server_cpu_seconds_total"
