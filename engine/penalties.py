@@ -12,6 +12,7 @@ tokens in flight already, so those count once.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -94,7 +95,7 @@ def apply_penalties(
     return logits
 
 
-LOGIT_LIMIT = 1e30  # the largest logit a repetition penalty leaves
+LOGIT_LIMIT = 1e30  # the largest |logit| a repetition penalty leaves
 
 
 def _apply_repetition_penalty(
@@ -148,9 +149,12 @@ def _apply_repetition_penalty(
     # A penalty near 0 divides a positive logit past float32 (inf: softmax NaN, then a
     # garbage token), and one past float32 multiplies a zero logit by inf (NaN). Held to
     # LOGIT_LIMIT, a rewarded token still wins, and a division by the smallest temperature
-    # (1e-5, engine/protocol.py) stays finite.
-    penalised.nan_to_num_(nan=0.0, posinf=LOGIT_LIMIT, neginf=float("-inf"))
-    flat_logits.index_copy_(0, index, penalised.clamp_(max=LOGIT_LIMIT))
+    # (1e-5, engine/protocol.py) stays finite. A punished one stays a number too: at -inf,
+    # a row whose allowed tokens were all punished had nothing left to pick but a token
+    # it does not allow. A logit that was -inf stays so.
+    penalised.nan_to_num_(nan=0.0, posinf=LOGIT_LIMIT, neginf=-LOGIT_LIMIT)
+    penalised.clamp_(min=-LOGIT_LIMIT, max=LOGIT_LIMIT).masked_fill_(seen.isneginf(), -math.inf)
+    flat_logits.index_copy_(0, index, penalised)
 
 
 def _apply_presence_and_frequency(

@@ -345,9 +345,12 @@ def _check_sampling_ranges(sampling: SamplingParams) -> None:
             and (low < value if low_refused else low <= value)
             and value <= high
         ):
-            side = "(" if low_refused else "["
+            low_end = f"{'>' if low_refused else '>='} {low}" if math.isfinite(low) else ""
+            high_end = f"<= {high}" if math.isfinite(high) else ""
+            bounds = " and ".join(end for end in (low_end, high_end) if end)
             raise InvalidRequest(
-                f"{name} must be a finite number in {side}{low}, {high}], got {value!r}", param=name
+                f"{name} must be a finite number{' ' + bounds if bounds else ''}, got {value!r}",
+                param=name,
             )
     if not (isinstance(sampling.top_k, int) and sampling.top_k >= -1):
         raise InvalidRequest(

@@ -1,14 +1,17 @@
 """Token sampling, vectorised over the rows of one step.
 
-Order of operations per row (as HF / OpenAI define them):
+Order of operations per row (as transformers' processors and vLLM v1's sampler run):
     raw logits --log_softmax--> logprobs (reported)
-    raw logits -> repetition penalty (prompt + output tokens, HF: divide positive,
-                  multiply negative) -> presence / frequency penalties (output tokens)
-               -> logit_bias (added) -> banned tokens (-inf: EOS and stop tokens before
+    raw logits -> logit_bias (added) -> repetition penalty (prompt + output tokens, HF:
+                  divide positive, multiply negative) -> presence / frequency penalties
+                  (output tokens) -> banned tokens (-inf: EOS and stop tokens before
                   `min_tokens`) -> grammar (-inf: tokens a structured output disallows)
                -> greedy rows: argmax
-               -> random rows: / temperature -> top-k -> top-p -> min-p -> softmax
+               -> random rows: / temperature -> top-k (every token tied with the k-th
+                  kept) -> top-p -> min-p -> softmax
                   -> exponential race: argmax(probs / E), E ~ Exp(1)
+The masks come last, but a penalty never turns -inf into a number, so that is the order
+vLLM runs them in too (allowed tokens and bans before the bias).
 Rows with a seed draw E from their request's own generator, so their tokens do
 not depend on what else is in the batch. `sample()` only queues device work; the one
 host sync of a step is `PendingSample.result()`.
@@ -54,6 +57,15 @@ class SamplingRow:
 # The most candidates a row may keep (top_k) for the random draw to run over a top-k of
 # the logits instead of the whole vocabulary (Sampler._sample_random).
 TOP_K_CANDIDATES = 1024
+# Candidates past a row's top_k, so tokens tied with the k-th logit are kept, as
+# transformers and vLLM keep them (a value cut, not a rank cut; bf16 logits tie often).
+# Past this many ties, the candidate path keeps only the first of them.
+TOP_K_TIE_ROOM = 32
+
+
+def _candidate_width(top_k: int, vocab: int) -> int:
+    """How many of the best logits a row with this top_k races over (`_draw`)."""
+    return min(top_k + TOP_K_TIE_ROOM, vocab)
 
 
 @dataclass(frozen=True)
@@ -126,8 +138,10 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None  # [S, V]
 
         held_rows = self._held_rows(rows, device, in_flight)
-        logits = apply_penalties(logits, rows, in_flight, owned, held_rows)
-        logits = apply_allowed_tokens(apply_bans(apply_logit_bias(logits, params), rows), rows)
+        biased = apply_logit_bias(logits, params)  # a new tensor when any row has a bias
+        owned = owned or biased is not logits
+        logits = apply_penalties(biased, rows, in_flight, owned, held_rows)
+        logits = apply_allowed_tokens(apply_bans(logits, rows), rows)
         sampled = logits.argmax(dim=-1)  # [S]
         if not all(p.is_greedy for p in params):
             greedy = to_device([p.is_greedy for p in params], torch.bool, device)  # [S]
@@ -200,7 +214,7 @@ def _draw_shape(params: SamplingParams, vocab: int) -> tuple[bool, int, bool]:
     cut (beside a row that cuts one, a row with top_p 1 would be cut at a mass of 1, which
     rounding can reach before the last token)."""
     over_candidates = 0 < params.top_k <= TOP_K_CANDIDATES
-    width = min(params.top_k, vocab) if over_candidates else vocab
+    width = _candidate_width(params.top_k, vocab) if over_candidates else vocab
     return over_candidates, width, params.top_p < 1.0
 
 
@@ -222,7 +236,7 @@ def _draw(
     top_k = [1 if p.is_greedy else p.top_k for p in params]
     candidates = None
     if all(0 < k <= TOP_K_CANDIDATES for k in top_k):
-        width = min(max(top_k), logits.shape[1])  # a top_k past the vocabulary keeps it all
+        width = _candidate_width(max(top_k), logits.shape[1])
         logits, candidates = logits.topk(width, dim=-1)  # [S, K] each, best first
         logits = mask_sorted_top_k_top_p(logits / temperature.unsqueeze(1), params)
     else:
@@ -366,16 +380,16 @@ def apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> tor
 def mask_sorted_top_k_top_p(
     sorted_logits: torch.Tensor, params: list[SamplingParams]
 ) -> torch.Tensor:
-    """Rows sorted best first ([S, N]: the vocabulary, or a top-N of it): ranks past each
-    row's top_k, then tokens past its top_p nucleus of what is left, become -inf; the best
-    token always stays."""
+    """Rows sorted best first ([S, N]: the vocabulary, or a top-N of it): tokens below
+    each row's k-th logit (those tied with it stay), then tokens past its top_p nucleus of
+    what is left, become -inf; the best token always stays."""
     num_rows, width = sorted_logits.shape
     device = sorted_logits.device
     remove = sorted_logits.isneginf()  # masked before (bans, a grammar) stay masked
     if any(p.top_k > 0 for p in params):
-        top_k = to_device([p.top_k if p.top_k > 0 else width for p in params], torch.long, device)
-        ranks = torch.arange(width, device=device).unsqueeze(0)  # [1, N]
-        remove |= ranks >= top_k.unsqueeze(1)
+        kth = [min(p.top_k, width) - 1 if p.top_k > 0 else width - 1 for p in params]
+        kth_logit = sorted_logits.gather(1, to_device(kth, torch.long, device).unsqueeze(1))
+        remove |= sorted_logits < kth_logit
     if any(p.top_p < 1.0 for p in params):
         top_p = to_device([p.top_p for p in params], sorted_logits.dtype, device)
         probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)

@@ -78,6 +78,15 @@ def test_invalid_values_are_400_with_param(http, fields, param):
     assert_error(post(http, chat(**fields)), 400, param=param)
 
 
+def test_an_infinite_penalty_is_refused_in_words_that_do_not_allow_it(http):
+    """1e400 is inf to the JSON parser; the message said "in (0.0, inf]"."""
+    body = b'{"model": "%s", "prompt": "x", "max_tokens": 1, "repetition_penalty": 1e400}'
+    response = http.post("/v1/completions", content=body % MODEL_NAME.encode(),
+                         headers={"content-type": "application/json"})  # fmt: skip
+    error = assert_error(response, 400, param="repetition_penalty")
+    assert error["message"] == "repetition_penalty must be a finite number > 0.0, got inf"
+
+
 def test_missing_model_field_and_bad_json(http):
     assert_error(post(http, {"messages": TEXT}), 400, param="model")
     response = http.post(

@@ -280,6 +280,39 @@ def test_encoder_failure_fails_only_its_request(reference, prompts, monkeypatch)
     check([results[0], results[2]], reference, prompts, [1, 0])
 
 
+def test_logit_bias_comes_before_the_repetition_penalty_as_in_transformers(reference, prompts):
+    """transformers adds `sequence_bias` before its repetition penalty divides (vLLM too).
+    The bias is chosen so the order decides the first token: added after the penalty (as
+    Tessera did), it lifts a prompt token t above the best one; added before, it does not:
+    (l_t + b) / r < best < l_t / r + b."""
+    inputs = reference.inputs(prompts[3])
+    prompt_ids = inputs["input_ids"][0].tolist()
+    with torch.no_grad():
+        logits = reference.model(**inputs).logits[0, -1]
+    penalty = 2.0
+    held = torch.zeros_like(logits, dtype=torch.bool)
+    held[prompt_ids] = True
+    penalised = torch.where(held, torch.where(logits > 0, logits / penalty, logits * penalty),
+                            logits)  # fmt: skip
+    best = penalised.max().item()
+    token = max((t for t in set(prompt_ids) if logits[t] > 0 and penalised[t] < best),
+                key=lambda t: logits[t].item())  # fmt: skip
+    low, high = best - logits[token].item() / penalty, penalty * best - logits[token].item()
+    bias = round((low + high) / 2, 3)
+    with torch.no_grad():
+        out = reference.model.generate(
+            **inputs, max_new_tokens=NUM_NEW, do_sample=False, repetition_penalty=penalty,
+            sequence_bias={(token,): bias},
+        )  # fmt: skip
+    expected = out[0, -NUM_NEW:].tolist()
+    assert expected[0] != token
+    llm = LLM(str(reference.model_dir), num_kv_blocks=256)
+    params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True,
+                            repetition_penalty=penalty, logit_bias=((token, bias),))  # fmt: skip
+    [result] = llm.generate([prompts[3]], params)
+    assert result.token_ids == expected
+
+
 def test_logit_bias_matches_transformers_sequence_bias(reference, prompts):
     """OpenAI's logit_bias against transformers' single-token `sequence_bias` (added to the
     logits before the greedy pick): banning a token the model would pick changes the rest

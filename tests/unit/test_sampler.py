@@ -76,10 +76,40 @@ def test_extreme_repetition_penalties_keep_the_logits_finite():
     assert torch.isfinite(tiny[0, :4]).all() and tiny[0, 4] == float("-inf")
     assert tiny[0, 1] == tiny[0, 2] == 1e30 and tiny[0, 3].item() == pytest.approx(-1e-39)
     huge = apply_penalties(logits, [row(prompt=[0, 1, 3, 4], repetition_penalty=1e39)])
-    assert huge[0, 0] == 0.0 and huge[0, 3] == float("-inf") and huge[0, 4] == float("-inf")
+    assert huge[0, 0] == 0.0 and huge[0, 3] == -1e30 and huge[0, 4] == float("-inf")
     for seed in range(5):  # drawn at the smallest random temperature: among the rewarded
         params = row(prompt=[1, 2], repetition_penalty=1e-39, temperature=1e-5)
         assert Sampler(seed=seed)(logits.clone(), [params]).token_ids[0] in (1, 2)
+
+
+def test_a_huge_penalty_on_every_allowed_token_still_picks_an_allowed_one():
+    """Punished past float32, the allowed tokens were -inf like the ones a mask removes:
+    the pick fell on token 0, which the row does not allow."""
+    from engine.sampler import token_bitmask
+
+    logits = torch.tensor([[2.0, 1.0, -5.0, -4.0, 0.5]])  # -5e38: past float32
+    for params in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 3},
+                   {"temperature": 1.0, "top_k": 2, "seed": 4}):  # fmt: skip
+        punished = SamplingRow(SamplingParams(repetition_penalty=1e38, **params), [2, 3], [],
+                               allowed_tokens=token_bitmask([2, 3], 5))  # fmt: skip
+        assert Sampler()(logits, [punished]).token_ids[0] in (2, 3), params
+
+
+def test_top_k_keeps_every_token_tied_with_the_kth_as_transformers_does():
+    """A rank cut kept exactly k tokens: of two tied at the k-th place, one was never drawn
+    (which one, an accident of the sort)."""
+    from transformers import TopKLogitsWarper
+
+    logits = torch.tensor([[3.0, 2.0, 1.0, 2.0, 0.5, 1.0]])
+    for top_k in (1, 2, 3, 4):
+        expected = torch.isfinite(TopKLogitsWarper(top_k)(None, logits.clone()))
+        kept = torch.isfinite(apply_top_k_top_p(logits, [SamplingParams(top_k=top_k)]))
+        assert torch.equal(kept, expected), top_k
+    many = logits.repeat(600, 1)
+    over_candidates = Sampler(seed=1)(many, [row(top_k=2)] * 600).token_ids
+    over_vocabulary = Sampler(seed=1)(many, [row(top_k=2)] * 599 + [row()]).token_ids[:599]
+    for tokens in (over_candidates, over_vocabulary):  # 0.58 / 0.21 / 0.21
+        assert set(tokens) == {0, 1, 3} and min(tokens.count(1), tokens.count(3)) > 80
 
 
 def dense_repetition_penalty(logits, rows, newest=None):
