@@ -14,6 +14,8 @@ per file goes to stdout: {"image" or "video", "url", "grid_thw", "num_tokens"} a
 video, "second_per_grid_t" (the seconds one temporal patch spans, by which Qwen2.5-VL spaces
 video positions) and "frame_seconds" (each temporal patch's time, which Qwen3-VL writes
 into the prompt): what a chat request's `image_features` / `video_features` part needs.
+Written to a local folder, the line has "path" instead of "url": the server fetches
+features from s3://, http(s):// and data: URLs only, so the file must be uploaded first.
 A line is printed once its file is written; two inputs of one stem are refused before
 anything runs, and a bad input ends the run with a one-line error (exit 1).
 """
@@ -164,7 +166,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001 - a bad input or store: one line, not a traceback
             print(f"tessera encode-features: error: {name}: {exc}", file=sys.stderr)
             return 1
-        line = {kind: name, "url": url, "grid_thw": list(image.grid_thw)}
+        where = "url" if url.startswith("s3://") else "path"  # a local file is no URL yet
+        line = {kind: name, where: url, "grid_thw": list(image.grid_thw)}
         line["num_tokens"] = embeds.shape[0]
         if kind == "video":
             line["second_per_grid_t"] = image.second_per_grid_t

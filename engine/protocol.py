@@ -28,6 +28,12 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=
     choice: tuple[str, ...] | None = None
     param: str = "structured_output"  # the request field it came from, for error messages
 
+    def __post_init__(self) -> None:
+        # A list, as the HTTP field takes it, from an offline caller: the grammar cache
+        # hashes the spec (a list failed the request with "unhashable type").
+        if self.choice is not None and not isinstance(self.choice, tuple):
+            msgspec.structs.force_setattr(self, "choice", tuple(self.choice))
+
 
 GREEDY_BELOW_TEMPERATURE = 1e-5  # vLLM's _SAMPLING_EPS
 

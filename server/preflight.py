@@ -29,6 +29,7 @@ def check_model_folder(settings: ServerSettings) -> None:
     folder = Path(settings.engine.model).expanduser()
     model_config = ModelConfig.from_model_dir(folder)  # a missing folder is named here
     check_max_model_len(settings.engine.max_model_len, model_config)
+    model_config.shard(settings.engine.tensor_parallel_size)  # a size it cannot split into
     template_setting = settings.chat_template_source()
     processor = PromptProcessor.from_model_dir(folder, template_setting)
     if template_setting is None:  # a --chat-template was checked as the settings were read

@@ -62,7 +62,7 @@ class ServerSettings:
     engine: EngineConfig
     host: str = "0.0.0.0"  # all interfaces (containers); 127.0.0.1 for local only
     port: int = 8000  # HTTP port
-    api_key: str | None = None  # Bearer key required on /v1/* and /openapi.json; None = no auth
+    api_key: str | None = None  # Bearer key required on /v1/*, /tokenize, /detokenize and /openapi.json; None = no auth
     log_level: str = "info"  # debug | info | warning | error
     log_format: str = "text"  # "text" | "json" (one JSON object per line)
     max_request_body_bytes: int = 64 * 1024 * 1024  # larger bodies get 413

@@ -47,7 +47,9 @@ def test_a_bad_input_is_one_line_and_the_files_before_it_exist(model_dir, tmp_pa
     out = tmp_path / "out"
     code, lines, err = encode(capsys, "--model", model_dir, "--output", out, good, bad)
     assert code == 1 and "Traceback" not in err and "bad.png" in err
-    assert [line["url"] for line in lines] == [f"{out}/good.safetensors"]
+    # a local file is named by "path": the server takes no local path as a feature URL
+    assert [line["path"] for line in lines] == [f"{out}/good.safetensors"]
+    assert "url" not in lines[0]
     assert (out / "good.safetensors").is_file()
 
 

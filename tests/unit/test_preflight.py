@@ -83,6 +83,14 @@ def test_a_context_longer_than_the_model_was_trained_for_is_refused(tiny, capsys
     assert code == 1 and "max_position_embeddings" in err
 
 
+def test_a_tensor_parallel_size_the_model_cannot_split_into_is_refused_at_once(tiny, capsys):
+    """It was refused in the engine process, after it had started."""
+    heads = json.loads((tiny / "config.json").read_text())["num_attention_heads"]
+    code, err = serve(capsys, tiny, "--tensor-parallel-size", str(heads + 1))
+    assert code == 1 and "num_attention_heads" in err, err
+    assert "Traceback" not in err and "engine" not in err.lower()
+
+
 def test_an_expected_engine_start_up_failure_is_logged_without_a_traceback(caplog):
     """Every ModelLoadError (no config.json, unsupported architecture, a missing shard)
     came with a full stack trace before the one-line reason; a bug still gets one."""

@@ -69,8 +69,9 @@ def test_bad_specs_say_why(spec, says):
     assert error is not None and says in error
 
 
-def test_a_matcher_walks_a_choice_to_its_end(compiler, tokenizer):
-    matcher = compiler.matcher(StructuredOutput(choice=("yes", "no")))
+@pytest.mark.parametrize("choice", [("yes", "no"), ["yes", "no"]])  # a list as HTTP takes it
+def test_a_matcher_walks_a_choice_to_its_end(compiler, tokenizer, choice):
+    matcher = compiler.matcher(StructuredOutput(choice=choice))
     text = ""
     while not matcher.is_complete:
         allowed = allowed_ids(matcher.allowed_tokens())
