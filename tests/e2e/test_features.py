@@ -127,15 +127,25 @@ def fhttp(feature_server):
 
 
 def test_encode_features_gives_the_same_completion_as_the_image(
-    fhttp, model_dir, tmp_path, s3_endpoint
+    fhttp, model_dir, tmp_path, s3_endpoint, monkeypatch
 ):
+    """Its files go up through one S3 client a run: one a file cost 327 against 14 ms a
+    file."""
+    import aioboto3
+
     from engine.encode_features import main as encode_main
 
-    image_path = tmp_path / "scene.png"
+    clients = []
+    open_client = aioboto3.Session.client
+    monkeypatch.setattr(aioboto3.Session, "client",
+                        lambda *a, **k: clients.append(a) or open_client(*a, **k))  # fmt: skip
+    image_path, other = tmp_path / "scene.png", tmp_path / "other.png"
     image_path.write_bytes(png_bytes(picture(112, 84, 5)))
+    other.write_bytes(png_bytes(picture(56, 56, 6)))
     output = f"s3://{BUCKET}/encoded"
     argv = ["--model", str(model_dir), "--output", output, "--s3-endpoint-url", s3_endpoint]
-    assert encode_main([*argv, str(image_path)]) == 0
+    assert encode_main([*argv, str(image_path), str(other)]) == 0
+    assert len(clients) == 1
     image_part = {"type": "image_url", "image_url": {"url": data_url(image_path.read_bytes())}}
     with_image = text_of(chat(fhttp, [image_part], max_tokens=8))
     part = feature_part(f"s3://{BUCKET}/encoded/scene.safetensors", grid=(1, 6, 8))
