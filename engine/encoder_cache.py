@@ -113,3 +113,11 @@ class EncoderCache:
     def drop(self, content_hashes: list[str]) -> None:
         for content_hash in content_hashes:
             self._rows.pop(content_hash, None)
+
+
+def salted(key: str, salt: str | None) -> str:
+    """An encoder-cache key that only requests of the same `cache_salt` share: a tenant
+    must neither reach another's media by its uuid nor time a cache hit on it. Unsalted
+    keys (a content hash, "uuid:...") never start with "salt"; the length keeps one salt
+    from ending where another's key begins."""
+    return key if salt is None else f"salt{len(salt)}:{salt}|{key}"

@@ -27,6 +27,7 @@ import msgspec
 import torch
 
 from engine.config import EngineConfig
+from engine.encoder_cache import salted
 from engine.errors import error_info
 from engine.feature_fetcher import FeatureFetcher, FeatureJob, FetchConfig, FetchResult
 from engine.feature_validation import FeatureSpec
@@ -116,7 +117,7 @@ class FeatureAdmission:
                     failure = msgspec.structs.replace(failure, param=f"media[{media_index}]")
                 outputs.append(request.unscheduled_output(FinishReason.ERROR, failure))
                 continue
-            if not self._is_complete(result, uses):
+            if not self._is_complete(result, uses, request.cache_salt):
                 # A reused entry was evicted while we checked its version: download again.
                 self._fetching[request.request_id] = entry
                 self._fetcher.submit(request.request_id, jobs, force=True)
@@ -128,13 +129,16 @@ class FeatureAdmission:
                 outputs.append(request.unscheduled_output(FinishReason.ERROR, error_info(exc)))
         return outputs
 
-    def _is_complete(self, result: FetchResult, uses: list[list[FeatureUse]]) -> bool:
-        """Every item has its rows: downloaded, or (a file known unchanged) still cached."""
+    def _is_complete(
+        self, result: FetchResult, uses: list[list[FeatureUse]], salt: str | None
+    ) -> bool:
+        """Every item has its rows: downloaded, or (a file known unchanged) still cached
+        under the request's salt."""
         cache, manager = self.runner.encoder_cache, self.scheduler.encoder_cache
         return all(
             f.embeds is not None
             or all(
-                use.key(f.content_hash) in cache and manager.has(use.key(f.content_hash))
+                (key := use.key(f.content_hash, salt)) in cache and manager.has(key)
                 for use in job_uses
             )
             for f, job_uses in zip(result.features, uses, strict=True)
@@ -145,7 +149,7 @@ class FeatureAdmission:
         for feature, job_uses in zip(result.features, uses, strict=True):
             for use in job_uses:
                 item = request.media[use.index]
-                item.content_hash = use.key(feature.content_hash)
+                item.content_hash = use.key(feature.content_hash, request.cache_salt)
                 # The request keeps its own copy of the rows (like an image keeps its
                 # pixels): the runner puts them into the encoder cache when a chunk needs
                 # them and they are not there (evicted, or never put).
@@ -180,13 +184,15 @@ class FeatureUse:
     grid_thw: tuple[int, ...]  # the item's, as its part gives it
     rows: tuple[int, int] | None = None
 
-    def key(self, file_hash: str) -> str:
+    def key(self, file_hash: str, salt: str | None) -> str:
         """The item's encoder-cache and prefix-cache key: the file's hash, the item's grid
         (a file without a grid_thw tensor may be sent under several grids; the rows'
-        positions follow the grid, so their KV must not be shared), and which rows."""
+        positions follow the grid, so their KV must not be shared), which rows, and the
+        request's `cache_salt` (engine.request_checks.salted)."""
         t, h, w = self.grid_thw
         key = f"{file_hash}@{t}x{h}x{w}"
-        return key if self.rows is None else f"{key}/rows{self.rows[0]}-{self.rows[1]}"
+        key = key if self.rows is None else f"{key}/rows{self.rows[0]}-{self.rows[1]}"
+        return salted(key, salt)
 
     def rows_of(self, embeds: torch.Tensor) -> torch.Tensor:
         return embeds if self.rows is None else embeds[self.rows[0] : self.rows[1]]

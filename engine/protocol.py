@@ -199,6 +199,7 @@ class MediaUuid(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     num_tokens: int
     second_per_grid_t: float = 1.0
     frame_seconds: tuple[float, ...] = ()
+    cache_salt: str | None = None  # known only to requests of this salt
 
 
 class FinishReason(str, enum.Enum):

@@ -16,6 +16,7 @@ from collections.abc import Collection, Container, Sequence
 
 import torch
 
+from engine.encoder_cache import salted
 from engine.errors import ContextLengthExceeded, InvalidRequest, MediaError, unknown_media_uuid
 from engine.model_config import ModelConfig
 from engine.models.mrope import mrope_positions
@@ -127,8 +128,9 @@ class RequestBuilder:
                 )
         # A uuid-only part may name media that an earlier part of this same request sends
         # (a conversation's history): that item's pixels serve both.
-        sent = {_cache_key(m) for m in request.media if m.pixel_values is not None}
-        media = [self._media_item(m, i, tensors, sent) for i, m in enumerate(request.media)]
+        salt = request.cache_salt
+        sent = {_cache_key(m, salt) for m in request.media if m.pixel_values is not None}
+        media = [self._media_item(m, i, tensors, sent, salt) for i, m in enumerate(request.media)]
         media = _share_pixels(media)
         self._check_placeholders(prompt, media)
         positions, rope_delta = mrope_positions(
@@ -159,9 +161,10 @@ class RequestBuilder:
         index: int,
         tensors: Sequence[torch.Tensor],
         sent: Collection[str] = (),
+        salt: str | None = None,
     ) -> MediaItem:
         """The engine's item of `media`, checked; `sent`: the cache keys whose pixels this
-        request carries."""
+        request carries; `salt`: the request's `cache_salt`."""
         vision = self.model_config.vision
         param = f"media[{index}]"
         t, h, w = media.grid_thw
@@ -175,7 +178,7 @@ class RequestBuilder:
             )
         if not (math.isfinite(media.second_per_grid_t) and media.second_per_grid_t > 0):
             raise MediaError("second_per_grid_t must be positive", param=param)
-        cache_key = _cache_key(media)
+        cache_key = _cache_key(media, salt)
         pixel_values = None
         if media.pixel_values is not None:
             ref = media.pixel_values
@@ -294,15 +297,18 @@ def _check_feature_rows(media: MediaInput, param: str) -> None:
         )
 
 
-def _cache_key(media: MediaInput) -> str:
+def _cache_key(media: MediaInput, salt: str | None) -> str:
     """The encoder cache's key of a media item. A client may send one uuid with pictures of
-    different sizes: rows cached for one grid must never be spliced into another's
-    placeholders (the step would fail for every request in it), so a uuid names its rows
-    per grid."""
-    if media.content_hash.startswith("uuid:"):
+    different sizes, or with an image and then a video: rows cached for one must never be
+    spliced into another's placeholders (a wrong answer, or a step failed for every
+    request in it), so a uuid names its rows per modality and grid. Under a `cache_salt`
+    the key is the salt's own (`salted`)."""
+    key = media.content_hash
+    if key.startswith("uuid:"):
         t, h, w = media.grid_thw
-        return f"{media.content_hash}@{t}x{h}x{w}"
-    return media.content_hash
+        key = f"{key}@{media.modality.value}:{t}x{h}x{w}"
+    return salted(key, salt)
+
 
 
 def _share_pixels(media: list[MediaItem]) -> list[MediaItem]:

@@ -205,14 +205,14 @@ def _policy(enabled: bool, buckets: str | None, prefixes: str | None, model: str
 
 
 class UuidRegistry:
-    """uuid -> (modality, the latest ProcessedImage's facts) of media sent with a client
-    uuid (bounded LRU)."""
+    """(cache_salt, uuid) -> (modality, the latest ProcessedImage's facts) of media sent
+    with a client uuid (bounded LRU): a uuid is known only to requests of its salt."""
 
     def __init__(self, capacity: int = MAX_REMEMBERED_UUIDS) -> None:
         self.capacity = capacity
-        self._items: collections.OrderedDict[str, tuple[Modality, RememberedMedia]] = (
-            collections.OrderedDict()
-        )
+        self._items: collections.OrderedDict[
+            tuple[str | None, str], tuple[Modality, RememberedMedia]
+        ] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._share: Callable[[MediaUuid], Any] | None = None
 
@@ -221,14 +221,16 @@ class UuidRegistry:
         the other API processes, whose registries `learn` it."""
         self._share = send
 
-    def remember(self, uuid: str, modality: Modality, image: ProcessedImage) -> None:
+    def remember(
+        self, uuid: str, modality: Modality, salt: str | None, image: ProcessedImage
+    ) -> None:
         facts = RememberedMedia(
             tuple(image.grid_thw), image.num_tokens, image.second_per_grid_t, image.frame_seconds
         )  # fmt: skip
-        self._store(uuid, modality, facts)
+        self._store((salt, uuid), modality, facts)
         if self._share is not None:
-            self._share(MediaUuid(uuid=uuid, modality=modality, grid_thw=facts.grid_thw,
-                                  num_tokens=facts.num_tokens,
+            self._share(MediaUuid(uuid=uuid, cache_salt=salt, modality=modality,
+                                  grid_thw=facts.grid_thw, num_tokens=facts.num_tokens,
                                   second_per_grid_t=facts.second_per_grid_t,
                                   frame_seconds=facts.frame_seconds))  # fmt: skip
 
@@ -236,18 +238,22 @@ class UuidRegistry:
         """What another API process remembered (never shared again)."""
         facts = RememberedMedia(tuple(message.grid_thw), message.num_tokens,
                                 message.second_per_grid_t, tuple(message.frame_seconds))  # fmt: skip
-        self._store(message.uuid, message.modality, facts)
+        self._store((message.cache_salt, message.uuid), message.modality, facts)
 
-    def _store(self, uuid: str, modality: Modality, facts: RememberedMedia) -> None:
+    def _store(
+        self, key: tuple[str | None, str], modality: Modality, facts: RememberedMedia
+    ) -> None:
         with self._lock:
-            self._items[uuid] = (modality, facts)
-            self._items.move_to_end(uuid)
+            self._items[key] = (modality, facts)
+            self._items.move_to_end(key)
             while len(self._items) > self.capacity:
                 self._items.popitem(last=False)
 
-    def lookup(self, uuid: str, modality: Modality, *, param: str) -> RememberedMedia:
+    def lookup(
+        self, uuid: str, modality: Modality, salt: str | None, *, param: str
+    ) -> RememberedMedia:
         with self._lock:
-            entry = self._items.get(uuid)
+            entry = self._items.get((salt, uuid))
         if entry is None:
             raise MediaError(
                 f"unknown media uuid {uuid!r}: send the {modality.value} with its uuid first",
@@ -330,7 +336,9 @@ async def prepare_chat_prompt(
             if processor.timestamped_video_frames:
                 frame_seconds = part.frame_seconds
         else:
-            item, frame_seconds = _pixel_input(part, processed.get(part.param), tensors)
+            item, frame_seconds = _pixel_input(
+                part, processed.get(part.param), tensors, request.cache_salt
+            )
         media.append(item)
         count = (item.modality.value, item.num_tokens)
         counts.append((*count, frame_seconds) if frame_seconds else count)
@@ -386,12 +394,13 @@ async def _load_media(
 
 
 def _pixel_input(
-    part: MediaPart, image: ProcessedImage | None, tensors: list[Any]
+    part: MediaPart, image: ProcessedImage | None, tensors: list[Any], salt: str | None
 ) -> tuple[MediaInput, tuple[float, ...]]:
     """MediaInput of a processed image or video (`image`), or of a uuid-only part (None),
-    and for a video when each temporal patch was shot."""
+    and for a video when each temporal patch was shot. A uuid is known only to requests
+    of the same `cache_salt`."""
     if image is None:  # uuid only: the engine must hold the encoding already
-        known = UUIDS.lookup(part.uuid, part.modality, param=part.param)  # type: ignore[arg-type]
+        known = UUIDS.lookup(part.uuid, part.modality, salt, param=part.param)  # type: ignore[arg-type]
         return MediaInput(
             modality=part.modality,
             content_hash="uuid:" + part.uuid,  # type: ignore[operator]
@@ -403,7 +412,7 @@ def _pixel_input(
     content_hash = image.content_hash
     if part.uuid is not None:
         content_hash = "uuid:" + part.uuid
-        UUIDS.remember(part.uuid, part.modality, image)
+        UUIDS.remember(part.uuid, part.modality, salt, image)
     item = MediaInput(
         modality=part.modality,
         content_hash=content_hash,

@@ -197,19 +197,19 @@ def test_a_media_uuid_works_through_either_process(two_api_servers):
     """An image sent with a uuid through one API process, then named by its uuid alone on
     fresh connections, which the kernel spreads over both: each process must know the uuid
     (relayed through the engine). Before, the other process answered 400 unknown_media_uuid
-    (4 of 12 such requests, 2026-11-27)."""
+    (4 of 12 such requests, 2026-11-27). Under a cache_salt, which the relay carries."""
     import base64
 
     from bench.local_inputs import picture, png_bytes
 
     url = "data:image/png;base64," + base64.b64encode(png_bytes(picture(56, 56, 3))).decode()
     text = {"type": "text", "text": "What is this?"}
-    first = _chat(two_api_servers.base_url, "", max_tokens=4, messages=[{"role": "user", "content": [
+    first = _chat(two_api_servers.base_url, "", max_tokens=4, cache_salt="t", messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": url}, "uuid": "tile-1"}, text]}])  # fmt: skip
     assert first.status_code == 200, first.text
     answers = set()
     for _ in range(16):  # a new connection each time
-        again = _chat(two_api_servers.base_url, "", max_tokens=4, messages=[{"role": "user",
+        again = _chat(two_api_servers.base_url, "", max_tokens=4, cache_salt="t", messages=[{"role": "user",
                       "content": [{"type": "image_url", "uuid": "tile-1"}, text]}])  # fmt: skip
         assert again.status_code == 200, again.text
         answers.add(again.json()["choices"][0]["message"]["content"])

@@ -450,6 +450,28 @@ def test_a_uuid_named_again_later_in_the_same_request(client):
     assert by_uuid.usage.prompt_tokens == twice.usage.prompt_tokens
 
 
+def test_a_uuid_an_image_had_does_not_answer_a_video_sent_under_it(client):
+    """A video sent with its own pixels under a uuid an image of the same grid had was
+    answered from the image's cached encoding (the cache key left the modality out)."""
+    from bench.local_inputs import moving_pictures, video_bytes
+
+    image = {"type": "image_url", "image_url": {"url": data_url(picture(84, 56, 12))},
+             "uuid": "shared-name"}  # fmt: skip
+    clip = "data:video/mp4;base64," + base64.b64encode(
+        video_bytes(moving_pictures(84, 56, 2, salt=13), fps=2)).decode()  # one temporal patch
+
+    def ask(part: dict):
+        return client.chat.completions.create(
+            model=MODEL_NAME, max_tokens=8, **GREEDY,
+            messages=[{"role": "user", "content": [part, TEXT_PART]}])  # fmt: skip
+
+    own = ask({"type": "video_url", "video_url": {"url": clip}})
+    as_image = ask(image)
+    video = ask({"type": "video_url", "video_url": {"url": clip}, "uuid": "shared-name"})
+    assert video.choices[0].message.content == own.choices[0].message.content
+    assert as_image.choices[0].message.content != own.choices[0].message.content
+
+
 def test_video_by_data_url_http_and_uuid_agree(client, http, image_server):
     data = fetch(image_server + "/clip.mp4")
     by_http = client.chat.completions.create(

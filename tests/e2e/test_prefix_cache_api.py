@@ -58,3 +58,35 @@ def test_an_empty_or_huge_cache_salt_is_a_400(http):
         body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 1, "cache_salt": salt}
         response = http.post("/v1/completions", json=body)
         assert response.status_code == 400 and response.json()["error"]["param"] == "cache_salt"
+
+
+def test_a_cache_salt_keeps_media_uuids_and_encodings_to_its_tenant(http):
+    """The salt separated the KV cache only: a tenant could name another's image by its
+    uuid and be answered from it, and an image another tenant sent was an encoder-cache
+    hit (a time the sender could tell)."""
+    from bench.local_inputs import picture
+    from tests.e2e.test_chat_api import data_url
+    from tests.e2e.test_metrics import scrape
+
+    url = data_url(picture(84, 56, 11))
+    tag = uuid.uuid4().hex
+
+    def ask(salt: str, part: dict, before: str = "Look:"):  # text before: no prefix hit
+        content = [{"type": "text", "text": before}, part]
+        body = {"model": MODEL_NAME, "max_tokens": 2, "temperature": 0, "cache_salt": salt,
+                "messages": [{"role": "user", "content": content}]}  # fmt: skip
+        return http.post("/v1/chat/completions", json=body)
+
+    def encoder_hits() -> float:
+        return scrape(http)[0]["tessera:encoder_cache_hits_total"]
+
+    assert ask(f"a-{tag}", {"type": "image_url", "image_url": {"url": url}, "uuid": tag}).is_success
+    assert ask(f"a-{tag}", {"type": "image_url", "uuid": tag}).is_success  # its own tenant
+    other = ask(f"b-{tag}", {"type": "image_url", "uuid": tag})
+    assert other.status_code == 400 and other.json()["error"]["code"] == "unknown_media_uuid"
+    assert ask(f"a-{tag}", {"type": "image_url", "image_url": {"url": url}}).is_success
+    hits = encoder_hits()
+    assert ask(f"b-{tag}", {"type": "image_url", "image_url": {"url": url}}).is_success
+    assert encoder_hits() == hits  # encoded again for tenant b
+    assert ask(f"b-{tag}", {"type": "image_url", "image_url": {"url": url}}, "See:").is_success
+    assert encoder_hits() == hits + 1  # and shared within it

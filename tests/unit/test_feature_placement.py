@@ -63,7 +63,8 @@ def test_the_patches_of_one_file_are_one_download():
     _, uses, _ = admission._fetching["r"]
     assert uses[1] == [FeatureUse(3 + t, (1, 4, 4), (t * PER_PATCH, (t + 1) * PER_PATCH))
                        for t in range(3)]  # fmt: skip
-    assert uses[1][2].key("f00d") == "f00d@1x4x4/rows8-12"
+    assert uses[1][2].key("f00d", None) == "f00d@1x4x4/rows8-12"
+    assert uses[1][2].key("f00d", "t1") == "salt2:t1|f00d@1x4x4/rows8-12"
 
 
 @pytest.mark.parametrize(
