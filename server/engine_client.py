@@ -173,8 +173,14 @@ class EngineClient:
         self._context = zmq.asyncio.Context()
         self._inbox = self._context.socket(zmq.PUSH)
         self._outbox = self._context.socket(zmq.PULL)
-        self._inbox.bind(inbox_address)
-        self._outbox.bind(outbox_address)
+        try:
+            self._inbox.bind(inbox_address)
+            self._outbox.bind(outbox_address)
+        except zmq.ZMQError as exc:  # taken, or not an address: one line, not a traceback
+            self._close_sockets()
+            raise EngineDeadError(
+                f"cannot bind the engine sockets {inbox_address} and {outbox_address}: {exc}"
+            ) from None
         return inbox_address, outbox_address
 
     async def _wait_ready(self) -> Ready:

@@ -25,6 +25,7 @@ import dataclasses
 import inspect
 import io
 import os
+import re
 import tokenize
 import types
 import typing
@@ -144,6 +145,10 @@ class ServerSettings:
             raise SettingsError(str(exc)) from None
         if (self.engine_inbox_address is None) != (self.engine_outbox_address is None):
             raise SettingsError("set both engine_inbox_address and engine_outbox_address, or none")
+        for name in ("engine_inbox_address", "engine_outbox_address"):
+            address = getattr(self, name)
+            if address is not None and not re.fullmatch(r"tcp://\S+:\d+|ipc://\S+", address):
+                raise SettingsError(f"{name} must be tcp://HOST:PORT or ipc://PATH, got {address!r}")
         if not 1 <= self.api_server_count <= MAX_API_SERVERS:
             raise SettingsError(
                 f"api_server_count must be in 1..{MAX_API_SERVERS}, got {self.api_server_count}"

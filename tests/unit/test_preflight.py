@@ -114,3 +114,29 @@ def test_an_expected_engine_start_up_failure_is_logged_without_a_traceback(caplo
     expected, bug = [r for r in caplog.records if "start-up failed" in r.getMessage()]
     assert "unsupported architecture 'Nope'" in expected.getMessage()
     assert expected.exc_info is None and bug.exc_info is not None
+
+
+def test_an_engine_address_in_use_is_one_line(tiny, capsys):
+    """A second server given the same --engine-inbox-address ended in a ZMQError
+    traceback."""
+    import zmq
+
+    context = zmq.Context()
+    taken = context.socket(zmq.PULL)
+    port = taken.bind_to_random_port("tcp://127.0.0.1")
+    free_ports = []
+    for _ in range(2):  # the HTTP port must be free here: it is taken first
+        with socket.socket() as free:
+            free.bind(("127.0.0.1", 0))
+            free_ports.append(free.getsockname()[1])
+    try:
+        code = main(["serve", "--model", str(tiny), "--host", "127.0.0.1",
+                     "--port", str(free_ports[0]),
+                     "--engine-inbox-address", f"tcp://127.0.0.1:{port}",
+                     "--engine-outbox-address", f"tcp://127.0.0.1:{free_ports[1]}"])  # fmt: skip
+        err = capsys.readouterr().err
+    finally:
+        taken.close(linger=0)
+        context.term()
+    assert code == 1 and "cannot bind the engine sockets" in err, err
+    assert "Traceback" not in err

@@ -99,6 +99,8 @@ def test_api_server_count_is_checked() -> None:
     assert load_settings(addresses, {}).api_server_count == 1
     with pytest.raises(SettingsError, match="unset engine_inbox_address"):
         load_settings([*addresses, "--api-server-count", "2"], {})
+    with pytest.raises(SettingsError, match="must be tcp://HOST:PORT or ipc://PATH"):
+        load_settings(["--engine-inbox-address", "foo", "--engine-outbox-address", "bar"], {})
 
 
 @pytest.mark.parametrize(
