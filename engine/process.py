@@ -217,6 +217,9 @@ class StepWatchdog:
                     self._timeout_s,
                 )
                 faulthandler.dump_traceback(all_threads=True)
+                from engine.shard_worker import kill_all_workers  # torch: engine side only
+
+                kill_all_workers()  # no unwinding below, so no close() stops them
                 os._exit(EXIT_HUNG)  # no unwinding: the main thread is stuck
 
 

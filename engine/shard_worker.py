@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
+import weakref
 from pathlib import Path
 
 import msgspec
@@ -64,6 +66,17 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+_LIVE: weakref.WeakSet[ShardWorkers] = weakref.WeakSet()  # for kill_all_workers
+
+
+def kill_all_workers() -> None:
+    """SIGKILLs every live worker of this process and removes their folders, waiting on
+    nothing: for an engine about to `os._exit` (the step watchdog). A stopped or hung
+    worker never gets to its own parent check, and outlived the server."""
+    for workers in list(_LIVE):
+        workers.kill_now()
+
+
 class ShardWorkers:
     """Rank 0's side: starts ranks 1..N-1, joins the group with them, stops them.
 
@@ -102,6 +115,7 @@ class ShardWorkers:
             process.stdin.write(msgspec.json.encode(spec))
             process.stdin.close()
             self._processes.append(process)
+        _LIVE.add(self)
         try:
             self.group = ShardGroup(0, size, store_path, addresses, device)
         except BaseException:
@@ -126,6 +140,12 @@ class ShardWorkers:
             self._kill()
             self.group.close()
             self._dir.cleanup()
+
+    def kill_now(self) -> None:
+        for process in self._processes:
+            if process.poll() is None:
+                process.kill()
+        shutil.rmtree(self._dir.name, ignore_errors=True)
 
     def _kill(self) -> None:
         for process in self._processes:

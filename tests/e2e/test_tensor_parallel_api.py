@@ -7,6 +7,7 @@ engine process is, the worker exits by itself."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -79,6 +80,25 @@ def test_a_dead_worker_fails_the_server(model_dir, tmp_path):
         assert handle.process.wait(30) == 1, handle.log_tail()
         assert "tensor-parallel rank 0" in handle.log_tail(20000)
         _wait_gone(engine, "the engine process")
+
+
+def test_a_hung_worker_is_not_left_behind_by_the_step_watchdog(model_dir, tmp_path):
+    """The watchdog ends the engine with os._exit, which skipped stopping the workers: a
+    stopped worker never reaches its own parent check, and outlived the server."""
+    args = ["--tensor-parallel-size", "2", "--engine-step-timeout-s", "2"]
+    with run_server(model_dir, tmp_path / "tp.log", *args) as handle:
+        [worker] = _shard_workers(engine_pid(handle.process.pid))
+        os.kill(worker, signal.SIGSTOP)
+        try:
+            response = httpx.post(
+                handle.base_url + "/v1/chat/completions", json=_question(), timeout=60
+            )
+            assert response.status_code == 503, response.text
+            assert handle.process.wait(30) == 1, handle.log_tail()
+            _wait_gone(worker, "the stopped tensor-parallel worker")
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker, signal.SIGKILL)
 
 
 def test_a_dead_engine_process_takes_its_worker_along(model_dir, tmp_path):
