@@ -44,6 +44,7 @@ import signal
 import socket
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +60,11 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 WATCH_INTERVAL_S = 0.2
 ENGINE_STOP_TIMEOUT_S = 10.0
+# Past its drain (`shutdown_timeout_s`), how long an API process has to end its requests
+# and exit, and after a third signal, before the launcher kills it: one that is stopped
+# (SIGSTOP) or wedged would keep the launcher, and so the service, up for ever.
+DRAIN_EXIT_GRACE_S = 10.0
+STOP_NOW_GRACE_S = 2.0
 # An API process asked to drain exits 0, or dies of the signal if it came before its
 # handler was installed.
 _ASKED_EXIT_CODES = (0, -API_PROCESS_DRAIN_SIGNAL)
@@ -109,7 +115,7 @@ def run_api_servers(settings: ServerSettings) -> int:
     )
     api_servers: list[multiprocessing.process.BaseProcess] = []
     admission_counts = spawn.Array("q", 2 * count)  # zeros, lock-guarded
-    launcher = _Launcher()
+    launcher = _Launcher(settings.shutdown_timeout_s)
     try:
         with launcher.capturing_signals():
             engine.start()
@@ -142,10 +148,12 @@ def run_api_servers(settings: ServerSettings) -> int:
 class _Launcher:
     """Signals in, drain signals out, and the watch over the children."""
 
-    def __init__(self) -> None:
+    def __init__(self, shutdown_timeout_s: float) -> None:
+        self.shutdown_timeout_s = shutdown_timeout_s
         self.num_signals = 0  # SIGINT / SIGTERM received
         self.num_drains = 0  # drain signals sent to every API process
         self.failed = False
+        self.kill_at: float | None = None  # when API processes still up get SIGKILL
 
     @contextlib.contextmanager
     def capturing_signals(self):
@@ -175,12 +183,23 @@ class _Launcher:
                 self._fail(f"engine process {engine.pid} exited with code {engine.exitcode}")
             if self.failed and not self.num_drains:
                 self._drain(remaining)  # a dead engine fails their requests at once
+            if self.kill_at is not None and time.monotonic() > self.kill_at:
+                self._kill(remaining)
         return EXIT_FAILED if self.failed else EXIT_OK
+
+    def _kill(self, processes) -> None:
+        for process in processes:
+            if process.is_alive():
+                self._fail(f"API process {process.pid} did not exit after its drain; killed")
+                process.kill()
 
     def _drain(self, processes) -> None:
         if not self.num_drains:
             logger.info("stopping: draining the API processes")
+            self.kill_at = time.monotonic() + self.shutdown_timeout_s + DRAIN_EXIT_GRACE_S
         self.num_drains += 1
+        if self.num_drains >= 3:  # each process stops at once: give them a moment
+            self.kill_at = min(self.kill_at, time.monotonic() + STOP_NOW_GRACE_S)
         for process in processes:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(process.pid, API_PROCESS_DRAIN_SIGNAL)

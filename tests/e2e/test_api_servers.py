@@ -9,6 +9,7 @@ whole server with exit code 1 and leaves no process behind."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import re
@@ -214,6 +215,25 @@ def test_a_media_uuid_works_through_either_process(two_api_servers):
         assert again.status_code == 200, again.text
         answers.add(again.json()["choices"][0]["message"]["content"])
     assert answers == {first.json()["choices"][0]["message"]["content"]}
+
+
+def test_a_stopped_api_process_does_not_keep_the_launcher_up(model_dir, tmp_path):
+    """The launcher waited for ever on an API process that could not drain (SIGSTOP):
+    60 s after three SIGTERMs it still ran, so its supervisor never restarted it."""
+    log_path = tmp_path / "stopped.log"
+    with run_server(model_dir, log_path, *API_SERVERS, "--shutdown-timeout-s", "1") as handle:
+        engine, api = _pids(log_path)
+        os.kill(api[1], signal.SIGSTOP)
+        try:
+            os.kill(handle.process.pid, signal.SIGTERM)
+            started = time.monotonic()
+            assert handle.process.wait(30) == 1, handle.log_tail()
+            assert time.monotonic() - started < 1 + 10 + 5  # drain, grace, slack
+            assert "did not exit after its drain; killed" in handle.log_tail(20000)
+            wait_all_gone([engine, *api], timeout=10)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(api[1], signal.SIGKILL)
 
 
 def test_sigterm_drains_both_processes_then_exits_zero(model_dir, tmp_path):
