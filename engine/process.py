@@ -27,6 +27,7 @@ Undecodable inbox messages are logged and dropped; the engine lives on.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import faulthandler
 import logging
@@ -176,7 +177,7 @@ def _serve(config, inboxes, outboxes, parent_pid, core_factory) -> int:
         ready.max_model_len,
     )
     _send_to_all(outboxes, ready)
-    loop = EngineLoop(core, inboxes, outboxes, parent_pid)
+    loop = EngineLoop(core, inboxes, outboxes, parent_pid, config.api_server_stall_timeout_s)
     StepWatchdog(loop, config.engine_step_timeout_s).start()
     try:
         return loop.run()
@@ -234,6 +235,7 @@ class EngineLoop:
         inboxes: Sequence[zmq.Socket],
         outboxes: Sequence[zmq.Socket],
         parent_pid: int,
+        stall_timeout_s: float = 30.0,
     ):
         self.core = core
         self.inboxes = list(inboxes)
@@ -249,6 +251,12 @@ class EngineLoop:
         self.api_server_of: dict[str, int] = {}
         self.is_dropping_stats = False
         self.last_pass = time.monotonic()  # when the loop last went round (StepWatchdog)
+        # With several API processes, what each has not taken yet (its queue is full), and
+        # since when: outputs wait here, never in a blocking send, so that a process that
+        # stopped reading (stopped, wedged, dead) never stalls the others' requests.
+        self.unsent: list[collections.deque[list]] = [collections.deque() for _ in outboxes]
+        self.stalled_since: list[float | None] = [None] * len(self.outboxes)
+        self.stall_timeout_s = stall_timeout_s
 
     def run(self) -> int:
         while True:
@@ -260,6 +268,7 @@ class EngineLoop:
             if not self._parent_alive():
                 logger.error("server process %d is gone; engine exiting", self.parent_pid)
                 return EXIT_PARENT_GONE
+            self._flush_unsent()
             if self.core.has_unfinished_requests():
                 result = self._step()
                 self._publish(result)
@@ -346,9 +355,45 @@ class EngineLoop:
             routed[api_server].append(output)
         for api_server, (outbox, own) in enumerate(zip(self.outboxes, routed, strict=True)):
             if own:
-                _send(outbox, EngineOutputs(own, result.stats))
+                self.unsent[api_server].append(encode_message(EngineOutputs(own, result.stats)))
+                self._flush(api_server)
             elif api_server == STATS_API_SERVER:
                 self._send_stats_only(outbox, EngineOutputs([], result.stats))
+
+    def _flush_unsent(self) -> None:
+        for api_server, unsent in enumerate(self.unsent):
+            if unsent:
+                self._flush(api_server)
+
+    def _flush(self, api_server: int) -> None:
+        """Sends API process `api_server` what it has not taken, as far as its queue takes
+        it. One that has taken nothing for `stall_timeout_s` has its requests aborted: the
+        engine stops spending steps on answers nobody reads (what is owed stays queued
+        for it, the aborts' last outputs included, in case it reads again)."""
+        unsent = self.unsent[api_server]
+        while unsent:
+            try:
+                self.outboxes[api_server].send_multipart(unsent[0], flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            unsent.popleft()
+            self.stalled_since[api_server] = None
+        if not unsent:
+            return
+        now = time.monotonic()
+        since = self.stalled_since[api_server]
+        if since is None:
+            self.stalled_since[api_server] = now
+        elif now - since > self.stall_timeout_s:
+            request_ids = [rid for rid, owner in self.api_server_of.items() if owner == api_server]
+            if request_ids:
+                logger.error(
+                    "API process %d has read no outputs for %.0f s (api_server_stall_timeout_s):"
+                    " aborting its %d requests",
+                    api_server, now - since, len(request_ids),
+                )  # fmt: skip
+                self.core.abort_requests(request_ids)  # their last outputs queue for it
+                self.stalled_since[api_server] = now
 
     def _send_stats_only(self, outbox: zmq.Socket, message: EngineOutputs) -> None:
         """Never wait to send API process 0 stats alone: in a drain it may have exited

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import zmq
 
@@ -158,6 +159,80 @@ def test_api_process_zero_gone_never_stalls_the_others():
         assert not thread.is_alive(), "the engine blocked on API process 0's full queue"
         tokens = [o.new_token_ids[0] for m in _received(sink_one) for o in m.outputs]
         assert tokens == list(range(-19, 4))
+    finally:
+        for socket in sockets:
+            socket.close(linger=0)
+        context.term()
+
+
+class AbortingCore(ScriptedCore):
+    """ScriptedCore whose aborts end their requests at the next step, as EngineCore's do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aborted: list[str] = []
+
+    def abort_requests(self, request_ids) -> None:
+        self.aborted.extend(request_ids)
+        for request_id in request_ids:
+            self.tokens[request_id] = 2  # its next step is its last
+
+
+def test_an_api_process_that_stops_reading_never_stalls_the_others():
+    """Outputs went out with a blocking send: an API process that stopped reading
+    (SIGSTOP, wedged, dead) filled its queue and the engine stopped stepping for every
+    process. Now its outputs wait for it, and its requests are aborted once it has read
+    nothing for `stall_timeout_s`."""
+    context = zmq.Context()
+    base = f"inproc://stalled-{os.getpid()}"
+    sockets = []
+
+    def pair(kind_a, kind_b, address, hwm=None):
+        a, b = context.socket(kind_a), context.socket(kind_b)
+        if hwm is not None:
+            a.setsockopt(zmq.SNDHWM, hwm)
+            b.setsockopt(zmq.RCVHWM, hwm)
+        b.bind(address)
+        a.connect(address)
+        sockets.extend((a, b))
+        return a, b
+
+    try:
+        sender_zero, inbox_zero = pair(zmq.PUSH, zmq.PULL, f"{base}-in-0")
+        sender_one, inbox_one = pair(zmq.PUSH, zmq.PULL, f"{base}-in-1")
+        outbox_zero, sink_zero = pair(zmq.PUSH, zmq.PULL, f"{base}-out-0")
+        outbox_one, sink_one = pair(zmq.PUSH, zmq.PULL, f"{base}-out-1", hwm=2)  # stops reading
+        core = AbortingCore()
+        loop = EngineLoop(core, [inbox_zero, inbox_one], [outbox_zero, outbox_one],
+                          os.getppid(), stall_timeout_s=0.3)  # fmt: skip
+        sender_zero.send_multipart(encode_message(_request("zero")))
+        sender_one.send_multipart(encode_message(_request("one")))
+        loop._drain_inbox(1000)
+        core.tokens["zero"] = -60  # 63 steps
+        core.tokens["one"] = -1000  # would run 1003 steps
+
+        def run() -> None:
+            while core.has_unfinished_requests():
+                loop._publish(loop._step())
+                time.sleep(0.01)
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        thread.join(20)
+        assert not thread.is_alive(), "the engine blocked on API process 1's full queue"
+        tokens = [o.new_token_ids[0] for m in _received(sink_zero) for o in m.outputs]
+        assert tokens == list(range(-59, 4))  # every one of process 0's tokens
+        assert core.aborted == ["one"] and loop.unsent[1]  # owed to process 1, kept
+        received = []  # process 1 reads again: everything owed arrives, in order
+        deadline = time.monotonic() + 10
+        while (loop.unsent[1] or sink_one.poll(50)) and time.monotonic() < deadline:
+            while sink_one.poll(0):
+                received.append(decode_server_inbox(sink_one.recv_multipart()))
+            loop._flush_unsent()
+        tokens = [o.new_token_ids[0] for m in received for o in m.outputs]
+        assert not loop.unsent[1] and tokens[-1] == 3  # the aborted request's last step
+        assert tokens[:-1] == list(range(-999, -999 + len(tokens) - 1))
+        assert received[-1].outputs[-1].finish_reason is not None
     finally:
         for socket in sockets:
             socket.close(linger=0)
