@@ -108,7 +108,20 @@ def media_parts(messages: list[ChatMessage]) -> list[MediaPart]:
 
 
 def messages_as_dicts(messages: list[ChatMessage]) -> list[dict]:
-    return [m.model_dump(exclude_none=True) for m in messages]
+    """The messages as the chat template reads them, as vLLM hands them over: a null
+    `content` is "" (an assistant turn of tool calls only, as the openai client sends it
+    back: Qwen3's template failed on the missing key), and an earlier answer's thinking is
+    there under both `reasoning_content` and `reasoning`."""
+    result = []
+    for message in messages:
+        as_dict = message.model_dump(exclude_none=True)
+        as_dict.setdefault("content", "")
+        thinking = message.reasoning_content
+        thinking = message.reasoning if thinking is None else thinking
+        if thinking is not None:
+            as_dict["reasoning_content"] = as_dict["reasoning"] = thinking
+        result.append(as_dict)
+    return result
 
 
 @dataclass(frozen=True)

@@ -124,6 +124,10 @@ class ChatMessage(RequestModel):
     name: str | None = None
     tool_calls: list[ToolCallMessagePart] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_call_id: str | None = None  # role "tool": the call this answers
+    # An earlier answer's thinking, which templates such as Qwen3's write back into the
+    # turns after the last user message (vLLM takes either name).
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class FunctionDefinition(RequestModel):

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from engine.errors import InvalidRequest
-from engine.multimodal.prompt import INLINE_TOKENIZE_CHARS
+from engine.multimodal.prompt import INLINE_TOKENIZE_CHARS, final_message_text
+from server.chat import messages_as_dicts
 from server.generation import (
     PreparedPrompt,
     bad_word_token_ids,
@@ -21,7 +22,12 @@ from server.generation import (
     check_token_ids,
 )
 from server.openai_models import ChatCompletionRequest
-from server.reasoning import THINK_END, prompt_opens_thinking, reasoning_format
+from server.reasoning import (
+    THINK_END,
+    prefill_opens_thinking,
+    prompt_opens_thinking,
+    reasoning_format,
+)
 from server.streaming import GenerationJob
 from server.tool_calls import ToolPlan, call_format
 
@@ -115,6 +121,10 @@ def _thinking_opened(state: AppState, body: Any, prompt: PreparedPrompt) -> bool
     template = body.chat_template or state.processor.chat_template
     if reasoning_format(state.settings.reasoning_parser, template) is None:
         return None
+    if body.continue_final_message and prefill_opens_thinking(
+        final_message_text(messages_as_dicts(body.messages))
+    ):
+        return True
     tail = state.processor.decode(prompt.token_ids[-8:], skip_special_tokens=False)
     return prompt_opens_thinking(tail)
 

@@ -42,6 +42,13 @@ def prompt_opens_thinking(prompt_text_tail: str) -> bool:
     return prompt_text_tail.rstrip().endswith(THINK_START)
 
 
+def prefill_opens_thinking(final_message: str) -> bool:
+    """A prefilled answer (`continue_final_message`) that opened its thinking and has not
+    closed it: what the model writes next is reasoning up to its </think>, as vLLM's
+    parser splits it."""
+    return final_message.rfind(THINK_START) > final_message.rfind(THINK_END)
+
+
 class ReasoningSplitter:
     """One choice's text, split into reasoning and content as it streams."""
 

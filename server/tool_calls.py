@@ -367,7 +367,7 @@ def _hermes_calls(text: str) -> list[ToolCall]:
             call = json.loads(block)
         except _NOT_JSON:
             return []
-        made = _tool_call(call, call.get("arguments", {})) if isinstance(call, dict) else None
+        made = _tool_call(call, _arguments(call)) if isinstance(call, dict) else None
         if made is None:
             return []
         calls.append(made)
@@ -403,8 +403,15 @@ def _next_object_call(text: str, position: int, separators: str) -> tuple[ToolCa
         return None
     if not isinstance(call, dict):
         return None
-    made = _tool_call(call, call.get("parameters", call.get("arguments", {})))
+    made = _tool_call(call, _arguments(call))
     return None if made is None else (made, end)
+
+
+def _arguments(call: dict[str, Any]) -> Any:
+    """A written call's arguments: under "arguments" (Hermes) or "parameters" (Llama 3),
+    whichever the model wrote; a model trained on one may write the other, and a call
+    that kept only the key it knew lost its arguments ("{}")."""
+    return call.get("arguments", call.get("parameters", {}))
 
 
 def _array_calls(text: str) -> list[ToolCall]:

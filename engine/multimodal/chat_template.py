@@ -181,3 +181,37 @@ def compile_template(source: str) -> jinja2.Template:
     environment.globals["raise_exception"] = _raise_exception
     environment.globals["strftime_now"] = _strftime_now
     return environment.from_string(source)
+
+
+@lru_cache(maxsize=32)
+def takes_content_parts(source: str) -> bool:
+    """Whether a chat template reads a message's content as a list of parts (it loops over
+    `message.content`, as vision templates do) rather than as one string (Qwen3's, Llama
+    3's: a list reached the model as its Python repr, or failed the template). vLLM tells
+    the two apart the same way, and joins the text parts for the second kind."""
+    environment = compile_template(source).environment
+    try:
+        tree = environment.parse(source)
+    except jinja2.TemplateSyntaxError:
+        return True  # left as it is: rendering reports the error
+    content_names = {
+        assign.target.name
+        for assign in tree.find_all(jinja2.nodes.Assign)
+        if isinstance(assign.target, jinja2.nodes.Name) and _reads_content(assign.node)
+    }
+    return any(
+        _reads_content(loop.iter)
+        or (isinstance(loop.iter, jinja2.nodes.Name) and loop.iter.name in content_names)
+        for loop in tree.find_all(jinja2.nodes.For)
+    )
+
+
+def _reads_content(node: jinja2.nodes.Node) -> bool:
+    """Whether an expression is, or holds, `x.content` / `x["content"]`."""
+    for part in (node, *node.find_all((jinja2.nodes.Getattr, jinja2.nodes.Getitem))):
+        if isinstance(part, jinja2.nodes.Getattr) and part.attr == "content":
+            return True
+        if (isinstance(part, jinja2.nodes.Getitem) and isinstance(part.arg, jinja2.nodes.Const)
+                and part.arg.value == "content"):  # fmt: skip
+            return True
+    return False

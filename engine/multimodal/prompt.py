@@ -27,6 +27,7 @@ from engine.multimodal.chat_template import (
     find_chat_template,
     read_json,
     render_template,
+    takes_content_parts,
     template_for_request,
 )
 
@@ -221,7 +222,9 @@ class PromptProcessor:
         template = template_for_request(template_source, template_kwargs or {})
         context = {name: value for name, value in self.special_tokens.items() if value is not None}
         context.update(template_kwargs or {})
-        normalized = normalize_messages(messages)
+        normalized = normalize_messages(
+            messages, join_text=not takes_content_parts(template_source)
+        )
         context.update(
             messages=normalized, tools=tools, add_generation_prompt=add_generation_prompt
         )
@@ -350,9 +353,11 @@ class PromptProcessor:
         )
 
 
-def normalize_messages(messages: list[dict]) -> list[dict]:
+def normalize_messages(messages: list[dict], *, join_text: bool = False) -> list[dict]:
     """Copy OpenAI-shaped messages into what chat templates expect: media parts become
-    {"type": "image"} / {"type": "video"}, text parts {"type": "text", "text": ...}."""
+    {"type": "image"} / {"type": "video"}, text parts {"type": "text", "text": ...}. With
+    `join_text` (a template that takes content as a string), a content of text parts only
+    is their texts joined by newlines, as vLLM joins them."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("messages must be a non-empty list", param="messages")
     normalized = []
@@ -368,6 +373,8 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
                 _normalize_part(part, f"messages[{index}].content[{j}]")
                 for j, part in enumerate(content)
             ]
+            if join_text and all(part["type"] == "text" for part in copy["content"]):
+                copy["content"] = "\n".join(part["text"] for part in copy["content"])
         elif content is not None and not isinstance(content, str):
             raise InvalidRequest(
                 "content must be a string or a list of parts", param=f"messages[{index}].content"

@@ -255,6 +255,19 @@ def test_tokenize_detokenize(http):
     assert named.json()["token_strs"][-1] == "Ġworld" and "token_strs" not in tokens
 
 
+def test_tokenize_counts_a_chat_with_media_as_the_chat_feeds_it(http):
+    """One placeholder an image: 32 tokens where the chat fed 35; and an image the chat
+    refuses was a 200 (vLLM's /tokenize expands them too)."""
+    messages = image_message(data_url(picture(64, 48, 3)), text="what?")
+    tokenized = http.post("/tokenize", json={"messages": messages}).json()
+    body = {"model": MODEL_NAME, "messages": messages, "max_tokens": 1}
+    answered = http.post("/v1/chat/completions", json=body).json()
+    assert tokenized["count"] == answered["usage"]["prompt_tokens"] == len(tokenized["tokens"])
+    broken = image_message("data:image/png;base64,AAAA")
+    refused = http.post("/tokenize", json={"messages": broken})
+    assert refused.status_code == 400 and refused.json()["error"]["param"].startswith("messages")
+
+
 def test_concurrent_streams_match_offline_engine(client, model_dir):
     from engine.llm import LLM
     from engine.protocol import SamplingParams

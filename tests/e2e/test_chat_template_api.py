@@ -87,12 +87,16 @@ def test_chat_template_kwargs_reach_the_template(http, hf_tokenizer, image_serve
     without_ids = hf_ids(hf_tokenizer, hf_messages, add_generation_prompt=True)
     assert len(with_ids) > len(without_ids)  # "Picture 1: "
     tokenized = http.post("/tokenize", json={"messages": messages, "chat_template_kwargs": kwargs})
-    assert tokenized.json()["tokens"] == with_ids
+    tokens = tokenized.json()["tokens"]
+    pad = hf_tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    one_pad_each = [t for i, t in enumerate(tokens) if t != pad or tokens[i - 1] != pad]
+    assert one_pad_each == with_ids and tokens.count(pad) > 1  # expanded to the image's size
     plain = chat(http, messages, max_tokens=1)
     labelled = chat(http, messages, max_tokens=1, chat_template_kwargs=kwargs)
     assert plain.status_code == labelled.status_code == 200, labelled.text
     added = labelled.json()["usage"]["prompt_tokens"] - plain.json()["usage"]["prompt_tokens"]
     assert added == len(with_ids) - len(without_ids)
+    assert labelled.json()["usage"]["prompt_tokens"] == len(tokens)  # what the chat feeds
 
 
 @pytest.mark.parametrize(

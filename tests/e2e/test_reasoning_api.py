@@ -45,13 +45,13 @@ def http_base(server):
 
 
 def ask(client, regex: str, *, stream: bool = False, opened: bool = False, template=True,
-        **kw):  # fmt: skip
+        messages=MESSAGES, extra_fields=None, **kw):  # fmt: skip
     extra = {"structured_outputs": {"regex": regex}, "chat_template_kwargs":
-             {"open_thinking": opened}}  # fmt: skip
+             {"open_thinking": opened}, **(extra_fields or {})}  # fmt: skip
     if template:
         extra["chat_template"] = THINKING_TEMPLATE
     kw = {"max_tokens": 80, **kw}
-    return client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, temperature=0,
+    return client.chat.completions.create(model=MODEL_NAME, messages=messages, temperature=0,
                                           stream=stream, extra_body=extra, **kw)  # fmt: skip
 
 
@@ -87,6 +87,18 @@ def test_a_template_that_opens_the_thinking(client):
     )
     plain = ask(client, regex).choices[0].message
     assert plain.content.startswith("said ") and getattr(plain, "reasoning_content", None) is None
+
+
+def test_a_prefilled_answer_that_opened_its_thinking(client):
+    """`continue_final_message` on "<think>\nLet me": what the model writes next is
+    reasoning up to its </think> (vLLM's split), and a grammar waits for that. The prompt
+    did not end with <think>, so the answer was all content, the grammar holding at once."""
+    prefilled = [*MESSAGES, {"role": "assistant", "content": "<think>\nLet me"}]
+    choice = ask(client, r"said [a-z]{2,6}", messages=prefilled, max_tokens=12,
+                 extra_fields={"continue_final_message": True,
+                               "add_generation_prompt": False}).choices[0]  # fmt: skip
+    assert choice.finish_reason == "length" and not choice.message.content
+    assert choice.message.reasoning_content and "said " not in choice.message.reasoning_content
 
 
 def test_tool_calls_come_from_the_answer_only(client):

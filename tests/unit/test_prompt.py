@@ -357,3 +357,47 @@ def test_named_templates_take_tool_use_when_tools_are_given(model_dir, tmp_path)
         expected = hf.apply_chat_template(messages, tools=given, tokenize=False)
         assert ours.render_chat(messages, tools=given, add_generation_prompt=False) == expected
     assert ours.render_chat(messages, tools=tools).startswith("T1")
+
+
+# Content as one string, as Qwen3's and Llama 3's templates take it (no loop over it).
+STRING_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+                   "{% if m.reasoning_content %}[{{ m.reasoning_content }}]{% endif %}"
+                   "{% if m.content.startswith('x') %}!{% endif %}</>{% endfor %}")  # fmt: skip
+SUNNY = [{"type": "text", "text": "sun"}, {"type": "text", "text": "ny"}]
+
+
+def test_a_template_that_takes_a_string_gets_the_text_parts_joined(processor):
+    """As vLLM joins them. The template wrote the list's Python repr ("[{'type': 'text',
+    ...") into the prompt, or failed on it (`.startswith`: a 400)."""
+    messages = [{"role": "tool", "content": SUNNY}, {"role": "user", "content": []}]
+    text = processor.render_chat(messages, chat_template=STRING_TEMPLATE,
+                                 add_generation_prompt=False)  # fmt: skip
+    assert text == "<tool>sun\nny</><user></>"
+    looping = processor.render_chat([{"role": "user", "content": SUNNY}])  # the built-in one
+    assert "sunny" in looping  # its parts, written one after the other
+
+
+@pytest.mark.parametrize(("source", "takes_parts"), [
+    (STRING_TEMPLATE, False),
+    ("{% for m in messages %}{% for p in m['content'] %}{{ p.text }}{% endfor %}{% endfor %}", True),
+    ("{% for m in messages %}{% set parts = m.content %}{% for p in parts %}{{ p }}{% endfor %}"
+     "{% endfor %}", True),
+])  # fmt: skip
+def test_which_templates_take_content_as_parts(source, takes_parts):
+    from engine.multimodal.chat_template import takes_content_parts
+
+    assert takes_content_parts(source) is takes_parts
+
+
+def test_a_null_content_and_earlier_thinking_reach_the_template_as_in_vllm(processor):
+    """The openai client sends an assistant turn of tool calls back with `content: null`:
+    the key was dropped and Qwen3's template failed on it. `reasoning_content` (or vLLM's
+    `reasoning`) was dropped too: Qwen3 writes an earlier turn's thinking back."""
+    from server.chat import messages_as_dicts
+    from server.chat_messages import ChatMessage
+
+    messages = [ChatMessage(role="assistant", content=None, reasoning="plan"),
+                ChatMessage(role="assistant", content="x", reasoning_content="more")]  # fmt: skip
+    text = processor.render_chat(messages_as_dicts(messages), chat_template=STRING_TEMPLATE,
+                                 add_generation_prompt=False)  # fmt: skip
+    assert text == "<assistant>[plan]</><assistant>x[more]!</>"

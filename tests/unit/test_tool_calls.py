@@ -63,6 +63,16 @@ def test_an_unclosed_last_block_still_counts_when_its_json_is_whole():
     ]
 
 
+@pytest.mark.parametrize("chunk", [1, 1000])
+def test_a_hermes_block_that_writes_parameters_keeps_its_arguments(chunk):
+    """A model that writes Llama 3's key in a Hermes block: the call went out with
+    arguments "{}", the model's arguments lost."""
+    text = '<tool_call>\n{"name": "get_weather", "parameters": {"city": "Paris"}}\n</tool_call>'
+    streamed, rest, calls = run(AUTO, text, chunk)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+    assert "".join(streamed) + rest == ""
+
+
 def test_required_and_named_shapes():
     required = ToolPlan("required", TOOLS)
     text = (
