@@ -119,24 +119,36 @@ def test_outputs_go_back_to_the_api_process_each_request_came_from():
         context.term()
 
 
-def test_api_process_zero_gone_never_stalls_the_others():
-    """During a drain API process 0 may exit first; the stats-only messages it no longer
-    reads must not fill its queue and block the engine while another process streams."""
-    context = zmq.Context()
-    base = f"inproc://stats-gone-{os.getpid()}"
-    sockets = []
+class Pairs:
+    """`pair(kind_a, kind_b, address, hwm=None)`: a connected pair of sockets (b binds, a
+    connects; `hwm` bounds both queues), all closed on exit."""
 
-    def pair(kind_a, kind_b, address, hwm=None):
-        a, b = context.socket(kind_a), context.socket(kind_b)
+    def __enter__(self):
+        self.context = zmq.Context()
+        self.sockets: list[zmq.Socket] = []
+        return self.pair
+
+    def pair(self, kind_a, kind_b, address, hwm=None):
+        a, b = self.context.socket(kind_a), self.context.socket(kind_b)
         if hwm is not None:
             a.setsockopt(zmq.SNDHWM, hwm)
             b.setsockopt(zmq.RCVHWM, hwm)
         b.bind(address)
         a.connect(address)
-        sockets.extend((a, b))
+        self.sockets.extend((a, b))
         return a, b
 
-    try:
+    def __exit__(self, *exc) -> None:
+        for socket in self.sockets:
+            socket.close(linger=0)
+        self.context.term()
+
+
+def test_api_process_zero_gone_never_stalls_the_others():
+    """During a drain API process 0 may exit first; the stats-only messages it no longer
+    reads must not fill its queue and block the engine while another process streams."""
+    base = f"inproc://stats-gone-{os.getpid()}"
+    with Pairs() as pair:
         _, inbox_zero = pair(zmq.PUSH, zmq.PULL, f"{base}-in-0")
         sender_one, inbox_one = pair(zmq.PUSH, zmq.PULL, f"{base}-in-1")
         outbox_zero, _ = pair(zmq.PUSH, zmq.PULL, f"{base}-out-0", hwm=2)  # never read
@@ -159,10 +171,6 @@ def test_api_process_zero_gone_never_stalls_the_others():
         assert not thread.is_alive(), "the engine blocked on API process 0's full queue"
         tokens = [o.new_token_ids[0] for m in _received(sink_one) for o in m.outputs]
         assert tokens == list(range(-19, 4))
-    finally:
-        for socket in sockets:
-            socket.close(linger=0)
-        context.term()
 
 
 class AbortingCore(ScriptedCore):
@@ -183,21 +191,8 @@ def test_an_api_process_that_stops_reading_never_stalls_the_others():
     (SIGSTOP, wedged, dead) filled its queue and the engine stopped stepping for every
     process. Now its outputs wait for it, and its requests are aborted once it has read
     nothing for `stall_timeout_s`."""
-    context = zmq.Context()
     base = f"inproc://stalled-{os.getpid()}"
-    sockets = []
-
-    def pair(kind_a, kind_b, address, hwm=None):
-        a, b = context.socket(kind_a), context.socket(kind_b)
-        if hwm is not None:
-            a.setsockopt(zmq.SNDHWM, hwm)
-            b.setsockopt(zmq.RCVHWM, hwm)
-        b.bind(address)
-        a.connect(address)
-        sockets.extend((a, b))
-        return a, b
-
-    try:
+    with Pairs() as pair:
         sender_zero, inbox_zero = pair(zmq.PUSH, zmq.PULL, f"{base}-in-0")
         sender_one, inbox_one = pair(zmq.PUSH, zmq.PULL, f"{base}-in-1")
         outbox_zero, sink_zero = pair(zmq.PUSH, zmq.PULL, f"{base}-out-0")
@@ -233,7 +228,3 @@ def test_an_api_process_that_stops_reading_never_stalls_the_others():
         assert not loop.unsent[1] and tokens[-1] == 3  # the aborted request's last step
         assert tokens[:-1] == list(range(-999, -999 + len(tokens) - 1))
         assert received[-1].outputs[-1].finish_reason is not None
-    finally:
-        for socket in sockets:
-            socket.close(linger=0)
-        context.term()
