@@ -52,6 +52,7 @@ from engine.protocol import (
     EngineStats,
     ErrorInfo,
     FinishReason,
+    Heartbeat,
     MediaUuid,
     RequestOutput,
     Shutdown,
@@ -60,6 +61,7 @@ from engine.serialization import MessageDecodeError, decode_engine_inbox, encode
 
 logger = logging.getLogger("tessera.engine")
 
+HEARTBEAT_S = 1.0  # how often the loop tells every API process it goes round (Heartbeat)
 IDLE_POLL_MS = 500  # blocking poll when idle; also how often a lost parent is noticed
 STALLED_POLL_MS = 2  # when requests exist but nothing was schedulable (e.g. fetching)
 EXIT_FAILED = 1
@@ -257,6 +259,7 @@ class EngineLoop:
         self.unsent: list[collections.deque[list]] = [collections.deque() for _ in outboxes]
         self.stalled_since: list[float | None] = [None] * len(self.outboxes)
         self.stall_timeout_s = stall_timeout_s
+        self.last_heartbeat = 0.0
 
     def run(self) -> int:
         while True:
@@ -269,6 +272,7 @@ class EngineLoop:
                 logger.error("server process %d is gone; engine exiting", self.parent_pid)
                 return EXIT_PARENT_GONE
             self._flush_unsent()
+            self._heartbeat()
             if self.core.has_unfinished_requests():
                 result = self._step()
                 self._publish(result)
@@ -359,6 +363,15 @@ class EngineLoop:
                 self._flush(api_server)
             elif api_server == STATS_API_SERVER:
                 self._send_stats_only(outbox, EngineOutputs([], result.stats))
+
+    def _heartbeat(self) -> None:
+        now = time.monotonic()
+        if now - self.last_heartbeat < HEARTBEAT_S:
+            return
+        self.last_heartbeat = now
+        for outbox in self.outboxes:  # one that is not reading misses it: nothing waits on it
+            with contextlib.suppress(zmq.Again):
+                outbox.send_multipart(encode_message(Heartbeat()), flags=zmq.NOBLOCK)
 
     def _flush_unsent(self) -> None:
         for api_server, unsent in enumerate(self.unsent):

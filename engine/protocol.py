@@ -299,8 +299,15 @@ class EngineFailed(msgspec.Struct, frozen=True, tag=True):
     message: str
 
 
+class Heartbeat(msgspec.Struct, frozen=True, tag=True):
+    """The engine loop went round: sent to every API process about once a second, so that
+    one with requests in flight that hears nothing for engine_step_timeout_s knows the
+    engine is hung where its own step watchdog cannot act (stopped by SIGSTOP, or stuck
+    in a call that holds the GIL)."""
+
+
 ServerToEngine = EngineRequest | AbortRequests | Shutdown | MediaUuid
-EngineToServer = Ready | EngineOutputs | EngineFailed | MediaUuid
+EngineToServer = Ready | EngineOutputs | EngineFailed | MediaUuid | Heartbeat
 
 ENCODER = msgspec.msgpack.Encoder()
 ENGINE_INBOX_DECODER = msgspec.msgpack.Decoder(ServerToEngine)

@@ -54,6 +54,9 @@ from server.output_collector import OutputCollector
 logger = logging.getLogger("tessera.engine_client")
 
 WATCH_INTERVAL_MS = 200  # how often the output loop checks that the engine is alive
+# Past engine_step_timeout_s, how long the engine may stay silent with requests waiting
+# before an API process kills it as hung (its own watchdog acts first where it can).
+ENGINE_SILENCE_GRACE_S = 10.0
 
 
 @dataclasses.dataclass
@@ -123,6 +126,7 @@ class EngineClient:
         self._abort_ids: list[str] = []  # abandoned requests, sent together next tick
         self._is_failed = False
         self._is_shutting_down = False
+        self._last_heard = time.monotonic()  # the engine's last message (Heartbeat, ...)
         self._stopped: TesseraError | None = None  # what new requests get after stop_all
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -362,16 +366,39 @@ class EngineClient:
         try:
             while True:
                 if await self._outbox.poll(WATCH_INTERVAL_MS):
+                    self._last_heard = time.monotonic()
                     await self._route_queued()
                     continue
                 if not self._process.is_alive():
                     self._on_death(self._exit_description())
+                    return
+                if self._is_silent_with_requests():
+                    self._kill_hung_engine()
                     return
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - a broken client is a dead engine
             logger.exception("engine output loop failed")
             self._on_death(f"engine output loop failed: {type(exc).__name__}")
+
+    def _is_silent_with_requests(self) -> bool:
+        """Requests wait on an engine that has sent nothing, not even its once-a-second
+        Heartbeat, for longer than its own step watchdog allows a step: the engine is
+        stopped (SIGSTOP) or stuck where its watchdog cannot act (a call holding the GIL).
+        Its requests would wait for ever behind a /health of 200."""
+        timeout = self.config.engine_step_timeout_s
+        silent = time.monotonic() - self._last_heard
+        return bool(timeout and self._collectors and silent > timeout + ENGINE_SILENCE_GRACE_S)
+
+    def _kill_hung_engine(self) -> None:
+        silent = time.monotonic() - self._last_heard
+        reason = (f"the engine has sent nothing for {silent:.0f} s with requests waiting "
+                  f"(past engine_step_timeout_s); killed as hung")  # fmt: skip
+        logger.error("%s", reason)
+        pid = self._process.pid
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)  # stopped or not: its requests fail now
+        self._on_death(reason)
 
     async def _route_queued(self) -> None:
         """Route every message already waiting. A NOBLOCK recv resolves at once, so this

@@ -108,6 +108,32 @@ def test_engine_sigkill_mid_stream(model_dir, tmp_path):
         wait_all_gone(children, timeout=5)
 
 
+def test_a_stopped_engine_fails_its_requests_instead_of_holding_them(model_dir, tmp_path):
+    """SIGSTOP (or a hang that holds the GIL) stops the engine's own step watchdog too:
+    the request waited for ever behind a /health of 200. Past engine_step_timeout_s plus
+    its grace with no word from the engine, not even its heartbeat, the server kills it."""
+    from server.engine_client import ENGINE_SILENCE_GRACE_S
+
+    args = ("--engine-step-timeout-s", "2")
+    with run_server(model_dir, tmp_path / "engine_stopped.log", *args) as handle:
+        stream, streamed, started = stream_in_background(
+            handle.base_url, _long(max_tokens=1900, stream=True))  # fmt: skip
+        assert started.wait(60), handle.log_tail()
+        engine = engine_pid(handle.process.pid)
+        os.kill(engine, signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            stream.join(2 + ENGINE_SILENCE_GRACE_S + 20)
+            assert not stream.is_alive(), "the stream still waits on the stopped engine"
+            assert time.monotonic() - stopped >= 2  # not before the step timeout
+            assert "engine_dead" in streamed["lines"][-2]
+            assert handle.process.wait(20) == 1, handle.log_tail()
+            assert "killed as hung" in handle.log_tail(20000)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(engine, signal.SIGKILL)
+
+
 def test_server_sigkill_engine_exits(model_dir, tmp_path):
     with run_server(model_dir, tmp_path / "server_killed.log") as handle:
         children = child_pids(handle.process.pid)
