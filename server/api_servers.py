@@ -28,7 +28,7 @@ busy). With N > 1, `tessera serve` is a launcher:
   engine (its STOP_SIGNAL) and exits 0.
 * Failure: when the engine or an API process exits unasked, the launcher stops the rest
   and exits 1, so a supervisor restarts the whole server. API processes notice a dead
-  engine or launcher by pid (server/engine_client.py's `AttachedEngine`).
+  engine or launcher by pid (server/attached_engine.py).
 """
 
 from __future__ import annotations

@@ -28,7 +28,6 @@ import signal
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import zmq
@@ -49,6 +48,7 @@ from engine.protocol import (
     Shutdown,
 )
 from engine.serialization import MessageDecodeError, decode_server_inbox, encode_message
+from server.attached_engine import AttachedEngine
 from server.output_collector import OutputCollector
 
 logger = logging.getLogger("tessera.engine_client")
@@ -465,38 +465,6 @@ class EngineClient:
         # The client sees a generic message; the reason (exit code, traceback) is logged.
         for collector in self._collectors.values():
             collector.fail(EngineDeadError("the engine is not running"))
-
-
-class AttachedEngine:
-    """An engine process started and reaped by the launcher, our parent. It counts as
-    alive while its pid runs (a zombie has exited) and while the launcher lives: the
-    engine exits when the launcher is gone."""
-
-    def __init__(self, pid: int, *, launcher_pid: int):
-        self.pid = pid
-        self.launcher_pid = launcher_pid
-
-    def is_alive(self) -> bool:
-        return os.getppid() == self.launcher_pid and _is_running(self.pid)
-
-    def describe_exit(self) -> str:
-        if os.getppid() != self.launcher_pid:
-            return f"the launcher (process {self.launcher_pid}) is gone"
-        return f"engine process {self.pid} exited"
-
-
-def _is_running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else (pid reuse): not our engine
-        return False
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:  # exited since the kill(0), or no /proc (not Linux)
-        return not Path("/proc/self").exists()  # no /proc: kill(0) found it
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _consume_exception(future: asyncio.Future) -> None:

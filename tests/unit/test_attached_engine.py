@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from server.engine_client import AttachedEngine, _is_running
+from server.attached_engine import AttachedEngine, is_running
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -19,11 +19,11 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 def test_a_running_process_is_alive_and_a_zombie_is_not():
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        assert _is_running(child.pid)
+        assert is_running(child.pid)
         assert AttachedEngine(child.pid, launcher_pid=os.getppid()).is_alive()
         child.kill()
         deadline = time.monotonic() + 5
-        while _is_running(child.pid):  # not reaped yet: a zombie until wait() below
+        while is_running(child.pid):  # not reaped yet: a zombie until wait() below
             assert time.monotonic() < deadline, "a killed, unreaped child still counts as running"
             time.sleep(0.01)
         stat = Path(f"/proc/{child.pid}/stat").read_text()
@@ -31,7 +31,7 @@ def test_a_running_process_is_alive_and_a_zombie_is_not():
     finally:
         child.kill()
         child.wait()
-    assert not _is_running(child.pid)  # reaped: no such process
+    assert not is_running(child.pid)  # reaped: no such process
 
 
 def test_the_engine_counts_as_gone_once_the_launcher_is():
