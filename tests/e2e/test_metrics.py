@@ -356,8 +356,8 @@ def test_scheduler_gauges_and_preemptions_move(small_kv_server):
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        with ThreadPoolExecutor(6) as pool:
-            prompts = [f"request number {i} says hello" for i in range(6)]
+        with ThreadPoolExecutor(12) as pool:  # long enough for a loaded machine to sample
+            prompts = [f"request number {i} says hello" for i in range(12)]
             usages = list(pool.map(lambda p: completion(http, 70, prompt=p), prompts))
     finally:
         stop.set()
