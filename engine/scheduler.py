@@ -505,4 +505,5 @@ def grammar_failure(reason: str | None, sampling: SamplingParams) -> ErrorInfo:
     return ErrorInfo(
         f"the structured output's grammar failed: {reason or 'no allowed token'}",
         param=spec.param if spec else None,
+        code="invalid_value",  # as the same grammar refused before generation is
     )

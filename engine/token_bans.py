@@ -55,6 +55,7 @@ def no_token_left(request: Request) -> ErrorInfo:
         "request's constraints (allowed_token_ids or its structured output, less bad_words, "
         "and EOS and stop tokens before min_tokens) exclude every token",
         param=param,
+        code="invalid_value",
     )
 
 

@@ -179,7 +179,8 @@ class SamplingFields(RequestModel):
             return StructuredOutput(choice=tuple(structured.choice or ())), "structured_outputs"
         if response_format is None or response_format.type == "text":
             return None
-        if response_format.json_schema is None:
+        if response_format.type == "json_object" or response_format.json_schema is None:
+            # JSON mode: any object, whatever `json_schema` rides along (vLLM ignores it)
             return StructuredOutput(json=ANY_JSON_OBJECT), "response_format"
         schema = json.dumps(response_format.json_schema.schema_)
         return StructuredOutput(json=schema), "response_format.json_schema.schema"

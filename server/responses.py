@@ -199,7 +199,9 @@ def renamed(exc: TesseraError, message_sources: tuple[MessageSource, ...]) -> Te
     param = responses_param(chat_param, message_sources)
     if chat_param is not None and param != chat_param:
         exc.param = param
-        exc.message = exc.message.replace(repr(chat_param), repr(param))
+        # the chat field, quoted ('messages[0]') or bare ("invalid response_format...")
+        field = rf"(?<![\w.\[]){re.escape(chat_param)}(?![\w\[])"
+        exc.message = re.sub(field, param, exc.message)
         exc.args = (exc.message,)
     return exc
 

@@ -207,6 +207,15 @@ def test_bad_requests_name_the_responses_field(http, fields, param):
     assert "messages" not in response.json()["error"]["message"]
 
 
+def test_a_bad_format_schema_is_named_as_the_responses_field_in_the_message_too(http):
+    """The message said "invalid response_format.json_schema.schema" (the chat's field)."""
+    text = {"format": {"type": "json_schema", "name": "x", "schema": {"type": "strng"}}}
+    response = http.post("/v1/responses", json={"model": MODEL_NAME, "input": "hi", "text": text})
+    error = assert_error(response, 400, param="text.format.schema")
+    assert "text.format.schema" in error["message"]
+    assert "response_format" not in error["message"]
+
+
 def test_an_error_in_a_stream_ends_it_with_response_failed(http):
     """A grammar that runs out of its lexer fuel fails once generation starts."""
     body = {"model": MODEL_NAME, "input": "hi", "stream": True, "max_output_tokens": 8,

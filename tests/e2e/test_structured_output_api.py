@@ -55,6 +55,14 @@ def test_json_object_with_sampling_and_n(client):
             assert choice.message.content.startswith("{")
 
 
+def test_json_mode_is_any_object_whatever_schema_rides_along(client):
+    """`json_object` with a `json_schema` key was held to that schema: an integer schema
+    answered "0", not an object (vLLM ignores the schema in JSON mode)."""
+    response = create(client, max_tokens=48, temperature=0, response_format={
+        "type": "json_object", "json_schema": {"name": "n", "schema": {"type": "integer"}}})  # fmt: skip
+    assert response.choices[0].message.content.startswith("{")
+
+
 def test_vllm_regex_and_choice(client):
     regex = r"(red|blue) [0-9]{3}"
     response = create(client, max_tokens=32, temperature=1.0, seed=1,
@@ -157,6 +165,7 @@ def test_a_grammar_past_its_limits_is_a_400_naming_the_field_and_others_go_on(cl
     error = assert_error(http.post("/v1/chat/completions", json=body), 400,
                          param="structured_outputs.regex")  # fmt: skip
     assert "grammar failed" in error["message"]
+    assert error["code"] == "invalid_value"  # as a grammar refused up front (it was null)
     with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
         events = [line for line in response.iter_lines() if line.startswith("data: ")]
     assert "grammar failed" in events[-2] and events[-1] == "data: [DONE]"
