@@ -143,6 +143,9 @@ class SamplingFields(RequestModel):
         if data.get("guided_grammar") is not None:
             raise InvalidRequest("guided_grammar is not supported; constrain the answer with "
                                  "a JSON Schema, a regex or choices", param="guided_grammar")  # fmt: skip
+        if data.get("guided_whitespace_pattern") is not None:  # as structured_outputs' own
+            raise InvalidRequest("guided_whitespace_pattern is not supported: JSON is laid out "
+                                 "as json.dumps writes it", param="guided_whitespace_pattern")  # fmt: skip
         given = [name for name in GUIDED_FIELDS if data.get(name) is not None]
         if not given:
             return data

@@ -136,6 +136,7 @@ def test_constrained_and_free_requests_share_steps(client):
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
         ({"structured_outputs": {"grammar": "start: x"}}, "structured_outputs.grammar"),
         ({"guided_grammar": "start: x"}, "guided_grammar"),
+        ({"guided_json": {}, "guided_whitespace_pattern": " *"}, "guided_whitespace_pattern"),
         ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
         ({"guided_regex": "a", "structured_outputs": {"regex": "a"}}, "guided_regex"),
         ({"guided_regex": "a(b"}, "structured_outputs.regex"),
