@@ -363,6 +363,7 @@ class EngineClient:
     # ---- the output loop --------------------------------------------------------------------
 
     async def _output_loop(self) -> None:
+        self._last_heard = time.monotonic()  # Ready came just now (start-up may be long)
         try:
             while True:
                 if await self._outbox.poll(WATCH_INTERVAL_MS):
