@@ -21,6 +21,7 @@ from typing import Any
 
 from fastapi import HTTPException, Request, Response
 from fastapi.routing import APIRoute
+from starlette.requests import ClientDisconnect
 
 DEFAULT_MAX_CONTAINERS = 500_000
 
@@ -44,6 +45,12 @@ def parse_json(body: bytes, max_containers: int = DEFAULT_MAX_CONTAINERS) -> Any
 
 
 class BoundedJsonRequest(Request):
+    async def body(self) -> bytes:
+        try:
+            return await super().body()
+        except ClientDisconnect:  # FastAPI makes any failure to read the body a 400
+            raise HTTPException(status_code=499, detail="the client went away") from None
+
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
             limit = getattr(self.app.state, "max_json_containers", DEFAULT_MAX_CONTAINERS)

@@ -176,6 +176,35 @@ def test_requests_the_client_leaves_count_as_aborted(http, server):
     assert generated >= 6 + 20
 
 
+def test_a_client_that_hangs_up_while_uploading_counts_as_499(http, server):
+    """FastAPI made a failure to read the body a 400, so a client that left mid-upload
+    was counted as a bad request."""
+    import socket
+
+    def chat_counts() -> dict[str, float]:
+        counts: dict[str, float] = defaultdict(float)
+        for family in text_string_to_metric_families(http.get("/metrics").text):
+            for sample in family.samples:
+                if (sample.name == "tessera:http_requests_total"
+                        and sample.labels["route"] == "/v1/chat/completions"):  # fmt: skip
+                    counts[sample.labels["status"]] += sample.value
+        return counts
+
+    before = chat_counts()
+    host, port = server.base_url.removeprefix("http://").split(":")
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 4000000\r\n\r\n")  # fmt: skip
+    for _ in range(2):
+        with socket.create_connection((host, int(port))) as hanging_up:
+            hanging_up.sendall(head + b'{"model": "' + b"a" * 200_000)
+            time.sleep(0.2)
+    deadline = time.monotonic() + 10
+    while chat_counts()["499"] - before["499"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    after = chat_counts()
+    assert (after["499"] - before["499"], after["400"] - before["400"]) == (2, 0)
+
+
 def test_every_choice_counts_once_in_every_per_request_metric(http):
     """vLLM's unit for n > 1 is the choice (a child request). Before, success and phases
     counted per choice but latencies and sizes per HTTP request, with the choices' tokens
