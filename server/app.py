@@ -305,6 +305,7 @@ def _add_api_routes(api: APIRouter) -> None:
                 state.processor.tokenizer,
                 shaper,
                 on_finished=_finisher(state, request),
+                renamed=translation.renamed,
             )
             return EventStreamResponse(_releasing(stream, ticket), headers=SSE_HEADERS)
         try:

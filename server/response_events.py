@@ -32,7 +32,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 import msgspec
@@ -345,7 +345,9 @@ async def stream_response(
     shaper: ResponseShaper,
     *,
     on_finished: OnFinished,
+    renamed: Callable[[TesseraError], TesseraError] = lambda exc: exc,
 ) -> AsyncIterator[bytes]:
+    """`renamed`: an error of the chat pipeline, naming the Responses field instead."""
     totals = GenerationTotals(num_prompt_tokens=len(job.prompt.token_ids))
     event = _EventWriter()
     with counted_if_left(totals, job.n, on_finished):
@@ -384,7 +386,8 @@ async def stream_response(
                     shaper.count_reasoning(token_ids)
                     final = shaper.response(status, streamed.output, totals)
                     yield event(f"response.{status}", response=final)
-        except TesseraError as exc:
+        except TesseraError as error:
+            exc = renamed(error)
             yield event("error", code=exc.code, message=exc.message, param=exc.param)
             failure = {"code": exc.code or "server_error", "message": exc.message}
             yield event("response.failed",

@@ -140,7 +140,11 @@ class ChatTranslation:
         try:
             yield
         except TesseraError as exc:
-            raise renamed(exc, self.message_sources) from exc.__cause__
+            raise self.renamed(exc) from exc.__cause__
+
+    def renamed(self, exc: TesseraError) -> TesseraError:
+        """`exc` naming the Responses field instead of the chat one."""
+        return renamed(exc, self.message_sources)
 
 
 @dataclass(frozen=True)

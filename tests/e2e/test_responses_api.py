@@ -207,6 +207,20 @@ def test_bad_requests_name_the_responses_field(http, fields, param):
     assert "messages" not in response.json()["error"]["message"]
 
 
+def test_a_grammar_that_fails_while_streaming_names_the_responses_field(http):
+    """Found during generation (a schema that requires itself), the stream's error event
+    named the chat field, response_format.json_schema.schema."""
+    schema = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+    body = {"model": MODEL_NAME, "input": "x", "max_output_tokens": 30, "temperature": 0,
+            "stream": True, "text": {"format": {"type": "json_schema", "name": "x",
+                                                "schema": schema}}}  # fmt: skip
+    events = [json.loads(line.removeprefix("data: "))
+              for line in http.post("/v1/responses", json=body).text.splitlines()
+              if line.startswith("data: {")]  # fmt: skip
+    [error] = [e for e in events if e["type"] == "error"]
+    assert error["param"] == "text.format.schema" and "response_format" not in error["message"]
+
+
 def test_a_bad_format_schema_is_named_as_the_responses_field_in_the_message_too(http):
     """The message said "invalid response_format.json_schema.schema" (the chat's field)."""
     text = {"format": {"type": "json_schema", "name": "x", "schema": {"type": "strng"}}}
