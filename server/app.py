@@ -320,7 +320,7 @@ def _add_api_routes(api: APIRouter) -> None:
         state = _state(request)
         state.check_model(body.model)
         if body.messages is not None and media_parts(body.messages):
-            tokens = await _chat_tokens_with_media(state, body)
+            tokens = await unless_client_leaves(request, _chat_tokens_with_media(state, body))
             return _tokenized(state, body, tokens)
         if body.messages is not None:
             # As a chat renders them: earlier calls' arguments as objects, and the tools
@@ -364,7 +364,7 @@ async def _chat_tokens_with_media(state: AppState, body: TokenizeRequest) -> lis
     chat). No bound on the length: counting is what /tokenize is for."""
     fields = body.model_dump(exclude_none=True, include={
         "messages", "tools", "add_generation_prompt", "continue_final_message",
-        "chat_template_kwargs"})  # fmt: skip
+        "chat_template_kwargs", "mm_processor_kwargs", "cache_salt"})  # fmt: skip
     chat = ChatCompletionRequest.model_validate({**fields, "model": state.model_name})
     prepared = await prepare_chat_prompt(
         chat,
@@ -373,6 +373,7 @@ async def _chat_tokens_with_media(state: AppState, body: TokenizeRequest) -> lis
         max_images=state.settings.max_images_per_request,
         settings=state.settings,
         max_model_len=state.max_model_len,
+        remember_uuids=False,
     )
     return prepared.token_ids
 

@@ -303,10 +303,13 @@ async def prepare_chat_prompt(
     settings: Any = None,
     max_prompt_tokens: int | None = None,
     max_model_len: int | None = None,
+    remember_uuids: bool = True,
 ) -> PreparedPrompt:
     """Fetch + process images and videos, check feature parts (none may have more tokens
     than `max_model_len`), and tokenise the rendered chat (refused before tokenising if
-    it cannot fit in `max_prompt_tokens`)."""
+    it cannot fit in `max_prompt_tokens`). `remember_uuids` False: media sent with a uuid
+    is not remembered under it (a prompt only counted, never sent to the engine, whose
+    uuid would name an encoding the engine never made)."""
     if request.continue_final_message:  # a 400 before any media is fetched
         final_message_text(messages_as_dicts(request.messages))
     parts = media_parts(request.messages)
@@ -350,7 +353,7 @@ async def prepare_chat_prompt(
                 frame_seconds = part.frame_seconds
         else:
             item, frame_seconds = _pixel_input(
-                part, processed.get(part.param), tensors, request.cache_salt
+                part, processed.get(part.param), tensors, request.cache_salt, remember_uuids
             )
         media.append(item)
         count = (item.modality.value, item.num_tokens)
@@ -407,7 +410,11 @@ async def _load_media(
 
 
 def _pixel_input(
-    part: MediaPart, image: ProcessedImage | None, tensors: list[Any], salt: str | None
+    part: MediaPart,
+    image: ProcessedImage | None,
+    tensors: list[Any],
+    salt: str | None,
+    remember_uuid: bool = True,
 ) -> tuple[MediaInput, tuple[float, ...]]:
     """MediaInput of a processed image or video (`image`), or of a uuid-only part (None),
     and for a video when each temporal patch was shot. A uuid is known only to requests
@@ -425,7 +432,8 @@ def _pixel_input(
     content_hash = image.content_hash
     if part.uuid is not None:
         content_hash = "uuid:" + part.uuid
-        UUIDS.remember(part.uuid, part.modality, salt, image)
+        if remember_uuid:
+            UUIDS.remember(part.uuid, part.modality, salt, image)
     item = MediaInput(
         modality=part.modality,
         content_hash=content_hash,

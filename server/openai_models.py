@@ -493,6 +493,9 @@ class TokenizeRequest(ChatTemplateFields):
     _few_enough_messages = field_validator("messages", mode="before")(few_enough_messages)
     add_special_tokens: bool = True
     return_token_strs: bool = False  # vLLM's: each token's own string, as the vocabulary has it
+    # How a chat's media are sized (as on the chat), and whose media uuids it may name
+    mm_processor_kwargs: MediaProcessingOptions | None = None
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
 
 
 class DetokenizeRequest(RequestModel):

@@ -147,8 +147,13 @@ class ServerSettings:
             raise SettingsError("set both engine_inbox_address and engine_outbox_address, or none")
         for name in ("engine_inbox_address", "engine_outbox_address"):
             address = getattr(self, name)
-            if address is not None and not re.fullmatch(r"tcp://\S+:\d+|ipc://\S+", address):
-                raise SettingsError(f"{name} must be tcp://HOST:PORT or ipc://PATH, got {address!r}")
+            tcp = re.fullmatch(r"tcp://\S+:(\d{1,5})", address or "")
+            if address is not None and not (
+                (tcp and 1 <= int(tcp.group(1)) <= 65535) or re.fullmatch(r"ipc://\S+", address)
+            ):  # ZMQ takes port 99999 as some other port
+                raise SettingsError(
+                    f"{name} must be tcp://HOST:PORT or ipc://PATH, got {address!r}"
+                )
         if not 1 <= self.api_server_count <= MAX_API_SERVERS:
             raise SettingsError(
                 f"api_server_count must be in 1..{MAX_API_SERVERS}, got {self.api_server_count}"

@@ -266,6 +266,27 @@ def test_tokenize_counts_a_chat_with_media_as_the_chat_feeds_it(http):
     broken = image_message("data:image/png;base64,AAAA")
     refused = http.post("/tokenize", json={"messages": broken})
     assert refused.status_code == 400 and refused.json()["error"]["param"].startswith("messages")
+    narrowed = {"mm_processor_kwargs": {"max_pixels": 56 * 56}}  # sized as the chat sizes it
+    big = image_message(data_url(picture(256, 256, 4)), text="what?")
+    tokenized = http.post("/tokenize", json={"messages": big, **narrowed}).json()
+    answered = http.post("/v1/chat/completions", json={**body, "messages": big, **narrowed})
+    assert tokenized["count"] == answered.json()["usage"]["prompt_tokens"]
+
+
+def test_tokenize_leaves_media_uuids_to_the_chats(http):
+    """Counting an image under a uuid remembered it: a uuid-only chat then named a size
+    the engine had never encoded, and failed (it answered before)."""
+    sent = [{"type": "image_url", "image_url": {"url": data_url(picture(56, 56, 5))},
+             "uuid": "counted-1"}, {"type": "text", "text": "what?"}]  # fmt: skip
+    chat = {"model": MODEL_NAME, "max_tokens": 2, "messages": [{"role": "user", "content": sent}]}
+    assert http.post("/v1/chat/completions", json=chat).status_code == 200
+    other_size = [{**sent[0], "image_url": {"url": data_url(picture(112, 84, 6))}}, sent[1]]
+    counted = http.post("/tokenize", json={"messages": [{"role": "user", "content": other_size}]})
+    assert counted.status_code == 200
+    by_uuid = [{"type": "image_url", "uuid": "counted-1"}, sent[1]]
+    again = http.post("/v1/chat/completions",
+                      json={**chat, "messages": [{"role": "user", "content": by_uuid}]})  # fmt: skip
+    assert again.status_code == 200, again.text
 
 
 def test_concurrent_streams_match_offline_engine(client, model_dir):

@@ -99,8 +99,9 @@ def test_api_server_count_is_checked() -> None:
     assert load_settings(addresses, {}).api_server_count == 1
     with pytest.raises(SettingsError, match="unset engine_inbox_address"):
         load_settings([*addresses, "--api-server-count", "2"], {})
-    with pytest.raises(SettingsError, match="must be tcp://HOST:PORT or ipc://PATH"):
-        load_settings(["--engine-inbox-address", "foo", "--engine-outbox-address", "bar"], {})
+    for bad in ("foo", "tcp://127.0.0.1:99999", "tcp://127.0.0.1:0"):
+        with pytest.raises(SettingsError, match="must be tcp://HOST:PORT or ipc://PATH"):
+            load_settings(["--engine-inbox-address", bad, "--engine-outbox-address", "bar"], {})
 
 
 @pytest.mark.parametrize(
