@@ -31,6 +31,8 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=
     def __post_init__(self) -> None:
         # A list, as the HTTP field takes it, from an offline caller: the grammar cache
         # hashes the spec (a list failed the request with "unhashable type").
+        if isinstance(self.choice, str):  # tuple("yes") would be three one-letter choices
+            raise TypeError("choice must be a list of strings, not one string")
         if self.choice is not None and not isinstance(self.choice, tuple):
             msgspec.structs.force_setattr(self, "choice", tuple(self.choice))
 

@@ -207,11 +207,11 @@ def takes_content_parts(source: str) -> bool:
 
 
 def _reads_content(node: jinja2.nodes.Node) -> bool:
-    """Whether an expression is, or holds, `x.content` / `x["content"]`."""
-    for part in (node, *node.find_all((jinja2.nodes.Getattr, jinja2.nodes.Getitem))):
-        if isinstance(part, jinja2.nodes.Getattr) and part.attr == "content":
-            return True
-        if (isinstance(part, jinja2.nodes.Getitem) and isinstance(part.arg, jinja2.nodes.Const)
-                and part.arg.value == "content"):  # fmt: skip
-            return True
-    return False
+    """Whether an expression is `x.content` / `x["content"]`, filtered or not (a loop
+    over `message.content.split(...)` takes a string)."""
+    while isinstance(node, jinja2.nodes.Filter) and node.node is not None:
+        node = node.node
+    if isinstance(node, jinja2.nodes.Getattr):
+        return node.attr == "content"
+    return (isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Const)
+            and node.arg.value == "content")  # fmt: skip

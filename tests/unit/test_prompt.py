@@ -382,6 +382,9 @@ def test_a_template_that_takes_a_string_gets_the_text_parts_joined(processor):
     ("{% for m in messages %}{% for p in m['content'] %}{{ p.text }}{% endfor %}{% endfor %}", True),
     ("{% for m in messages %}{% set parts = m.content %}{% for p in parts %}{{ p }}{% endfor %}"
      "{% endfor %}", True),
+    ("{% for m in messages %}{% for p in m.content | list %}{{ p }}{% endfor %}{% endfor %}", True),
+    ("{% for m in messages %}{% for line in m.content.split('\\n') %}{{ line }}{% endfor %}"
+     "{% endfor %}", False),
 ])  # fmt: skip
 def test_which_templates_take_content_as_parts(source, takes_parts):
     from engine.multimodal.chat_template import takes_content_parts

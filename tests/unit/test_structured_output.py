@@ -69,6 +69,11 @@ def test_bad_specs_say_why(spec, says):
     assert error is not None and says in error
 
 
+def test_one_string_is_not_a_list_of_choices():
+    with pytest.raises(TypeError, match="list of strings"):
+        StructuredOutput(choice="yes")  # ("y", "e", "s") before
+
+
 @pytest.mark.parametrize("choice", [("yes", "no"), ["yes", "no"]])  # a list as HTTP takes it
 def test_a_matcher_walks_a_choice_to_its_end(compiler, tokenizer, choice):
     matcher = compiler.matcher(StructuredOutput(choice=choice))
