@@ -188,7 +188,9 @@ def takes_content_parts(source: str) -> bool:
     """Whether a chat template reads a message's content as a list of parts (it loops over
     `message.content`, as vision templates do) rather than as one string (Qwen3's, Llama
     3's: a list reached the model as its Python repr, or failed the template). vLLM tells
-    the two apart the same way, and joins the text parts for the second kind."""
+    the two apart the same way, and joins the text parts for the second kind. The loop
+    may be over a variable set to the content, or over a macro's parameter that a call
+    passes the content to (Qwen3-VL's `render_content(message.content)`)."""
     environment = compile_template(source).environment
     try:
         tree = environment.parse(source)
@@ -199,6 +201,11 @@ def takes_content_parts(source: str) -> bool:
         for assign in tree.find_all(jinja2.nodes.Assign)
         if isinstance(assign.target, jinja2.nodes.Name) and _reads_content(assign.node)
     }
+    for macro in tree.find_all(jinja2.nodes.Macro):
+        for call in tree.find_all(jinja2.nodes.Call):
+            if isinstance(call.node, jinja2.nodes.Name) and call.node.name == macro.name:
+                passed = zip(macro.args, call.args, strict=False)  # defaults fill the rest
+                content_names.update(param.name for param, arg in passed if _reads_content(arg))
     return any(
         _reads_content(loop.iter)
         or (isinstance(loop.iter, jinja2.nodes.Name) and loop.iter.name in content_names)

@@ -385,6 +385,8 @@ def test_a_template_that_takes_a_string_gets_the_text_parts_joined(processor):
     ("{% for m in messages %}{% for p in m.content | list %}{{ p }}{% endfor %}{% endfor %}", True),
     ("{% for m in messages %}{% for line in m.content.split('\\n') %}{{ line }}{% endfor %}"
      "{% endfor %}", False),
+    ("{% macro show(c, n) %}{% for p in c %}{{ p.text }}{% endfor %}{% endmacro %}"  # Qwen3-VL's
+     "{% for m in messages %}{{ show(m.content, 1) }}{% endfor %}", True),
 ])  # fmt: skip
 def test_which_templates_take_content_as_parts(source, takes_parts):
     from engine.multimodal.chat_template import takes_content_parts
