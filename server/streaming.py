@@ -266,11 +266,17 @@ async def stream_chat(
                 if with_logprobs:
                     entries = chat_logprobs(tokenizer, piece.logprobs, as_ids=job.tokens_as_ids)
                     logprobs = dump(entries)
-                delta: dict[str, Any] = {"content": text}
+                delta: dict[str, Any] = {"content": text or (None if call_deltas else "")}
                 if reasoning:
                     delta["reasoning_content"] = reasoning
                 if call_deltas:
                     delta["tool_calls"] = call_deltas
+                if call_deltas and finish is not None:
+                    # The calls, then the finish in a chunk of its own, as OpenAI sends them:
+                    # the openai SDK's stream helper takes a call's arguments as done only
+                    # once a later chunk comes, and missed the last call's.
+                    yield chunk([choice(piece.index, delta, logprobs, None)], **extra)
+                    delta, logprobs, extra = {}, None, {}
                 body = choice(piece.index, delta, logprobs, finish)
                 if finish is not None:
                     body["stop_reason"] = piece.stop_reason

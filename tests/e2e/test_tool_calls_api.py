@@ -137,6 +137,26 @@ def test_auto_parses_the_calls_the_model_writes(client):
     assert plain.choices[0].finish_reason == "stop"
 
 
+def test_a_streamed_call_comes_before_its_finish_as_openai_sends_them(client):
+    """The last call shared its chunk with finish_reason, and the openai SDK's stream
+    helper never said that call's arguments were done; its chunks said content "" where
+    OpenAI says null (the SDK's final message then had content '' where the whole answer
+    has None)."""
+    regex = r'<tool_call>\n\{"name": "get_time", "arguments": \{"zone": "UTC"\}\}\n</tool_call>'
+    chunks = [c.choices[0] for c in create(client, stream=True,
+              extra_body={"structured_outputs": {"regex": regex}}) if c.choices]  # fmt: skip
+    with_calls = [c for c in chunks if c.delta.tool_calls]
+    assert with_calls and all(c.finish_reason is None for c in with_calls)
+    assert all(c.delta.content is None for c in with_calls)
+    assert chunks[-1].finish_reason == "tool_calls" and not chunks[-1].delta.tool_calls
+    with client.chat.completions.stream(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS,
+                                        max_tokens=96, temperature=0,
+                                        extra_body={"structured_outputs": {"regex": regex}}) as stream:  # fmt: skip
+        done = [e for e in stream if e.type == "tool_calls.function.arguments.done"]
+        final = stream.get_final_completion().choices[0].message
+    assert [e.name for e in done] == ["get_time"] and not final.content
+
+
 def test_tools_and_earlier_calls_reach_the_prompt_as_transformers_renders_them(client, model_dir):
     conversation = [
         *MESSAGES,
