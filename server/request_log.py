@@ -106,7 +106,7 @@ class RequestLogMiddleware:
         try:
             await self.app(scope, receive, send_with_id)
         finally:
-            record.route = _route_template(scope, self.known_routes())
+            record.route = _route_template(scope, self.known_routes)
             record.latency_s = round(time.monotonic() - start, 6)
             fields = {k: v for k, v in asdict(record).items() if v is not None}
             logger.info("%s", record.as_text(), extra={"fields": fields})
@@ -114,14 +114,14 @@ class RequestLogMiddleware:
                 self.on_finished(record)
 
 
-def _route_template(scope: Scope, known_routes: Iterable[BaseRoute]) -> str:
+def _route_template(scope: Scope, known_routes: Callable[[], Iterable[BaseRoute]]) -> str:
     """The template of the route that served the request, or of the one its path names
     when it was refused before routing (a 413 or 431 from server/request_limits.py counts
     under /v1/chat/completions, not "unmatched"); "unmatched" when no route has the path."""
     route = scope.get("route")
     if route is not None:
         return route.path
-    for candidate in known_routes:
+    for candidate in known_routes():  # listed only for a request that was never routed
         path = getattr(candidate, "path", None)  # an included router has none
         if path is not None and candidate.matches(scope)[0] is not Match.NONE:
             return path  # Match.PARTIAL: the path, another method (a 405)
