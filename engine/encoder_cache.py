@@ -121,3 +121,13 @@ def salted(key: str, salt: str | None) -> str:
     keys (a content hash, "uuid:...") never start with "salt"; the length keeps one salt
     from ending where another's key begins."""
     return key if salt is None else f"salt{len(salt)}:{salt}|{key}"
+
+
+def uuid_of(key: str) -> str | None:
+    """The client's uuid an encoder-cache key was made of (engine/request_checks.py
+    `_cache_key`: "uuid:" + it + "@image:1x4x4", maybe `salted`), None for a content
+    hash's key."""
+    if key.startswith("salt"):
+        length, _, rest = key.removeprefix("salt").partition(":")
+        key = rest[int(length) + 1 :]
+    return key.removeprefix("uuid:").rsplit("@", 1)[0] if key.startswith("uuid:") else None

@@ -45,10 +45,9 @@ class MediaError(InvalidRequest):
     code = "invalid_media"
 
 
-def unknown_media_uuid(content_hash: str, why: str, *, param: str | None = None) -> MediaError:
+def unknown_media_uuid(uuid: str, why: str, *, param: str | None = None) -> MediaError:
     """The error of a uuid-only part whose encoding the engine does not hold: the client's
-    uuid (without the grid the cache key adds, "@1x32x32"), then `why`."""
-    uuid = content_hash.removeprefix("uuid:").split("@", 1)[0]
+    `uuid`, then `why`."""
     return MediaError(f"unknown media uuid {uuid!r}: {why}", param=param, code="unknown_media_uuid")
 
 

@@ -33,7 +33,7 @@ from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphRunner, DecodeInputs, graph_max_seq_len
 from engine.device_config import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from engine.device_io import DeviceTimer, to_device
-from engine.encoder_cache import EncoderCache
+from engine.encoder_cache import EncoderCache, uuid_of
 from engine.errors import MediaError, ModelLoadError, error_info, unknown_media_uuid
 from engine.kv_cache_sizing import (
     CPU_KV_CACHE_GIB,
@@ -526,9 +526,10 @@ class ModelRunner:
 def _no_encoding(item: MediaItem) -> MediaError:
     """The error of an item with neither pixels nor a cached encoding: a uuid-only part
     whose encoding was evicted while its request waited (the client sends it again)."""
-    if item.cached_only and item.content_hash.startswith("uuid:"):
+    uuid = uuid_of(item.content_hash)
+    if item.cached_only and uuid is not None:
         return unknown_media_uuid(
-            item.content_hash,
+            uuid,
             "its cached encoding was evicted while the request waited; send the media with "
             "its uuid again",
         )

@@ -198,7 +198,7 @@ class RequestBuilder:
         elif media.content_hash.startswith("uuid:"):
             if cache_key not in self.encoder_cache and cache_key not in sent:
                 raise unknown_media_uuid(
-                    media.content_hash,
+                    media.content_hash.removeprefix("uuid:"),
                     "send the media with its uuid first (it may also have been evicted)",
                     param=param,
                 )

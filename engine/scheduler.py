@@ -48,7 +48,7 @@ import time
 from collections.abc import Collection
 
 from engine.config import EngineConfig
-from engine.encoder_cache import EncoderCacheManager
+from engine.encoder_cache import EncoderCacheManager, uuid_of
 from engine.errors import ContextLengthExceeded, unknown_media_uuid
 from engine.kv_cache_manager import KVCacheManager
 from engine.protocol import ErrorInfo, RequestOutput, SamplingParams, TokenLogprob
@@ -97,7 +97,7 @@ class Scheduler:
         for content_hash in _cached_only_hashes(request):
             if not self.encoder_cache.has(content_hash):
                 raise unknown_media_uuid(
-                    content_hash,
+                    uuid_of(content_hash) or content_hash,
                     "its cached encoding was evicted; send the media with its uuid again",
                 )
         self.requests[request.request_id] = request

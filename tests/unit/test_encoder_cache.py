@@ -187,6 +187,22 @@ def test_a_cached_only_item_evicted_before_admission_is_refused():
     assert not scheduler.has_unfinished_requests()
 
 
+@pytest.mark.parametrize("salt", [None, "tenant|a:1"])
+def test_an_evicted_uuid_is_named_as_the_client_sent_it_under_a_salt_too(salt):
+    """The salted key ("salt10:tenant|a:1|uuid:u@1@image:1x2x2") went into the message
+    whole, and the model runner took it for no uuid at all (a generic "no pixels" error).
+    A uuid holding "@" was cut at it."""
+    from engine.encoder_cache import salted, uuid_of
+
+    key = salted("uuid:u@1@image:1x2x2", salt)
+    assert uuid_of(key) == "u@1" and uuid_of(salted("f00d", salt)) is None
+    scheduler = make_scheduler(encoder_cache_tokens=10)
+    with pytest.raises(MediaError) as refused:
+        scheduler.add_request(make_request("only", 8, [cached_only(2, 4, key)]))
+    assert refused.value.code == "unknown_media_uuid"
+    assert refused.value.message.startswith("unknown media uuid 'u@1': ")
+
+
 def test_an_entry_whose_rows_never_came_is_forgotten():
     """An item whose encode failed stayed accounted: a later request with its pixels was a
     'hit' with no rows, and failed."""
