@@ -188,7 +188,7 @@ class FeatureUse:
         """The item's encoder-cache and prefix-cache key: the file's hash, the item's grid
         (a file without a grid_thw tensor may be sent under several grids; the rows'
         positions follow the grid, so their KV must not be shared), which rows, and the
-        request's `cache_salt` (engine.request_checks.salted)."""
+        request's `cache_salt` (engine.encoder_cache.salted)."""
         t, h, w = self.grid_thw
         key = f"{file_hash}@{t}x{h}x{w}"
         key = key if self.rows is None else f"{key}/rows{self.rows[0]}-{self.rows[1]}"

@@ -310,7 +310,6 @@ def _cache_key(media: MediaInput, salt: str | None) -> str:
     return salted(key, salt)
 
 
-
 def _share_pixels(media: list[MediaItem]) -> list[MediaItem]:
     """Items without pixels take those of an item of the same key that has them, so
     whichever the scheduler meets first can be encoded."""

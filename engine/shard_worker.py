@@ -142,16 +142,16 @@ class ShardWorkers:
             self._dir.cleanup()
 
     def kill_now(self) -> None:
-        for process in self._processes:
-            if process.poll() is None:
-                process.kill()
+        """SIGKILLs the workers and removes their folder, waiting on nothing."""
+        self._kill(wait=False)
         shutil.rmtree(self._dir.name, ignore_errors=True)
 
-    def _kill(self) -> None:
+    def _kill(self, *, wait: bool = True) -> None:
         for process in self._processes:
             if process.poll() is None:
                 process.kill()
-                process.wait()
+                if wait:
+                    process.wait()
 
 
 def _import_root(pythonpath: str | None) -> str:

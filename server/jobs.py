@@ -121,8 +121,9 @@ def _thinking_opened(state: AppState, body: Any, prompt: PreparedPrompt) -> bool
     template = body.chat_template or state.processor.chat_template
     if reasoning_format(state.settings.reasoning_parser, template) is None:
         return None
+    # The last message alone (prepare_chat_prompt checked it already), not every turn's dump
     if body.continue_final_message and prefill_opens_thinking(
-        final_message_text(messages_as_dicts(body.messages))
+        final_message_text(messages_as_dicts(body.messages[-1:]))
     ):
         return True
     tail = state.processor.decode(prompt.token_ids[-8:], skip_special_tokens=False)
