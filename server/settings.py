@@ -24,6 +24,7 @@ import argparse
 import dataclasses
 import inspect
 import io
+import math
 import os
 import re
 import tokenize
@@ -96,7 +97,7 @@ class ServerSettings:
     override_generation_config: str | None = None  # JSON object laid over those defaults, e.g. '{"temperature": 0.5}'
     engine_startup_timeout_s: float = 600.0  # model load + KV allocation deadline
     shutdown_timeout_s: float = 30.0  # drain in-flight requests on SIGTERM, then stop
-    api_server_count: int = 1  # processes that parse requests, preprocess media and stream tokens for one engine; more when that work bounds TTFT (docs/deploy.md)
+    api_server_count: int | None = None  # processes that parse requests, preprocess media and stream tokens for one engine; None = on a GPU a quarter of the usable cores, 1 to 4 (that work bounds serving there), else 1 (docs/deploy.md)
     engine_inbox_address: str | None = None  # tcp://HOST:PORT; None = private ipc:// socket
     engine_outbox_address: str | None = None  # set together with engine_inbox_address
     stream_interval: int = 1  # new tokens a streamed chunk waits for after the first (vLLM's and SGLang's --stream-interval): more cost the API process less per token and make chunks coarser
@@ -154,6 +155,11 @@ class ServerSettings:
                 raise SettingsError(
                     f"{name} must be tcp://HOST:PORT or ipc://PATH, got {address!r}"
                 )
+        if self.api_server_count is None:
+            count = 1  # an engine at given addresses takes one API process
+            if self.engine_inbox_address is None:
+                count = default_api_server_count(self.engine.device, usable_cores())
+            object.__setattr__(self, "api_server_count", count)
         if not 1 <= self.api_server_count <= MAX_API_SERVERS:
             raise SettingsError(
                 f"api_server_count must be in 1..{MAX_API_SERVERS}, got {self.api_server_count}"
@@ -210,12 +216,36 @@ class _Field:
         return ENV_PREFIX + self.name.upper()
 
 
-def usable_cores() -> int:
+def usable_cores(cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
     """The cores this process may run on (its affinity: a container's cpuset), or the
-    machine's where the platform cannot say (sched_getaffinity is Linux's)."""
+    machine's where the platform cannot say (sched_getaffinity is Linux's); fewer where a
+    cgroup v2 quota caps the container (`docker run --cpus 4`, a Kubernetes CPU limit),
+    which leaves the affinity at every core of the host."""
     if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+        cores = len(os.sched_getaffinity(0))
+    else:
+        cores = os.cpu_count() or 1
+    try:
+        quota, period = cpu_max.read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):  # no cgroup v2 (or another layout): the affinity stands
+        pass
+    return cores
+
+
+def default_api_server_count(device: str, num_cores: int) -> int:
+    """One API process in front of a CPU engine, whose steps are the bound. On a GPU that
+    one Python process (parsing, image preprocessing, detokenizing, streaming) bounds
+    serving: under issue 8's load on an H100 with 16 cores, 1 / 2 / 4 processes gave 5741 /
+    7825 / 9207 output tokens/s and a TTFT p50 of 2.15 / 1.35 / 0.91 s (docs/gpu.md,
+    2026-11-27), the single process busy 96% of the run. A quarter of the cores, 1 to 4,
+    leaves the rest to the engine, the image threads and the clients."""
+    from engine.device_config import resolve_device  # torch: only where the default is asked
+
+    if resolve_device(device).type != "cuda":
+        return 1
+    return max(1, min(4, num_cores // 4))
 
 
 def default_image_decode_threads(num_cores: int, api_server_count: int) -> int:

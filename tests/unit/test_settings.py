@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine.config import EngineConfig
 from server.default_model import default_model_dir
@@ -14,8 +15,10 @@ from server.settings import (
     ServerSettings,
     SettingsError,
     build_parser,
+    default_api_server_count,
     default_image_decode_threads,
     load_settings,
+    usable_cores,
 )
 
 
@@ -88,6 +91,33 @@ def test_types_and_optional_values(tmp_path: Path) -> None:
     assert yaml_settings.engine.kv_cache_memory_gib == 4.0
     with pytest.raises(SettingsError, match="log_format"):
         load_settings(["--log-format", "xml"], {})
+
+
+def test_api_server_count_defaults_to_a_quarter_of_the_cores_on_a_gpu_and_one_elsewhere() -> None:
+    assert [default_api_server_count("cuda", cores) for cores in (2, 4, 8, 16, 64)] == [
+        1, 1, 2, 4, 4,
+    ]  # fmt: skip
+    assert default_api_server_count("cuda:1", 16) == 4
+    assert default_api_server_count("cpu", 64) == 1
+    assert default_api_server_count("auto", 64) == (4 if torch.cuda.is_available() else 1)
+    assert load_settings(["--device", "cpu"], {}).api_server_count == 1
+    assert load_settings(["--api-server-count", "3"], {}).api_server_count == 3
+    addresses = ["--engine-inbox-address", "tcp://127.0.0.1:5001",
+                 "--engine-outbox-address", "tcp://127.0.0.1:5002"]  # fmt: skip
+    assert load_settings([*addresses, "--device", "cuda"], {}).api_server_count == 1
+
+
+def test_usable_cores_honour_a_cgroup_cpu_quota(tmp_path: Path) -> None:
+    cpu_max = tmp_path / "cpu.max"
+    affinity = usable_cores(tmp_path / "absent")
+    cpu_max.write_text("max 100000\n")  # no quota
+    assert usable_cores(cpu_max) == affinity
+    cpu_max.write_text("150000 100000\n")  # docker run --cpus 1.5
+    assert usable_cores(cpu_max) == min(affinity, 2)
+    cpu_max.write_text("10000 100000\n")  # a tenth of a core is still one
+    assert usable_cores(cpu_max) == 1
+    cpu_max.write_text("garbled\n")
+    assert usable_cores(cpu_max) == affinity
 
 
 def test_api_server_count_is_checked() -> None:
