@@ -34,8 +34,9 @@
 #   serving-2b-tessera    serving-2b, Tessera's run alone
 #   serving-2b-threads2, serving-2b-threads8   the same with --image-decode-threads 2 / 8
 #               (the default is half the cores, 2 to 8: 8 on a 16-core host)
-#   serving-2b-api2, serving-2b-api4   the same with --api-server-count 2 / 4 (API
-#               processes in front of the engine; the default is 1)
+#   serving-2b-api1, serving-2b-api2, serving-2b-api4   the same with --api-server-count
+#               1 / 2 / 4 (API processes in front of the engine; the default on a GPU is a
+#               quarter of the cores, 1 to 4: 4 on the H100's 16-core host)
 #   serving-2b-si4   the same with --stream-interval 4 (a chunk per 4 tokens; default 1)
 #   serving-2b-clients4   serving-2b-tessera with the load client split over 4 processes
 #   serving-qwen3-vl-2b   the same load on the Qwen3-VL 2B shape (checkpoint written first)
@@ -143,7 +144,7 @@ for step in "$@"; do
         serving-2b-threads2 | serving-2b-threads8) fn="run_serving qwen2-vl-2b \
 qwen2-vl-2b-${step#serving-2b-} --runs tessera --tessera-arg=--image-decode-threads \
 --tessera-arg=${step#serving-2b-threads}" ;;
-        serving-2b-api2 | serving-2b-api4) fn="run_serving qwen2-vl-2b qwen2-vl-2b-${step#serving-2b-} \
+        serving-2b-api1 | serving-2b-api2 | serving-2b-api4) fn="run_serving qwen2-vl-2b qwen2-vl-2b-${step#serving-2b-} \
 --runs tessera --tessera-arg=--api-server-count --tessera-arg=${step#serving-2b-api}" ;;
         serving-2b-si4) fn="run_serving qwen2-vl-2b qwen2-vl-2b-si4 --runs tessera \
 --tessera-arg=--stream-interval --tessera-arg=4" ;;
