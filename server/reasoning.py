@@ -104,6 +104,12 @@ class ReasoningSplitter:
             self._held = ""
             return reasoning, content
 
+    @property
+    def in_thinking(self) -> bool:
+        """Whether the text fed next is still the thinking's (or may open it): a token fed
+        then is a reasoning token, if the answer has reasoning at all."""
+        return self._state in ("start", "reasoning")
+
     def finish(self) -> tuple[str, str]:
         """The held text at the end of the answer: reasoning when cut short inside it."""
         held, self._held = self._held, ""
@@ -117,7 +123,7 @@ class ReasoningSplitter:
         it never comes; 0 for an answer that does not open with the thinking."""
         count = 0
         for text in token_texts:
-            if self._state not in ("start", "reasoning"):
+            if not self.in_thinking:
                 break
             count += 1
             self._feed(text)

@@ -21,14 +21,20 @@ A stream is `event: <type>` / `data: {...}` pairs (no [DONE]), numbered by
               response.function_call_arguments.done, response.output_item.done
     response.completed | response.incomplete            the whole response, with usage
 
-Calls go out as server/tool_calls.py's stream gives them: a named function's arguments
-as they are generated, any other call whole as soon as its text closes. An error after
-the stream started is an `error` event and then `response.failed`.
+Items go out one after another, in the order the model wrote them (each item's `done`
+before the next one's `added`), and a non-streamed answer has the same items in the same
+order (`ResponseShaper.final` replays its tokens through the same `_Assembler`). Calls go
+out as server/tool_calls.py's stream gives them: a named function's arguments as they are
+generated, any other call whole as soon as its text closes. A text part's logprobs are
+those of its own tokens. An error after the stream started is an `error` event and then
+`response.failed`, whose `error.code` is one of OpenAI's (`invalid_prompt` for a fault of
+the request, else `server_error`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -144,22 +150,35 @@ class ResponseShaper:
                 "status": status}  # fmt: skip
 
     def final(self, result: ChoiceResult, totals: GenerationTotals) -> dict[str, Any]:
-        """The Response of a finished, non-streamed choice."""
+        """The Response of a finished, non-streamed choice: its tokens fed one by one
+        through the stream's assembly (`_Assembler`), so that both give the same items,
+        in the same order, with the same logprobs."""
         self.count_reasoning(result.token_ids)
-        text, calls, reasoning = result.text, [], None
-        splitter = self.job.reasoning_splitter()
-        if splitter is not None:
-            reasoning, text = splitter.split(text)
-        if self.job.tools is not None:
-            text, calls = self.job.tools.split(text)
-        status = response_status(result.finish_reason)
-        output = []
-        if reasoning is not None:
-            output.append(self.reasoning(status, reasoning, f"rs_{uuid.uuid4().hex}"))
-        if text or not calls:
-            output.append(self.message(status, [self.text_part(text, result.logprobs)]))
-        output += [call_item(call, call_status(status, i, calls)) for i, call in enumerate(calls)]
-        return self.response(status, output, totals)
+        assembler = _Assembler(self, _no_event)
+        for text, entries, finish_reason in _token_pieces(result):
+            for _ in assembler.feed(text, entries, finish_reason):
+                pass
+        return self.response(response_status(result.finish_reason), assembler.items.output, totals)
+
+
+def _no_event(kind: str, **fields: Any) -> bytes:
+    return b""
+
+
+def _token_pieces(
+    result: ChoiceResult,
+) -> Iterator[tuple[str, Sequence[TokenLogprob], str | None]]:
+    """A finished choice as a stream would have brought it: each token's text (from its
+    `text_offsets`) and logprob entry, the finish reason with the last."""
+    offsets, text = result.text_offsets, result.text
+    if not offsets:
+        yield text, result.logprobs, result.finish_reason
+        return
+    for i, start in enumerate(offsets):
+        last = i == len(offsets) - 1
+        end = len(text) if last else offsets[i + 1]
+        entries = result.logprobs[i : i + 1]
+        yield text[0 if i == 0 else start : end], entries, result.finish_reason if last else None
 
 
 def reasoning_part(text: str) -> dict[str, Any]:
@@ -208,10 +227,50 @@ class _EventWriter:
         return b"event: " + kind.encode() + b"\ndata: " + _JSON.encode(data) + b"\n\n"
 
 
+class _Assembler:
+    """One choice's output items as its text comes: the thinking (reasoning parser), then
+    text and tool calls (tool parser). A token's logprob entry goes with the text it
+    made, so that the text part's logprobs spell its text: the thinking's tokens and a
+    call's tokens are left out (OpenAI: the logprobs "of the output text")."""
+
+    def __init__(self, shaper: ResponseShaper, event: Callable[..., bytes]) -> None:
+        self.items = _StreamedOutput(shaper, event)
+        self.extractor = shaper.job.tools.extractor() if shaper.job.tools is not None else None
+        self.splitter = shaper.job.reasoning_splitter()
+
+    def feed(
+        self, text: str, entries: Sequence[TokenLogprob], finish_reason: str | None
+    ) -> Iterator[bytes]:
+        """A delta's text and its tokens' entries; `finish_reason` with the last."""
+        last = finish_reason is not None
+        if self.splitter is not None:  # the thinking first, then the answer
+            thinking = self.splitter.in_thinking
+            reasoning, text = self.splitter.feed(text, last=last)
+            yield from self.items.add_reasoning(reasoning)
+            if thinking and self.splitter.has_reasoning:
+                # the thinking's tokens, its tags included (as usage counts them)
+                self.items.pending = []
+                if not text:
+                    entries = ()
+        call_deltas: list[dict[str, Any]] = []
+        if self.extractor is not None:
+            text, call_deltas = self.extractor.feed_stream(text)
+        yield from self.items.add_text(text, entries)
+        for call_delta in call_deltas:
+            yield from self.items.add_call(call_delta)
+        if not last:
+            return
+        calls: list[ToolCall] = []
+        if self.extractor is not None:
+            rest, _, calls = self.extractor.finish_stream()
+            yield from self.items.add_text(rest, [])
+        yield from self.items.finish(calls, response_status(finish_reason))
+
+
 class _StreamedOutput:
     """The output items of a stream as they open, grow and close, as events."""
 
-    def __init__(self, shaper: ResponseShaper, event: _EventWriter) -> None:
+    def __init__(self, shaper: ResponseShaper, event: Callable[..., bytes]) -> None:
         self.shaper = shaper
         self.event = event
         self.output: list[dict[str, Any]] = []  # items in output_index order
@@ -221,6 +280,7 @@ class _StreamedOutput:
         self.message_index: int | None = None  # output_index of the open message
         self.message_id = shaper.message_id
         self.call_items: dict[int, tuple[int, str]] = {}  # call index -> (output_index, id)
+        self.open_call: tuple[int, ToolCall] | None = None  # (index, arguments so far)
         self.reasoning = ""
         self.reasoning_index: int | None = None  # output_index of the open reasoning item
         self.reasoning_id = f"rs_{uuid.uuid4().hex}"
@@ -271,21 +331,47 @@ class _StreamedOutput:
     def add_call(self, delta: dict[str, Any]) -> Iterator[bytes]:
         """A chat tool-call delta: the first of a call (with its id and name) opens its
         item; its arguments, if any, go out as an arguments delta."""
+        self.pending = []  # held-back text that became this call: not the message's
         index = delta["index"]
         if index not in self.call_items:
             yield from self._close_reasoning()
             yield from self._close_message()
+            yield from self._close_call()
             call = ToolCall(delta["function"]["name"], "", delta["id"])
             output_index = len(self.output)
             self.call_items[index] = (output_index, item_id(call))
+            self.open_call = (index, call)
             item = call_item(call, "in_progress", arguments="")
             self.output.append(item)
             yield self.event("response.output_item.added", output_index=output_index, item=item)
         output_index, call_item_id = self.call_items[index]
         arguments = delta["function"].get("arguments")
         if arguments:
+            if self.open_call is not None and self.open_call[0] == index:
+                call = self.open_call[1]
+                grown = dataclasses.replace(call, arguments=call.arguments + arguments)
+                self.open_call = (index, grown)
             yield self.event("response.function_call_arguments.delta", item_id=call_item_id,
                              output_index=output_index, delta=arguments)  # fmt: skip
+
+    def _close_call(
+        self, call: ToolCall | None = None, status: str = "completed"
+    ) -> Iterator[bytes]:
+        """Closes the open call item (OpenAI sends items one after another): when the next
+        item opens, as its arguments stand (a call other than a named function's comes
+        whole), or at the end as the parser finished it (`call`)."""
+        if self.open_call is None:
+            return
+        index, so_far = self.open_call
+        self.open_call = None
+        call = call or so_far
+        output_index, call_item_id = self.call_items[index]
+        yield self.event("response.function_call_arguments.done", item_id=call_item_id,
+                         output_index=output_index, name=call.name,
+                         arguments=call.arguments)  # fmt: skip
+        item = call_item(call, status)
+        yield self.event("response.output_item.done", output_index=output_index, item=item)
+        self.output[output_index] = item
 
     def finish(self, calls: list[ToolCall], status: str) -> Iterator[bytes]:
         yield from self._close_reasoning(status)
@@ -294,17 +380,12 @@ class _StreamedOutput:
         yield from self._close_message(status)
         for index, call in enumerate(calls):
             if index not in self.call_items:
-                as_delta = call.as_dict(index)
-                yield from self.add_call(as_delta)
-            output_index, call_item_id = self.call_items[index]
-            yield self.event("response.function_call_arguments.done", item_id=call_item_id,
-                             output_index=output_index, name=call.name,
-                             arguments=call.arguments)  # fmt: skip
-            item = call_item(call, call_status(status, index, calls))
-            yield self.event("response.output_item.done", output_index=output_index, item=item)
-            self.output[output_index] = item
+                yield from self.add_call(call.as_dict(index))
+            if self.open_call is not None and self.open_call[0] == index:
+                yield from self._close_call(call, call_status(status, index, calls))
 
     def _open_message(self) -> Iterator[bytes]:
+        yield from self._close_call()
         if any(item["type"] != "reasoning" for item in self.output):
             # text after a call: a message item of its own
             self.message_id = f"msg_{uuid.uuid4().hex}"
@@ -322,8 +403,7 @@ class _StreamedOutput:
         index, self.message_index = self.message_index, None
         if index is None:
             return
-        self.entries += self.pending
-        self.pending = []
+        self.pending = []  # entries of text that never came: a call's, or held back
         part = self.shaper.text_part(self.text, self.entries)
         common = {"item_id": self.message_id, "output_index": index, "content_index": 0}
         yield self.event("response.output_text.done", **common, text=self.text,
@@ -353,51 +433,33 @@ async def stream_response(
     with counted_if_left(totals, job.n, on_finished):
         yield event("response.created", response=shaper.response("in_progress", []))
         yield event("response.in_progress", response=shaper.response("in_progress", []))
-        streamed = _StreamedOutput(shaper, event)
-        extractor = job.tools.extractor() if job.tools is not None else None
-        splitter = job.reasoning_splitter()
+        assembler = _Assembler(shaper, event)
         token_ids: list[int] = []
         try:
             async with contextlib.aclosing(run_job(job, engine, tokenizer, totals)) as deltas:
                 async for delta in deltas:
-                    text, call_deltas = delta.text, []
                     token_ids += delta.token_ids
-                    if splitter is not None:  # the thinking first, then the answer
-                        reasoning, text = splitter.feed(text, last=delta.finish_reason is not None)
-                        for chunk in streamed.add_reasoning(reasoning):
-                            yield chunk
-                    if extractor is not None:
-                        text, call_deltas = extractor.feed_stream(text)
-                    for chunk in streamed.add_text(text, delta.logprobs):
+                    for chunk in assembler.feed(delta.text, delta.logprobs, delta.finish_reason):
                         yield chunk
-                    for call_delta in call_deltas:
-                        for chunk in streamed.add_call(call_delta):
-                            yield chunk
                     if delta.finish_reason is None:
                         continue
-                    calls: list[ToolCall] = []
-                    if extractor is not None:
-                        rest, _, calls = extractor.finish_stream()
-                        for chunk in streamed.add_text(rest, []):
-                            yield chunk
-                    status = response_status(delta.finish_reason)
-                    for chunk in streamed.finish(calls, status):
-                        yield chunk
                     shaper.count_reasoning(token_ids)
-                    final = shaper.response(status, streamed.output, totals)
+                    status = response_status(delta.finish_reason)
+                    final = shaper.response(status, assembler.items.output, totals)
                     yield event(f"response.{status}", response=final)
         except TesseraError as error:
             exc = renamed(error)
             yield event("error", code=exc.code, message=exc.message, param=exc.param)
-            failure = {"code": exc.code or "server_error", "message": exc.message}
+            code = "invalid_prompt" if exc.status < 500 else "server_error"  # OpenAI's list
+            failure = {"code": code, "message": exc.message}
             yield event("response.failed",
-                        response=shaper.response("failed", streamed.output, error=failure))  # fmt: skip
+                        response=shaper.response("failed", assembler.items.output, error=failure))  # fmt: skip
             return
         except Exception:  # noqa: BLE001 - the stream must end cleanly whatever happened
             logger.exception("response stream failed")
-            failure = {"code": "internal_error", "message": "internal server error"}
+            failure = {"code": "server_error", "message": "internal server error"}
             yield event("error", code="internal_error", message=failure["message"], param=None)
             yield event("response.failed",
-                        response=shaper.response("failed", streamed.output, error=failure))  # fmt: skip
+                        response=shaper.response("failed", assembler.items.output, error=failure))  # fmt: skip
             return
     on_finished(totals)

@@ -1,46 +1,78 @@
-"""The Responses stream's items as a tool-call stream drives them: text, then Hermes calls
-whole as their blocks close, and text after a call in a message of its own. Every event
-validates against the openai package's types."""
+"""The Responses items as a tool-call stream and a reasoning parser drive them: text, then
+Hermes calls whole as their blocks close, text after a call in a message of its own; items
+one after another; a non-streamed answer the same items as the stream; a text part's
+logprobs those of its own tokens. Every event validates against the openai package's
+types."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
 from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from engine.protocol import SamplingParams
-from server.generation import PreparedPrompt
-from server.response_events import ResponseShaper, _EventWriter, _StreamedOutput
+from engine.protocol import SamplingParams, TokenLogprob
+from engine.tiny_model import SIZES, train_tokenizer
+from server.generation import GenerationTotals, PreparedPrompt
+from server.response_events import ResponseShaper, _Assembler, _EventWriter
 from server.responses import ResponsesRequest
-from server.streaming import GenerationJob
+from server.streaming import ChoiceResult, GenerationJob
 from server.tool_calls import ToolPlan
 
 TOOLS = [{"type": "function", "function": {"name": "get_time"}}]
 PLAN = ToolPlan("auto", TOOLS)
+CALL = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
 
 
-def events_of(feeds: list[str]) -> tuple[list[dict], list[dict]]:
-    job = GenerationJob("resp-1", "m", PreparedPrompt([1]), SamplingParams(), 1, [], tools=PLAN)
-    shaper = ResponseShaper(job, ResponsesRequest(model="m", input="x"), None, logprobs=False)
-    streamed, extractor = _StreamedOutput(shaper, _EventWriter()), PLAN.extractor()
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer(SIZES["tiny"].bpe_vocab_size)
+
+
+def shaper_for(tokenizer=None, *, tools=PLAN, thinking: bool | None = None) -> ResponseShaper:
+    job = GenerationJob("resp_1", "m", PreparedPrompt([1]), SamplingParams(), 1, [],
+                        tools=tools, thinking_opened=thinking)  # fmt: skip
+    body = ResponsesRequest(model="m", input="x")
+    return ResponseShaper(job, body, tokenizer, logprobs=tokenizer is not None)
+
+
+def entries_for(feeds: list[str]) -> list[TokenLogprob]:
+    """One entry per feed, its token id the feed's index (its logprob names it too)."""
+    return [TokenLogprob(i, -float(i)) for i in range(len(feeds))]
+
+
+def events_of(feeds: list[str], shaper: ResponseShaper | None = None):
+    shaper = shaper or shaper_for()
+    assembler = _Assembler(shaper, _EventWriter())
     chunks = []
-    for text in feeds:
-        content, deltas = extractor.feed_stream(text)
-        chunks += streamed.add_text(content, [])
-        for delta in deltas:
-            chunks += streamed.add_call(delta)
-    rest, _, calls = extractor.finish_stream()
-    chunks += streamed.add_text(rest, [])
-    chunks += streamed.finish(calls, "completed")
+    for i, (text, entry) in enumerate(zip(feeds, entries_for(feeds), strict=True)):
+        chunks += assembler.feed(text, [entry], "stop" if i == len(feeds) - 1 else None)
     events = [json.loads(chunk.split(b"\ndata: ", 1)[1]) for chunk in chunks]
     adapter = TypeAdapter(ResponseStreamEvent)
     for event in events:
         adapter.validate_python(event)
-    return events, streamed.output
+    return events, assembler.items.output
 
 
-CALL = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+def final_of(feeds: list[str], shaper: ResponseShaper | None = None) -> list[dict]:
+    """The non-streamed answer of the same tokens."""
+    offsets = [sum(map(len, feeds[:i])) for i in range(len(feeds))]
+    result = ChoiceResult(text="".join(feeds), finish_reason="stop", logprobs=entries_for(feeds),
+                          text_offsets=offsets, token_ids=list(range(len(feeds))))  # fmt: skip
+    return (shaper or shaper_for()).final(result, GenerationTotals())["output"]
+
+
+def assert_items_one_after_another(events: list[dict]) -> None:
+    """OpenAI's order: an item's output_item.done before the next one's added."""
+    open_items = []
+    for event in events:
+        if event["type"] == "response.output_item.added":
+            assert not open_items, f"item {event['output_index']} opened inside {open_items}"
+            open_items.append(event["output_index"])
+        elif event["type"] == "response.output_item.done":
+            assert open_items == [event["output_index"]]
+            open_items.pop()
 
 
 def test_text_then_calls_as_their_blocks_close():
@@ -63,3 +95,55 @@ def test_text_after_a_call_is_a_message_of_its_own():
     assert [item["type"] for item in output] == ["message", "function_call", "message"]
     assert output[2]["content"][0]["text"] == bad and output[0]["id"] != output[2]["id"]
     assert all(item["status"] == "completed" for item in output)
+
+
+@pytest.mark.parametrize(
+    "feeds",
+    [
+        ["Let me ", "look.\n" + CALL[:20], CALL[20:] + "\n", CALL],  # two calls
+        [CALL, "\n" + CALL],
+        ["Sure.\n", CALL, '\n<tool_call>\n{"name": "get_time", "arguments": {\n</tool_call>'],
+        ["Just text."],
+    ],
+)
+def test_items_come_one_after_another_and_the_answer_has_them_in_the_same_order(feeds):
+    """Each call's item stayed open until the generation ended (two parallel calls were
+    open at once), and a non-streamed answer put its text before its calls, where a stream
+    had a call before the text that followed it."""
+    events, streamed = events_of(feeds)
+    assert_items_one_after_another(events)
+    final = final_of(feeds)
+    assert [item["type"] for item in final] == [item["type"] for item in streamed]
+    assert without_ids(final) == without_ids(streamed)
+
+
+def without_ids(items: list[dict]) -> list[dict]:
+    return [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in items]
+
+
+def logprob_ids(item: dict) -> list[float]:
+    return [-entry["logprob"] for entry in item["content"][0]["logprobs"]]
+
+
+def test_a_text_part_has_the_logprobs_of_its_own_tokens(tokenizer):
+    """They held every token's: the thinking's, and a call's, and the stream sent the
+    thinking's with the first text delta and a call's only with output_text.done."""
+    thinking = shaper_for(tokenizer, tools=None, thinking=False)
+    feeds = ["<think>", "hmm", "</think>", "Hello", " world"]
+    events, output = events_of(feeds, thinking)
+    assert [item["type"] for item in output] == ["reasoning", "message"]
+    assert logprob_ids(output[1]) == [3, 4]
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert [[-lp["logprob"] for lp in e["logprobs"]] for e in deltas] == [[3], [4]]
+    assert logprob_ids(final_of(feeds, thinking)[1]) == [3, 4]
+
+    calling = shaper_for(tokenizer)
+    feeds = ["Hi ", "there\n", *CALL.partition("{")[::2][:1], "{" + CALL.partition("{")[2]]
+    events, output = events_of(feeds, calling)
+    assert [item["type"] for item in output] == ["message", "function_call"]
+    assert logprob_ids(output[0]) == [0, 1]
+    done = next(e for e in events if e["type"] == "response.output_text.done")
+    sent = [-lp["logprob"] for e in events if e["type"] == "response.output_text.delta"
+            for lp in e["logprobs"]]  # fmt: skip
+    assert sent == [-lp["logprob"] for lp in done["logprobs"]] == [0, 1]
+    assert logprob_ids(final_of(feeds, calling)[0]) == [0, 1]
