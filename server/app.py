@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -239,7 +240,7 @@ def _add_api_routes(api: APIRouter) -> None:
         state.check_model(body.model)
         _check_alive(state, request)
         prompt = await _chat_prompt(state, body, request)
-        job = build_job(state, body, prompt, prefix="chatcmpl")
+        job = build_job(state, body, prompt, prefix="chatcmpl-")
         ticket = _admit(request, state, job)
         with_logprobs = body.logprobs
         if body.stream:
@@ -267,7 +268,7 @@ def _add_api_routes(api: APIRouter) -> None:
         prepare = functools.partial(prepare_completion_prompt, body, state.processor,
                                     state.vocab_size, prompt_bound(state, body))  # fmt: skip
         prompt = await tokenised_off_the_loop_if_long(prepare, body.prompt)
-        job = build_job(state, body, prompt, prefix="cmpl")
+        job = build_job(state, body, prompt, prefix="cmpl-")
         ticket = _admit(request, state, job)
         truncated = len(job.prompt.token_ids) < len(prompt.token_ids)
         echo = PromptEcho.of(body, job.prompt.token_ids, state.processor, truncated=truncated)
@@ -295,7 +296,9 @@ def _add_api_routes(api: APIRouter) -> None:
         translation = chat_request(body)
         with translation.responses_params():
             prompt = await _chat_prompt(state, translation.chat, request)
-            job = build_job(state, translation.chat, prompt, prefix="resp")
+            job = build_job(state, translation.chat, prompt, prefix="resp_")  # as OpenAI
+        if not body.stream:  # the answer is replayed token by token (ResponseShaper.final)
+            job = dataclasses.replace(job, text_offsets=True)
         ticket = _admit(request, state, job)
         shaper = ResponseShaper(job, body, state.processor.tokenizer, logprobs=body.wants_logprobs)
         if body.stream:

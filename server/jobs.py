@@ -79,7 +79,7 @@ def build_job(state: AppState, body: Any, prompt: Any, *, prefix: str) -> Genera
     if body.cache_salt is not None:
         prompt = dataclasses.replace(prompt, cache_salt=body.cache_salt)
     return GenerationJob(
-        request_id=f"{prefix}-{uuid.uuid4().hex}",
+        request_id=f"{prefix}{uuid.uuid4().hex}",
         model_name=state.model_name,
         prompt=prompt,
         sampling=sampling,

@@ -85,6 +85,8 @@ _TEXT_PARTS = ("input_text", "output_text")
 # Chat field names -> the Responses fields they came from, for error messages.
 _RENAMED = {
     "max_tokens": "max_output_tokens",
+    "tool_choice.function.name": "tool_choice.name",
+    "tool_choice.function": "tool_choice",
     "response_format.json_schema.schema": "text.format.schema",
     "response_format.json_schema": "text.format",
     "response_format": "text.format",
@@ -282,7 +284,23 @@ def _messages(body: ResponsesRequest) -> tuple[list[dict[str, Any]], list[Messag
         if kind in ("function_call", "function_call_output") and not item.get("call_id"):
             raise InvalidRequest(f"a {kind} item needs its call_id", param=param + ".call_id")
         if kind == "message":
-            messages.append(_message(item, param))
+            message = _message(item, param)
+            renames = _image_renames(item.get("content"), ".content")
+            if messages and _is_reasoning_only(messages[-1]) and message["role"] == "assistant":
+                # the answer its reasoning item came before: one assistant turn
+                messages[-1]["content"] = message["content"]
+                sources[-1] = MessageSource(param, renames)
+                continue
+            messages.append(message)
+            sources.append(MessageSource(param, renames))
+            continue
+        elif kind == "reasoning":
+            # Fed back from an earlier response (OpenAI's loop: input += response.output):
+            # the thinking of the assistant turn that follows, as chat's reasoning_content.
+            messages.append({"role": "assistant", "content": None,
+                             "reasoning_content": _reasoning_text(item)})  # fmt: skip
+            sources.append(MessageSource(param))
+            continue
         elif kind == "function_call":
             call = {
                 "id": item.get("call_id"),
@@ -304,16 +322,53 @@ def _messages(body: ResponsesRequest) -> tuple[list[dict[str, Any]], list[Messag
             messages.append(
                 {"role": "tool", "tool_call_id": item.get("call_id"), "content": content}
             )
-            sources.append(MessageSource(param, _OUTPUT_FIELDS))
+            renames = _image_renames(output, ".output") + _OUTPUT_FIELDS
+            sources.append(MessageSource(param, renames))
             continue
         else:
             raise InvalidRequest(
-                f"input items of type {kind!r} are not supported (message, function_call and "
-                "function_call_output are)",
+                f"input items of type {kind!r} are not supported (message, reasoning, "
+                "function_call and function_call_output are)",
                 param=param + ".type",
             )
-        sources.append(MessageSource(param))
-    return messages, sources
+    # A reasoning item that no answer or call followed (a turn cut in its thinking) is
+    # no turn of its own.
+    kept = [i for i, message in enumerate(messages) if not _is_reasoning_only(message)]
+    return [messages[i] for i in kept], [sources[i] for i in kept]
+
+
+def _is_reasoning_only(message: dict[str, Any]) -> bool:
+    """Whether `message` is a reasoning item's turn that no answer or call joined (yet)."""
+    return (
+        "reasoning_content" in message
+        and message["content"] is None
+        and not message.get("tool_calls")
+    )
+
+
+def _reasoning_text(item: dict[str, Any]) -> str:
+    """A reasoning item's text: its reasoning_text parts, else its summary's."""
+    for key in ("content", "summary"):
+        parts = item.get(key)
+        if isinstance(parts, list):
+            texts = [part.get("text") for part in parts if isinstance(part, dict)]
+            if any(isinstance(text, str) for text in texts):
+                return "\n".join(text for text in texts if isinstance(text, str))
+    return ""
+
+
+def _image_renames(parts: Any, field: str) -> tuple[tuple[str, str], ...]:
+    """An input_image part's fields as chat names them (`image_url.url`, `image_url.detail`)
+    and as its Responses item does (`image_url`, `detail`), `field` holding the parts."""
+    if not isinstance(parts, list):
+        return ()
+    renames: list[tuple[str, str]] = []
+    for j, part in enumerate(parts):
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            chat, item = f".content[{j}].image_url", f"{field}[{j}]"
+            renames += [(chat + ".url", item + ".image_url"), (chat + ".detail", item + ".detail"),
+                        (chat, item + ".image_url")]  # fmt: skip
+    return tuple(renames)
 
 
 def _message(item: dict[str, Any], param: str) -> dict[str, Any]:

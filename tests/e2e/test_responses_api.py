@@ -173,7 +173,13 @@ def test_logprobs_are_the_chat_completions(client):
             {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}]},
          "input[0].content[0]"),
         ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
-        ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
+        # an input_image's and a tool_choice's fields as Responses names them
+        ({"input": "hi", "tools": [WEATHER], "tool_choice": {"type": "function"}},
+         "tool_choice.name"),
+        ({"input": [{"role": "user", "content": [
+            {"type": "input_image", "image_url": "data:image/png;base64,AAAA", "detail": 5}]}]},
+         "input[0].content[0].detail"),
         ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"input": "hi", "tools": [{"type": "function", "name": "bad name"}]}, "tools[0].name"),
         ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
@@ -241,6 +247,12 @@ def test_an_error_in_a_stream_ends_it_with_response_failed(http):
     assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
     assert events[-1]["response"]["status"] == "failed"
     assert "grammar" in events[-1]["response"]["error"]["message"]
+    # One of OpenAI's codes (it was the chat's "invalid_value", which fails the SDK's type).
+    assert events[-1]["response"]["error"]["code"] == "invalid_prompt"
+    assert events[-1]["response"]["id"].startswith("resp_")  # as OpenAI's and vLLM's
+    from openai.types.responses import ResponseFailedEvent
+
+    ResponseFailedEvent.model_validate(events[-1])
 
 
 def test_events_and_responses_validate_against_openai_types(http):

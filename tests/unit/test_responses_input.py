@@ -1,0 +1,64 @@
+"""Responses input items as the chat messages they become: a reasoning item fed back
+(OpenAI's loop: input += response.output) is the thinking of the assistant turn it came
+with, and errors name the Responses field of an input_image or a tool_choice."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.responses import ResponsesRequest, chat_request, responses_param
+
+CALL = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}", "id": "fc_1"}
+THOUGHT = {"type": "reasoning", "id": "rs_1", "summary": [],
+           "content": [{"type": "reasoning_text", "text": "I should call f."}]}  # fmt: skip
+USER = {"role": "user", "content": "hi"}
+
+
+def messages_of(items: list) -> list[dict]:
+    translation = chat_request(ResponsesRequest(model="m", input=items))
+    return [message.model_dump(exclude_none=True) for message in translation.chat.messages]
+
+
+def test_a_reasoning_item_fed_back_is_the_thinking_of_its_turn():
+    """It was a 400 ("input items of type 'reasoning' are not supported"), so a reasoning
+    model's own output could not be sent back."""
+    output = {"type": "function_call_output", "call_id": "c1", "output": "42"}
+    messages = messages_of([USER, THOUGHT, CALL, output])
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool"]
+    assert messages[1]["reasoning_content"] == "I should call f."
+    assert messages[1]["tool_calls"][0]["function"]["name"] == "f"
+
+    answer = {"type": "message", "role": "assistant",
+              "content": [{"type": "output_text", "text": "Hello."}]}  # fmt: skip
+    summary = {"type": "reasoning", "summary": [{"type": "summary_text", "text": "Greet."}]}
+    messages = messages_of([USER, summary, answer, USER])
+    assert [m["role"] for m in messages] == ["user", "assistant", "user"]
+    assert messages[1]["reasoning_content"] == "Greet."
+    assert messages[1]["content"][0]["text"] == "Hello."
+
+
+def test_a_reasoning_item_that_no_turn_followed_is_left_out():
+    assert [m["role"] for m in messages_of([USER, THOUGHT, USER])] == ["user", "user"]
+
+
+@pytest.mark.parametrize(
+    ("chat_param", "items", "param"),
+    [
+        ("messages[0].content[1].image_url.url",
+         [{"role": "user", "content": [{"type": "input_text", "text": "x"},
+                                       {"type": "input_image", "image_url": "u"}]}],
+         "input[0].content[1].image_url"),
+        ("messages[0].content[0].image_url.detail",
+         [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}],
+         "input[0].content[0].detail"),
+        ("messages[2].content[0].image_url.url",
+         [USER, CALL, {"type": "function_call_output", "call_id": "c1",
+                       "output": [{"type": "input_image", "image_url": "u"}]}],
+         "input[2].output[0].image_url"),
+        ("tool_choice.function.name", [USER], "tool_choice.name"),
+    ],
+)  # fmt: skip
+def test_errors_name_an_input_image_and_a_tool_choice_as_responses_does(chat_param, items, param):
+    """They named the chat's fields: image_url.url, image_url.detail, function.name."""
+    translation = chat_request(ResponsesRequest(model="m", input=items))
+    assert responses_param(chat_param, translation.message_sources) == param
