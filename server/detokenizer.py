@@ -17,6 +17,8 @@ The engine sends token ids; the server turns them into text deltas here. Two rul
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -226,12 +228,16 @@ class SequenceDetokenizer:
         self._num_tokens += len(new_token_ids)
         delta = self._detokenizer.step(new_token_ids)
         self._num_decoded_chars += len(delta)
-        if self._num_tokens <= self._min_tokens:
-            text = self._stop.hold(delta)
-        else:
-            text = self._stop.feed(delta).text
+        text = self._release(delta)
         self.text += text
         return text
+
+    def _release(self, delta: str) -> str:
+        """`delta` through the stop checker: no stop string may end within the first
+        `min_tokens` tokens' text."""
+        if self._num_tokens <= self._min_tokens:
+            return self._stop.hold(delta)
+        return self._stop.feed(delta).text
 
     def step_until_stop(self, new_token_ids: Sequence[int]) -> tuple[str, int]:
         """`step`, and how many of `new_token_ids` it took: with stop strings, tokens go
@@ -271,8 +277,8 @@ class SequenceDetokenizer:
         """Flush all held text; call once when the engine reports the sequence finished."""
         if self._stop.is_stopped:
             return ""
-        result = self._stop.feed(self._detokenizer.finish())
-        tail = result.text + self._stop.flush()
+        # Text held back for an unfinished character is the last token's: min_tokens holds.
+        tail = self._release(self._detokenizer.finish()) + self._stop.flush()
         self.text += tail
         return tail
 
@@ -297,11 +303,40 @@ def _byte_decoder() -> dict[str, int]:
 _BYTE_DECODER = _byte_decoder()
 
 
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
+_METASPACE = "\u2581"  # SentencePiece's "▁": a space
+
+
+@functools.lru_cache(maxsize=16)
+def _vocabulary_scheme(tokenizer: Tokenizer) -> tuple[str, frozenset[int]]:
+    """How `tokenizer`'s pieces spell bytes, read from its decoder: "byte_level" (GPT-2's
+    alphabet: Qwen, Llama 3), "metaspace" (SentencePiece: "▁" a space, "<0xE9>" one byte:
+    Llama 2, Mistral) or "plain"; and its added tokens, stored as plain text in any."""
+    decoder = tokenizer.decoder
+    state = decoder.__getstate__().decode("utf-8") if decoder is not None else ""
+    if '"ByteLevel"' in state:
+        scheme = "byte_level"
+    elif '"ByteFallback"' in state or '"Metaspace"' in state or _METASPACE in state:
+        scheme = "metaspace"
+    else:
+        scheme = "plain"
+    return scheme, frozenset(tokenizer.get_added_tokens_decoder())
+
+
 def token_bytes(tokenizer: Tokenizer, token_id: int) -> bytes:
-    """The raw bytes one token stands for (byte-level BPE), for OpenAI `logprobs.bytes`."""
+    """The raw bytes one token stands for, for OpenAI `logprobs.bytes`: concatenated over
+    an answer's tokens, the UTF-8 of its text."""
     piece = tokenizer.id_to_token(token_id)
     if piece is None:
         return b""
-    if all(ch in _BYTE_DECODER for ch in piece):
+    scheme, added = _vocabulary_scheme(tokenizer)
+    if token_id in added:
+        return piece.encode("utf-8")
+    if scheme == "byte_level" and all(ch in _BYTE_DECODER for ch in piece):
         return bytes(_BYTE_DECODER[ch] for ch in piece)
-    return piece.encode("utf-8")  # added/special tokens are stored as plain text
+    if scheme == "metaspace":
+        byte = _BYTE_PIECE.fullmatch(piece)
+        if byte:
+            return bytes([int(byte.group(1), 16)])
+        return piece.replace(_METASPACE, " ").encode("utf-8")
+    return piece.encode("utf-8")

@@ -234,6 +234,8 @@ class SamplingFields(RequestModel):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
         if any(len(item) > MAX_STOP_STRING_CHARS for item in items):
             raise ValueError(f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters")
+        if any(item == "" for item in items):  # vLLM's refusal too; it would stop nothing
+            raise ValueError("stop cannot contain an empty string")
         return stop
 
     @property

@@ -66,6 +66,8 @@ def test_unknown_model(http):
             "messages[0].content[0]",
         ),
         ({"stop_token_ids": [10**9]}, "stop_token_ids"),
+        ({"stop": ["", "zz"]}, "stop"),  # it was dropped silently; vLLM refuses it
+        ({"stop": ""}, "stop"),
         ({"mm_processor_kwargs": {"fps": 0}}, "mm_processor_kwargs.fps"),
         ({"mm_processor_kwargs": {"max_frames": 0}}, "mm_processor_kwargs.max_frames"),
         ({"mm_processor_kwargs": {"num_frames": 8}}, "mm_processor_kwargs"),

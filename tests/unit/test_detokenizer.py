@@ -162,11 +162,53 @@ def test_a_stop_string_may_begin_in_the_min_tokens_and_end_after_them(tokenizer,
     assert emitted == seq.text == (text if expected is None else expected)
 
 
+def test_min_tokens_hold_for_text_flushed_at_the_end():
+    """The last of the min_tokens tokens ends inside a character (one token of "é" and the
+    lead byte of "中", as real Qwen vocabularies have): its text, held back until the end,
+    went to the stop checker without the min_tokens gate, and "é" stopped an answer whose
+    every token was within min_tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {piece: i for i, piece in enumerate([*alphabet, "Ã©", "Ã©ä"])}
+    tokenizer = Tokenizer(models.BPE(vocab, [("Ã", "©"), ("Ã©", "ä")]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    ids = [vocab["a"], vocab["Ã©ä"]]
+    seq = SequenceDetokenizer(tokenizer, stop=["é"], min_tokens=2)
+    text = "".join(seq.step([token_id]) for token_id in ids) + seq.finish()
+    assert not seq.is_stopped and seq.matched_stop is None
+    assert text == seq.text == tokenizer.decode(ids) == "aé\ufffd"
+
+
 def test_token_bytes(tokenizer):
     ids = tokenizer.encode("é🎉 x", add_special_tokens=False).ids
     assert b"".join(token_bytes(tokenizer, i) for i in ids) == "é🎉 x".encode()
     im_end = tokenizer.token_to_id("<|im_end|>")
     assert token_bytes(tokenizer, im_end) == b"<|im_end|>"
+
+
+def sentencepiece_tokenizer():
+    """A Llama 2 / Mistral style vocabulary: "▁" for a space, "<0xNN>" byte fallback."""
+    from tokenizers import Tokenizer, decoders, models
+
+    pieces = ["<unk>", *(f"<0x{b:02X}>" for b in range(256)), "\u2581", "é", "\u2581é", "Ā"]
+    vocab = {piece: i for i, piece in enumerate(pieces)}
+    tokenizer = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                           decoders.Fuse(), decoders.Strip(" ", 1, 0)])  # fmt: skip
+    return tokenizer, vocab
+
+
+def test_token_bytes_of_a_sentencepiece_vocabulary():
+    """Its pieces were read as GPT-2's byte alphabet: "é" came out as the byte E9, "Ā" as
+    00, "▁é" kept its "▁", and "<0x9F>" was the six bytes of its name."""
+    tokenizer, vocab = sentencepiece_tokenizer()
+    expected = {"é": "é".encode(), "Ā": "Ā".encode(), "\u2581é": b" \xc3\xa9", "<0x9F>": b"\x9f",
+                "\u2581": b" "}  # fmt: skip
+    assert {piece: token_bytes(tokenizer, vocab[piece]) for piece in expected} == expected
+    ids = [vocab[p] for p in ("é", "\u2581é", "<0xF0>", "<0x9F>", "<0x98>", "<0x80>", "Ā")]
+    assert b"".join(token_bytes(tokenizer, i) for i in ids).decode() == tokenizer.decode(ids)
 
 
 def test_tokens_after_a_stop_string_are_no_part_of_the_answer(tokenizer):
