@@ -7,7 +7,7 @@ sampling all go the chat's way:
     instructions                      a system message first
     input: "text"                     one user message
     input: [items]                    messages, in order:
-      {"role", "content": str | [parts]}   (role "developer" kept, as chat takes it)
+      {"role", "content": str | [parts]}   (role "developer" as chat takes it)
         input_text / output_text      -> text
         input_image {image_url, detail, uuid}
                                       -> image_url (http(s) or data: URL)

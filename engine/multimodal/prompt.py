@@ -223,7 +223,9 @@ class PromptProcessor:
         context = {name: value for name, value in self.special_tokens.items() if value is not None}
         context.update(template_kwargs or {})
         normalized = normalize_messages(
-            messages, join_text=not takes_content_parts(template_source)
+            messages,
+            join_text=not takes_content_parts(template_source),
+            developer_as_system="developer" not in template_source,
         )
         context.update(
             messages=normalized, tools=tools, add_generation_prompt=add_generation_prompt
@@ -353,11 +355,16 @@ class PromptProcessor:
         )
 
 
-def normalize_messages(messages: list[dict], *, join_text: bool = False) -> list[dict]:
+def normalize_messages(
+    messages: list[dict], *, join_text: bool = False, developer_as_system: bool = False
+) -> list[dict]:
     """Copy OpenAI-shaped messages into what chat templates expect: media parts become
     {"type": "image"} / {"type": "video"}, text parts {"type": "text", "text": ...}. With
     `join_text` (a template that takes content as a string), a content of text parts only
-    is their texts joined by newlines, as vLLM joins them."""
+    is their texts joined by newlines, as vLLM joins them. With `developer_as_system` (a
+    template that never names the role), a "developer" message is a "system" one: OpenAI's
+    name for it since o1, which such a template would drop (Qwen3's) or render as a role
+    its model never saw (Qwen2-VL's)."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("messages must be a non-empty list", param="messages")
     normalized = []
@@ -367,6 +374,8 @@ def normalize_messages(messages: list[dict], *, join_text: bool = False) -> list
                 "each message must be an object with a string role", param=f"messages[{index}]"
             )
         copy = dict(message)
+        if developer_as_system and copy["role"] == "developer":
+            copy["role"] = "system"
         content = message.get("content")
         if isinstance(content, list):
             copy["content"] = [

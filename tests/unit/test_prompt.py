@@ -406,3 +406,19 @@ def test_a_null_content_and_earlier_thinking_reach_the_template_as_in_vllm(proce
     text = processor.render_chat(messages_as_dicts(messages), chat_template=STRING_TEMPLATE,
                                  add_generation_prompt=False)  # fmt: skip
     assert text == "<assistant>[plan]</><assistant>x[more]!</>"
+
+
+def test_a_developer_message_is_a_system_one_for_a_template_that_never_names_the_role(
+    processor,
+):
+    """Qwen3's template renders system, user, assistant and tool only: a developer message
+    (OpenAI's instructions role) vanished from the prompt. A template that names the role
+    still gets it."""
+    messages = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    only_known = ("{% for m in messages %}{% if m.role in ['system', 'user'] %}<{{ m.role }}>"
+                  "{{ m.content }}{% endif %}{% endfor %}")  # fmt: skip
+    text = processor.render_chat(messages, chat_template=only_known, add_generation_prompt=False)
+    assert text == "<system>Be brief.<user>hi"
+    knows_it = only_known.replace("'user']", "'user', 'developer']")
+    text = processor.render_chat(messages, chat_template=knows_it, add_generation_prompt=False)
+    assert text == "<developer>Be brief.<user>hi"
