@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 import time
 import uuid
@@ -174,11 +175,11 @@ def _token_pieces(
     if not offsets:
         yield text, result.logprobs, result.finish_reason
         return
-    for i, start in enumerate(offsets):
+    bounds = list(itertools.accumulate([0, *offsets[1:], len(text)], max))  # the whole text
+    for i in range(len(offsets)):
         last = i == len(offsets) - 1
-        end = len(text) if last else offsets[i + 1]
-        entries = result.logprobs[i : i + 1]
-        yield text[0 if i == 0 else start : end], entries, result.finish_reason if last else None
+        piece = text[bounds[i] : bounds[i + 1]]
+        yield piece, result.logprobs[i : i + 1], result.finish_reason if last else None
 
 
 def reasoning_part(text: str) -> dict[str, Any]:
