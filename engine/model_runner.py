@@ -180,9 +180,10 @@ class ModelRunner:
         capacity = self.num_kv_blocks * self.block_size
         if capacity < self.max_model_len:
             logger.warning(
-                "the KV cache holds %d tokens, fewer than max_model_len=%d: requests that "
-                "could grow longer are refused; lower --max-model-len or give the cache "
-                "more memory (--gpu-memory-utilization, --kv-cache-memory-gib)",
+                "the KV cache holds %d tokens, fewer than max_model_len=%d: a request's "
+                "default max_tokens is held to the cache's room and one that asks for more "
+                "is refused; lower --max-model-len or give the cache more memory "
+                "(--gpu-memory-utilization, --kv-cache-memory-gib)",
                 capacity,
                 self.max_model_len,
             )

@@ -133,6 +133,7 @@ def build_app(
             model_name=model_name,
             max_model_len=ready.max_model_len,
             vocab_size=ready.vocab_size,
+            kv_capacity_tokens=ready.num_kv_blocks * ready.block_size,
             eos_token_ids=tuple(ready.eos_token_ids),
             sampling_defaults=sampling_defaults,
         )

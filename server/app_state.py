@@ -34,6 +34,7 @@ class AppState:
     model_name: str
     max_model_len: int
     vocab_size: int
+    kv_capacity_tokens: int | None = None  # the KV cache's slots: one request's bound too
     eos_token_ids: tuple[int, ...] = ()  # the engine's: the model's EOS and generation_config's
     sampling_defaults: SamplingDefaults = OPENAI_DEFAULTS  # --generation-config
 

@@ -166,18 +166,54 @@ async def check_structured_output(request: SamplingFields) -> None:
 OPENAI_DEFAULTS = SamplingDefaults()
 
 
+def _fit_kv_cache(
+    max_tokens: int,
+    num_prompt_tokens: int,
+    kv_capacity: int,
+    max_model_len: int,
+    *,
+    asked: bool,
+    param: str,
+) -> int:
+    """`max_tokens` within a KV cache smaller than the context: a default one (not
+    `asked`) shrinks to the cache's room, as it does to the context's; one the request
+    asked for must fit, which the engine would check only after a stream had opened
+    (prompt + max_tokens, at most the context, in the cache). `param` names the field at
+    fault: the prompt's, or the one that asked."""
+    if not asked:
+        if num_prompt_tokens >= kv_capacity:
+            raise ContextLengthExceeded(
+                f"the prompt is {num_prompt_tokens} tokens, which leaves no room to generate "
+                f"in the server's KV cache of {kv_capacity} tokens",
+                param=param,
+            )
+        return min(max_tokens, kv_capacity - num_prompt_tokens)
+    needed = min(num_prompt_tokens + max_tokens, max_model_len)
+    if needed > kv_capacity:
+        raise ContextLengthExceeded(
+            f"prompt ({num_prompt_tokens} tokens) + {param} ({max_tokens}) needs {needed} KV "
+            f"slots but the server's KV cache holds {kv_capacity}",
+            param=param,
+        )
+    return max_tokens
+
+
 def build_sampling_params(
     request: SamplingFields,
     *,
     num_prompt_tokens: int,
     max_model_len: int,
+    kv_capacity: int | None = None,
     defaults: SamplingDefaults = OPENAI_DEFAULTS,
 ) -> SamplingParams:
     """Validate the sampling fields against the model and build the engine's params; a
-    field the request leaves out takes its value from `defaults`."""
+    field the request leaves out takes its value from `defaults`. `kv_capacity`: the KV
+    cache's slots, which bound one request too where they are fewer than the context."""
     requested = request.requested_max_tokens  # type: ignore[attr-defined]
     room = max_model_len - num_prompt_tokens
     prompt_param = "messages" if hasattr(request, "messages") else "prompt"
+    max_param = ("max_completion_tokens"  # chat's newer name, when that is what came
+                 if getattr(request, "max_completion_tokens", None) is not None else "max_tokens")  # fmt: skip
     if room < 0:
         raise ContextLengthExceeded(
             f"the prompt is {num_prompt_tokens} tokens, longer than this model's context "
@@ -201,9 +237,13 @@ def build_sampling_params(
                 f"this model's maximum context length is {max_model_len} tokens; the request "
                 f"has {num_prompt_tokens} prompt tokens and asks for {asked} completion "
                 f"tokens ({num_prompt_tokens + asked} in all)",
-                param="max_tokens",
+                param=max_param,
             )
         max_tokens = defaults.max_tokens_for(requested, room)
+    if kv_capacity is not None and kv_capacity < max_model_len:
+        max_tokens = _fit_kv_cache(max_tokens, num_prompt_tokens, kv_capacity, max_model_len,
+                                   asked=requested is not None,
+                                   param=max_param if requested is not None else prompt_param)  # fmt: skip
     if request.min_tokens > max_tokens:
         raise InvalidRequest(
             f"min_tokens ({request.min_tokens}) must not exceed max_tokens ({max_tokens})",

@@ -66,6 +66,7 @@ def build_job(state: AppState, body: Any, prompt: Any, *, prefix: str) -> Genera
         body,
         num_prompt_tokens=len(prompt.token_ids),
         max_model_len=state.max_model_len,
+        kv_capacity=state.kv_capacity_tokens,
         defaults=state.sampling_defaults,
     )
     if body.bad_words:

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import base64
 
+import httpx
 import pytest
 
-from tests.e2e.conftest import MODEL_NAME
+from tests.e2e.conftest import MODEL_NAME, run_server
 
 TEXT = [{"role": "user", "content": "hi"}]
 
@@ -179,3 +180,41 @@ def test_a_huge_prompt_leaves_the_server_answering(server, capsys):
     tokenize, completion = ([cell.strip() for cell in line.split("|")[2:5]] for line in lines)
     assert tokenize[0] == "200" and float(tokenize[2]) < float(tokenize[1]) / 2
     assert completion[0] == "400" and float(completion[1]) < 2.0
+
+
+@pytest.fixture(scope="module")
+def short_cache_http(model_dir, tmp_path_factory):
+    """A KV cache of 8 blocks of 16 tokens (128 slots) under a context of 512 tokens."""
+    log_path = tmp_path_factory.mktemp("logs") / "short_cache_server.log"
+    extra = ("--num-kv-blocks", "8", "--max-model-len", "512")
+    with run_server(model_dir, log_path, *extra) as handle:
+        with httpx.Client(base_url=handle.base_url, timeout=120) as session:
+            yield session
+
+
+def test_a_kv_cache_shorter_than_the_context_bounds_requests_before_they_start(short_cache_http):
+    """Every request that left max_tokens out was refused (its default, the context's room,
+    could not fit the cache) naming max_tokens, which it never sent; and a stream that
+    asked for too much got a 200 and then an error event."""
+    http = short_cache_http
+    body = chat()
+    del body["max_tokens"]
+    answer = post(http, body)
+    assert answer.status_code == 200, answer.text
+    usage = answer.json()["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] <= 128
+    for fields, path in (({"max_completion_tokens": 400}, "/v1/chat/completions"),
+                         ({"max_completion_tokens": 400, "stream": True}, "/v1/chat/completions"),
+                         ({"max_tokens": 400, "stream": True}, "/v1/completions")):  # fmt: skip
+        body = chat(**fields)
+        if path == "/v1/completions":
+            body = {"model": MODEL_NAME, "prompt": "hi", **fields}
+        param = next(iter(fields))
+        error = assert_error(post(http, body, path), 400, "context_length_exceeded", param)
+        assert "KV cache holds 128" in error["message"]
+
+
+def test_the_context_error_names_the_field_that_asked(http):
+    body = chat(max_completion_tokens=5000)
+    del body["max_tokens"]
+    assert_error(post(http, body), 400, "context_length_exceeded", "max_completion_tokens")
