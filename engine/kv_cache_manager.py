@@ -64,6 +64,11 @@ class KVCacheManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def reads_cache_for(self, request: Request) -> bool:
+        """Whether a new request's prompt is looked up in the cache: not with caching off,
+        nor for one that scores its prompt (cached rows have no logits)."""
+        return self.enable_prefix_caching and request.sampling.prompt_logprobs is None
+
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """Cached full blocks matching the start of a request with no KV yet.
 

@@ -228,8 +228,9 @@ class Scheduler:
             request.scheduled_time = request.scheduled_time or time.monotonic()
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_cached
-                self.counters.prefix_cache_queries += request.num_prompt_tokens
-                self.counters.prefix_cache_hits += num_cached
+                if self.kv.reads_cache_for(request):  # as vLLM: only lookups that happen
+                    self.counters.prefix_cache_queries += request.num_prompt_tokens
+                    self.counters.prefix_cache_hits += num_cached
             run(request, num_cached, num_tokens)
 
         return SchedulerOutput(

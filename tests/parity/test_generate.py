@@ -335,3 +335,20 @@ def test_logit_bias_matches_transformers_sequence_bias(reference, prompts):
     assert results[0].token_ids == expected
     assert results[1].error.param == "logit_bias" and results[1].token_ids == []
     check(results[2:], reference, prompts, [0])
+
+
+def test_prefix_cache_queries_count_only_lookups_that_happen(reference, prompts):
+    """With caching off every prompt token counted as a query that missed (a 0% hit rate
+    on dashboards where there is no cache), and so did a prompt scored for its logprobs,
+    which never reads the cache. vLLM counts neither."""
+
+    def queries(llm, sampling):
+        llm.generate([prompts[0]], sampling)
+        return sum(stats.prefix_cache_queries_total for stats in llm.last_stats)
+
+    uncached = LLM(str(reference.model_dir), num_kv_blocks=256, enable_prefix_caching=False)
+    assert queries(uncached, GREEDY) == 0
+    cached = LLM(str(reference.model_dir), num_kv_blocks=256)
+    scored = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1)
+    assert queries(cached, scored) == 0
+    assert queries(cached, GREEDY) > 0
