@@ -74,11 +74,14 @@ class MediaProcessing:
                     param=f"{param}.{name}",
                 )
         max_frames = max_frames or video.max_frames
+        # Qwen3-VL's video bounds are on the whole video, and its processor takes no
+        # per-frame ones (transformers'): there a request's bounds are its images' only.
+        frame = video.frame if video.qwen3 else _pixel_bounds(video.frame, min_pixels, max_pixels)
         return MediaProcessing(
             _pixel_bounds(image, min_pixels, max_pixels),
             replace(
                 video,
-                frame=_pixel_bounds(video.frame, min_pixels, max_pixels),
+                frame=frame,
                 fps=float(fps or video.fps),
                 max_frames=max_frames,
                 min_frames=min(video.min_frames, max_frames),

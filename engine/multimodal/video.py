@@ -96,7 +96,7 @@ class VideoConfig:
                   "qwen3": _is_qwen3_vl(Path(model_dir))}  # fmt: skip
         path = Path(model_dir) / "video_preprocessor_config.json"
         if not path.is_file():
-            return cls(image_config, **limits)
+            return cls(image_config, min_frames=min(DEFAULT_MIN_FRAMES, max_frames), **limits)
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
             frame = ImageProcessorConfig.from_dict(data)
@@ -105,16 +105,18 @@ class VideoConfig:
         except (ValueError, TypeError, AttributeError) as exc:
             raise ModelLoadError(f"video_preprocessor_config.json is invalid: {exc}") from exc
 
-    def qwen3_max_pixels(self, num_frames: int) -> int:
-        """Qwen3-VL's bound on the whole video's t x h x w: with `max_tokens`, each frame's
-        share of it (at most that many tokens' pixels, at least 1.05 x `min_pixels`) times
-        the frames, as its processor's `cap_pixels_per_frame=True`."""
+    def qwen3_max_pixels(self) -> int:
+        """Qwen3-VL's bound on the whole video's t x h x w (its config's own bound is on the
+        whole video too): with `max_tokens`, 90% of that many tokens' pixels, as
+        `frame_max_pixels` shares them out for Qwen2-VL, so that `--max-video-tokens`
+        bounds one video's tokens on every model. (transformers' Qwen3-VL processor reads
+        its `max_video_tokens` per frame, which let a video cost up to frames/2 times the
+        flag; at the defaults neither binds: the model's bound is 12288 tokens.)"""
         frame = self.frame
         if self.max_tokens is None:
             return frame.max_pixels
-        cap = self.max_tokens * frame.factor * frame.factor
-        share = max(min(cap, frame.max_pixels // max(num_frames, 1)), int(frame.min_pixels * 1.05))
-        return share * num_frames
+        budget = int(self.max_tokens * frame.factor * frame.factor * 0.9)
+        return max(min(frame.max_pixels, budget * frame.temporal_patch_size), frame.min_pixels)
 
     def frame_max_pixels(self, num_frames: int) -> int:
         """Per-frame pixel bound for a video of `num_frames` sampled frames.
@@ -223,7 +225,7 @@ def qwen3_video_size(
     `min_pixels` .. `qwen3_max_pixels`."""
     frame = config.frame
     factor, temporal = frame.factor, frame.temporal_patch_size
-    min_pixels, max_pixels = frame.min_pixels, config.qwen3_max_pixels(num_frames)
+    min_pixels, max_pixels = frame.min_pixels, config.qwen3_max_pixels()
     if height < factor or width < factor:
         scale = max(factor / height, factor / width)
         height, width = int(height * scale), int(width * scale)

@@ -51,3 +51,12 @@ def test_kwargs_narrow_both_kinds():
     assert (chosen.video.fps, chosen.video.max_frames, chosen.video.min_frames) == (1.0, 3, 3)
     assert chosen.cache_tag("video") != DEFAULT.cache_tag("video")
     assert chosen.cache_tag("image") != DEFAULT.cache_tag("image")
+
+
+def test_a_requests_pixel_bounds_leave_qwen3_vl_videos_to_their_own():
+    """Qwen3-VL's video bounds are on the whole video (t x h x w), and its processor takes
+    no per-frame ones: a request's max_pixels of 8192 shrank a video's frames to 2048 px."""
+    qwen3 = MediaProcessing(IMAGE, VideoConfig(IMAGE, max_frames=16, qwen3=True))
+    chosen = qwen3.narrowed({"max_pixels": 200_000, "min_pixels": 5000})
+    assert chosen.image.max_pixels == 200_000 and chosen.image.min_pixels == 5000
+    assert chosen.video.frame == IMAGE

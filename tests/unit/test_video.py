@@ -344,6 +344,30 @@ def test_a_token_budget_shrinks_the_frames_as_transformers_cap_does():
     assert config.frame_max_pixels(10_000) == int(56 * 56 * 1.05)
 
 
+def test_a_token_budget_bounds_a_whole_qwen3_vl_video():
+    """On Qwen3-VL the budget capped each frame (transformers' per-frame meaning of its own
+    max_video_tokens): a 16-frame clip cost ~1946 tokens under --max-video-tokens 256."""
+    from engine.multimodal.video import qwen3_video_size
+
+    frame = ImageProcessorConfig(min_pixels=4096, max_pixels=25_165_824, patch_size=16)
+    for max_tokens, frames in ((256, 16), (256, 64), (2000, 32)):
+        config = VideoConfig(frame, max_tokens=max_tokens, qwen3=True)
+        height, width = qwen3_video_size(frames, 480, 640, config)
+        tokens = frames // 2 * (height // 32) * (width // 32)
+        assert 0.7 * max_tokens <= tokens <= 0.9 * max_tokens, (max_tokens, frames, tokens)
+    # The default budget leaves the model's own bound (12288 tokens) to bind.
+    config = VideoConfig(frame, qwen3=True)
+    assert config.qwen3_max_pixels() == frame.max_pixels
+
+
+def test_fewer_than_four_frames_without_a_video_config(tmp_path):
+    """The start-up failed with a traceback: min_frames stayed at 4 over a max of 2."""
+    (tmp_path / "preprocessor_config.json").write_text('{"min_pixels": 3136, "max_pixels": 200704}')
+    for max_frames in (1, 2, 3):
+        config = VideoConfig.from_model_dir(tmp_path, max_frames=max_frames)
+        assert config.min_frames == config.max_frames == max_frames
+
+
 def test_content_hash_follows_the_frames_and_the_settings():
     frames = frames_of(*moving_pictures(84, 56, 4))
     first = process_video(frames, CONFIG)
