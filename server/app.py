@@ -32,11 +32,7 @@ from server.chat import UUIDS, media_parts, messages_as_dicts, prepare_chat_prom
 from server.completions import chat_response, completion_response, prepare_completion_prompt
 from server.disconnects import ClientDisconnected, unless_client_leaves
 from server.errors import error_body, install_error_handlers
-from server.generation import (
-    GenerationTotals,
-    check_structured_output,
-    check_token_ids,
-)
+from server.generation import GenerationTotals
 from server.jobs import build_job, prompt_bound, tokenised_off_the_loop_if_long
 from server.json_body import BoundedJsonRoute
 from server.metrics import API_CPU_COUNT_INTERVAL_S, ServerMetrics
@@ -52,6 +48,7 @@ from server.request_limits import RequestLimitMiddleware
 from server.request_log import RequestLogMiddleware, arrival_of, record_of
 from server.response_events import ResponseShaper, stream_response
 from server.responses import ResponsesRequest, chat_request
+from server.sampling_params import check_structured_output, check_token_ids
 from server.settings import ServerSettings
 from server.streaming import (
     EventStreamResponse,

@@ -14,9 +14,9 @@ from engine.generation_defaults import SamplingDefaults
 from engine.multimodal.image_processor import ImageProcessorConfig
 from engine.multimodal.prompt import PromptProcessor
 from engine.multimodal.video import VideoConfig
-from server.generation import OPENAI_DEFAULTS
 from server.media_fetch import MediaFetchConfig, MediaFetcher
 from server.metrics import ServerMetrics
+from server.sampling_params import OPENAI_DEFAULTS
 from server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)

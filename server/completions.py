@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from engine.errors import InvalidRequest
 from engine.multimodal.prompt import PromptProcessor
-from server.generation import GenerationTotals, PreparedPrompt, check_token_ids
+from server.generation import GenerationTotals, PreparedPrompt
 from server.logprobs import chat_logprobs, prompt_logprobs
 from server.openai_models import CompletionRequest
 from server.openai_replies import (
@@ -19,6 +19,7 @@ from server.openai_replies import (
     ResponseToolCall,
 )
 from server.prompt_echo import PromptEcho
+from server.sampling_params import check_token_ids
 from server.streaming import ChoiceResult, GenerationJob, usage_of
 
 

@@ -99,7 +99,7 @@ class SamplingFields(RequestModel):
     seed: int | None = Field(default=None, ge=-MAX_INT64 - 1, le=MAX_INT64)
     stop: str | list[str] | None = None
     include_stop_str_in_output: bool = False  # vLLM's: the text ends with the stop string
-    # vLLM's: words the answer never writes (server/generation.py's bad_word_token_ids)
+    # vLLM's: words the answer never writes (server/sampling_params.py's bad_word_token_ids)
     bad_words: (
         list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]] | None
     ) = Field(default=None, max_length=MAX_BAD_WORDS)

@@ -281,7 +281,7 @@ class _StreamedOutput:
         self.message_index: int | None = None  # output_index of the open message
         self.message_id = shaper.message_id
         self.call_items: dict[int, tuple[int, str]] = {}  # call index -> (output_index, id)
-        self.open_call: tuple[int, ToolCall] | None = None  # (index, arguments so far)
+        self.open_call: tuple[int, ToolCall] | None = None  # (call index, the call so far)
         self.reasoning = ""
         self.reasoning_index: int | None = None  # output_index of the open reasoning item
         self.reasoning_id = f"rs_{uuid.uuid4().hex}"

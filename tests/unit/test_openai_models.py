@@ -10,8 +10,8 @@ from pydantic import ValidationError
 from engine.errors import ContextLengthExceeded, InvalidRequest
 from engine.protocol import StructuredOutput
 from server.errors import loc_to_param, validation_error_to_invalid
-from server.generation import build_sampling_params
 from server.openai_models import ChatCompletionRequest, CompletionRequest
+from server.sampling_params import build_sampling_params
 
 BASE = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

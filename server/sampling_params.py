@@ -1,0 +1,163 @@
+"""An OpenAI request's sampling fields, checked against the model and the server (context,
+KV cache, vocabulary, grammar), as the engine's `SamplingParams`."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import msgspec
+from tokenizers import Tokenizer
+
+from engine.errors import ContextLengthExceeded, InvalidRequest
+from engine.generation_defaults import SamplingDefaults
+from engine.protocol import SamplingParams
+from server.openai_models import SamplingFields
+
+
+async def check_structured_output(request: SamplingFields) -> None:
+    """A 400 naming the field when the request's grammar cannot be built. llguidance's
+    checks of a large schema can take a while: they run off the event loop."""
+    constraint = request.structured_output
+    if constraint is None:
+        return
+    from engine.structured_output import grammar_error  # llguidance only when asked for
+
+    spec, param = constraint
+    error = await asyncio.to_thread(grammar_error, spec)
+    if error is not None:
+        raise InvalidRequest(f"invalid {param}: {error[:500]}", param=param)
+
+
+OPENAI_DEFAULTS = SamplingDefaults()
+
+
+def _fit_kv_cache(
+    max_tokens: int,
+    num_prompt_tokens: int,
+    kv_capacity: int,
+    max_model_len: int,
+    *,
+    asked: bool,
+    param: str,
+) -> int:
+    """`max_tokens` within a KV cache smaller than the context: a default one (not
+    `asked`) shrinks to the cache's room, as it does to the context's; one the request
+    asked for must fit, which the engine would check only after a stream had opened
+    (prompt + max_tokens, at most the context, in the cache). `param` names the field at
+    fault: the prompt's, or the one that asked."""
+    if not asked:
+        if num_prompt_tokens >= kv_capacity:
+            raise ContextLengthExceeded(
+                f"the prompt is {num_prompt_tokens} tokens, which leaves no room to generate "
+                f"in the server's KV cache of {kv_capacity} tokens",
+                param=param,
+            )
+        return min(max_tokens, kv_capacity - num_prompt_tokens)
+    needed = min(num_prompt_tokens + max_tokens, max_model_len)
+    if needed > kv_capacity:
+        raise ContextLengthExceeded(
+            f"prompt ({num_prompt_tokens} tokens) + {param} ({max_tokens}) needs {needed} KV "
+            f"slots but the server's KV cache holds {kv_capacity}",
+            param=param,
+        )
+    return max_tokens
+
+
+def build_sampling_params(
+    request: SamplingFields,
+    *,
+    num_prompt_tokens: int,
+    max_model_len: int,
+    kv_capacity: int | None = None,
+    defaults: SamplingDefaults = OPENAI_DEFAULTS,
+) -> SamplingParams:
+    """Validate the sampling fields against the model and build the engine's params; a
+    field the request leaves out takes its value from `defaults`. `kv_capacity`: the KV
+    cache's slots, which bound one request too where they are fewer than the context."""
+    requested = request.requested_max_tokens  # type: ignore[attr-defined]
+    room = max_model_len - num_prompt_tokens
+    prompt_param = "messages" if hasattr(request, "messages") else "prompt"
+    max_param = ("max_completion_tokens"  # chat's newer name, when that is what came
+                 if getattr(request, "max_completion_tokens", None) is not None else "max_tokens")  # fmt: skip
+    if room < 0:
+        raise ContextLengthExceeded(
+            f"the prompt is {num_prompt_tokens} tokens, longer than this model's context "
+            f"length of {max_model_len} tokens",
+            param=prompt_param,
+        )
+    if requested is None:
+        if room < 1:
+            raise ContextLengthExceeded(
+                f"the prompt is {num_prompt_tokens} tokens, which leaves no room to generate "
+                f"in this model's context length of {max_model_len} tokens",
+                param=prompt_param,
+            )
+        max_tokens = defaults.max_tokens_for(None, room)
+    else:
+        # A prompt-only request (echo, max_tokens 0) needs no room: its one sampled token
+        # is never shown, nor fed back.
+        asked = 0 if getattr(request, "prompt_only", False) else requested
+        if num_prompt_tokens + asked > max_model_len:
+            raise ContextLengthExceeded(
+                f"this model's maximum context length is {max_model_len} tokens; the request "
+                f"has {num_prompt_tokens} prompt tokens and asks for {asked} completion "
+                f"tokens ({num_prompt_tokens + asked} in all)",
+                param=max_param,
+            )
+        max_tokens = defaults.max_tokens_for(requested, room)
+    if kv_capacity is not None and kv_capacity < max_model_len:
+        max_tokens = _fit_kv_cache(max_tokens, num_prompt_tokens, kv_capacity, max_model_len,
+                                   asked=requested is not None,
+                                   param=max_param if requested is not None else prompt_param)  # fmt: skip
+    if request.min_tokens > max_tokens:
+        raise InvalidRequest(
+            f"min_tokens ({request.min_tokens}) must not exceed max_tokens ({max_tokens})",
+            param="min_tokens",
+        )
+    num_logprobs = request.num_logprobs  # type: ignore[attr-defined]
+    top_k = request.top_k if request.top_k is not None else defaults.top_k
+    constraint = request.structured_output
+    return SamplingParams(
+        max_tokens=max_tokens,
+        min_tokens=request.min_tokens,
+        temperature=defaults.temperature if request.temperature is None else request.temperature,
+        top_p=defaults.top_p if request.top_p is None else request.top_p,
+        top_k=0 if top_k < 0 else top_k,
+        min_p=defaults.min_p if request.min_p is None else request.min_p,
+        seed=request.seed,
+        stop_token_ids=tuple(request.stop_token_ids or ()),
+        ignore_eos=request.ignore_eos,
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
+        repetition_penalty=defaults.repetition_penalty
+        if request.repetition_penalty is None
+        else request.repetition_penalty,
+        logprobs=num_logprobs,
+        prompt_logprobs=request.num_prompt_logprobs,  # type: ignore[attr-defined]
+        logit_bias=request.logit_bias_pairs,
+        allowed_token_ids=None
+        if request.allowed_token_ids is None
+        else tuple(sorted(set(request.allowed_token_ids))),
+        structured_output=msgspec.structs.replace(constraint[0], param=constraint[1])
+        if constraint
+        else None,
+    )
+
+
+def bad_word_token_ids(words: Sequence[str], tokenizer: Tokenizer) -> tuple[tuple[int, ...], ...]:
+    """The token sequences that `bad_words` ban: each word as it is tokenised at the start
+    of a text and after a space (byte-level BPE writes the two differently), once each."""
+    sequences: dict[tuple[int, ...], None] = {}
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tuple(tokenizer.encode(text, add_special_tokens=False).ids)
+            if ids:
+                sequences[ids] = None
+    return tuple(sequences)
+
+
+def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> None:
+    for token_id in token_ids:
+        if not 0 <= token_id < vocab_size:
+            raise InvalidRequest(f"token id {token_id} is outside the vocabulary", param=param)
