@@ -295,7 +295,7 @@ def _add_api_routes(api: APIRouter) -> None:
         with translation.responses_params():
             prompt = await _chat_prompt(state, translation.chat, request)
             job = build_job(state, translation.chat, prompt, prefix="resp_")  # as OpenAI
-        if not body.stream:  # the answer is replayed token by token (ResponseShaper.final)
+        if not body.stream or body.wants_logprobs:  # fed token by token (response_events)
             job = dataclasses.replace(job, text_offsets=True)
         ticket = _admit(request, state, job)
         shaper = ResponseShaper(job, body, state.processor.tokenizer, logprobs=body.wants_logprobs)

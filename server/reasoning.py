@@ -105,6 +105,12 @@ class ReasoningSplitter:
             return reasoning, content
 
     @property
+    def in_answer(self) -> bool:
+        """Whether text fed now is the answer's: past the thinking and the blank lines
+        after it, or in an answer that never opened any."""
+        return self._state == "content"
+
+    @property
     def in_thinking(self) -> bool:
         """Whether the text fed next is still the thinking's (or may open it): a token fed
         then is a reasoning token, if the answer has reasoning at all."""

@@ -156,9 +156,10 @@ class ResponseShaper:
         in the same order, with the same logprobs."""
         self.count_reasoning(result.token_ids)
         assembler = _Assembler(self, _no_event)
-        for text, entries, finish_reason in _token_pieces(result):
-            for _ in assembler.feed(text, entries, finish_reason):
-                pass
+        events = assembler.feed_tokens(result.text, result.text_offsets, result.logprobs,
+                                       result.finish_reason)  # fmt: skip
+        for _ in events:
+            pass
         return self.response(response_status(result.finish_reason), assembler.items.output, totals)
 
 
@@ -167,19 +168,23 @@ def _no_event(kind: str, **fields: Any) -> bytes:
 
 
 def _token_pieces(
-    result: ChoiceResult,
+    text: str,
+    offsets: Sequence[int],
+    entries: Sequence[TokenLogprob],
+    finish_reason: str | None,
+    start: int = 0,
 ) -> Iterator[tuple[str, Sequence[TokenLogprob], str | None]]:
-    """A finished choice as a stream would have brought it: each token's text (from its
-    `text_offsets`) and logprob entry, the finish reason with the last."""
-    offsets, text = result.text_offsets, result.text
+    """`text` (at `start` in its choice's text) token by token, as a stream of one token
+    a delta brings it: each token's text (from its `offsets` in the choice's text) and
+    logprob entry, `finish_reason` with the last. Without offsets, one piece."""
     if not offsets:
-        yield text, result.logprobs, result.finish_reason
+        yield text, entries, finish_reason
         return
-    bounds = list(itertools.accumulate([0, *offsets[1:], len(text)], max))  # the whole text
+    cuts = [0, *(offset - start for offset in offsets[1:]), len(text)]
+    bounds = list(itertools.accumulate(cuts, max))  # the pieces make up the whole text
     for i in range(len(offsets)):
         last = i == len(offsets) - 1
-        piece = text[bounds[i] : bounds[i + 1]]
-        yield piece, result.logprobs[i : i + 1], result.finish_reason if last else None
+        yield text[bounds[i] : bounds[i + 1]], entries[i : i + 1], finish_reason if last else None
 
 
 def reasoning_part(text: str) -> dict[str, Any]:
@@ -239,17 +244,31 @@ class _Assembler:
         self.extractor = shaper.job.tools.extractor() if shaper.job.tools is not None else None
         self.splitter = shaper.job.reasoning_splitter()
 
+    def feed_tokens(
+        self,
+        text: str,
+        offsets: Sequence[int],
+        entries: Sequence[TokenLogprob],
+        finish_reason: str | None,
+        start: int = 0,
+    ) -> Iterator[bytes]:
+        """`feed` token by token where `offsets` say where each token's text begins (in
+        the choice's text, where `text` begins at `start`): each entry then goes with its
+        own token's text. Without offsets, `text` in one piece."""
+        for piece in _token_pieces(text, offsets, entries, finish_reason, start):
+            yield from self.feed(*piece)
+
     def feed(
         self, text: str, entries: Sequence[TokenLogprob], finish_reason: str | None
     ) -> Iterator[bytes]:
         """A delta's text and its tokens' entries; `finish_reason` with the last."""
         last = finish_reason is not None
         if self.splitter is not None:  # the thinking first, then the answer
-            thinking = self.splitter.in_thinking
+            before_answer = not self.splitter.in_answer
             reasoning, text = self.splitter.feed(text, last=last)
             yield from self.items.add_reasoning(reasoning)
-            if thinking and self.splitter.has_reasoning:
-                # the thinking's tokens, its tags included (as usage counts them)
+            if before_answer and self.splitter.has_reasoning:
+                # the thinking's tokens, its tags and the blank lines after it included
                 self.items.pending = []
                 if not text:
                     entries = ()
@@ -436,12 +455,18 @@ async def stream_response(
         yield event("response.in_progress", response=shaper.response("in_progress", []))
         assembler = _Assembler(shaper, event)
         token_ids: list[int] = []
+        sent = 0  # characters of the answer's text fed so far
         try:
             async with contextlib.aclosing(run_job(job, engine, tokenizer, totals)) as deltas:
                 async for delta in deltas:
                     token_ids += delta.token_ids
-                    for chunk in assembler.feed(delta.text, delta.logprobs, delta.finish_reason):
+                    # With logprobs (text_offsets), a delta of several tokens goes in token
+                    # by token, as `final` feeds them.
+                    for chunk in assembler.feed_tokens(delta.text, delta.text_offsets,
+                                                       delta.logprobs, delta.finish_reason,
+                                                       sent):  # fmt: skip
                         yield chunk
+                    sent += len(delta.text)
                     if delta.finish_reason is None:
                         continue
                     shaper.count_reasoning(token_ids)

@@ -60,6 +60,7 @@ from server.openai_models import (
 PASSTHROUGH_FIELDS = (
     "seed",
     "stop",
+    "include_stop_str_in_output",
     "top_k",
     "min_p",
     "presence_penalty",

@@ -51,6 +51,18 @@ def test_text_input_answers_as_the_chat_completion(client):
         assert response.status == "completed" and response.incomplete_details is None
 
 
+def test_the_chats_extras_ride_along_as_on_chat(client):
+    """include_stop_str_in_output was ignored: the stop string was cut off."""
+    full = respond(client, input="Tell me about the sea.", **GREEDY).output_text
+    stop = full[len(full) // 2 :][:2]
+    extras = {"stop": [stop], "include_stop_str_in_output": True}
+    response = respond(client, input="Tell me about the sea.", **GREEDY, extra_body=extras)
+    reference = chat(client, [{"role": "user", "content": "Tell me about the sea."}],
+                     temperature=0, max_tokens=12, extra_body=extras)  # fmt: skip
+    assert response.output_text == reference.choices[0].message.content
+    assert response.output_text.endswith(stop)
+
+
 def test_instructions_images_and_earlier_turns_become_the_chat_messages(client):
     url = data_url(picture(64, 48, 3))
     items = [

@@ -129,13 +129,13 @@ def test_a_text_part_has_the_logprobs_of_its_own_tokens(tokenizer):
     """They held every token's: the thinking's, and a call's, and the stream sent the
     thinking's with the first text delta and a call's only with output_text.done."""
     thinking = shaper_for(tokenizer, tools=None, thinking=False)
-    feeds = ["<think>", "hmm", "</think>", "Hello", " world"]
+    feeds = ["<think>", "hmm", "</think>", "\n\n", "Hello", " world"]  # the blank lines too
     events, output = events_of(feeds, thinking)
     assert [item["type"] for item in output] == ["reasoning", "message"]
-    assert logprob_ids(output[1]) == [3, 4]
+    assert logprob_ids(output[1]) == [4, 5]
     deltas = [e for e in events if e["type"] == "response.output_text.delta"]
-    assert [[-lp["logprob"] for lp in e["logprobs"]] for e in deltas] == [[3], [4]]
-    assert logprob_ids(final_of(feeds, thinking)[1]) == [3, 4]
+    assert [[-lp["logprob"] for lp in e["logprobs"]] for e in deltas] == [[4], [5]]
+    assert logprob_ids(final_of(feeds, thinking)[1]) == [4, 5]
 
     calling = shaper_for(tokenizer)
     feeds = ["Hi ", "there\n", *CALL.partition("{")[::2][:1], "{" + CALL.partition("{")[2]]
@@ -147,3 +147,25 @@ def test_a_text_part_has_the_logprobs_of_its_own_tokens(tokenizer):
             for lp in e["logprobs"]]  # fmt: skip
     assert sent == [-lp["logprob"] for lp in done["logprobs"]] == [0, 1]
     assert logprob_ids(final_of(feeds, calling)[0]) == [0, 1]
+
+
+def test_a_delta_of_several_tokens_gives_each_entry_to_its_own_tokens_text(tokenizer):
+    """With --stream-interval 4 a delta brought several tokens, and all their entries went
+    with its text: a call's opening tokens, </think>'s, a held stop string's."""
+    feeds = ["<think>", "hm", "</th", "ink>", "Hi", " there\n", "<", "tool_call>\n",
+             '{"name": "get_time", "arguments": {}}\n</tool_call>']  # fmt: skip
+    entries = entries_for(feeds)
+    offsets = [sum(map(len, feeds[:i])) for i in range(len(feeds))]
+    one_by_one = _Assembler(shaper_for(tokenizer, thinking=False), _EventWriter())
+    for i, text in enumerate(feeds):
+        list(one_by_one.feed(text, entries[i : i + 1], "stop" if i == len(feeds) - 1 else None))
+    in_fours = _Assembler(shaper_for(tokenizer, thinking=False), _EventWriter())
+    for start in range(0, len(feeds), 4):
+        chunk = slice(start, start + 4)
+        last = start + 4 >= len(feeds)
+        list(in_fours.feed_tokens("".join(feeds[chunk]), offsets[chunk], entries[chunk],
+                                  "stop" if last else None, offsets[start]))  # fmt: skip
+    expected = without_ids(one_by_one.items.output)
+    assert [item["type"] for item in expected] == ["reasoning", "message", "function_call"]
+    assert logprob_ids(expected[1]) == [4, 5]
+    assert without_ids(in_fours.items.output) == expected
