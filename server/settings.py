@@ -229,7 +229,7 @@ def usable_cores(cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
         quota, period = cpu_max.read_text().split()[:2]
         if quota != "max":
             cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
-    except (OSError, ValueError):  # no cgroup v2 (or another layout): the affinity stands
+    except (OSError, ValueError, ZeroDivisionError):  # no cgroup v2 quota: the affinity stands
         pass
     return cores
 

@@ -116,8 +116,9 @@ def test_usable_cores_honour_a_cgroup_cpu_quota(tmp_path: Path) -> None:
     assert usable_cores(cpu_max) == min(affinity, 2)
     cpu_max.write_text("10000 100000\n")  # a tenth of a core is still one
     assert usable_cores(cpu_max) == 1
-    cpu_max.write_text("garbled\n")
-    assert usable_cores(cpu_max) == affinity
+    for garbled in ("garbled\n", "100000 0\n"):
+        cpu_max.write_text(garbled)
+        assert usable_cores(cpu_max) == affinity
 
 
 def test_api_server_count_is_checked() -> None:
