@@ -167,6 +167,12 @@ class EngineCore:
         self._pending += self.features.abort(request_ids)
         self._pending += self.scheduler.abort(list(request_ids))
 
+    def settle(self) -> None:
+        """Finishes a step launched ahead, if any (its outputs dropped): for a caller that
+        stopped reading mid-call and aborted what it waited for (`LLM.generate`)."""
+        if self._in_flight is not None:
+            self.step()
+
     def has_unfinished_requests(self) -> bool:
         return (
             self._in_flight is not None

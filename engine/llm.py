@@ -9,12 +9,19 @@ A prompt is a str (raw text, tokenized as is, no chat template), a list[int]
 chat rendering keys of the HTTP API: "add_generation_prompt", "continue_final_message" and
 "chat_template_kwargs".
 Bad input for one prompt gives that prompt a result with `error` set (or raises
-`InvalidRequest` when `raise_on_error=True`); the others still complete.
+`InvalidRequest` when `raise_on_error=True`); the others still complete. That includes
+`SamplingParams` fields of the wrong type, which its constructor does not check (`typed`).
+One `generate()` runs at a time (another thread's waits for it); one that does not return
+(Ctrl-C) aborts its requests, so the next call starts clean. An `LLM` dropped without
+`close()` is closed when it is collected.
 """
 
 from __future__ import annotations
 
 import itertools
+import re
+import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -86,11 +93,15 @@ class LLM:
             self.image_config = ImageProcessorConfig.from_model_dir(model)
             self.video_config = VideoConfig.from_model_dir(model)
         self._ids = itertools.count()
+        self._one_call = threading.Lock()
+        # Dropped without close(), the engine's helpers stop anyway: a tensor-parallel
+        # group's zmq context collected with its sockets open hangs the collector.
+        self._closer = weakref.finalize(self, self.engine.close)
         self.last_stats: list = []  # EngineStats of the last generate() call, one per step
 
     def close(self) -> None:
         """Stops the engine's helpers (feature fetcher, tensor-parallel workers)."""
-        self.engine.close()
+        self._closer()
 
     def __enter__(self) -> LLM:
         return self
@@ -135,21 +146,40 @@ class LLM:
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
-        params = sampling_params or self.default_sampling_params()
+        params = self.default_sampling_params() if sampling_params is None else sampling_params
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else params
         if len(params_list) != len(prompts):
             raise ValueError("pass one SamplingParams or one per prompt")
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise ValueError("pass one priority per prompt")
-        request_ids, prompt_ids = [], {}
+        request_ids: list[str] = []
+        with self._one_call:  # the engine loop is this call's alone (vLLM's LLM has no lock)
+            try:
+                return self._run(prompts, params_list, priorities, raise_on_error, request_ids)
+            except BaseException:
+                # Ctrl-C, or an error escaping mid-call: none of this call's requests may
+                # stay in the engine, half stepped, to fail the next call's.
+                self.engine.abort_requests(request_ids)
+                self.engine.settle()
+                raise
+
+    def _run(
+        self,
+        prompts: Sequence[Prompt],
+        params_list: Sequence[SamplingParams],
+        priorities: Sequence[int],
+        raise_on_error: bool,
+        request_ids: list[str],
+    ) -> list[GenerationResult]:
+        prompt_ids = {}
         outputs: dict[str, list] = {}
         results: dict[str, GenerationResult] = {}
         for prompt, sampling, rank in zip(prompts, params_list, priorities, strict=True):
             request_id = f"llm-{next(self._ids)}"
             request_ids.append(request_id)
             try:
-                request, tensors = self._build_request(request_id, prompt, sampling)
+                request, tensors = self._build_request(request_id, prompt, typed(sampling))
                 request = msgspec.structs.replace(request, priority=rank)
             except TesseraError as exc:
                 if raise_on_error:
@@ -263,6 +293,8 @@ class LLM:
             rendering.setdefault("add_generation_prompt", False)
         if "chat_template_kwargs" in rendering:
             rendering["template_kwargs"] = rendering.pop("chat_template_kwargs")
+            if not isinstance(rendering["template_kwargs"], dict):
+                raise InvalidRequest("chat_template_kwargs is a dict", param="chat_template_kwargs")
         processed = self.prompt_processor.process_chat(
             messages,
             media_token_counts=[
@@ -327,4 +359,26 @@ class LLM:
             np.array(frame.convert("RGB") if hasattr(frame, "convert") else frame)
             for frame in video
         ]
+        if not all(f.dtype == np.uint8 and f.ndim == 3 and f.shape[2] == 3 for f in frames):
+            raise InvalidRequest(
+                "a video's frames are PIL images or [H, W, 3] uint8 arrays", param=param
+            )
         return process_video(frames, processing.video)
+
+
+def typed(sampling: Any) -> SamplingParams:
+    """`sampling` with every field's type checked, which a msgspec Struct's constructor
+    does not do (the server's are decoded, and so checked): a wrong type fails its own
+    prompt, naming the field, instead of a step for the whole batch."""
+    if not isinstance(sampling, SamplingParams):
+        raise InvalidRequest(
+            f"sampling params are a SamplingParams, not {type(sampling).__name__}",
+            param="sampling_params",
+        )
+    try:
+        return msgspec.convert(msgspec.to_builtins(sampling), SamplingParams)
+    except msgspec.ValidationError as exc:
+        field = re.search(r"at `\$\.(\w+)", str(exc))
+        raise InvalidRequest(
+            f"invalid sampling params: {exc}", param=field.group(1) if field else "sampling_params"
+        ) from None

@@ -31,6 +31,8 @@ from engine.protocol import (
 from engine.request import MediaItem, Request
 from engine.sampler import token_bitmask
 
+MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default max_logprobs
+
 
 class RequestBuilder:
     """Builds checked Requests for one model and engine (`EngineCore._builder`)."""
@@ -69,9 +71,10 @@ class RequestBuilder:
                 param="min_tokens",
             )
         for name in ("logprobs", "prompt_logprobs"):
-            # A negative count would fail the sampler's or the scorer's topk for the batch.
-            if (getattr(request.sampling, name) or 0) < 0:
-                raise InvalidRequest(f"{name} must not be negative", param=name)
+            # A negative count would fail the sampler's or the scorer's topk for the batch;
+            # a huge one would send the whole vocabulary for every token.
+            if not 0 <= (getattr(request.sampling, name) or 0) <= MAX_LOGPROBS:
+                raise InvalidRequest(f"{name} must be in [0, {MAX_LOGPROBS}]", param=name)
 
         def in_vocabulary(token_ids: Sequence[int]) -> bool:
             return all(0 <= token_id < mc.vocab_size for token_id in token_ids)

@@ -23,6 +23,7 @@ from pydantic import (
 
 from engine.errors import InvalidRequest
 from engine.protocol import StructuredOutput
+from engine.request_checks import MAX_LOGPROBS
 from server.chat_messages import (
     MAX_MESSAGES,
     MAX_TOOLS,
@@ -46,7 +47,7 @@ MAX_REGEX_CHARS = 4096  # structured_outputs.regex
 ANY_JSON_OBJECT = '{"type": "object"}'  # response_format json_object
 # vLLM's older request fields -> the `structured_outputs` key each one is
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice"}
-MAX_TOP_LOGPROBS = 20
+MAX_TOP_LOGPROBS = MAX_LOGPROBS
 MAX_LOGIT_BIAS = 300  # tokens per request, as OpenAI's API allows
 MAX_ABS_LOGIT_BIAS = 100.0
 MAX_INT64 = 2**63 - 1

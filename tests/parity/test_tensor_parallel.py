@@ -94,3 +94,25 @@ def test_a_size_that_does_not_divide_the_model_is_refused_before_starting(refere
     with pytest.raises(ModelLoadError, match=f"tensor_parallel_size {size} .*{field}"):
         LLM(str(reference.model_dir), tensor_parallel_size=size)
     assert set(child_pids(os.getpid())) == before
+
+
+def test_an_llm_dropped_without_close_stops_its_workers(reference):
+    """`del llm; gc.collect()` hung for ever in zmq's Context.term (the group's sockets were
+    still open) and the worker stayed up."""
+    import subprocess
+    import sys
+
+    script = f"""
+import gc, os
+from bench.servers import child_pids
+from engine import LLM, SamplingParams
+llm = LLM({str(reference.model_dir)!r}, tensor_parallel_size=2, num_kv_blocks=64)
+llm.generate(["Hello"], SamplingParams(max_tokens=2, temperature=0.0))
+del llm
+gc.collect()
+print("workers left:", len(child_pids(os.getpid())))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=180, cwd=os.getcwd())  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "workers left: 0" in done.stdout

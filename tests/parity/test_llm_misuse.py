@@ -1,0 +1,111 @@
+"""The offline LLM under misuse (fuzz31): an interrupted call, mistyped sampling params,
+malformed chat prompts and two threads at once must leave every other prompt, and the
+next call, the greedy tokens transformers gives."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")
+
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.tiny_model import make_tiny_model  # noqa: E402
+from tests.parity.test_generate import GREEDY, Reference, check, make_prompts  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return Reference(make_tiny_model(tmp_path_factory.mktemp("misuse"), seed=0, size="tiny"))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return make_prompts()
+
+
+@pytest.fixture(scope="module")
+def llm(reference):
+    with LLM(str(reference.model_dir), num_kv_blocks=256) as llm:
+        yield llm
+
+
+def test_an_interrupted_call_leaves_the_next_one_its_answers(llm, reference, prompts):
+    """A Ctrl-C inside a step (after the scheduler had moved on) left the call's requests in
+    the engine with a token in flight: the next call's prompt failed with an internal error."""
+    launch, calls = llm.engine.runner.launch, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return launch(*args, **kwargs)
+
+    llm.engine.runner.launch = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([prompts[0], prompts[1]], GREEDY)
+    finally:
+        llm.engine.runner.launch = launch
+    assert not llm.engine.scheduler.has_unfinished_requests()
+    check(llm.generate([prompts[0]], GREEDY), reference, prompts, [0])
+
+
+def test_mistyped_sampling_params_fail_their_own_prompt(llm, reference, prompts):
+    """A msgspec Struct checks no types: these failed every prompt of their step with an
+    "internal error while running the model", or raised from generate() and broke the
+    next call; logprobs had no upper bound (the whole vocabulary for every token)."""
+    bad = [
+        (SamplingParams(max_tokens=4, stop_token_ids=("a",), min_tokens=2), "stop_token_ids"),
+        (SamplingParams(max_tokens=4, stop_token_ids=5), "stop_token_ids"),
+        (SamplingParams(max_tokens="5"), "max_tokens"),
+        (SamplingParams(max_tokens=4, logit_bias={5: 1.0}), "logit_bias"),
+        (SamplingParams(max_tokens=4, logprobs=2.5), "logprobs"),
+        (SamplingParams(max_tokens=4, logprobs=10**6), "logprobs"),
+        (SamplingParams(max_tokens=4, prompt_logprobs=21), "prompt_logprobs"),
+        ({"max_tokens": 4}, "sampling_params"),
+    ]
+    batch = [prompts[0]] * (len(bad) + 1)
+    results = llm.generate(batch, [GREEDY, *(params for params, _ in bad)])
+    check(results[:1], reference, prompts, [0])
+    assert [r.error.param if r.error else None for r in results[1:]] == [p for _, p in bad]
+    assert all(r.error.status == 400 for r in results[1:])
+    check(llm.generate([prompts[1]], GREEDY), reference, prompts, [1])
+    with pytest.raises(ValueError, match="one SamplingParams or one per prompt"):
+        llm.generate([prompts[0], prompts[1]], [])  # ran both with the defaults
+
+
+def test_malformed_chat_prompts_fail_alone_and_leave_nothing_behind(llm, reference, prompts):
+    """They raised out of generate() (ValueError, RuntimeError, IndexError), and the prompts
+    added before them ran during the next call."""
+    frames_2d = [np.zeros((28, 28), np.uint8)] * 4
+    malformed = [
+        {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": "x"},
+        {"messages": [{"role": "user", "content": [{"type": "video", "video": frames_2d}]}]},
+        {"messages": [{"role": "user", "content": [{"type": "video", "video": [1, 2, 3]}]}]},
+    ]
+    results = llm.generate([prompts[0], *malformed, prompts[1]], GREEDY)
+    check([results[0], results[-1]], reference, prompts, [0, 1])
+    assert [r.error.param for r in results[1:-1]] == [
+        "chat_template_kwargs", "messages[0].content[0]", "messages[0].content[0]",
+    ]  # fmt: skip
+    check(llm.generate([prompts[2]], GREEDY), reference, prompts, [2])
+    assert sum(stats.generation_tokens_total for stats in llm.last_stats) == GREEDY.max_tokens
+
+
+def test_two_threads_share_one_llm(llm, reference, prompts):
+    """They corrupted each other's calls (a KeyError in one, partial tokens in the other)."""
+    results = {}
+
+    def run(index):
+        results[index] = llm.generate([prompts[index]], GREEDY)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1, 2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    for index in (0, 1, 2):
+        check(results[index], reference, prompts, [index])
