@@ -146,6 +146,8 @@ class LLM:
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
+        if isinstance(sampling_params, dict):  # its keys would be taken for one per prompt
+            raise TypeError("sampling_params is a SamplingParams, or a list of one per prompt")
         params = self.default_sampling_params() if sampling_params is None else sampling_params
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else params
         if len(params_list) != len(prompts):
@@ -376,9 +378,20 @@ def typed(sampling: Any) -> SamplingParams:
             param="sampling_params",
         )
     try:
-        return msgspec.convert(msgspec.to_builtins(sampling), SamplingParams)
+        return msgspec.convert(msgspec.to_builtins(sampling, enc_hook=_plain), SamplingParams)
+    except TypeError as exc:  # a value that is no plain data at all
+        raise InvalidRequest(f"invalid sampling params: {exc}", param="sampling_params") from None
     except msgspec.ValidationError as exc:
         field = re.search(r"at `\$\.(\w+)", str(exc))
         raise InvalidRequest(
             f"invalid sampling params: {exc}", param=field.group(1) if field else "sampling_params"
         ) from None
+
+
+def _plain(value: Any) -> Any:
+    """numpy scalars and arrays (np.float32(0.7), np.arange(5)) as the Python values they
+    hold: they worked before the types were checked, and they still do."""
+    for name in ("tolist", "item"):
+        if callable(getattr(value, name, None)):
+            return getattr(value, name)()
+    raise TypeError(f"{type(value).__name__} is not a number, string or sequence")

@@ -75,6 +75,19 @@ def test_mistyped_sampling_params_fail_their_own_prompt(llm, reference, prompts)
     check(llm.generate([prompts[1]], GREEDY), reference, prompts, [1])
     with pytest.raises(ValueError, match="one SamplingParams or one per prompt"):
         llm.generate([prompts[0], prompts[1]], [])  # ran both with the defaults
+    with pytest.raises(TypeError, match="SamplingParams"):
+        llm.generate([prompts[0]], {"max_tokens": 4})  # its key was taken for the params
+
+
+def test_numpy_values_in_sampling_params_still_work(llm, reference, prompts):
+    """The type check raised TypeError out of generate() on a numpy value (no prompt got a
+    result); before it they generated as the Python values they hold."""
+    numpy_greedy = SamplingParams(max_tokens=np.int64(GREEDY.max_tokens),
+                                  temperature=np.float32(0.0), ignore_eos=True,
+                                  logprobs=np.int64(1), seed=np.int64(7))  # fmt: skip
+    check(llm.generate([prompts[0]], numpy_greedy), reference, prompts, [0])
+    [result] = llm.generate([prompts[0]], SamplingParams(max_tokens=4, top_k=object()))
+    assert result.error.param == "sampling_params"
 
 
 def test_malformed_chat_prompts_fail_alone_and_leave_nothing_behind(llm, reference, prompts):
