@@ -45,6 +45,28 @@ class MediaError(InvalidRequest):
     code = "invalid_media"
 
 
+def too_long_for_kv_cache(
+    num_prompt_tokens: int,
+    max_tokens: int,
+    max_model_len: int,
+    capacity: int,
+    *,
+    param: str = "max_tokens",
+) -> ContextLengthExceeded | None:
+    """The refusal of a request that could not run even alone, None if it can: its prompt
+    and `max_tokens` (`param` names the field), at most the context, need more KV slots
+    than the cache's `capacity`. The engine's check (Scheduler.add_request), and the
+    server's before a stream opens (server/sampling_params.py)."""
+    needed = min(num_prompt_tokens + max_tokens, max_model_len)
+    if needed <= capacity:
+        return None
+    return ContextLengthExceeded(
+        f"prompt ({num_prompt_tokens} tokens) + {param} ({max_tokens}) needs {needed} KV "
+        f"slots but the KV cache holds {capacity}",
+        param=param,
+    )
+
+
 def unknown_media_uuid(uuid: str, why: str, *, param: str | None = None) -> MediaError:
     """The error of a uuid-only part whose encoding the engine does not hold: the client's
     `uuid`, then `why`."""

@@ -49,7 +49,7 @@ from collections.abc import Collection
 
 from engine.config import EngineConfig
 from engine.encoder_cache import EncoderCacheManager, uuid_of
-from engine.errors import ContextLengthExceeded, unknown_media_uuid
+from engine.errors import too_long_for_kv_cache, unknown_media_uuid
 from engine.kv_cache_manager import KVCacheManager
 from engine.protocol import ErrorInfo, RequestOutput, SamplingParams, TokenLogprob
 from engine.request import MediaItem, Request, RequestStatus
@@ -82,16 +82,10 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queues a validated request; raises if it can never be scheduled alone."""
-        max_len = min(request.num_prompt_tokens + request.sampling.max_tokens, self.max_model_len)
-        needed = self.kv.num_blocks_for(max_len)
-        if needed > self.kv.num_blocks:
-            capacity = self.kv.num_blocks * self.kv.block_size
-            raise ContextLengthExceeded(
-                f"prompt ({request.num_prompt_tokens} tokens) + max_tokens "
-                f"({request.sampling.max_tokens}) needs {max_len} KV slots but the KV cache "
-                f"holds {capacity}",
-                param="max_tokens",
-            )
+        refusal = too_long_for_kv_cache(request.num_prompt_tokens, request.sampling.max_tokens,
+                                        self.max_model_len, self.kv.num_blocks * self.kv.block_size)  # fmt: skip
+        if refusal is not None:
+            raise refusal
         for media in request.media:
             self._fit_encoder_budgets(media.num_tokens)
         for content_hash in _cached_only_hashes(request):

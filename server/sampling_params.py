@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import msgspec
 from tokenizers import Tokenizer
 
-from engine.errors import ContextLengthExceeded, InvalidRequest
+from engine.errors import ContextLengthExceeded, InvalidRequest, too_long_for_kv_cache
 from engine.generation_defaults import SamplingDefaults
 from engine.protocol import SamplingParams
 from server.openai_models import SamplingFields
@@ -43,9 +43,9 @@ def _fit_kv_cache(
 ) -> int:
     """`max_tokens` within a KV cache smaller than the context: a default one (not
     `asked`) shrinks to the cache's room, as it does to the context's; one the request
-    asked for must fit, which the engine would check only after a stream had opened
-    (prompt + max_tokens, at most the context, in the cache). `param` names the field at
-    fault: the prompt's, or the one that asked."""
+    asked for must fit, by the engine's own check (`too_long_for_kv_cache`), which the
+    engine would make only after a stream had opened. `param` names the field at fault:
+    the prompt's, or the one that asked."""
     if not asked:
         if num_prompt_tokens >= kv_capacity:
             raise ContextLengthExceeded(
@@ -54,13 +54,10 @@ def _fit_kv_cache(
                 param=param,
             )
         return min(max_tokens, kv_capacity - num_prompt_tokens)
-    needed = min(num_prompt_tokens + max_tokens, max_model_len)
-    if needed > kv_capacity:
-        raise ContextLengthExceeded(
-            f"prompt ({num_prompt_tokens} tokens) + {param} ({max_tokens}) needs {needed} KV "
-            f"slots but the server's KV cache holds {kv_capacity}",
-            param=param,
-        )
+    refusal = too_long_for_kv_cache(num_prompt_tokens, max_tokens, max_model_len, kv_capacity,
+                                    param=param)  # fmt: skip
+    if refusal is not None:
+        raise refusal
     return max_tokens
 
 
