@@ -49,7 +49,21 @@ class IncrementalDetokenizer:
         self._token_ids: list[int] = context
         self._num_context = len(context)
         self._prefix_offset = 0  # window start: tokens decoded again for context
-        self._read_offset = len(context)  # tokens before this are already emitted
+        # Tokens before this are already emitted. A prompt that ends inside a character
+        # leaves that character's first bytes unread: the completion that finishes it
+        # begins with it, rather than losing it (vLLM's decode stream keeps it too).
+        self._read_offset = len(context) - self._unfinished_tail(context)
+        # Its U+FFFD, dropped from the first text if no character came of it (the prompt's).
+        self._unfinished_prompt_text = self._decode(context[self._read_offset :])
+
+    def _unfinished_tail(self, ids: Sequence[int]) -> int:
+        """How many of the last `ids` are the first bytes of a character still open."""
+        if not ids or not self._decode(ids).endswith(REPLACEMENT_CHAR):
+            return 0
+        for tail in range(1, min(4, len(ids)) + 1):  # UTF-8: at most 3 lead bytes
+            if not self._decode(ids[: len(ids) - tail]).endswith(REPLACEMENT_CHAR):
+                return tail
+        return 0
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -67,7 +81,11 @@ class IncrementalDetokenizer:
             return ""  # an incomplete UTF-8 sequence (or a skipped special token): wait
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._token_ids)
-        return full_text[len(prefix_text) :]
+        return self._without_prompt_bytes(full_text[len(prefix_text) :])
+
+    def _without_prompt_bytes(self, text: str) -> str:
+        unfinished, self._unfinished_prompt_text = self._unfinished_prompt_text, ""
+        return text.removeprefix(unfinished) if unfinished else text
 
     @property
     def is_holding(self) -> bool:
@@ -81,10 +99,14 @@ class IncrementalDetokenizer:
     def finish(self) -> str:
         """Flush held-back text at the end of the sequence (may contain U+FFFD if the
         model really produced invalid UTF-8)."""
+        if len(self._token_ids) == self._num_context:
+            return ""  # nothing generated: a prompt's unfinished character stays its own
         prefix_text = self._decode(self._token_ids[self._prefix_offset : self._read_offset])
         full_text = self._decode(self._token_ids[self._prefix_offset :])
         self._prefix_offset = self._read_offset = len(self._token_ids)
-        return full_text[len(prefix_text) :] if len(full_text) > len(prefix_text) else ""
+        if len(full_text) <= len(prefix_text):
+            return ""
+        return self._without_prompt_bytes(full_text[len(prefix_text) :])
 
 
 @dataclass

@@ -308,3 +308,33 @@ def test_an_echoed_prompt_the_tokenizer_normalises_keeps_its_own_offsets(tokeniz
     offsets = echoed_text_offsets(tokenizer, ids, prompt)
     assert offsets[0] == 0 and prompt[offsets[-3] :].startswith(tokenizer.decode(ids[-3:-2]))
     assert offsets == sorted(offsets) and offsets[2] == 2  # " com" right after "e\u0301"
+
+
+@pytest.mark.parametrize("cut", [1, 2, 3])
+def test_a_character_the_prompt_begins_and_the_completion_ends_is_the_completions(tokenizer, cut):
+    """A token-id prompt that ends inside a character: the tokens that finish it begin
+    the completion's text with the whole character (as vLLM's decode stream gives). It
+    was lost: its U+FFFD in the prompt's text was the same length as the character."""
+    ids = tokenizer.encode("ok 🎉 yes", add_special_tokens=False).ids
+    emoji = tokenizer.encode("🎉", add_special_tokens=False).ids
+    assert len(emoji) > cut
+    start = next(i for i in range(len(ids)) if ids[i : i + len(emoji)] == emoji)
+    prompt, output = ids[: start + cut], ids[start + cut :]
+    detok = IncrementalDetokenizer(tokenizer, prompt)
+    assert "".join(detok.step([i]) for i in output) + detok.finish() == "🎉 yes"
+    unfinished = IncrementalDetokenizer(tokenizer, prompt)  # nothing generated
+    assert unfinished.finish() == ""
+    offsets = SequenceDetokenizer(tokenizer, prompt, track_offsets=True)
+    offsets.step_until_stop(output)
+    assert offsets.text == "🎉 yes" and offsets.text_offsets[len(emoji) - cut] == 1
+
+
+def test_a_prompts_unfinished_character_the_completion_does_not_finish(tokenizer):
+    """Its U+FFFD ends the prompt's text (an echo shows it), not the completion's."""
+    lead = tokenizer.encode("é", add_special_tokens=False).ids[0]
+    prompt = tokenizer.encode("ok", add_special_tokens=False).ids + [lead]
+    word = tokenizer.encode(" the", add_special_tokens=False).ids
+    detok = SequenceDetokenizer(tokenizer, prompt, track_offsets=True)
+    detok.step_until_stop(word)
+    assert detok.text + detok.finish() == " the"  # the lead byte's U+FFFD is the prompt's
+    assert detok.text_offsets[0] == 0
