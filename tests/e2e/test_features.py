@@ -214,7 +214,6 @@ def test_one_failure_fails_its_request_and_cancels_the_rest(fhttp, objects):
 @pytest.mark.parametrize(
     ("case", "words"),
     [
-        ("timeout", "timed out"),
         ("too_large", "too large"),
         ("s3_too_large", "too large"),
         ("wrong_hidden", "hidden size"),
@@ -235,7 +234,6 @@ def test_bad_features_are_clear_4xx(fhttp, objects, s3, case, words):
     nan = torch.randn(4, TINY_HIDDEN)
     nan[1, 2] = float("nan")
     blobs = {
-        "timeout": features(1),
         "too_large": save({"embeds": torch.zeros(200, TINY_HIDDEN)}),
         "wrong_hidden": features(1, hidden=TINY_HIDDEN // 2),
         "wrong_tokens": features(1, rows=5),
@@ -245,7 +243,7 @@ def test_bad_features_are_clear_4xx(fhttp, objects, s3, case, words):
     }
     grid = FEATURE_GRID
     if case in blobs:
-        url = objects.put(f"bad/{case}", blobs[case], delay=8.0 if case == "timeout" else 0.0)
+        url = objects.put(f"bad/{case}", blobs[case])
     elif case == "bucket":
         s3.put_object(Bucket="elsewhere", Key="x.safetensors", Body=features(1))
         url = "s3://elsewhere/x.safetensors"
@@ -266,6 +264,26 @@ def test_bad_features_are_clear_4xx(fhttp, objects, s3, case, words):
     assert words in response.json()["error"]["message"]
     field = {"bucket": ".url"}.get(case, ".grid_thw" if "grid" in case else "")
     assert response.json()["error"]["param"] == "messages[0].content[0].image_features" + field
+    assert text_of(chat(fhttp, [feature_part(data_url(features(3)))]))  # engine unharmed
+
+
+@pytest.mark.parametrize(
+    ("case", "status", "code"),
+    [("down", 502, "feature_server_error"), ("slow", 504, "feature_timeout")],
+)
+def test_a_store_that_fails_is_a_5xx_not_the_requests_fault(fhttp, objects, case, status, code):
+    """A store answering 5xx through every retry, or not in time, was a 400: clients and
+    load balancers take that for a bad request and never retry it."""
+    if case == "down":
+        url = objects.put("store/down", b"", status=503)
+    else:
+        url = objects.put("store/slow", features(1), delay=8.0)  # the timeout is 4 s
+    response = chat(fhttp, [feature_part(url)])
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["code"] == code and error["type"] == "server_error"
+    assert url in error["message"]
+    assert error["param"] == "messages[0].content[0].image_features"
     assert text_of(chat(fhttp, [feature_part(data_url(features(3)))]))  # engine unharmed
 
 
