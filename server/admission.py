@@ -121,12 +121,12 @@ class AdmissionController:
     def is_idle(self) -> bool:
         return self.num_sequences == 0
 
-    def admit(self, *, num_sequences: int, num_prompt_tokens: int) -> Ticket:
-        """Reserve room for a request or raise ServerOverloaded / ServerDraining."""
+    def admit(self, *, num_sequences: int, num_tokens: int) -> Ticket:
+        """Reserve room for a request of `num_sequences` sequences holding `num_tokens`
+        prompt tokens in all, or raise ServerOverloaded / ServerDraining."""
         if self.is_draining:
             self._count("draining")
             raise ServerDraining("the server is shutting down; retry on another replica")
-        num_tokens = num_prompt_tokens * num_sequences
         with self._counting():
             if self.shared is None:
                 admitted = (self.num_sequences, self.num_tokens)

@@ -29,7 +29,12 @@ from server.admission import AdmissionController, ServerDraining, SharedCounts, 
 from server.app_state import AppState, load_sampling_defaults, make_fetcher
 from server.auth import check_api_key
 from server.chat import UUIDS, media_parts, messages_as_dicts, prepare_chat_prompt
-from server.completions import chat_response, completion_response, prepare_completion_prompt
+from server.completions import (
+    chat_response,
+    completion_response,
+    naming_prompt,
+    prepare_completion_prompts,
+)
 from server.disconnects import ClientDisconnected, unless_client_leaves
 from server.errors import error_body, install_error_handlers
 from server.generation import GenerationTotals
@@ -51,6 +56,7 @@ from server.responses import ResponsesRequest, chat_request
 from server.sampling_params import check_structured_output, check_token_ids
 from server.settings import ServerSettings
 from server.streaming import (
+    ChoiceResult,
     EventStreamResponse,
     GenerationJob,
     collect,
@@ -251,7 +257,7 @@ def _add_api_routes(api: APIRouter) -> None:
             )
             return EventStreamResponse(_releasing(stream, ticket), headers=SSE_HEADERS)
         try:
-            totals, results = await _collect_until_disconnect(request, state, job)
+            [(totals, results)] = await _collect_until_disconnect(request, state, job)
         finally:
             ticket.release()
         response = chat_response(job, results, totals, state.processor, with_logprobs=with_logprobs)
@@ -263,27 +269,39 @@ def _add_api_routes(api: APIRouter) -> None:
         state.check_model(body.model)
         _check_alive(state, request)
         await check_structured_output(body)
-        prepare = functools.partial(prepare_completion_prompt, body, state.processor,
+        prepare = functools.partial(prepare_completion_prompts, body, state.processor,
                                     state.vocab_size, prompt_bound(state, body))  # fmt: skip
-        prompt = await tokenised_off_the_loop_if_long(prepare, body.prompt)
-        job = build_job(state, body, prompt, prefix="cmpl-")
-        ticket = _admit(request, state, job)
-        truncated = len(job.prompt.token_ids) < len(prompt.token_ids)
-        echo = PromptEcho.of(body, job.prompt.token_ids, state.processor, truncated=truncated)
+        prompts = await tokenised_off_the_loop_if_long(prepare, body.prompt)
+        jobs = []
+        for part, prompt in enumerate(prompts):
+            with naming_prompt(part, len(prompts)):
+                jobs.append(build_job(state, body, prompt, prefix="cmpl-"))
+        request_id = jobs[0].request_id
+        if len(jobs) > 1:  # a batch: one answer id, the engine's ids apart
+            jobs = [dataclasses.replace(job, request_id=f"{request_id}-{part}",
+                                        created=jobs[0].created)
+                    for part, job in enumerate(jobs)]  # fmt: skip
+        ticket = _admit(request, state, *jobs)
+        echoes = [
+            PromptEcho.of(body, job.prompt.token_ids, state.processor,
+                          truncated=len(job.prompt.token_ids) < len(prompt.token_ids))
+            for job, prompt in zip(jobs, prompts, strict=True)
+        ]  # fmt: skip
         if body.stream:
             stream = stream_completion(
-                job,
+                jobs,
                 state.engine,
                 state.processor.tokenizer,
-                echo=echo,
+                echoes=echoes,
                 on_finished=_finisher(state, request),
+                request_id=request_id,
             )
             return EventStreamResponse(_releasing(stream, ticket), headers=SSE_HEADERS)
         try:
-            totals, results = await _collect_until_disconnect(request, state, job)
+            outcomes = await _collect_until_disconnect(request, state, *jobs)
         finally:
             ticket.release()
-        response = completion_response(job, results, totals, state.processor, echo)
+        response = completion_response(request_id, jobs, outcomes, state.processor, echoes)
         return JSONResponse(dump(response))
 
     @api.post("/v1/responses")
@@ -311,7 +329,7 @@ def _add_api_routes(api: APIRouter) -> None:
             return EventStreamResponse(_releasing(stream, ticket), headers=SSE_HEADERS)
         try:
             with translation.responses_params():
-                totals, results = await _collect_until_disconnect(request, state, job)
+                [(totals, results)] = await _collect_until_disconnect(request, state, job)
         finally:
             ticket.release()
         return JSONResponse(shaper.final(results[0], totals))
@@ -418,11 +436,13 @@ def _count_rejected(state: AppState, reason: str) -> None:
     state.metrics.on_request_rejected(reason)
 
 
-def _admit(request: Request, state: AppState, job: GenerationJob) -> Ticket:
-    """Reserve room for all `n` sequences of the job, or 503 (counted)."""
+def _admit(request: Request, state: AppState, *jobs: GenerationJob) -> Ticket:
+    """Reserve room for all `n` sequences of the job (of each of a batch's), or 503
+    (counted)."""
     try:
         return request.app.state.admission.admit(
-            num_sequences=job.n, num_prompt_tokens=len(job.prompt.token_ids)
+            num_sequences=sum(job.n for job in jobs),
+            num_tokens=sum(job.n * len(job.prompt.token_ids) for job in jobs),
         )
     except ServerOverloaded as exc:
         _count_rejected(state, exc.code or "server_overloaded")
@@ -461,23 +481,31 @@ def _finisher(state: AppState, request: Request) -> Callable[[GenerationTotals],
         state.metrics.on_token_gaps(totals.inter_token_seconds)
         record = record_of(request)
         if record is not None:
-            record.prompt_tokens = totals.num_prompt_tokens
-            record.completion_tokens = totals.num_generated_tokens
+            # A batch's prompts finish one by one: the record sums them.
+            record.prompt_tokens = (record.prompt_tokens or 0) + totals.num_prompt_tokens
+            generated = totals.num_generated_tokens
+            record.completion_tokens = (record.completion_tokens or 0) + generated
 
     return on_finished
 
 
-async def _collect_until_disconnect(request: Request, state: AppState, job: GenerationJob):
-    """Run a non-streaming generation; cancel it (aborting in the engine) if the client
-    disconnects first."""
-    totals = GenerationTotals(num_prompt_tokens=len(job.prompt.token_ids))
-    work = collect(job, state.engine, state.processor.tokenizer, totals)
+async def _collect_until_disconnect(
+    request: Request, state: AppState, *jobs: GenerationJob
+) -> list[tuple[GenerationTotals, list[ChoiceResult]]]:
+    """Run a non-streaming generation (one job, or a batch's) to its end: each job's
+    totals and choices. Cancel it (aborting in the engine) if the client disconnects
+    first."""
+    totals = [GenerationTotals(num_prompt_tokens=len(job.prompt.token_ids)) for job in jobs]
+    on_finished = _finisher(state, request)
+    work = collect(jobs, state.engine, state.processor.tokenizer, totals)
     try:
         results = await unless_client_leaves(request, work)
     except ClientDisconnected:
-        logger.info("client disconnected; request %s aborted", job.request_id)
-        totals.abort_unfinished(job.n)
-        _finisher(state, request)(totals)
+        logger.info("client disconnected; request %s aborted", jobs[0].request_id)
+        for job, figures in zip(jobs, totals, strict=True):
+            figures.abort_unfinished(job.n)
+            on_finished(figures)
         raise
-    _finisher(state, request)(totals)
-    return totals, results
+    for figures in totals:
+        on_finished(figures)
+    return list(zip(totals, results, strict=True))

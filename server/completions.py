@@ -1,9 +1,14 @@
-"""`/v1/completions`: prompt (string or token ids) -> PreparedPrompt, and response building.
+"""`/v1/completions`: prompts (strings or token ids) -> PreparedPrompts, and response building.
 
-Only one prompt per request: a list of several prompts is rejected with a 400 (`prompt`).
+A request may carry a batch of prompts (`prompt` a list of strings or of token-id lists):
+each is a job of its own (`n` choices), and the answer lists every prompt's choices in
+order, prompt `i`'s choice `j` at index `i * n + j`, as OpenAI's and vLLM's do.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
 
 from engine.errors import InvalidRequest
 from engine.multimodal.prompt import PromptProcessor
@@ -23,24 +28,44 @@ from server.sampling_params import check_token_ids
 from server.streaming import ChoiceResult, GenerationJob, usage_of
 
 
-def prepare_completion_prompt(
+def prepare_completion_prompts(
     request: CompletionRequest,
     processor: PromptProcessor,
     vocab_size: int,
     max_prompt_tokens: int | None = None,
-) -> PreparedPrompt:
-    """The prompt's token ids; a text that cannot fit in `max_prompt_tokens` is refused
+) -> list[PreparedPrompt]:
+    """Each prompt's token ids; a text that cannot fit in `max_prompt_tokens` is refused
     before it is tokenised."""
-    prompt = request.prompt
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
+    prompts = request.prompts
+    prepared = []
+    for index, prompt in enumerate(prompts):
+        with naming_prompt(index, len(prompts)):
+            prepared.append(_prepare(prompt, processor, vocab_size, max_prompt_tokens))
+    return prepared
+
+
+@contextlib.contextmanager
+def naming_prompt(index: int, num_prompts: int) -> Iterator[None]:
+    """A 400 about one prompt of a batch names it: `prompt[index]`, not `prompt`."""
+    try:
+        yield
+    except InvalidRequest as exc:
+        if num_prompts > 1 and exc.param == "prompt":
+            exc.param = f"prompt[{index}]"
+        raise
+
+
+def _prepare(
+    prompt: str | list[int],
+    processor: PromptProcessor,
+    vocab_size: int,
+    max_prompt_tokens: int | None,
+) -> PreparedPrompt:
     if isinstance(prompt, str):
         token_ids = processor.encode_prompt(prompt, max_tokens=max_prompt_tokens)
-    elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+    else:
         token_ids = list(prompt)
         check_token_ids(token_ids, vocab_size, "prompt")
-    else:
-        raise InvalidRequest("only one prompt per request is supported", param="prompt")
     if not token_ids:
         raise InvalidRequest("the prompt is empty", param="prompt")
     for token_id in (processor.image_token_id, processor.video_token_id):
@@ -54,33 +79,35 @@ def prepare_completion_prompt(
 
 
 def completion_response(
-    job: GenerationJob,
-    results: list[ChoiceResult],
-    totals: GenerationTotals,
+    request_id: str,
+    jobs: Sequence[GenerationJob],
+    outcomes: Sequence[tuple[GenerationTotals, list[ChoiceResult]]],
     processor: PromptProcessor,
-    echo: PromptEcho,
+    echoes: Sequence[PromptEcho],
 ) -> CompletionResponse:
+    """The answer to one prompt's job, or to a batch's (its choices in prompt order)."""
     choices = []
-    for i, result in enumerate(results):
-        echoed, logprobs, scores = echo.first(processor.tokenizer, job.prompt.token_ids,
-                                              totals.prompt_logprobs, result.logprobs,
-                                              result.text_offsets)  # fmt: skip
-        choices.append(
-            CompletionChoice(
-                index=i,
-                text=echoed + result.text,
-                logprobs=logprobs,
-                finish_reason=result.finish_reason,
-                stop_reason=result.stop_reason,
-                prompt_logprobs=scores,
+    for part, (job, (totals, results), echo) in enumerate(zip(jobs, outcomes, echoes, strict=True)):
+        for i, result in enumerate(results):
+            echoed, logprobs, scores = echo.first(processor.tokenizer, job.prompt.token_ids,
+                                                  totals.prompt_logprobs, result.logprobs,
+                                                  result.text_offsets)  # fmt: skip
+            choices.append(
+                CompletionChoice(
+                    index=part * job.n + i,
+                    text=echoed + result.text,
+                    logprobs=logprobs,
+                    finish_reason=result.finish_reason,
+                    stop_reason=result.stop_reason,
+                    prompt_logprobs=scores,
+                )
             )
-        )
     return CompletionResponse(
-        id=job.request_id,
-        created=job.created,
-        model=job.model_name,
+        id=request_id,
+        created=jobs[0].created,
+        model=jobs[0].model_name,
         choices=choices,
-        usage=usage_of(totals),
+        usage=usage_of(*(totals for totals, _ in outcomes)),
     )
 
 

@@ -192,44 +192,51 @@ def _wrapped_int64(value: int) -> int:
     return (value + 2**63) % 2**64 - 2**63
 
 
-async def _merge(
+def _merge(
     engine: Any, requests: list[EngineRequest], tensors: list[Any], tokens_per_wake: int | None
 ) -> AsyncIterator[tuple[int, RequestOutput | BaseException]]:
     """Run all engine requests concurrently; yield (choice index, output or exception)."""
-    if len(requests) == 1:  # the common case: no task and queue hop per token
-        outputs = engine.generate(requests[0], tensors, tokens_per_wake=tokens_per_wake)
+    return interleave(
+        [engine.generate(r, tensors, tokens_per_wake=tokens_per_wake) for r in requests]
+    )
+
+
+async def interleave(streams: Sequence[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """Run async iterators concurrently; yield (which, item) as the items come. An
+    exception a stream raises comes as its last item. Leaving early closes them all."""
+    if len(streams) == 1:  # the common case: no task and queue hop per token
+        stream = streams[0]
         try:
             while True:
                 try:
-                    output = await anext(outputs)
+                    item = await anext(stream)
                 except StopAsyncIteration:
                     return
                 except Exception as exc:  # noqa: BLE001 - handed to the consumer
                     yield 0, exc
                     return
-                yield 0, output  # outside the try: a close here must not be caught
+                yield 0, item  # outside the try: a close here must not be caught
         finally:
-            await outputs.aclose()
-    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+            await stream.aclose()  # type: ignore[attr-defined]
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    ended = object()
 
-    async def pump(index: int, engine_request: EngineRequest) -> None:
+    async def pump(index: int, stream: AsyncIterator[Any]) -> None:
         try:
-            async for output in engine.generate(
-                engine_request, tensors, tokens_per_wake=tokens_per_wake
-            ):
-                await queue.put((index, output))
+            async for item in stream:
+                await queue.put((index, item))
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
             await queue.put((index, exc))
-        await queue.put((index, None))
+        await queue.put((index, ended))
 
-    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
+    tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
     try:
         num_open = len(tasks)
         while num_open:
             index, item = await queue.get()
-            if item is None:
+            if item is ended:
                 num_open -= 1
                 continue
             yield index, item

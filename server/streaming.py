@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +26,7 @@ from tokenizers import Tokenizer
 from engine.errors import TesseraError
 from engine.protocol import SamplingParams, TokenLogprob
 from server.errors import error_body, tessera_error_body
-from server.generation import GenerationTotals, PreparedPrompt, generate_choices
+from server.generation import GenerationTotals, PreparedPrompt, generate_choices, interleave
 from server.logprobs import (
     chat_logprobs,
     prompt_logprobs,
@@ -131,12 +131,19 @@ def sse(data: dict[str, Any]) -> bytes:
 
 
 class _ChunkWriter:
-    """Builds the SSE chunks of one job: `writer(choices, usage=None)`. With
-    `continuous_usage_stats` every chunk carries the usage so far, read from `totals`."""
+    """Builds the SSE chunks of one response: `writer(choices, usage=None)`. With
+    `continuous_usage_stats` every chunk carries the usage so far, read from `totals` (a
+    batch's: one a prompt). `request_id`: the answer's id, where it is not the job's."""
 
-    def __init__(self, job: GenerationJob, object_name: str, totals: GenerationTotals) -> None:
+    def __init__(
+        self,
+        job: GenerationJob,
+        object_name: str,
+        *totals: GenerationTotals,
+        request_id: str | None = None,
+    ) -> None:
         self.header = {
-            "id": job.request_id,
+            "id": request_id or job.request_id,
             "object": object_name,
             "created": job.created,
             "model": job.model_name,
@@ -148,18 +155,22 @@ class _ChunkWriter:
     ) -> bytes:
         body = {**self.header, "choices": choices, **extra}
         if usage is None and self.totals is not None:
-            usage = usage_of(self.totals)
+            usage = usage_of(*self.totals)
         if usage is not None:
             body["usage"] = dump(usage)
         return sse(body)
 
 
-def usage_of(totals: GenerationTotals) -> UsageInfo:
+def usage_of(*totals: GenerationTotals) -> UsageInfo:
+    """A response's usage: its one job's, or the sum over a batch's prompts."""
+    prompt = sum(figures.num_prompt_tokens for figures in totals)
+    generated = sum(figures.num_generated_tokens for figures in totals)
+    cached = sum(figures.num_cached_tokens for figures in totals)
     return UsageInfo(
-        prompt_tokens=totals.num_prompt_tokens,
-        completion_tokens=totals.num_generated_tokens,
-        total_tokens=totals.num_prompt_tokens + totals.num_generated_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=totals.num_cached_tokens),
+        prompt_tokens=prompt,
+        completion_tokens=generated,
+        total_tokens=prompt + generated,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
     )
 
 
@@ -194,20 +205,33 @@ def run_job(
 
 
 async def collect(
-    job: GenerationJob, engine: Any, tokenizer: Tokenizer, totals: GenerationTotals
-) -> list[ChoiceResult]:
-    """Run to completion and return every choice's full text (non-streaming responses)."""
-    results = [ChoiceResult() for _ in range(job.n)]
-    async for delta in run_job(job, engine, tokenizer, totals):
-        result = results[delta.index]
-        result.text += delta.text
-        result.logprobs.extend(delta.logprobs)
-        result.text_offsets.extend(delta.text_offsets)
-        result.token_ids += delta.token_ids
-        if delta.finish_reason is not None:
-            result.finish_reason = delta.finish_reason
-            result.stop_reason = delta.stop_reason
+    jobs: Sequence[GenerationJob],
+    engine: Any,
+    tokenizer: Tokenizer,
+    totals: Sequence[GenerationTotals],
+) -> list[list[ChoiceResult]]:
+    """Run the jobs (one, or a batch's prompts) together to completion and return every
+    choice's full text, job by job (non-streaming responses). The first error raises."""
+    results = [[ChoiceResult() for _ in range(job.n)] for job in jobs]
+    runs = [
+        run_job(job, engine, tokenizer, figures) for job, figures in zip(jobs, totals, strict=True)
+    ]
+    async with contextlib.aclosing(interleave(runs)) as deltas:
+        async for part, delta in deltas:
+            if isinstance(delta, BaseException):
+                raise delta
+            _add(results[part][delta.index], delta)
     return results
+
+
+def _add(result: ChoiceResult, delta: Any) -> None:
+    result.text += delta.text
+    result.logprobs.extend(delta.logprobs)
+    result.text_offsets.extend(delta.text_offsets)
+    result.token_ids += delta.token_ids
+    if delta.finish_reason is not None:
+        result.finish_reason = delta.finish_reason
+        result.stop_reason = delta.stop_reason
 
 
 async def stream_chat(
@@ -288,26 +312,35 @@ async def stream_chat(
 
 
 async def stream_completion(
-    job: GenerationJob,
+    jobs: Sequence[GenerationJob],
     engine: Any,
     tokenizer: Tokenizer,
     *,
-    echo: PromptEcho,
+    echoes: Sequence[PromptEcho],
     on_finished: OnFinished,
+    request_id: str | None = None,
 ) -> AsyncIterator[bytes]:
-    """Each choice's first chunk carries what `echo` shows of the prompt."""
-    totals = GenerationTotals(num_prompt_tokens=len(job.prompt.token_ids))
-    started = [False] * job.n  # whether the choice's first chunk (with the echo) went out
-    chunk = _ChunkWriter(job, "text_completion", totals)
+    """One job's stream, or a batch's (a job a prompt, run together; prompt `p`'s choice
+    `i` is choice `p * n + i`; `request_id` the answer's id). Each choice's first chunk
+    carries what its prompt's `echo` shows of the prompt."""
+    totals = [GenerationTotals(num_prompt_tokens=len(job.prompt.token_ids)) for job in jobs]
+    n = jobs[0].n
+    started = [False] * (n * len(jobs))  # whether a choice's first chunk (the echo) went out
+    chunk = _ChunkWriter(jobs[0], "text_completion", *totals, request_id=request_id)
 
-    with counted_if_left(totals, job.n, on_finished):
-        deltas = run_job(job, engine, tokenizer, totals, scores_per_choice=True)
-        async with contextlib.aclosing(guarded(deltas)) as pieces:
-            async for piece in pieces:
+    with contextlib.ExitStack() as counted:
+        for job, figures in zip(jobs, totals, strict=True):
+            counted.enter_context(counted_if_left(figures, job.n, on_finished))
+        runs = [
+            guarded(run_job(job, engine, tokenizer, figures, scores_per_choice=True))
+            for job, figures in zip(jobs, totals, strict=True)
+        ]
+        async with contextlib.aclosing(interleave(runs)) as pieces:
+            async for part, piece in pieces:
                 if isinstance(piece, bytes):
                     yield piece
                     return
-                index = piece.index
+                job, echo, index = jobs[part], echoes[part], part * n + piece.index
                 # A piece with no text may still carry logprobs (its text is held back).
                 has_logprobs = echo.num_logprobs is not None and piece.logprobs
                 is_first = not started[index]
@@ -316,7 +349,8 @@ async def stream_completion(
                 choice: dict[str, Any] = {"index": index, "text": piece.text}
                 if is_first:
                     echoed, logprobs, scores = echo.first(tokenizer, job.prompt.token_ids,
-                                                          totals.prompt_logprobs, piece.logprobs,
+                                                          totals[part].prompt_logprobs,
+                                                          piece.logprobs,
                                                           piece.text_offsets)  # fmt: skip
                     choice["text"] = echoed + piece.text
                     started[index] = True
@@ -331,9 +365,10 @@ async def stream_completion(
                 if piece.finish_reason is not None:
                     choice["stop_reason"] = piece.stop_reason
                 yield chunk([choice])
-        if job.include_usage:
-            yield chunk([], usage_of(totals))
-    on_finished(totals)
+        if jobs[0].include_usage:
+            yield chunk([], usage_of(*totals))
+    for figures in totals:
+        on_finished(figures)
     yield DONE
 
 

@@ -509,22 +509,22 @@ def test_api_processes_admit_against_one_budget_together(model_dir):
     apps = [build_app(settings, engine, api_server_index=index, admission_counts=counts)
             for index in range(3)]  # fmt: skip
     first, second, third = (app.state.admission for app in apps)
-    tickets = [first.admit(num_sequences=1, num_prompt_tokens=10) for _ in range(5)]  # all at one
+    tickets = [first.admit(num_sequences=1, num_tokens=10) for _ in range(5)]  # all at one
     with pytest.raises(ServerOverloaded):
-        second.admit(num_sequences=1, num_prompt_tokens=10)  # 3 running + 2 waiting: full
+        second.admit(num_sequences=1, num_tokens=10)  # 3 running + 2 waiting: full
     tickets[0].release()
-    tickets.append(third.admit(num_sequences=1, num_prompt_tokens=10))
+    tickets.append(third.admit(num_sequences=1, num_tokens=10))
     tickets[1].release()
     with pytest.raises(ServerOverloaded, match="prompt tokens"):
-        second.admit(num_sequences=1, num_prompt_tokens=1000)
+        second.admit(num_sequences=1, num_tokens=1000)
     assert (first.num_sequences, third.num_sequences) == (3, 1)  # each drains its own
     assert list(counts) == [3, 30, 0, 0, 1, 10]
     for ticket in tickets:
         ticket.release()
     assert list(counts) == [0] * 6
-    big = second.admit(num_sequences=2, num_prompt_tokens=5000)  # idle everywhere: any one
+    big = second.admit(num_sequences=2, num_tokens=10000)  # idle everywhere: any one
     with pytest.raises(ServerOverloaded):
-        first.admit(num_sequences=1, num_prompt_tokens=1)
+        first.admit(num_sequences=1, num_tokens=1)
     big.release()
 
 
