@@ -21,6 +21,8 @@ bookkeeping. Modes:
                     frequency_penalty 0.5, which count each output token
     graphs-small-linear  graphs with --small-batch-linear-rows 8: up to 8 rows, the
                     decoder's projections run the Triton matrix-vector kernel, not cuBLAS
+    graphs-cuda-core  graphs with --cuda-core-decode-rows 32: batches of up to 32 rows
+                    attend on FlashInfer's CUDA-core decode kernel, not its tensor-core one
 
 "forward" is the device time of the decoder alone (CUDA events around it).
 
@@ -156,7 +158,10 @@ MODE_PENALTIES = {
     "graphs-openai-penalties": {"presence_penalty": 0.5, "frequency_penalty": 0.5},
 }
 # Engine settings of the modes that change one.
-MODE_SETTINGS = {"graphs-small-linear": {"small_batch_linear_rows": 8}}
+MODE_SETTINGS = {
+    "graphs-small-linear": {"small_batch_linear_rows": 8},
+    "graphs-cuda-core": {"cuda_core_decode_rows": 32},  # batch 1 and 32 on CUDA cores
+}
 MODES = ["graphs", "graphs-serial", "eager", *MODE_PENALTIES, *MODE_SETTINGS]
 
 

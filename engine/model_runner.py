@@ -155,6 +155,7 @@ class ModelRunner:
             ),
             config.kv_cache_scale,
             config.kv_cache_scale,
+            cuda_core_decode_rows=config.cuda_core_decode_rows,
         )
         memory_probe = None
         if self.device.type == "cuda" and self._sizes_kv_cache_from_memory():

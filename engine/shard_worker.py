@@ -196,8 +196,9 @@ def _load(config: EngineConfig, group: ShardGroup, dtype, kv_cache_dtype, device
     local = ModelConfig.from_model_dir(config.model).shard(config.tensor_parallel_size)
     shape = AttentionShape.of_model(local, config.block_size, dtype, kv_cache_dtype)
     attention = get_attention_backend(
-        config.attention_backend, shape, config.kv_cache_scale, config.kv_cache_scale
-    )
+        config.attention_backend, shape, config.kv_cache_scale, config.kv_cache_scale,
+        cuda_core_decode_rows=config.cuda_core_decode_rows,
+    )  # fmt: skip
     model = load_model(
         config.model, dtype=dtype, device=device, attention=attention, tensor_parallel=group
     )

@@ -208,7 +208,14 @@ class GraphDecodeWrapper:
     the H100 (2026-11-26); the step also measured 3.42 ms at 128 rows against 3.32 split.
     """
 
-    def __init__(self, workspace: torch.Tensor, batch_size: int, max_pages: int) -> None:
+    def __init__(
+        self,
+        workspace: torch.Tensor,
+        batch_size: int,
+        max_pages: int,
+        *,
+        use_tensor_cores: bool = True,
+    ) -> None:
         flashinfer = import_flashinfer()
         device = workspace.device
         self.batch_size = batch_size
@@ -220,7 +227,7 @@ class GraphDecodeWrapper:
             workspace,
             kv_layout="NHD",
             use_cuda_graph=True,
-            use_tensor_cores=True,
+            use_tensor_cores=use_tensor_cores,
             backend=FLASHINFER_BACKEND,
             paged_kv_indptr_buffer=self._indptr,
             paged_kv_indices_buffer=self._indices,

@@ -15,6 +15,9 @@
 #               with --small-batch-linear-rows 8 (graphs-small-linear); with a torch
 #               profile of batch 1 and 128 (profiles.tar: Chrome traces)
 #   decode-7b
+#   decode-2b-cuda-core, decode-7b-cuda-core   bench/gpu_decode.py, batch 1 / 32 / 128,
+#               graphs on FlashInfer's tensor-core decode kernel against its CUDA-core one
+#               for batches of up to 32 rows (--cuda-core-decode-rows 32: graphs-cuda-core)
 #   gemv        bench/gpu_gemv.py: the 2B and 7B projections at 1 / 2 / 4 / 8 rows, cuBLAS
 #               against the small-batch Triton kernel (and a grid of its blocks at 1 row)
 #   decode-moe  a mixture of experts at real width (qwen3-vl-moe-8l: Qwen3-VL-30B-A3B's
@@ -97,6 +100,11 @@ run_decode() {  # $1: qwen2-vl-2b | qwen2-vl-7b; the 2B run also profiles batch 
     if [ -d /tmp/profiles ]; then tar -C /tmp -cf "$out/profiles.tar" profiles; fi
 }
 
+run_cuda_core_decode() {  # $1: qwen2-vl-2b | qwen2-vl-7b
+    python3 bench/gpu_decode.py --sizes "$1" --batch-sizes 1 32 128 --model-root "$models" \
+        --modes graphs graphs-cuda-core --out "$out/decode-$1-cuda-core.json"
+}
+
 run_moe() {
     python3 -c "from pathlib import Path; from bench.gpu_decode import ensure_model
 ensure_model(Path('$models'), 'qwen3-vl-moe-8l', 'cuda')" || return 1
@@ -134,6 +142,7 @@ for step in "$@"; do
         tests) fn=run_tests ;;
         decode-2b) fn="run_decode qwen2-vl-2b" ;;
         decode-7b) fn="run_decode qwen2-vl-7b" ;;
+        decode-2b-cuda-core | decode-7b-cuda-core) fn="run_cuda_core_decode qwen2-vl-${step:7:2}" ;;
         decode-moe) fn=run_moe ;;
         gemv) fn="python3 bench/gpu_gemv.py --out $out/gemv.json" ;;
         prefill-2b) fn=run_prefill ;;

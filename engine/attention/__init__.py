@@ -30,11 +30,17 @@ def check_attention_backend(name: str, device: torch.device, dtype: torch.dtype)
 
 
 def get_attention_backend(
-    name: str, shape: AttentionShape | None = None, k_scale: float = 1.0, v_scale: float = 1.0
+    name: str,
+    shape: AttentionShape | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    *,
+    cuda_core_decode_rows: int = 0,
 ) -> AttentionBackend:
     """Builds the backend named `name` ("torch" or "flashinfer"); imports it lazily.
     `shape` is required by backends that plan ahead (flashinfer). `k_scale`/`v_scale` are
-    the per-tensor scales of an FP8 KV cache (others ignore them)."""
+    the per-tensor scales of an FP8 KV cache (others ignore them). flashinfer: decode
+    batches of up to `cuda_core_decode_rows` rows attend on CUDA cores."""
     if name == "torch":
         from engine.attention.torch_backend import TorchAttentionBackend
 
@@ -46,7 +52,9 @@ def get_attention_backend(
             raise ValueError(f"attention backend 'flashinfer' is not available: {exc}") from exc
         if shape is None:
             raise ValueError("attention backend 'flashinfer' needs the model's AttentionShape")
-        return FlashInferAttentionBackend(shape, k_scale, v_scale)
+        return FlashInferAttentionBackend(
+            shape, k_scale, v_scale, cuda_core_decode_rows=cuda_core_decode_rows
+        )
     raise _unknown_backend(name)
 
 

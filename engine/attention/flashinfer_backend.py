@@ -55,8 +55,13 @@ class FlashInferAttentionBackend:
         k_scale: float = 1.0,
         v_scale: float = 1.0,
         workspace_bytes: int = flashinfer_glue.DEFAULT_WORKSPACE_BYTES,
+        *,
+        cuda_core_decode_rows: int = 0,
     ) -> None:
         self.shape = shape
+        # Captured decode batches of up to this many rows attend on CUDA cores: at a few
+        # rows the tensor-core kernel's tiles are mostly padding (docs/gpu.md).
+        self.cuda_core_decode_rows = cuda_core_decode_rows
         self._geometry = flashinfer_glue.PlanGeometry(
             num_qo_heads=shape.num_heads,
             num_kv_heads=shape.num_kv_heads,
@@ -108,6 +113,7 @@ class FlashInferAttentionBackend:
                 self._eager_wrappers(metadata.block_tables.device).workspace,
                 batch_size,
                 max_pages=batch_size * width,
+                use_tensor_cores=batch_size > self.cuda_core_decode_rows,
             )
             self._graph_wrappers[batch_size] = wrapper
         self._plan(wrapper, metadata)

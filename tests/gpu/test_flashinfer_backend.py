@@ -148,9 +148,11 @@ def test_fp8_cache_matches_dequantized_reference(query_lens, context_lens):
     torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2)
 
 
-def test_graph_decode_replays_new_page_tables():
+@pytest.mark.parametrize("cuda_core_rows", [0, 4], ids=["tensor-cores", "cuda-cores"])
+def test_graph_decode_replays_new_page_tables(cuda_core_rows):
     """One decode graph of 4 rows, captured once, replayed over two different batches whose
-    buffers and plan change between replays: each replay equals the torch backend."""
+    buffers and plan change between replays: each replay equals the torch backend, on
+    tensor cores and on CUDA cores (`--cuda-core-decode-rows`)."""
     num_heads, num_kv_heads, head_dim, block_size, width = 8, 2, 128, 16, 16
     scale = 1 / math.sqrt(head_dim)
     query_lens = [1, 1, 1, 1]
@@ -183,7 +185,9 @@ def test_graph_decode_replays_new_page_tables():
         buffers["slot_mapping"].copy_(batch.slot_mapping)
         return static_metadata(batch.seq_lens)
 
-    backend = FlashInferAttentionBackend(shape_of(query, kv_cache, scale))
+    backend = FlashInferAttentionBackend(
+        shape_of(query, kv_cache, scale), cuda_core_decode_rows=cuda_core_rows
+    )
     static_q, static_k, static_v = query.clone(), key.clone(), value.clone()
     cache = torch.zeros(kv_cache.shape[0] + 64, *kv_cache.shape[1:], dtype=kv_cache.dtype,
                         device=DEVICE)  # fmt: skip

@@ -56,6 +56,13 @@ def test_a_mixture_of_experts_floor_counts_the_experts_a_step_reads(tmp_path):
     assert abs(four["weight_bytes"] - one["weight_bytes"] - difference) <= sparse
 
 
-def test_the_small_linear_mode_sets_its_rows_and_nothing_else():
-    assert gpu_decode.MODE_SETTINGS == {"graphs-small-linear": {"small_batch_linear_rows": 8}}
-    assert "graphs-small-linear" in gpu_decode.MODES
+def test_the_setting_modes_set_their_rows_and_nothing_else():
+    from engine.config import EngineConfig
+
+    assert gpu_decode.MODE_SETTINGS == {
+        "graphs-small-linear": {"small_batch_linear_rows": 8},
+        "graphs-cuda-core": {"cuda_core_decode_rows": 32},
+    }
+    for mode, settings in gpu_decode.MODE_SETTINGS.items():
+        assert mode in gpu_decode.MODES
+        EngineConfig(model="m", **settings)  # real settings, in range
