@@ -91,6 +91,10 @@ class EngineConfig:
                 f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                 f"got {self.scheduling_policy!r}"
             )
+        if not -(2**63) <= self.seed < 2**64:  # torch.Generator.manual_seed's range
+            # (past it, every sampled step failed at its first draw, with the step's other
+            # requests, greedy ones included)
+            raise ValueError(f"seed must be a 64-bit integer, got {self.seed}")
         if not 0 <= self.small_batch_linear_rows <= SMALL_BATCH_LINEAR_MAX_ROWS:
             raise ValueError(
                 f"small_batch_linear_rows must be in [0, {SMALL_BATCH_LINEAR_MAX_ROWS}], "
