@@ -466,6 +466,9 @@ def _finisher(state: AppState, request: Request) -> Callable[[GenerationTotals],
     start = arrival_of(request)
 
     def on_finished(totals: GenerationTotals) -> None:
+        if totals.error_code is not None:
+            state.metrics.on_stream_error(totals.error_code)
+            return
         now = time.monotonic()
         for choice in totals.choices.values():
             if choice.finish_reason is None:

@@ -96,6 +96,8 @@ class GenerationTotals:
     inter_token_seconds: list[float] = field(default_factory=list)
     # SamplingParams.prompt_logprobs: the prompt's scores (the same for every choice).
     prompt_logprobs: list[TokenLogprob] | None = None
+    # A stream that failed after its 200: the error's code (server/streaming.py `guarded`).
+    error_code: str | None = None
 
     def choice(self, index: int) -> ChoiceFigures:
         if (figures := self.choices.get(index)) is None:

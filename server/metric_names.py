@@ -202,6 +202,12 @@ METRICS: tuple[MetricSpec, ...] = (
         "status",
     ),
     _counter(
+        "tessera:stream_errors_total",
+        "Streams that failed after their 200 (an error event ends them; http_requests_total "
+        "counts them as 200s), by error code.",
+        "code",
+    ),
+    _counter(
         "tessera:requests_rejected_total",
         "Requests refused with 503 before reaching the engine (overloaded, draining).",
         "reason",

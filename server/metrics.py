@@ -144,6 +144,10 @@ class ServerMetrics:
     def on_http_request(self, route: str, status: int) -> None:
         self._labelled("tessera:http_requests_total", route, str(status)).inc()
 
+    def on_stream_error(self, code: str) -> None:
+        """A stream that failed after its 200; `code` is an error code of ours."""
+        self._labelled("tessera:stream_errors_total", code).inc()
+
     def on_request_rejected(self, reason: str) -> None:
         """A 503 before the engine; `reason` is an error code of ours, never request data."""
         self._labelled("tessera:requests_rejected_total", reason).inc()

@@ -480,6 +480,8 @@ async def stream_response(
             failure = {"code": code, "message": exc.message}
             yield event("response.failed",
                         response=shaper.response("failed", assembler.items.output, error=failure))  # fmt: skip
+            totals.error_code = exc.code or exc.type
+            on_finished(totals)  # failed: counted as a stream error
             return
         except Exception:  # noqa: BLE001 - the stream must end cleanly whatever happened
             logger.exception("response stream failed")
@@ -487,5 +489,7 @@ async def stream_response(
             yield event("error", code="internal_error", message=failure["message"], param=None)
             yield event("response.failed",
                         response=shaper.response("failed", assembler.items.output, error=failure))  # fmt: skip
+            totals.error_code = "internal_error"
+            on_finished(totals)  # failed: counted as a stream error
             return
     on_finished(totals)

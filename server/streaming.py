@@ -96,7 +96,8 @@ def counted_if_left(totals: GenerationTotals, n: int, on_finished: OnFinished) -
     """Around a stream's body, up to its last event before [DONE]: a client that leaves
     first (the response closes the stream at a yield) still has its request counted, the
     tokens so far and each unfinished choice as aborted (vLLM's finished_reason "abort").
-    A stream that ends calls `on_finished` itself; one that fails counts nothing."""
+    A stream that ends calls `on_finished` itself, one that fails too, its totals'
+    `error_code` set."""
     try:
         yield
     except (GeneratorExit, asyncio.CancelledError):
@@ -256,10 +257,12 @@ async def stream_chat(
         extractors = [job.tools.extractor() for _ in range(job.n)] if job.tools else None
         splitters = [job.reasoning_splitter() for _ in range(job.n)]
         wants_prompt_logprobs = job.sampling.prompt_logprobs is not None
-        async with contextlib.aclosing(guarded(run_job(job, engine, tokenizer, totals))) as pieces:
+        deltas = guarded(run_job(job, engine, tokenizer, totals), totals)
+        async with contextlib.aclosing(deltas) as pieces:
             async for piece in pieces:
                 if isinstance(piece, bytes):
                     yield piece
+                    on_finished(totals)  # failed: counted as a stream error
                     return
                 text, finish, call_deltas, reasoning = piece.text, piece.finish_reason, [], ""
                 splitter = splitters[piece.index]
@@ -332,13 +335,14 @@ async def stream_completion(
         for job, figures in zip(jobs, totals, strict=True):
             counted.enter_context(counted_if_left(figures, job.n, on_finished))
         runs = [
-            guarded(run_job(job, engine, tokenizer, figures, scores_per_choice=True))
+            guarded(run_job(job, engine, tokenizer, figures, scores_per_choice=True), figures)
             for job, figures in zip(jobs, totals, strict=True)
         ]
         async with contextlib.aclosing(interleave(runs)) as pieces:
             async for part, piece in pieces:
                 if isinstance(piece, bytes):
                     yield piece
+                    on_finished(totals[part])  # failed: counted as a stream error
                     return
                 job, echo, index = jobs[part], echoes[part], part * n + piece.index
                 # A piece with no text may still carry logprobs (its text is held back).
@@ -372,17 +376,24 @@ async def stream_completion(
     yield DONE
 
 
-async def guarded(deltas: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    """Pass deltas through; turn an error into the SSE error event + [DONE] (as bytes).
-    Around a job's deltas, and around a whole response stream (server/app.py), so an error
-    in building a chunk ends the stream as cleanly as one in the engine."""
+async def guarded(
+    deltas: AsyncIterator[Any], totals: GenerationTotals | None = None
+) -> AsyncIterator[Any]:
+    """Pass deltas through; turn an error into the SSE error event + [DONE] (as bytes),
+    its code noted in `totals`. Around a job's deltas, and around a whole response stream
+    (server/app.py), so an error in building a chunk ends the stream as cleanly as one in
+    the engine."""
     try:
         async for delta in deltas:
             yield delta
     except TesseraError as exc:
+        if totals is not None:
+            totals.error_code = exc.code or exc.type
         yield sse(tessera_error_body(exc)) + DONE
     except Exception:  # noqa: BLE001 - the stream must end cleanly whatever happened
         logger.exception("stream failed")
+        if totals is not None:
+            totals.error_code = "internal_error"
         body = error_body("internal server error", type="server_error", code="internal_error")
         yield sse(body) + DONE
     finally:

@@ -509,3 +509,18 @@ def test_features_beside_images_never_wait_on_room_they_hold(small_encoder_cache
 
     with ThreadPoolExecutor(12) as pool:
         assert list(pool.map(ask, range(12))) == [200] * 12
+
+
+def test_a_stream_that_fails_after_its_200_counts_as_a_stream_error(fhttp, objects):
+    """The feature is fetched once the stream is open: its failure is an error event in a
+    200. It counted in no metric (http_requests_total says 200; fuzz35)."""
+    missing = objects.put("streamfail/missing", b"", status=404)
+    name, code = "tessera:stream_errors_total", "feature_not_found"
+    before = metric(fhttp, name, code=code)
+    body = {"model": MODEL_NAME, "max_tokens": 4, "stream": True,
+            "messages": [{"role": "user", "content": [feature_part(missing)]}]}  # fmt: skip
+    with fhttp.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert json.loads(events[-2])["error"]["code"] == code and events[-1] == "[DONE]"
+    assert metric(fhttp, name, code=code) == before + 1
