@@ -16,6 +16,11 @@ from dataclasses import dataclass
 from typing import Any
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# The names each setting takes, checked with the settings (a wrong one failed only in the
+# engine process, with a traceback and the exit code that asks a supervisor to restart).
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "fp8")
+ATTENTION_BACKENDS = ("torch", "flashinfer")
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 SMALL_BATCH_LINEAR_MAX_ROWS = 8  # the kernel's MAX_ROWS (kernels/triton/small_batch_linear.py)
 
@@ -86,11 +91,13 @@ class EngineConfig:
         )  # fmt: skip
         if not DEVICE_PATTERN.fullmatch(self.device):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(
-                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
-                f"got {self.scheduling_policy!r}"
-            )
+        for name, choices in (("scheduling_policy", SCHEDULING_POLICIES),
+                              ("dtype", DTYPE_NAMES), ("kv_cache_dtype", KV_CACHE_DTYPES),
+                              ("attention_backend", ATTENTION_BACKENDS)):  # fmt: skip
+            if getattr(self, name) not in choices:
+                raise ValueError(
+                    f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}"
+                )
         if not -(2**63) <= self.seed < 2**64:  # torch.Generator.manual_seed's range
             # (past it, every sampled step failed at its first draw, with the step's other
             # requests, greedy ones included)

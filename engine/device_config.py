@@ -9,8 +9,9 @@ from pathlib import Path
 
 import torch
 
+from engine.config import KV_CACHE_DTYPES
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 def resolve_device(name: str) -> torch.device:

@@ -383,6 +383,9 @@ def _from_yaml(path: str) -> dict[str, Any]:
         data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:
         raise SettingsError(f"cannot read config file {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise SettingsError(f"config file {path} is not UTF-8 text ({exc.reason} at byte "
+                            f"{exc.start})") from None  # fmt: skip
     except yaml.YAMLError as exc:
         raise SettingsError(f"config file {path} is not valid YAML: {exc}") from None
     if data is None:
@@ -390,7 +393,8 @@ def _from_yaml(path: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise SettingsError(f"config file {path} must be a mapping of setting names to values")
     data = dict(data)
-    nested = data.pop("engine", None) or {}
+    nested = data.pop("engine", None)
+    nested = {} if nested is None else nested  # `engine:` with nothing under it
     if not isinstance(nested, dict):
         raise SettingsError(f"{path}: 'engine' must be a mapping")
     result: dict[str, Any] = {}

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata, AttentionShape
+from engine.config import ATTENTION_BACKENDS
 
-ATTENTION_BACKENDS = ("torch", "flashinfer")
 FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
 
 

@@ -186,6 +186,14 @@ def test_yaml_errors_and_nested_engine_section(tmp_path: Path) -> None:
         load_settings(["--config", _yaml(tmp_path, "- a\n- b\n")], {})
     with pytest.raises(SettingsError, match="cannot read"):
         load_settings(["--config", str(tmp_path / "missing.yaml")], {})
+    for nothing in ("0", "[]", "''", "false"):  # were taken for no engine section (fuzz34)
+        with pytest.raises(SettingsError, match="'engine' must be a mapping"):
+            load_settings(["--config", _yaml(tmp_path, f"engine: {nothing}\n")], {})
+    assert load_settings(["--config", _yaml(tmp_path, "engine:\n")], {}).engine.seed == 0
+    latin1 = tmp_path / "latin1.yaml"  # a traceback, exit 1 (fuzz34)
+    latin1.write_bytes("# café\nseed: 1\n".encode("latin-1"))
+    with pytest.raises(SettingsError, match="not UTF-8"):
+        load_settings(["--config", str(latin1)], {})
     text = "port: 9000\nengine:\n  model: /m\n  max_num_seqs: 2\n"
     settings = load_settings(["--config", _yaml(tmp_path, text)], {})
     assert settings.port == 9000 and settings.engine.max_num_seqs == 2
@@ -314,6 +322,15 @@ def test_an_api_key_is_taken_without_surrounding_whitespace_and_empty_is_none(gi
     turned auth off and also hid the "no API key" warning, which looks for None."""
     assert load_settings([], {"TESSERA_API_KEY": given}).api_key == key
     assert load_settings(["--api-key", given], {}).api_key == key
+
+
+@pytest.mark.parametrize("flag, value", [("--dtype", "fp32"), ("--kv-cache-dtype", "fp16"),
+                                         ("--attention-backend", "flash")])  # fmt: skip
+def test_an_unknown_dtype_or_backend_is_refused_with_the_settings(flag, value):
+    """They passed the settings and failed in the engine process: a traceback, and exit 1,
+    the code that asks a supervisor to restart the server (fuzz34)."""
+    with pytest.raises(SettingsError, match=flag.removeprefix("--").replace("-", "_")):
+        load_settings([flag, value], {})
 
 
 @pytest.mark.parametrize("device", ["gpu", "tpu", "cuda0", "cuda:x", ""])
