@@ -37,6 +37,7 @@ import random
 from importlib import resources
 from pathlib import Path
 
+import torch
 from tokenizers import (
     AddedToken,
     Regex,
@@ -249,9 +250,30 @@ def main(argv: list[str] | None = None) -> int:
         "qwen2-vl-* sizes; the two give different weights from one seed",
     )
     args = parser.parse_args(argv)
+    problem = _argument_problem(args)
+    if problem is not None:
+        parser.error(problem)
     path = make_tiny_model(args.out_dir, seed=args.seed, size=args.size, device=args.device)
     print(f"wrote {args.size} checkpoint (seed {args.seed}, {args.device}) to {path}")
     return 0
+
+
+def _argument_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the arguments, before anything is written (they raised with a
+    traceback, some after an existing checkpoint's weights were gone)."""
+    if not -(2**63) <= args.seed < 2**64:
+        return f"--seed must be a 64-bit integer, got {args.seed}"
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        return f"--device must be cpu or cuda, got {args.device!r}"
+    if device.type not in ("cpu", "cuda"):
+        return f"--device must be cpu or cuda, got {args.device!r}"
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return "--device cuda: no CUDA device is available"
+    if Path(args.out_dir).exists() and not Path(args.out_dir).is_dir():
+        return f"OUT_DIR {args.out_dir} is a file, not a folder"
+    return None
 
 
 if __name__ == "__main__":

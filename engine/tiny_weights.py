@@ -269,6 +269,9 @@ def save_shards(
 ) -> None:
     """model.safetensors when the plan has one shard, else hub-style numbered shards plus
     model.safetensors.index.json. Only one shard's tensors are in memory at a time."""
+    # The first draw before a previous run's weights go: a draw that fails (a seed or a
+    # device the generator refuses) left a checkpoint folder without weights.
+    weights = itertools.chain([next(weights)], weights)
     for stale in (out / SINGLE_FILE, out / INDEX_FILE, *out.glob("model-*-of-*.safetensors")):
         stale.unlink(missing_ok=True)  # a previous run's files would confuse the loaders
     if len(plan) == 1:

@@ -351,3 +351,43 @@ def test_cuda_draw_is_deterministic_and_differs_from_cpu():
     assert all(torch.equal(first[name], again[name]) for name in first)
     assert not torch.equal(first["model.embed_tokens.weight"], cpu["model.embed_tokens.weight"])
     assert torch.all(first["lm_head.weight"][1544:] == 0)
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [(["--seed", str(2**64)], "--seed"), (["--device", "garbage"], "--device"),
+     (["--device", "tpu"], "--device")]
+    + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "no CUDA")]),
+)  # fmt: skip
+def test_bad_arguments_are_one_line_and_leave_an_existing_checkpoint_whole(
+    tmp_path, capsys, args, says
+):
+    """A bad seed or device over an existing checkpoint raised with a traceback after its
+    weights were deleted (fuzz34)."""
+    out = tmp_path / "m"
+    assert main([str(out)]) == 0
+    before = (out / "model.safetensors").read_bytes()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(out), *args])
+    assert exit_info.value.code == 2 and says in capsys.readouterr().err
+    assert (out / "model.safetensors").read_bytes() == before
+    file = tmp_path / "a-file"
+    file.write_text("x")
+    with pytest.raises(SystemExit):
+        main([str(file)])
+
+
+def test_a_draw_that_fails_leaves_the_previous_weights(tmp_path):
+    """The stale weights go only once the first tensor is drawn."""
+    from engine.tiny_weights import save_shards
+
+    (tmp_path / "model.safetensors").write_bytes(b"previous")
+
+    def failing():
+        raise RuntimeError("the generator refused the seed")
+        yield  # a generator
+
+    with pytest.raises(RuntimeError, match="refused"):
+        save_shards(tmp_path, failing(), [["w"]])
+    assert (tmp_path / "model.safetensors").read_bytes() == b"previous"
