@@ -20,6 +20,19 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def usable_device(name: str) -> torch.device:
+    """A CLI's --device (cpu, cuda, cuda:N), or ValueError saying why it cannot be used."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be cpu or cuda, got {name!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: no CUDA device is available")
+    return device
+
+
 def resolve_dtype(
     name: str, device: torch.device, checkpoint_dtype: str | None = None
 ) -> torch.dtype:

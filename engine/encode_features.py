@@ -36,6 +36,7 @@ import torch
 from safetensors.torch import save
 
 from engine.attention import get_attention_backend
+from engine.device_config import usable_device
 from engine.errors import TesseraError
 from engine.models.loader import load_model
 from engine.multimodal.image_processor import ImageProcessorConfig, process_image
@@ -163,9 +164,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     input ends the run with a one-line error (exit 1), after the lines of those before it."""
     parser = build_parser()
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.output.startswith("s3://") and not args.output[5:].strip("/"):
+        # stripped of its slashes it was "s3:", a local folder (fuzz34)
+        parser.error("an s3:// output needs a bucket: s3://BUCKET[/PREFIX]")
     output = args.output.rstrip("/")
     try:
         urls = output_urls(output, args.images)
+        usable_device(args.device)
     except ValueError as exc:
         parser.error(str(exc))
     for name in args.images:

@@ -37,7 +37,6 @@ import random
 from importlib import resources
 from pathlib import Path
 
-import torch
 from tokenizers import (
     AddedToken,
     Regex,
@@ -50,6 +49,7 @@ from tokenizers import (
     trainers,
 )
 
+from engine.device_config import usable_device
 from engine.tiny_configs import (
     SPECIAL_TOKENS,
     generation_config,
@@ -264,13 +264,9 @@ def _argument_problem(args: argparse.Namespace) -> str | None:
     if not -(2**63) <= args.seed < 2**64:
         return f"--seed must be a 64-bit integer, got {args.seed}"
     try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        return f"--device must be cpu or cuda, got {args.device!r}"
-    if device.type not in ("cpu", "cuda"):
-        return f"--device must be cpu or cuda, got {args.device!r}"
-    if device.type == "cuda" and not torch.cuda.is_available():
-        return "--device cuda: no CUDA device is available"
+        usable_device(args.device)
+    except ValueError as exc:
+        return str(exc)
     if Path(args.out_dir).exists() and not Path(args.out_dir).is_dir():
         return f"OUT_DIR {args.out_dir} is a file, not a folder"
     return None

@@ -54,11 +54,20 @@ def test_a_bad_input_is_one_line_and_the_files_before_it_exist(model_dir, tmp_pa
 
 
 @pytest.mark.parametrize("args", [["missing.png"], ["--video-fps", "0", "x.png"],
-                                  ["--max-video-frames", "0", "x.png"]])  # fmt: skip
-def test_bad_arguments_are_refused_before_the_model_loads(model_dir, tmp_path, capsys, args):
+                                  ["--max-video-frames", "0", "x.png"],
+                                  ["--device", "garbage", "x.png"], ["--device", "tpu", "x.png"],
+                                  ["--output", "s3://", "x.png"],
+                                  ["--output", "s3:///", "x.png"]])  # fmt: skip
+def test_bad_arguments_are_refused_before_the_model_loads(
+    model_dir, tmp_path, capsys, args, monkeypatch
+):
+    """A bad --device raised with a traceback; `--output s3://` wrote to ./s3:/ and exited
+    0 (fuzz34)."""
+    monkeypatch.chdir(tmp_path)
     (tmp_path / "x.png").write_bytes(png_bytes(picture(56, 56, 4)))
     args = [str(tmp_path / a) if a.endswith(".png") else a for a in args]
     with pytest.raises(SystemExit) as exited:
         main(["encode-features", "--model", str(model_dir), "--output", str(tmp_path / "o"), *args])
     assert exited.value.code == 2
     assert "Traceback" not in capsys.readouterr().err
+    assert not (tmp_path / "s3:").exists()
