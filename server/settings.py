@@ -71,7 +71,7 @@ class ServerSettings:
     max_request_json_containers: int = 500_000  # JSON objects and arrays in a body, counted before it is parsed (the parse holds the event loop: 5 M small arrays took 3 s); more get 413; no text a context holds has that many braces
     max_image_bytes: int = 20 * 1024 * 1024  # per fetched / data: image
     max_images_per_request: int = 16  # media parts (images, videos, features) in one request
-    max_image_pixels: int = 64_000_000  # checked before decoding (decompression bombs)
+    max_image_pixels: int = 64_000_000  # an image's, and each video frame's, checked before decoding (decompression bombs)
     max_video_bytes: int = 64 * 1024 * 1024  # per fetched / data: video
     video_fps: float = 2.0  # video frames sampled per second (as transformers' `fps`)
     max_video_frames: int = 32  # frames sampled per video, at most (2 frames = 1 grid step)
