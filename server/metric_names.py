@@ -190,7 +190,9 @@ METRICS: tuple[MetricSpec, ...] = (
     _counter("tessera:feature_fetch_bytes_total", "Bytes of pre-encoded features downloaded."),
     _counter(
         "tessera:feature_fetch_failures_total",
-        "Failed feature fetches, by reason (not_found, timeout, invalid, ...).",
+        "Failed feature fetches, by reason (not_found, access_denied, timeout, server_error, "
+        "network, bad_format, ...; `cancelled`: its request ended first, a client that left "
+        "or another feature that failed, no fault of the store: leave it out of alerts).",
         "reason",
     ),
     _gauge("tessera:feature_fetch_in_flight", "Feature downloads in progress."),
