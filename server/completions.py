@@ -149,18 +149,17 @@ def _message(job: GenerationJob, result: ChoiceResult) -> tuple[ResponseMessage,
     """The assistant message of one choice and its finish reason: its reasoning apart when
     the job has a reasoning parser; with tools, the tool calls found in the rest of the
     text (content None when there is none besides them)."""
-    reasoning, text = None, result.text
+    reasoning, content = None, result.text
     splitter = job.reasoning_splitter()
     if splitter is not None:
-        reasoning, text = splitter.split(text)
-    tools = job.tools
-    if tools is None:
-        return ResponseMessage(content=text, reasoning_content=reasoning), result.finish_reason
-    content, calls = tools.split(text)
+        reasoning, content = splitter.split(content)
+    calls = []
+    if job.tools is not None:
+        content, calls = job.tools.split(content)
+    if splitter is not None or calls:
+        content = content or None  # only thinking or calls: no answer, as vLLM gives it
     if not calls:
-        message = ResponseMessage(content=content, reasoning_content=reasoning)
-        return message, result.finish_reason
+        return ResponseMessage(content=content, reasoning_content=reasoning), result.finish_reason
     tool_calls = [ResponseToolCall.model_validate(call.as_dict()) for call in calls]
-    message = ResponseMessage(content=content or None, reasoning_content=reasoning,
-                              tool_calls=tool_calls)  # fmt: skip
-    return message, tools.finish_reason(result.finish_reason, calls)
+    message = ResponseMessage(content=content, reasoning_content=reasoning, tool_calls=tool_calls)
+    return message, job.tools.finish_reason(result.finish_reason, calls)  # type: ignore[union-attr]
