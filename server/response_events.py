@@ -395,8 +395,10 @@ class _StreamedOutput:
 
     def finish(self, calls: list[ToolCall], status: str) -> Iterator[bytes]:
         yield from self._close_reasoning(status)
-        if not any(item["type"] != "reasoning" for item in self.output) and not calls:
-            yield from self._open_message()  # an empty answer is still a message
+        if not self.output and not calls:
+            # An empty answer is still a message; one that is all thinking is its reasoning
+            # item alone, as OpenAI's answer cut off while it reasons.
+            yield from self._open_message()
         yield from self._close_message(status)
         for index, call in enumerate(calls):
             if index not in self.call_items:

@@ -169,3 +169,14 @@ def test_a_delta_of_several_tokens_gives_each_entry_to_its_own_tokens_text(token
     assert [item["type"] for item in expected] == ["reasoning", "message", "function_call"]
     assert logprob_ids(expected[1]) == [4, 5]
     assert without_ids(in_fours.items.output) == expected
+
+
+@pytest.mark.parametrize("feeds", [["<think>", "hmm", " still"], ["<think>", "hmm", "</think>"]])
+def test_an_answer_that_is_all_thinking_is_its_reasoning_item_alone(tokenizer, feeds):
+    """As OpenAI's answer cut off while it reasons; an empty message item followed it,
+    streamed and not. An answer with nothing at all is still one empty message."""
+    events, output = events_of(feeds, shaper_for(tokenizer, tools=None, thinking=False))
+    assert [item["type"] for item in output] == ["reasoning"]
+    final = final_of(feeds, shaper_for(tokenizer, tools=None, thinking=False))
+    assert [item["type"] for item in final] == ["reasoning"]
+    assert [item["type"] for item in events_of([""])[1]] == ["message"]
