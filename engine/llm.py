@@ -166,6 +166,26 @@ class LLM:
                 self.engine.settle()
                 raise
 
+    def chat(
+        self,
+        messages: Sequence[dict] | Sequence[Sequence[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        raise_on_error: bool = False,
+        **rendering: Any,
+    ) -> list[GenerationResult]:
+        """`generate()` of one conversation (a list of message dicts) or of several (a list
+        of such lists), as vLLM's `LLM.chat`. `rendering`: "mm_processor_kwargs" and the
+        chat rendering keys ("add_generation_prompt", "continue_final_message",
+        "chat_template_kwargs"), the same for every conversation."""
+        unknown = set(rendering) - {*CHAT_RENDERING_KEYS, "mm_processor_kwargs"}
+        if unknown:
+            raise TypeError(f"LLM.chat() got unknown keyword arguments: {sorted(unknown)}")
+        one = not messages or isinstance(messages[0], dict)
+        conversations = [messages] if one else messages
+        prompts = [{"messages": list(conversation), **rendering} for conversation in conversations]
+        return self.generate(prompts, sampling_params, raise_on_error=raise_on_error)
+
     def _run(
         self,
         prompts: Sequence[Prompt],

@@ -122,3 +122,21 @@ def test_two_threads_share_one_llm(llm, reference, prompts):
         thread.join(timeout=300)
     for index in (0, 1, 2):
         check(results[index], reference, prompts, [index])
+
+
+def test_chat_is_generate_of_message_prompts(llm):
+    """LLM.chat (vLLM's): one conversation or several, rendered as generate() renders
+    {"messages": ...} prompts, with the same rendering keys."""
+    first = [{"role": "user", "content": "Describe the floor."}]
+    second = [{"role": "user", "content": "Count the tiles."},
+              {"role": "assistant", "content": "There are"}]  # fmt: skip
+    expected = llm.generate([{"messages": first},
+                             {"messages": second, "continue_final_message": True}], GREEDY)  # fmt: skip
+    [one] = llm.chat(first, GREEDY)
+    assert one.prompt_token_ids == expected[0].prompt_token_ids
+    assert one.token_ids == expected[0].token_ids
+    [continued] = llm.chat([second], GREEDY, continue_final_message=True)
+    assert continued.prompt_token_ids == expected[1].prompt_token_ids
+    assert continued.token_ids == expected[1].token_ids
+    with pytest.raises(TypeError, match="tools"):
+        llm.chat(first, GREEDY, tools=[])
