@@ -1,4 +1,5 @@
-"""Offline generation: `LLM(model_dir).generate(prompts)` (and `.chat(messages)`) over the same EngineCore loop.
+"""Offline generation: `LLM(model_dir).generate(prompts)` (and `.chat(messages)`) over the
+same EngineCore loop.
 
 A prompt is a str (raw text, tokenized as is, no chat template), a list[int]
 (token ids), or {"messages": [...]} (OpenAI-style chat; content parts
