@@ -2,10 +2,12 @@
 
 The request is `POST {base_url}/v1/chat/completions` with `stream: true` and
 `stream_options.include_usage`; the answer is server-sent events, `data: {json}` lines
-ending with `data: [DONE]`. A *content chunk* is an event whose choices carry non-empty
-`delta.content` (the role-only first chunk of the OpenAI format is not one). Token counts
-come from the `usage` object (OpenAI sends it in a last chunk with no choices; some servers
-put it on the finishing chunk, some never send it: then the content chunks are counted).
+ending with `data: [DONE]`. A *content chunk* is an event whose choices carry generated
+output: a non-empty `delta.content`, `delta.reasoning_content` (vLLM also spells it
+`reasoning`) or `delta.tool_calls`; a reasoning model's first token is its first reasoning
+token. The role-only first chunk of the OpenAI format is not one. Token counts come from
+the `usage` object (OpenAI sends it in a last chunk with no choices; some servers put it on
+the finishing chunk, some never send it: then the content chunks are counted).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from bench.stats import RequestRecord
 
 CHAT_PATH = "/v1/chat/completions"
 MAX_ERROR_CHARS = 300
+# The delta fields that carry generated tokens; "reasoning" is vLLM's newer name.
+OUTPUT_DELTA_FIELDS = ("content", "reasoning_content", "reasoning", "tool_calls")
 
 
 def chat_body(
@@ -73,7 +77,7 @@ class _StreamState:
         if event.get("usage"):
             self.usage = event["usage"]
         for choice in event.get("choices") or ():
-            if (choice.get("delta") or {}).get("content"):
+            if _has_output(choice.get("delta") or {}):
                 self.chunk_times.append(now)
             if choice.get("finish_reason") is not None and self.finish_time is None:
                 self.finish_time = now
@@ -98,6 +102,30 @@ class _StreamState:
         )
 
 
+def _has_output(delta: dict[str, Any]) -> bool:
+    return any(delta.get(field) for field in OUTPUT_DELTA_FIELDS)
+
+
+class _LineSplitter:
+    """Splits a byte stream into lines of any length. aiohttp's own line reader stops at
+    512 KiB (LineTooLong), and one `prompt_logprobs` event of a long prompt is megabytes."""
+
+    def __init__(self) -> None:
+        self._parts: list[bytes] = []  # the unfinished line, kept in pieces: no re-copying
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        """The lines `chunk` completes (without their newline)."""
+        if b"\n" not in chunk:
+            self._parts.append(chunk)
+            return []
+        lines = chunk.split(b"\n")
+        if self._parts:
+            lines[0] = b"".join([*self._parts, lines[0]])
+        rest = lines.pop()
+        self._parts = [rest] if rest else []
+        return lines
+
+
 def _short(text: str) -> str:
     return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS] + "..."
 
@@ -120,16 +148,35 @@ async def stream_chat(
             if response.status != 200:
                 text = (await response.read()).decode(errors="replace")
                 return RequestRecord(False, error=_short(f"HTTP {response.status}: {text}"))
-            async for line in response.content:  # one line at a time
-                if line.startswith(b"data:"):
-                    state.on_event(line[5:].decode().strip(), time.perf_counter())
-                    if state.error is not None or state.is_done:
-                        break
+            await _read_events(response, state)
     except (aiohttp.ClientError, TimeoutError) as exc:
         return RequestRecord(False, error=_short(f"{type(exc).__name__}: {exc}"))
-    except (json.JSONDecodeError, TypeError, ValueError) as exc:
+    except (json.JSONDecodeError, TypeError, ValueError, AttributeError) as exc:
         return RequestRecord(False, error=_short(f"malformed stream: {exc}"))
+    except Exception as exc:  # a request's failure ends in its record, never the whole run
+        return RequestRecord(False, error=_short(f"client error: {type(exc).__name__}: {exc}"))
     return state.record(time.perf_counter())
+
+
+async def _read_events(response: aiohttp.ClientResponse, state: _StreamState) -> None:
+    """Feed the stream's `data:` lines to `state` until it is done or failed."""
+    lines = _LineSplitter()
+    async for chunk in response.content.iter_any():
+        if _on_lines(state, lines.feed(chunk)):
+            return
+    _on_lines(state, lines.feed(b"\n"))  # a last line with no newline
+
+
+def _on_lines(state: _StreamState, lines: list[bytes]) -> bool:
+    """Feed the `data:` lines to `state`; True once the stream is done or failed. Each event
+    is stamped when it is handled, as with aiohttp's line reader before: events that came
+    in one network read get increasing times, not one shared time (zero ITL gaps)."""
+    for line in lines:
+        if line.startswith(b"data:"):
+            state.on_event(line[5:].decode().strip(), time.perf_counter())
+            if state.error is not None or state.is_done:
+                return True
+    return False
 
 
 def stream_times(

@@ -17,14 +17,19 @@ class BenchConfigError(Exception):
 
 
 def check_loopback(base_url: str, *, allow_remote: bool) -> None:
-    """Raise BenchConfigError unless `base_url` is an http(s) URL of a loopback host."""
+    """Raise BenchConfigError unless `base_url` is an http(s) URL (with a valid port, if
+    any) of a loopback host."""
     parts = urlsplit(base_url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise BenchConfigError(f"--base-url must be an http(s) URL, got {base_url!r}")
+    try:
+        port = parts.port  # parsed on access: raises for "8x" or 99999
+    except ValueError as exc:
+        raise BenchConfigError(f"--base-url has a bad port: {base_url!r}") from exc
     if allow_remote:
         return
     try:
-        infos = socket.getaddrinfo(parts.hostname, parts.port or 80, type=socket.SOCK_STREAM)
+        infos = socket.getaddrinfo(parts.hostname, port or 80, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as exc:
         raise BenchConfigError(f"cannot resolve host {parts.hostname!r}") from exc
     addresses = {str(info[4][0]).split("%", 1)[0] for info in infos}

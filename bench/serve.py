@@ -11,8 +11,10 @@ Python process cannot read every stream in time: a client that falls behind adds
 to the TTFT and ITL it reports. Always bounded: --num-requests requests, and after --max-duration
 seconds whatever is still outstanding is cancelled and counted failed. Only loopback
 servers unless --allow-remote (a load generator pointed at someone else's server is an
-attack). Exit status: 0 when at least one request completed, 1 when none did, 2 for bad
-arguments or an unreachable / refused server.
+attack). Before any load is sent the server is asked for its models (GET /v1/models, with
+or without --model) and --out is checked to be writable. Exit status: 0 when at least one
+request completed, 1 when none did, 2 for bad arguments (a bad --base-url port, an --out
+that cannot be written) or an unreachable / refused server, each with a one-line error.
 """
 
 from __future__ import annotations
@@ -219,12 +221,14 @@ def _client_process(index, config, model, requests, ready, results) -> None:
 
 
 async def resolve_model(config: BenchConfig) -> str:
-    """--model, or the first model the server lists."""
-    if config.model:
-        return config.model
+    """--model, or the first model the server lists. GET /v1/models is sent either way: an
+    unreachable server is then a one-line error before the load (exit 2), not a run of
+    failed requests. With --model any answer will do."""
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
         async with session.get(config.base_url + "/v1/models", headers=headers) as response:
+            if config.model:
+                return config.model
             status = response.status
             listed = (await response.json()).get("data") if status == 200 else None
     if not listed:
@@ -233,11 +237,11 @@ async def resolve_model(config: BenchConfig) -> str:
 
 
 async def run(config: BenchConfig) -> int:
-    requests = make_requests(config.dataset)  # images are encoded here, before the clock
     try:
         model = await resolve_model(config)
     except (aiohttp.ClientError, TimeoutError) as exc:
         raise BenchConfigError(f"cannot reach {config.base_url}: {type(exc).__name__}") from exc
+    requests = make_requests(config.dataset)  # images are encoded here, before the clock
     progress = Progress(len(requests), config.show_progress)
     cpu_before, other_processes_cpu_s = time.process_time(), 0.0
     try:
@@ -267,10 +271,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = config_from_args(args)
         check_loopback(config.base_url, allow_remote=config.allow_remote)
+        if config.out:
+            check_writable(Path(config.out))
         return asyncio.run(run(config))
     except BenchConfigError as exc:
         print(f"tessera bench serve: {exc}", file=sys.stderr)
         return EXIT_USAGE
+
+
+def check_writable(path: Path) -> None:
+    """Raise BenchConfigError unless `path` can be written: found before the run, not after
+    it with the results lost. An existing file is left as it is (opened to append, nothing
+    written); a file this check creates is removed again."""
+    existed = path.exists()
+    try:
+        with path.open("a"):
+            pass
+    except OSError as exc:
+        raise BenchConfigError(f"cannot write --out {str(path)!r}: {exc.strerror or exc}") from exc
+    if not existed:
+        path.unlink(missing_ok=True)
 
 
 def _grid(text: str) -> tuple[int, int, int]:

@@ -111,6 +111,24 @@ def test_stream_without_usage_counts_chunks_and_errors_fail():
     assert not record.is_success and "engine died" in record.error
 
 
+def test_reasoning_and_tool_call_deltas_are_tokens():
+    """A reasoning model's first token is its first reasoning token: every delta field that
+    carries output (reasoning_content, vLLM's `reasoning`, tool_calls) times a token."""
+    state = _StreamState(start=10.0)
+    role_only = {"role": "assistant", "content": "", "reasoning_content": None, "tool_calls": []}
+    state.on_event(event(choices=[{"index": 0, "delta": role_only}]), 10.1)
+    state.on_event(event(choices=[{"index": 0, "delta": {"reasoning_content": "Hm"}}]), 10.2)
+    state.on_event(event(choices=[{"index": 0, "delta": {"reasoning": ", so"}}]), 10.4)
+    call = {"index": 0, "id": "c", "type": "function", "function": {"name": "f", "arguments": ""}}
+    state.on_event(event(choices=[{"index": 0, "delta": {"tool_calls": [call]}}]), 10.6)
+    state.on_event(delta("ok", finish="stop"), 10.8)
+    record = state.record(end=10.9)
+    assert record.is_success
+    assert record.ttft_s == pytest.approx(0.2)
+    assert record.itl_s == pytest.approx((0.2, 0.2, 0.2))
+    assert record.num_output_tokens == 4  # no usage: the chunks with output are counted
+
+
 def test_loopback_guard():
     check_loopback("http://127.0.0.1:8000", allow_remote=False)
     check_loopback("http://[::1]:8000", allow_remote=False)
@@ -154,6 +172,16 @@ def test_flags_are_validated(capsys):
             config_from_args(parse(bad))
     assert main(["--base-url", "http://8.8.8.8:1", "--no-progress"]) == 2
     assert "non-loopback" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:99999", "http://127.0.0.1:8x"])
+def test_a_bad_port_is_a_one_line_error(capsys, url):
+    for allow_remote in (False, True):
+        with pytest.raises(BenchConfigError, match="bad port"):
+            check_loopback(url, allow_remote=allow_remote)
+    assert main(["--base-url", url, "--model", "m", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"tessera bench serve: --base-url has a bad port: {url!r}"
 
 
 def test_extra_body_is_merged_into_every_request():
