@@ -438,12 +438,24 @@ def _count_rejected(state: AppState, reason: str) -> None:
 
 def _admit(request: Request, state: AppState, *jobs: GenerationJob) -> Ticket:
     """Reserve room for all `n` sequences of the job (of each of a batch's), or 503
-    (counted)."""
-    try:
-        return request.app.state.admission.admit(
-            num_sequences=sum(job.n for job in jobs),
-            num_tokens=sum(job.n * len(job.prompt.token_ids) for job in jobs),
+    (counted). A batch larger than the whole room is a 400: an idle server admits any one
+    request, and a batch of 1024 prompts x 16 held 16384 sequences while every other
+    request got 503."""
+    admission = request.app.state.admission
+    num_sequences = sum(job.n for job in jobs)
+    num_tokens = sum(job.n * len(job.prompt.token_ids) for job in jobs)
+    if len(jobs) > 1 and (
+        num_sequences > admission.max_sequences or num_tokens > admission.max_waiting_tokens
+    ):
+        raise InvalidRequest(
+            f"this batch is {num_sequences} sequences of {num_tokens} prompt tokens (prompts "
+            f"x n), more than the server admits at once ({admission.max_sequences} sequences: "
+            f"--max-num-seqs + --max-waiting-requests; {admission.max_waiting_tokens} tokens: "
+            "--max-waiting-tokens); send it in smaller batches",
+            param="prompt",
         )
+    try:
+        return admission.admit(num_sequences=num_sequences, num_tokens=num_tokens)
     except ServerOverloaded as exc:
         _count_rejected(state, exc.code or "server_overloaded")
         raise

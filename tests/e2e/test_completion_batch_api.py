@@ -8,10 +8,11 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 
+import httpx
 import pytest
 
 from server.openai_models import MAX_PROMPTS
-from tests.e2e.conftest import MODEL_NAME
+from tests.e2e.conftest import MODEL_NAME, run_server
 
 PROMPTS = ["The cat sat on", "Once upon a time", "A red"]
 BODY = {"model": MODEL_NAME, "max_tokens": 8, "temperature": 1.0, "seed": 11, "n": 2,
@@ -110,3 +111,18 @@ def test_leaving_a_batch_stream_aborts_every_prompts_choices(http):
     samples, by_reason = wait_for(http, settled, timeout_s=30)
     assert by_reason[success].get("abort", 0) - before == 6
     assert samples["tessera:num_requests_running"] == 0
+
+
+def test_a_batch_larger_than_the_servers_room_is_a_400(model_dir, tmp_path):
+    """An idle server admits any one request: a batch of 1024 prompts x n=16 held 16384
+    sequences, and every other request got 503 meanwhile (fuzz37). A batch must fit."""
+    extra = ["--max-num-seqs", "2", "--max-waiting-requests", "2"]
+    with run_server(model_dir, tmp_path / "server.log", *extra) as handle:
+        body = {**BODY, "n": 2, "prompt": PROMPTS}  # 6 sequences, the room is 4
+        response = httpx.post(handle.base_url + "/v1/completions", json=body, timeout=60)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "prompt" and "smaller batches" in error["message"]
+        fits = httpx.post(handle.base_url + "/v1/completions", timeout=60,
+                          json={**body, "prompt": PROMPTS[:2]})  # fmt: skip
+        assert fits.status_code == 200 and len(fits.json()["choices"]) == 4
