@@ -46,12 +46,15 @@ def prepare_completion_prompts(
 
 @contextlib.contextmanager
 def naming_prompt(index: int, num_prompts: int) -> Iterator[None]:
-    """A 400 about one prompt of a batch names it: `prompt[index]`, not `prompt`."""
+    """A 400 about one prompt of a batch names it: as `param` (`prompt[index]`, not
+    `prompt`), or in its message where `param` is another field (`max_tokens`)."""
     try:
         yield
     except InvalidRequest as exc:
         if num_prompts > 1 and exc.param == "prompt":
             exc.param = f"prompt[{index}]"
+        elif num_prompts > 1:
+            exc.message = f"prompt[{index}]: {exc.message}"
         raise
 
 

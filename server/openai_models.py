@@ -442,6 +442,16 @@ class CompletionRequest(SamplingFields):
             and isinstance(prompt[0], str | list)
         ):
             raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            # A batch: all strings or all token-id lists. Left to the union, a mixed one's
+            # error named the first prompt, whichever was wrong (fuzz37).
+            kind = type(prompt[0])
+            for index, item in enumerate(prompt):
+                if not isinstance(item, kind):
+                    raise ValueError(
+                        f"prompt[{index}] is not a {'string' if kind is str else 'token-id list'}"
+                        " as prompt[0] is: a batch is all strings or all token-id lists"
+                    )
         return prompt
 
     @property

@@ -91,6 +91,23 @@ def test_a_bad_prompt_in_a_batch_is_a_400_naming_it(http, prompt, param):
     assert response.json()["error"]["param"] == param
 
 
+@pytest.mark.parametrize("prompt", [["fine", 5], [[1, 2], "text"], ["fine", "ok", [3]]])
+def test_a_batch_of_mixed_kinds_names_the_odd_prompt(http, prompt):
+    """The union's error named prompt[0], whichever was wrong (fuzz37)."""
+    response = http.post("/v1/completions", json={**BODY, "prompt": prompt})
+    assert response.status_code == 400, response.text
+    odd = next(i for i, p in enumerate(prompt) if type(p) is not type(prompt[0]))
+    assert f"prompt[{odd}] is not a" in response.json()["error"]["message"]
+
+
+def test_a_batch_prompt_too_long_for_its_max_tokens_is_named_in_the_message(http):
+    response = http.post("/v1/completions", json={**BODY, "max_tokens": 1500,
+                                                  "prompt": ["a", "x " * 1000]})  # fmt: skip
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "max_tokens" and error["message"].startswith("prompt[1]: ")
+
+
 def test_leaving_a_batch_stream_aborts_every_prompts_choices(http):
     """Each prompt's choices are requests of their own in the metrics (as vLLM counts a
     batch); a client that hangs up aborts them all, none left running."""
