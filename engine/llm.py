@@ -19,11 +19,13 @@ One `generate()` runs at a time (another thread's waits for it); one that does n
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import re
+import signal
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,10 +158,15 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise ValueError("pass one priority per prompt")
+        if not self._closer.alive:
+            raise RuntimeError("this LLM is closed")
         request_ids: list[str] = []
-        with self._one_call:  # the engine loop is this call's alone (vLLM's LLM has no lock)
+        # The engine loop is this call's alone (vLLM's LLM has no lock).
+        with self._one_call, _ctrl_c_between_steps(self.engine.config) as interrupted:
             try:
-                return self._run(prompts, params_list, priorities, raise_on_error, request_ids)
+                return self._run(
+                    prompts, params_list, priorities, raise_on_error, request_ids, interrupted
+                )
             except BaseException:
                 # Ctrl-C, or an error escaping mid-call: none of this call's requests may
                 # stay in the engine, half stepped, to fail the next call's.
@@ -194,6 +201,7 @@ class LLM:
         priorities: Sequence[int],
         raise_on_error: bool,
         request_ids: list[str],
+        interrupted: Callable[[], bool] = lambda: False,
     ) -> list[GenerationResult]:
         prompt_ids = {}
         outputs: dict[str, list] = {}
@@ -216,6 +224,8 @@ class LLM:
             self.engine.add_request(request, tensors)
         self.last_stats = []
         while outputs.keys() - results.keys() and self.engine.has_unfinished_requests():
+            if interrupted():
+                raise KeyboardInterrupt
             step = self.engine.step_overlapped()
             self.last_stats.append(step.stats)
             for output in step.outputs:
@@ -387,6 +397,32 @@ class LLM:
                 "a video's frames are PIL images or [H, W, 3] uint8 arrays", param=param
             )
         return process_video(frames, processing.video)
+
+
+@contextlib.contextmanager
+def _ctrl_c_between_steps(config: EngineConfig) -> Iterator[Callable[[], bool]]:
+    """With tensor-parallel ranks, a Ctrl-C (SIGINT) during a call takes effect between
+    steps: one inside a forward left the workers in its collectives, and the LLM broken
+    (engine/tensor_parallel.py `whole_forward`). A second Ctrl-C interrupts at once.
+    Yields whether one came. Only the main thread can take signals; elsewhere, and with
+    a handler of the caller's own, nothing changes."""
+    came: list[bool] = []
+    is_main = threading.current_thread() is threading.main_thread()
+    if (config.tensor_parallel_size == 1 or not is_main
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):  # fmt: skip
+        yield lambda: False
+        return
+
+    def note(signum: int, frame: Any) -> None:
+        if came:
+            raise KeyboardInterrupt
+        came.append(True)
+
+    signal.signal(signal.SIGINT, note)
+    try:
+        yield lambda: bool(came)
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def typed(sampling: Any) -> SamplingParams:

@@ -129,8 +129,11 @@ class ShardWorkers:
         self.group.barrier()
 
     def close(self) -> None:
-        """Stops the workers (ShardStop, then a kill after STOP_WAIT_S)."""
+        """Stops the workers (ShardStop, then a kill after STOP_WAIT_S; at once when they
+        are out of step, stuck in a forward's collectives where no ShardStop reaches)."""
         try:
+            if self.group.out_of_step is not None:
+                return
             self.group.send(ShardStop())
             for process in self._processes:
                 process.wait(timeout=STOP_WAIT_S)

@@ -24,8 +24,9 @@ Nothing here pickles: headers are msgspec Structs, tensors go as tensors.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import msgspec
@@ -109,6 +110,8 @@ class ShardGroup:
     ) -> None:
         self.shard = (rank, size)
         self.device = device
+        # Rank 0: why the workers are no longer in step with it (a forward it left midway).
+        self.out_of_step: str | None = None
         self._context = zmq.Context()
         self._context.setsockopt(zmq.LINGER, 1000)  # never block exit on a dead peer
         if rank == 0:
@@ -155,6 +158,8 @@ class ShardGroup:
         self, embeds: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
     ) -> None:
         """Rank 0, before its own layers: every worker runs the same forward."""
+        if self.out_of_step is not None:
+            raise EngineBroken(self.out_of_step)
         block_tables = metadata.block_tables  # [S, W] int32
         self.send(
             ShardForward(
@@ -172,6 +177,24 @@ class ShardGroup:
         )  # [S + 1 + S + S * W] int32
         for tensor in (embeds.contiguous(), longs, ints):
             self._collective(lambda tensor=tensor: self._group.broadcast(tensor, 0))
+
+    @contextlib.contextmanager
+    def whole_forward(self) -> Iterator[None]:
+        """Rank 0, around its layers after `send_forward`: a forward it leaves midway
+        leaves the workers inside that forward's collectives, where the next forward's
+        would pair with theirs (a hang, or gloo's "collective mismatch"). The group is
+        then broken for good: an error is EngineBroken at once, and an interrupt (Ctrl-C)
+        leaves the next forward to raise it."""
+        try:
+            yield
+        except BaseException as exc:
+            self.out_of_step = (
+                "the tensor-parallel ranks are out of step: a forward stopped midway on "
+                f"rank 0 ({type(exc).__name__}); a new engine (or LLM) is needed"
+            )
+            if isinstance(exc, Exception) and not isinstance(exc, EngineBroken):
+                raise EngineBroken(self.out_of_step) from exc
+            raise
 
     # workers
 

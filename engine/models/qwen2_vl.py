@@ -116,6 +116,8 @@ class Qwen2VLForConditionalGeneration(nn.Module):
                 deepstack = (multimodal_rows, rows[:, hidden:].view(len(rows), -1, hidden))
         if self.tensor_parallel is not None:
             self.tensor_parallel.send_forward(embeds, positions, attn_metadata)
+            with self.tensor_parallel.whole_forward():
+                return self.model(embeds, positions, kv_caches, attn_metadata, deepstack)
         return self.model(embeds, positions, kv_caches, attn_metadata, deepstack)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

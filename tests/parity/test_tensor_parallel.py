@@ -116,3 +116,67 @@ print("workers left:", len(child_pids(os.getpid())))
                           timeout=180, cwd=os.getcwd())  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert "workers left: 0" in done.stdout
+
+
+def _on_rank_0_layer(llm: LLM, call: int, action) -> None:
+    """Run `action` inside rank 0's first decoder layer on its `call`-th forward: midway
+    through a step's collectives, the worker inside that forward too."""
+    layer = llm.engine.runner.model.model.layers[0]
+    forward, calls = layer.forward, []
+
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == call:
+            action()
+        return forward(*args, **kwargs)
+
+    layer.forward = wrapped
+
+
+def test_ctrl_c_during_a_forward_takes_effect_between_steps(reference):
+    """A Ctrl-C that landed inside a forward left the worker in that forward's collectives:
+    the next generate() hung until gloo's 10-minute timeout, or failed with a "collective
+    mismatch" (fuzz33). It now takes effect once the step is done."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    long = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+    with LLM(str(reference.model_dir), tensor_parallel_size=2, num_kv_blocks=64) as llm:
+        [expected] = llm.generate(["Once upon a time"], params)
+        _on_rank_0_layer(llm, 5, lambda: os.kill(os.getpid(), signal.SIGINT))
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(["a long one " * 20] * 4, long)
+        del llm.engine.runner.model.model.layers[0].forward
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        [again] = llm.generate(["Once upon a time"], params)
+        assert again.token_ids == expected.token_ids
+
+
+def test_an_error_midway_through_a_forward_breaks_the_group_at_once(reference):
+    """Rank 0 failing inside a forward left the worker in its collectives; the engine took
+    it for one step's failure and went on, into a hang or a collective mismatch. The
+    group is broken from then on, and says so at once."""
+    llm = LLM(str(reference.model_dir), tensor_parallel_size=2, num_kv_blocks=64)
+    try:
+        def fail():
+            raise RuntimeError("rank 0 ran out of memory")
+
+        _on_rank_0_layer(llm, 3, fail)
+        started = time.monotonic()
+        params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+        with pytest.raises(EngineBroken, match="out of step"):
+            llm.generate(["Hello there"], params)
+        with pytest.raises(EngineBroken, match="out of step"):
+            llm.generate(["Hello"], params)
+        assert time.monotonic() - started < 30
+    finally:
+        started = time.monotonic()
+        llm.close()  # the worker is stuck in a collective: killed at once, not waited for
+    assert time.monotonic() - started < 5
+
+
+def test_a_closed_llm_says_so(reference):
+    """With tensor-parallel ranks every prompt got a generic 500 after close() (its group's
+    sockets were closed); on one rank it went on answering (fuzz33)."""
+    llm = LLM(str(reference.model_dir), tensor_parallel_size=2, num_kv_blocks=64)
+    llm.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate(["Hello"], SamplingParams(max_tokens=2))
