@@ -115,6 +115,12 @@ class EngineCore:
         # Tests set it on CPU, where a launched step has already run, to drive the same code.
         self.overlaps_steps = self.runner.device.type == "cuda"
 
+    def check_alive(self) -> None:
+        """Raises EngineBroken once a tensor-parallel worker has exited (between steps,
+        idle or not)."""
+        if self.runner.shard_workers is not None:
+            self.runner.shard_workers.check_alive()
+
     def close(self) -> None:
         """Stops what the core started: the feature fetcher's loop and any
         tensor-parallel workers. The core cannot step after this."""

@@ -273,6 +273,7 @@ class EngineLoop:
                 return EXIT_PARENT_GONE
             self._flush_unsent()
             self._heartbeat()
+            self._check_alive()
             if self.core.has_unfinished_requests():
                 result = self._step()
                 self._publish(result)
@@ -421,6 +422,12 @@ class EngineLoop:
             self.is_dropping_stats = True
             return
         self.is_dropping_stats = False
+
+    def _check_alive(self) -> None:
+        """A tensor-parallel worker that died fails the engine now, idle or not (raises)."""
+        check_alive = getattr(self.core, "check_alive", None)  # test cores may have none
+        if check_alive is not None:
+            check_alive()
 
     def _parent_alive(self) -> bool:
         # Re-parented (to init or a subreaper) means the server died, even by SIGKILL.

@@ -30,6 +30,7 @@ import torch
 from engine.attention import get_attention_backend
 from engine.attention.base import AttentionShape
 from engine.config import EngineConfig
+from engine.errors import EngineBroken
 from engine.kv_cache_sizing import allocate_kv_caches
 from engine.logging_utils import configure_logging, current_logging, name_this_process
 from engine.model_config import ModelConfig
@@ -39,6 +40,7 @@ from engine.tensor_parallel import ShardForward, ShardGroup, ShardSetup, ShardSt
 
 logger = logging.getLogger("tessera.shard_worker")
 
+EXIT_PARENT_GONE = 3  # a worker's exit code once the engine process is gone
 POLL_MS = 500  # how often a waiting worker checks that its parent lives
 STOP_WAIT_S = 10.0  # how long close() waits for workers to exit before killing them
 _DTYPES = {
@@ -117,11 +119,22 @@ class ShardWorkers:
             self._processes.append(process)
         _LIVE.add(self)
         try:
-            self.group = ShardGroup(0, size, store_path, addresses, device)
+            self.group = ShardGroup(
+                0, size, store_path, addresses, device, peers_alive=self.check_alive
+            )
         except BaseException:
             self._kill()
             self._dir.cleanup()
             raise
+
+    def check_alive(self) -> None:
+        """Raises EngineBroken once a worker has exited: the engine loop asks on every
+        pass, so that an idle server with a dead rank fails (and is restarted) before a
+        request finds it out (its /health said ok until then)."""
+        for rank, process in enumerate(self._processes, start=1):
+            code = process.poll()
+            if code is not None:
+                raise EngineBroken(f"tensor-parallel rank {rank} exited (code {code})")
 
     def setup(self, num_kv_blocks: int) -> None:
         """Tells the workers the KV cache size; returns once every rank has allocated it."""
@@ -164,7 +177,7 @@ def _import_root(pythonpath: str | None) -> str:
 
 
 def serve(spec: WorkerSpec) -> int:
-    """Runs rank `spec.rank` until ShardStop (0) or its parent is gone (3)."""
+    """Runs rank `spec.rank` until ShardStop (0) or its parent is gone (EXIT_PARENT_GONE)."""
     config = spec.config
     device = torch.device("cpu")
     if config.num_threads:
@@ -175,7 +188,7 @@ def serve(spec: WorkerSpec) -> int:
         model = _load(config, group, dtype, kv_cache_dtype, device)
         setup = _next_message(group, spec.parent_pid)
         if not isinstance(setup, ShardSetup):
-            return 3 if setup is None else 1
+            return EXIT_PARENT_GONE if setup is None else 1
         kv_caches = allocate_kv_caches(
             model.config, setup.num_kv_blocks + 1, config.block_size, kv_cache_dtype, device
         )
@@ -185,7 +198,7 @@ def serve(spec: WorkerSpec) -> int:
                 message = _next_message(group, spec.parent_pid)
                 if message is None:
                     logger.error("rank %d: the engine process is gone; exiting", spec.rank)
-                    return 3
+                    return EXIT_PARENT_GONE
                 if isinstance(message, ShardStop):
                     return 0
                 if isinstance(message, ShardForward):
@@ -227,6 +240,10 @@ def main() -> None:
     except Exception:
         logger.exception("tensor-parallel rank %d failed", spec.rank)
         code = 1
+    if code == EXIT_PARENT_GONE:
+        # The engine's private folder (the group's store, our socket) is ours to remove
+        # now: an engine killed with SIGKILL left one in /tmp every time (fuzz33).
+        shutil.rmtree(Path(spec.store_path).parent, ignore_errors=True)
     sys.exit(code)
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -45,6 +46,7 @@ _ROW_PARALLEL = ("o_proj", "down_proj")
 # Building the group waits for every rank to join; after that, one collective waits for
 # the slowest rank's share of a step.
 RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=120)
+JOIN_POLL_S = 0.05  # how often rank 0 checks that the workers live while they start
 STEP_TIMEOUT = datetime.timedelta(minutes=10)
 
 
@@ -107,7 +109,11 @@ class ShardGroup:
         store_path: str,
         header_addresses: list[str],
         device: torch.device,
+        *,
+        peers_alive: Callable[[], None] | None = None,
     ) -> None:
+        """`peers_alive` (rank 0): raises once a worker has died, checked while rank 0
+        waits for the workers to join."""
         self.shard = (rank, size)
         self.device = device
         # Rank 0: why the workers are no longer in step with it (a forward it left midway).
@@ -126,6 +132,10 @@ class ShardGroup:
             self._headers = [socket]
         try:
             store = dist.FileStore(store_path, size)
+            if rank == 0:
+                _wait_for_workers(store, size, peers_alive or (lambda: None))
+            else:
+                store.set(_joining_key(rank), "1")
             self._group = dist.ProcessGroupGloo(store, rank, size, RENDEZVOUS_TIMEOUT)
             self._group.set_timeout(STEP_TIMEOUT)
         except BaseException:
@@ -231,3 +241,23 @@ class ShardGroup:
         for socket in self._headers:
             socket.close()
         self._context.term()
+
+
+def _joining_key(rank: int) -> str:
+    return f"rank-{rank}-joining"
+
+
+def _wait_for_workers(store: dist.Store, size: int, peers_alive: Callable[[], None]) -> None:
+    """Rank 0: waits until every worker is about to join the group, checking that each
+    still lives. gloo's rendezvous alone waited RENDEZVOUS_TIMEOUT (120 s) for a worker
+    that had died on start-up (killed, or failed to import), then said "Wait timeout"."""
+    keys = [_joining_key(rank) for rank in range(1, size)]
+    deadline = time.monotonic() + RENDEZVOUS_TIMEOUT.total_seconds()
+    while not store.check(keys):
+        peers_alive()
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"the tensor-parallel workers did not start within "
+                f"{RENDEZVOUS_TIMEOUT.total_seconds():.0f} s"
+            )
+        time.sleep(JOIN_POLL_S)

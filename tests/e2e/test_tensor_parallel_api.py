@@ -8,8 +8,10 @@ engine process is, the worker exits by itself."""
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import signal
+import tempfile
 import time
 
 import httpx
@@ -67,18 +69,16 @@ def test_two_ranks_answer_as_one_and_stop_together(server, model_dir, tmp_path):
     _wait_gone(worker, "the tensor-parallel worker")  # stopped with the server
 
 
-def test_a_dead_worker_fails_the_server(model_dir, tmp_path):
+def test_a_dead_worker_fails_the_idle_server_at_once(model_dir, tmp_path):
+    """Nothing watched the workers: an idle server with a dead rank answered /health with
+    200 until a request came and failed on it (fuzz33). The engine now checks them on
+    every pass of its loop."""
     with run_server(model_dir, tmp_path / "tp.log", "--tensor-parallel-size", "2") as handle:
         engine = engine_pid(handle.process.pid)
         [worker] = _shard_workers(engine)
         os.kill(worker, signal.SIGKILL)
-        response = httpx.post(
-            handle.base_url + "/v1/chat/completions", json=_question(), timeout=60
-        )
-        assert response.status_code == 503, response.text
-        assert response.json()["error"]["code"] == "engine_dead"
         assert handle.process.wait(30) == 1, handle.log_tail()
-        assert "tensor-parallel rank 0" in handle.log_tail(20000)
+        assert "tensor-parallel rank 1 exited (code -9)" in handle.log_tail(20000)
         _wait_gone(engine, "the engine process")
 
 
@@ -102,12 +102,17 @@ def test_a_hung_worker_is_not_left_behind_by_the_step_watchdog(model_dir, tmp_pa
 
 
 def test_a_dead_engine_process_takes_its_worker_along(model_dir, tmp_path):
+    before = set(glob.glob(f"{tempfile.gettempdir()}/tessera-tp-*"))
     with run_server(model_dir, tmp_path / "tp.log", "--tensor-parallel-size", "2") as handle:
         engine = engine_pid(handle.process.pid)
         [worker] = _shard_workers(engine)
+        tp_dirs = set(glob.glob(f"{tempfile.gettempdir()}/tessera-tp-*")) - before
+        assert tp_dirs  # this engine's
         os.kill(engine, signal.SIGKILL)
         assert handle.process.wait(30) == 1, handle.log_tail()
     _wait_gone(worker, "the tensor-parallel worker")  # its parent is gone
+    # and it removed the engine's private folder, which the engine could not (fuzz33)
+    assert not tp_dirs & set(glob.glob(f"{tempfile.gettempdir()}/tessera-tp-*"))
 
 
 def test_a_size_the_model_cannot_split_stops_the_server_with_the_reason(model_dir, tmp_path):

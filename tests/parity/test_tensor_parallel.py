@@ -180,3 +180,24 @@ def test_a_closed_llm_says_so(reference):
     llm.close()
     with pytest.raises(RuntimeError, match="closed"):
         llm.generate(["Hello"], SamplingParams(max_tokens=2))
+
+
+def test_a_worker_that_dies_before_joining_fails_the_start_at_once(reference, monkeypatch):
+    """Rank 0 waited out gloo's 120 s rendezvous for a worker that had died on start-up
+    (the OOM killer, a failed import), then said only "Wait timeout" (fuzz33)."""
+    import subprocess
+    import sys
+
+    from engine import shard_worker
+
+    popen = subprocess.Popen
+
+    def dying(args, **kwargs):  # a worker that reads its spec and exits at once
+        code = "import sys; sys.stdin.buffer.read(); sys.exit(7)"
+        return popen([sys.executable, "-c", code], **kwargs)
+
+    monkeypatch.setattr(shard_worker.subprocess, "Popen", dying)
+    started = time.monotonic()
+    with pytest.raises(EngineBroken, match=r"rank 1 exited \(code 7\)"):
+        LLM(str(reference.model_dir), tensor_parallel_size=2, num_kv_blocks=64)
+    assert time.monotonic() - started < 30
