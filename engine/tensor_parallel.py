@@ -136,7 +136,7 @@ class ShardGroup:
                 _wait_for_workers(store, size, peers_alive or (lambda: None))
             else:
                 store.set(_joining_key(rank), "1")
-            self._group = dist.ProcessGroupGloo(store, rank, size, RENDEZVOUS_TIMEOUT)
+            self._group = dist.ProcessGroupGloo(store, rank, size, _loopback_options())
             self._group.set_timeout(STEP_TIMEOUT)
         except BaseException:
             self.close()
@@ -261,3 +261,13 @@ def _wait_for_workers(store: dist.Store, size: int, peers_alive: Callable[[], No
                 f"{RENDEZVOUS_TIMEOUT.total_seconds():.0f} s"
             )
         time.sleep(JOIN_POLL_S)
+
+
+def _loopback_options() -> dist.ProcessGroupGloo._Options:
+    """gloo's options: every rank is a process of this machine, so the group's sockets
+    listen on 127.0.0.1. By default gloo listens where the host's name resolves, a LAN
+    address on many hosts, where anyone could connect to the unauthenticated group."""
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = RENDEZVOUS_TIMEOUT
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    return options

@@ -14,6 +14,7 @@ refused before any process starts.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -201,3 +202,38 @@ def test_a_worker_that_dies_before_joining_fails_the_start_at_once(reference, mo
     with pytest.raises(EngineBroken, match=r"rank 1 exited \(code 7\)"):
         LLM(str(reference.model_dir), tensor_parallel_size=2, num_kv_blocks=64)
     assert time.monotonic() - started < 30
+
+
+def _tcp_addresses(pid: int) -> set[str]:
+    """The local IPv4 addresses of process `pid`'s TCP sockets (from /proc)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    addresses = set()
+    with open(f"/proc/{pid}/net/tcp") as table:
+        for line in list(table)[1:]:
+            fields = line.split()
+            if fields[9] in inodes:
+                hex_ip = fields[1].split(":")[0]
+                addresses.add(".".join(str(int(hex_ip[i : i + 2], 16)) for i in (6, 4, 2, 0)))
+    return addresses
+
+
+def test_the_group_listens_on_loopback_only(reference, monkeypatch):
+    """gloo listened where the host's name resolved, or on GLOO_SOCKET_IFNAME's interface:
+    a LAN address on many hosts, where anyone could reach the unauthenticated group
+    (fuzz33). The test points GLOO_SOCKET_IFNAME at a LAN interface where there is one."""
+    lan = sorted(name for name in os.listdir("/sys/class/net") if name.startswith(("eth", "en")))
+    if lan:
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", lan[0])
+    with LLM(str(reference.model_dir), tensor_parallel_size=2, num_kv_blocks=64) as llm:
+        llm.generate(["Hello"], SamplingParams(max_tokens=2, temperature=0.0))
+        [worker] = [
+            pid for pid in child_pids(os.getpid())
+            if b"engine.shard_worker" in open(f"/proc/{pid}/cmdline", "rb").read()
+        ]  # fmt: skip
+        addresses = _tcp_addresses(worker) | _tcp_addresses(os.getpid())
+    assert addresses and addresses <= {"127.0.0.1"}, addresses
