@@ -1,8 +1,9 @@
 """Tessera's engine. `from engine import LLM, SamplingParams` for offline generation
 (`StructuredOutput` for constrained decoding).
 
-Exports resolve lazily so that `import engine.protocol` (the server's only engine
-dependency) does not load torch or the model code.
+Exports resolve lazily so that importing a light engine module (`engine.protocol`, the
+wire contract; `engine.errors`; `engine.config`) loads neither torch nor the model code:
+the API processes import those and never need either.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ from engine.device_io import to_device
 from engine.model_config import ModelConfig
 from engine.multimodal.image_processor import ImageProcessorConfig
 from engine.prompt_logprobs import SLICE_ROWS, score_prompt_tokens
-from engine.protocol import SamplingParams
+from engine.protocol import MAX_LOGPROBS, SamplingParams
 from engine.sampler import Sampler, SamplingRow
 
 logger = logging.getLogger(__name__)
@@ -52,10 +52,10 @@ GIB = 2**30
 CPU_KV_CACHE_GIB = 2.0
 # The heaviest sampling a request can ask for: every filter, a penalty, a logit bias (its
 # cost is a copy of the logits, whatever the number of tokens) and the most logprobs the
-# API allows (server/openai_models.py MAX_TOP_LOGPROBS).
+# API allows.
 HEAVIEST_SAMPLING = SamplingParams(
-    temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1, logprobs=20,
-    logit_bias=((0, 1.0),),
+    temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
+    logprobs=MAX_LOGPROBS, logit_bias=((0, 1.0),),
 )  # fmt: skip
 
 

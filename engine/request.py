@@ -175,10 +175,6 @@ class Request:
         """The sequence's length once its pending tokens arrive."""
         return self.num_tokens + self.num_pending_tokens
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
     def token_ids_between(self, start: int, end: int) -> list[int]:
         """Sequence indices [start, end) without building the whole list when possible."""
         num_prompt = self.num_prompt_tokens

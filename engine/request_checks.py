@@ -22,6 +22,7 @@ from engine.model_config import ModelConfig
 from engine.models.mrope import mrope_positions
 from engine.multimodal.image_processor import normalization_table
 from engine.protocol import (
+    MAX_LOGPROBS,
     EngineRequest,
     MediaInput,
     Modality,
@@ -30,8 +31,6 @@ from engine.protocol import (
 )
 from engine.request import MediaItem, Request
 from engine.sampler import token_bitmask
-
-MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default max_logprobs
 
 
 class RequestBuilder:

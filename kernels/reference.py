@@ -49,7 +49,7 @@ def write_kv_cache(
     """Writes token t's K/V into slot `slot_mapping[t]` of `kv_cache`, in place.
 
     For a bf16/fp16/fp32 cache this is a cast and a store (the same as the torch attention
-    backend's `write_kv`); for a float8_e4m3fn cache K and V are quantized with their scales.
+    backend's own write through its plan rows); for a float8_e4m3fn cache K and V are quantized with their scales.
     """
     block_size = kv_cache.shape[2]
     slots = slot_mapping.long()

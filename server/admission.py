@@ -117,10 +117,6 @@ class AdmissionController:
     def max_sequences(self) -> int:
         return self.max_running + self.max_waiting_requests
 
-    @property
-    def is_idle(self) -> bool:
-        return self.num_sequences == 0
-
     def admit(self, *, num_sequences: int, num_tokens: int) -> Ticket:
         """Reserve room for a request of `num_sequences` sequences holding `num_tokens`
         prompt tokens in all, or raise ServerOverloaded / ServerDraining."""

@@ -29,11 +29,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from engine.errors import ContextLengthExceeded, InvalidRequest, MediaError
+from engine.errors import ContextLengthExceeded, InvalidRequest, MediaError, unknown_media_uuid
 from engine.multimodal.image_processor import ImageProcessorConfig, ProcessedImage
 from engine.multimodal.placement import place_media
 from engine.multimodal.prompt import PromptProcessor, final_message_text
-from engine.protocol import FeatureSource, MediaInput, MediaUuid, Modality, TensorRef
+from engine.protocol import FeatureSource, MediaInput, MediaUuid, Modality
+from engine.serialization import tensor_ref
 from engine.url_safety import as_fetched, is_under_prefixes
 from server.chat_messages import (
     ChatMessage,
@@ -49,16 +50,6 @@ from server.tool_calls import arguments_as_objects
 
 MAX_REMEMBERED_UUIDS = 16384
 FEATURE_SCHEMES = ("s3://", "http://", "https://", "data:")
-
-
-def tensor_ref(frame: int, tensor: Any) -> TensorRef:
-    """TensorRef for `tensor` carried in extra frame `frame` (engine.serialization's if any)."""
-    try:
-        from engine.serialization import tensor_ref as engine_tensor_ref
-    except ImportError:
-        dtype = str(tensor.dtype).removeprefix("torch.")
-        return TensorRef(frame=frame, dtype=dtype, shape=tuple(tensor.shape))
-    return engine_tensor_ref(frame, tensor)
 
 
 @dataclass(frozen=True)
@@ -268,11 +259,8 @@ class UuidRegistry:
         with self._lock:
             entry = self._items.get((salt, uuid))
         if entry is None:
-            raise MediaError(
-                f"unknown media uuid {uuid!r}: send the {modality.value} with its uuid first",
-                param=param,
-                code="unknown_media_uuid",
-            )
+            why = f"send the {modality.value} with its uuid first"
+            raise unknown_media_uuid(uuid, why, param=param)
         known_modality, facts = entry
         if known_modality is not modality:
             raise MediaError(

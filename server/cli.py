@@ -355,7 +355,10 @@ def bench_main(argv: Sequence[str]) -> int:
 
 COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "serve": (serve_main, "serve a model over an OpenAI-compatible HTTP API"),
-    "make-tiny-model": (make_tiny_model_main, "write a small random-weight Qwen2-VL checkpoint"),
+    "make-tiny-model": (
+        make_tiny_model_main,
+        "write a small random-weight Qwen-VL, Qwen or Llama checkpoint",
+    ),
     "encode-features": (
         encode_features_main,
         "encode images and videos with the model's vision tower into feature files",

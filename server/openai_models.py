@@ -22,8 +22,7 @@ from pydantic import (
 )
 
 from engine.errors import InvalidRequest
-from engine.protocol import StructuredOutput
-from engine.request_checks import MAX_LOGPROBS
+from engine.protocol import MAX_LOGPROBS, StructuredOutput
 from server.chat_messages import (
     MAX_MESSAGES,
     MAX_TOOLS,

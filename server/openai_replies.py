@@ -181,17 +181,6 @@ class ModelList(_Response):
     data: list[ModelCard]
 
 
-class ErrorDetail(_Response):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(_Response):
-    error: ErrorDetail
-
-
 def _without_null(data: dict[str, Any], *keys: str) -> dict[str, Any]:
     """`data` without those `keys` that are None: optional fields left out of the JSON."""
     for key in keys:

@@ -289,34 +289,6 @@ def cache_rows(slot_mapping: torch.Tensor, block_size: int) -> torch.Tensor:
     return (slots // block_size) * (2 * block_size) + slots % block_size
 
 
-def write_kv(
-    key: torch.Tensor,  # [T, KVH, D]
-    value: torch.Tensor,  # [T, KVH, D]
-    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, KVH, D]
-    slot_mapping: torch.Tensor,  # [T] int64
-) -> None:
-    block_size = kv_cache.shape[2]
-    block_ids = slot_mapping // block_size  # [T]
-    offsets = slot_mapping % block_size  # [T]
-    kv_cache[block_ids, 0, offsets] = key.to(kv_cache.dtype)
-    kv_cache[block_ids, 1, offsets] = value.to(kv_cache.dtype)
-
-
-def gather_kv(
-    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, KVH, D]
-    block_ids: torch.Tensor,  # [S, NB] int64
-    length: int,
-    dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:  # keys, values [S, KVH, length, D]
-    blocks = kv_cache[block_ids].to(dtype)  # [S, NB, 2, block_size, KVH, D]
-    num_seqs, num_blocks, _, block_size, num_kv_heads, head_dim = blocks.shape
-    blocks = blocks.transpose(1, 2).reshape(
-        num_seqs, 2, num_blocks * block_size, num_kv_heads, head_dim
-    )
-    blocks = blocks[:, :, :length].permute(1, 0, 3, 2, 4)  # [2, S, KVH, L, D]
-    return blocks[0], blocks[1]
-
-
 def causal_mask(query_len: int, seq_len: int, device: torch.device) -> torch.Tensor:
     """[Q, L] bool: query row r sees keys 0 .. (seq_len - query_len) + r."""
     offset = seq_len - query_len

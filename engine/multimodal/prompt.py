@@ -41,7 +41,7 @@ QWEN3_VL_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 # normalizer may shrink the text before it is split (NFC composes up to three characters
 # into one): with one, the bound is loosened by this factor.
 NORMALIZER_SLACK = 4
-# Texts longer than this are tokenised off the event loop (server/app.py): ~30 µs inline
+# Texts longer than this are tokenised off the event loop (server/jobs.py): ~30 µs inline
 # for a short prompt, against ~1.5 ms a 100k-character one would hold the loop.
 INLINE_TOKENIZE_CHARS = 100_000
 

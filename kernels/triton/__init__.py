@@ -4,10 +4,12 @@ in `kernels.reference`:
 
     kv_cache_write     write_kv_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale)
     embedding_scatter  scatter_rows(dst, row_indices, src)
-    token_gather       gather_rows(src, row_indices, out=None)
+    token_gather       gather_rows(src, row_indices, out=None)  (built and tested; the
+                       engine's `index_select` of the last rows is as fast, so unused)
     rms_norm           add_rms_norm(x, weight, eps, residual=None)  (the decoder's norms)
     rotary             rotary_folded_(qk, cos, signed_sin)  (in place on the QKV buffer)
     silu_and_mul       silu_and_mul(x)  (the MLP activation)
+    quick_gelu         quick_gelu(x)  (the Qwen2-VL vision tower's activation)
     small_batch_linear small_batch_linear(x, weight, bias=None)  (decode projections, <= 8 rows)
 
 Triton is optional (`pip install tessera[gpu]`): importing this package never imports it;
