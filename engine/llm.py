@@ -38,14 +38,12 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.errors import InvalidRequest, TesseraError, error_info
 from engine.generation_defaults import SamplingDefaults
-from engine.multimodal.placement import place_media
+from engine.multimodal.placement import media_input, place_media
 from engine.protocol import (
     EngineRequest,
     ErrorInfo,
-    MediaInput,
     Modality,
     SamplingParams,
-    TensorRef,
     TokenLogprob,
 )
 
@@ -336,17 +334,7 @@ class LLM:
             **rendering,
         )
         unplaced = [
-            MediaInput(
-                modality=Modality(kind),
-                content_hash=item.content_hash,
-                offset=0,
-                num_tokens=item.num_tokens,
-                grid_thw=tuple(item.grid_thw),
-                pixel_values=TensorRef(index, "uint8", tuple(item.pixel_levels.shape)),
-                normalization=item.normalization,
-                second_per_grid_t=item.second_per_grid_t,
-            )
-            for index, (kind, item) in enumerate(items)
+            media_input(Modality(kind), item, index) for index, (kind, item) in enumerate(items)
         ]
         media, tensors = place_media(
             unplaced, processed.spans, [item.pixel_levels for _, item in items]

@@ -31,10 +31,9 @@ from typing import Any, NamedTuple
 
 from engine.errors import ContextLengthExceeded, InvalidRequest, MediaError, unknown_media_uuid
 from engine.multimodal.image_processor import ImageProcessorConfig, ProcessedImage
-from engine.multimodal.placement import place_media
+from engine.multimodal.placement import media_input, place_media
 from engine.multimodal.prompt import PromptProcessor, final_message_text
 from engine.protocol import FeatureSource, MediaInput, MediaUuid, Modality
-from engine.serialization import tensor_ref
 from engine.url_safety import as_fetched, is_under_prefixes
 from server.chat_messages import (
     ChatMessage,
@@ -422,15 +421,6 @@ def _pixel_input(
         content_hash = "uuid:" + part.uuid
         if remember_uuid:
             UUIDS.remember(part.uuid, part.modality, salt, image)
-    item = MediaInput(
-        modality=part.modality,
-        content_hash=content_hash,
-        offset=0,
-        num_tokens=image.num_tokens,
-        grid_thw=tuple(image.grid_thw),
-        pixel_values=tensor_ref(len(tensors), image.pixel_levels),
-        normalization=image.normalization,
-        second_per_grid_t=image.second_per_grid_t,
-    )
+    item = media_input(part.modality, image, len(tensors), content_hash)
     tensors.append(image.pixel_levels)  # [num_patches, C * T * P * P] uint8
     return item, image.frame_seconds

@@ -15,9 +15,27 @@ from collections.abc import Sequence
 import msgspec
 import torch
 
+from engine.multimodal.image_processor import ProcessedImage
 from engine.multimodal.prompt import PlaceholderSpan
-from engine.protocol import MediaInput
+from engine.protocol import MediaInput, Modality
 from engine.serialization import tensor_ref
+
+
+def media_input(
+    modality: Modality, image: ProcessedImage, frame: int, content_hash: str | None = None
+) -> MediaInput:
+    """The unplaced item (offset 0) of a processed image or video whose pixel levels go in
+    extra frame `frame`; `content_hash`: its cache key, if not the pixels' hash (a uuid)."""
+    return MediaInput(
+        modality=modality,
+        content_hash=content_hash or image.content_hash,
+        offset=0,
+        num_tokens=image.num_tokens,
+        grid_thw=tuple(image.grid_thw),
+        pixel_values=tensor_ref(frame, image.pixel_levels),
+        normalization=image.normalization,
+        second_per_grid_t=image.second_per_grid_t,
+    )
 
 
 def place_media(
