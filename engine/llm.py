@@ -237,6 +237,8 @@ class LLM:
                         )
         if self.engine.has_step_in_flight:  # launched ahead for requests that have finished
             self.last_stats.append(self.engine.step().stats)
+        if interrupted():  # in the call's last step: still the caller's interrupt
+            raise KeyboardInterrupt
         for request_id in request_ids:
             error = results[request_id].error
             if raise_on_error and error is not None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -234,15 +235,20 @@ def _next_message(group: ShardGroup, parent_pid: int):
 def main() -> None:
     spec = msgspec.json.decode(sys.stdin.buffer.read(), type=WorkerSpec)
     name_this_process(f"tessera-tp-{spec.rank}")  # in log lines and ps / top
+    # A terminal's Ctrl-C and systemd's stop reach the whole process group: rank 0 decides
+    # when we stop (an offline LLM's worker died on a Ctrl-C at its caller's prompt).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     configure_logging(spec.log_level, spec.log_format)
     try:
         code = serve(spec)
     except Exception:
         logger.exception("tensor-parallel rank %d failed", spec.rank)
         code = 1
-    if code == EXIT_PARENT_GONE:
+    if code == EXIT_PARENT_GONE or os.getppid() != spec.parent_pid:
         # The engine's private folder (the group's store, our socket) is ours to remove
-        # now: an engine killed with SIGKILL left one in /tmp every time (fuzz33).
+        # once the engine is gone, idle or mid-forward (whose collective then failed): an
+        # engine killed with SIGKILL left one in /tmp every time (fuzz33, fuzz38).
         shutil.rmtree(Path(spec.store_path).parent, ignore_errors=True)
     sys.exit(code)
 

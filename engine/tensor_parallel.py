@@ -190,7 +190,7 @@ class ShardGroup:
 
     @contextlib.contextmanager
     def whole_forward(self) -> Iterator[None]:
-        """Rank 0, around its layers after `send_forward`: a forward it leaves midway
+        """Rank 0, around `send_forward` and its layers: a forward it leaves midway
         leaves the workers inside that forward's collectives, where the next forward's
         would pair with theirs (a hang, or gloo's "collective mismatch"). The group is
         then broken for good: an error is EngineBroken at once, and an interrupt (Ctrl-C)
@@ -198,6 +198,8 @@ class ShardGroup:
         try:
             yield
         except BaseException as exc:
+            if self.out_of_step is not None:  # refused at once: nothing was sent
+                raise
             self.out_of_step = (
                 "the tensor-parallel ranks are out of step: a forward stopped midway on "
                 f"rank 0 ({type(exc).__name__}); a new engine (or LLM) is needed"

@@ -115,8 +115,8 @@ class Qwen2VLForConditionalGeneration(nn.Module):
             if rows.shape[1] > hidden:  # Qwen3-VL: the deepstack levels follow
                 deepstack = (multimodal_rows, rows[:, hidden:].view(len(rows), -1, hidden))
         if self.tensor_parallel is not None:
-            self.tensor_parallel.send_forward(embeds, positions, attn_metadata)
-            with self.tensor_parallel.whole_forward():
+            with self.tensor_parallel.whole_forward():  # its broadcasts, then its layers
+                self.tensor_parallel.send_forward(embeds, positions, attn_metadata)
                 return self.model(embeds, positions, kv_caches, attn_metadata, deepstack)
         return self.model(embeds, positions, kv_caches, attn_metadata, deepstack)
 

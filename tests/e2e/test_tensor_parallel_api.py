@@ -20,7 +20,7 @@ import pytest
 from bench.datasets import data_url
 from bench.local_inputs import picture, png_bytes
 from bench.servers import child_pids, engine_pid
-from tests.e2e.conftest import MODEL_NAME, is_gone, run_server
+from tests.e2e.conftest import MODEL_NAME, is_gone, run_server, stream_in_background
 
 
 def _question(max_tokens: int = 12) -> dict:
@@ -101,15 +101,24 @@ def test_a_hung_worker_is_not_left_behind_by_the_step_watchdog(model_dir, tmp_pa
                 os.kill(worker, signal.SIGKILL)
 
 
-def test_a_dead_engine_process_takes_its_worker_along(model_dir, tmp_path):
+@pytest.mark.parametrize("busy", [False, True], ids=["idle", "mid-forward"])
+def test_a_dead_engine_process_takes_its_worker_along(model_dir, tmp_path, busy):
+    """Mid-forward, the worker's collective fails (exit 1), and it left the engine's
+    private folder behind too (fuzz38)."""
     before = set(glob.glob(f"{tempfile.gettempdir()}/tessera-tp-*"))
     with run_server(model_dir, tmp_path / "tp.log", "--tensor-parallel-size", "2") as handle:
         engine = engine_pid(handle.process.pid)
         [worker] = _shard_workers(engine)
         tp_dirs = set(glob.glob(f"{tempfile.gettempdir()}/tessera-tp-*")) - before
         assert tp_dirs  # this engine's
+        if busy:
+            body = {**_question(max_tokens=2000), "ignore_eos": True, "stream": True}
+            thread, _, started = stream_in_background(handle.base_url, body)
+            assert started.wait(60)
         os.kill(engine, signal.SIGKILL)
         assert handle.process.wait(30) == 1, handle.log_tail()
+        if busy:
+            thread.join(30)
     _wait_gone(worker, "the tensor-parallel worker")  # its parent is gone
     # and it removed the engine's private folder, which the engine could not (fuzz33)
     assert not tp_dirs & set(glob.glob(f"{tempfile.gettempdir()}/tessera-tp-*"))

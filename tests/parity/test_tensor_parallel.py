@@ -119,6 +119,14 @@ print("workers left:", len(child_pids(os.getpid())))
     assert "workers left: 0" in done.stdout
 
 
+def _worker_of(pid: int) -> int:
+    [worker] = [
+        child for child in child_pids(pid)
+        if b"engine.shard_worker" in open(f"/proc/{child}/cmdline", "rb").read()
+    ]  # fmt: skip
+    return worker
+
+
 def _on_rank_0_layer(llm: LLM, call: int, action) -> None:
     """Run `action` inside rank 0's first decoder layer on its `call`-th forward: midway
     through a step's collectives, the worker inside that forward too."""
@@ -149,6 +157,42 @@ def test_ctrl_c_during_a_forward_takes_effect_between_steps(reference):
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
         [again] = llm.generate(["Once upon a time"], params)
         assert again.token_ids == expected.token_ids
+        # One in the call's last step was swallowed: the call returned as if none came.
+        _on_rank_0_layer(llm, 2, lambda: os.kill(os.getpid(), signal.SIGINT))
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(["Once upon a time"], SamplingParams(max_tokens=2, temperature=0.0))
+        del llm.engine.runner.model.model.layers[0].forward
+        # A Ctrl-C at the caller's prompt reaches the worker too (the process group):
+        # it died of it. Rank 0 decides when the worker stops.
+        os.kill(_worker_of(os.getpid()), signal.SIGINT)
+        time.sleep(0.5)
+        [again] = llm.generate(["Once upon a time"], params)
+        assert again.token_ids == expected.token_ids
+
+
+def test_an_interrupt_between_the_forwards_broadcasts_breaks_the_group(reference):
+    """One inside send_forward, after the header went out and between its broadcasts, was
+    outside the guarded forward: the next call's broadcasts paired with the worker's
+    leftover ones (a hang until gloo's timeout; fuzz38)."""
+    with LLM(str(reference.model_dir), tensor_parallel_size=2, num_kv_blocks=64) as llm:
+        group = llm.engine.runner.model.tensor_parallel
+        collective, calls = group._collective, []
+
+        def interrupted_second(start):
+            calls.append(1)
+            if len(calls) == 2:
+                raise KeyboardInterrupt  # the second Ctrl-C, which interrupts at once
+            return collective(start)
+
+        group._collective = interrupted_second
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(["Hello there"], params)
+        del group._collective
+        started = time.monotonic()
+        with pytest.raises(EngineBroken, match="out of step"):
+            llm.generate(["Hello there"], params)
+        assert time.monotonic() - started < 30
 
 
 def test_an_error_midway_through_a_forward_breaks_the_group_at_once(reference):
