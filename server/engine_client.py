@@ -57,6 +57,8 @@ WATCH_INTERVAL_MS = 200  # how often the output loop checks that the engine is a
 # Past engine_step_timeout_s, how long the engine may stay silent with requests waiting
 # before an API process kills it as hung (its own watchdog acts first where it can).
 ENGINE_SILENCE_GRACE_S = 10.0
+DEATH_CHECK_S = 0.5  # how often a send that waits checks that the engine still lives
+SHUTDOWN_SEND_S = 1.0  # how long shutdown() waits to hand the engine its Shutdown
 
 
 @dataclasses.dataclass
@@ -213,8 +215,13 @@ class EngineClient:
             and self._process.is_alive()
             and self._inbox is not None
         ):
-            with contextlib.suppress(zmq.ZMQError):
-                await self._inbox.send_multipart(encode_message(Shutdown()))
+            # Not for ever: an engine that failed closes its inbox and lingers a moment on
+            # its outbox, and a PUSH with no peer waits until one comes (never: the server
+            # hung after answering 503, and no supervisor restarted it; fuzz38).
+            with contextlib.suppress(zmq.ZMQError, TimeoutError):
+                await asyncio.wait_for(
+                    self._inbox.send_multipart(encode_message(Shutdown())), SHUTDOWN_SEND_S
+                )
         await self._stop_process(timeout)
         if self._output_task is not None:
             self._output_task.cancel()
@@ -288,7 +295,7 @@ class EngineClient:
         self._collectors[request_id] = collector
         is_finished = False
         try:
-            await self._inbox.send_multipart(encode_message(request, tensors), copy=False)
+            await self._send_while_alive(encode_message(request, tensors))
             while True:
                 try:
                     item = await collector.get()
@@ -304,6 +311,19 @@ class EngineClient:
             if not is_finished:
                 # No await here: this runs on GeneratorExit / CancelledError too.
                 self._abort_soon(request_id)
+
+    async def _send_while_alive(self, frames: list) -> None:
+        """Sends to the engine's inbox, or raises EngineDeadError once the engine is gone:
+        a PUSH whose peer has died waits until another connects, and the request waited
+        with it, past the engine's death that failed every other request."""
+        send = asyncio.ensure_future(self._inbox.send_multipart(frames, copy=False))
+        try:
+            while not (await asyncio.wait({send}, timeout=DEATH_CHECK_S))[0]:
+                if not self.is_alive:
+                    raise EngineDeadError(self.death_reason or "the engine is not running")
+        finally:
+            send.cancel()
+        send.result()
 
     async def abort(self, request_ids: list[str]) -> None:
         """Abort requests in the engine; their generate() sees finish_reason "abort"."""

@@ -279,3 +279,39 @@ def test_an_engine_past_its_start_up_deadline_is_unwound_not_killed(tmp_path: Pa
         return client._process.exitcode
 
     assert asyncio.run(scenario()) == 0  # SystemExit from the stop signal; -9 if killed
+
+
+def test_an_inbox_with_no_engine_on_it_never_hangs_a_request_or_shutdown(tmp_path: Path) -> None:
+    """A PUSH whose engine has gone waits until another connects. An engine that failed
+    closes its inbox and lingers a moment: shutdown() sent it Shutdown and waited for ever
+    (the server answered 503 and never exited, so no supervisor restarted it; fuzz38), and
+    a request sent then waited past the death that failed the others."""
+
+    def sleeper() -> multiprocessing.Process:  # an engine process that never reads
+        process = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(60,))
+        process.start()
+        return process
+
+    async def scenario() -> None:
+        import zmq
+        import zmq.asyncio
+
+        client = EngineClient(EngineConfig(model=str(tmp_path)))
+        context = zmq.asyncio.Context()
+        inbox = context.socket(zmq.PUSH)
+        inbox.bind(f"ipc://{tmp_path}/inbox")  # nothing ever connects
+        client._context, client._inbox, client._process = context, inbox, sleeper()
+        client.ready = Ready(
+            model_name="m", max_model_len=64, vocab_size=100, hidden_size=8, block_size=16,
+            num_kv_blocks=4, eos_token_ids=[0], modalities=[], dtype="float32", device="cpu",
+        )  # fmt: skip
+        request = asyncio.create_task(_collect(client, _request("r", 1, 2)))
+        await asyncio.sleep(0.3)
+        client._process.kill()
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(request, 10)
+        client._process = sleeper()  # alive, its inbox closed
+        await asyncio.wait_for(client.shutdown(timeout=1.0), 20)
+        assert not client._process.is_alive()
+
+    asyncio.run(scenario())
