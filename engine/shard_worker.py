@@ -184,7 +184,13 @@ def serve(spec: WorkerSpec) -> int:
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     dtype, kv_cache_dtype = _DTYPES[spec.dtype], _DTYPES[spec.kv_cache_dtype]
-    group = ShardGroup(spec.rank, spec.size, spec.store_path, spec.header_addresses, device)
+
+    def engine_alive() -> None:
+        if os.getppid() != spec.parent_pid:
+            raise RuntimeError("the engine process is gone")
+
+    group = ShardGroup(spec.rank, spec.size, spec.store_path, spec.header_addresses, device,
+                       peers_alive=engine_alive)  # fmt: skip
     try:
         model = _load(config, group, dtype, kv_cache_dtype, device)
         setup = _next_message(group, spec.parent_pid)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import msgspec
@@ -112,8 +112,8 @@ class ShardGroup:
         *,
         peers_alive: Callable[[], None] | None = None,
     ) -> None:
-        """`peers_alive` (rank 0): raises once a worker has died, checked while rank 0
-        waits for the workers to join."""
+        """`peers_alive`: raises once a peer has died (rank 0: a worker; a worker: rank
+        0), checked while the ranks wait for each other to join."""
         self.shard = (rank, size)
         self.device = device
         # Rank 0: why the workers are no longer in step with it (a forward it left midway).
@@ -132,10 +132,9 @@ class ShardGroup:
             self._headers = [socket]
         try:
             store = dist.FileStore(store_path, size)
-            if rank == 0:
-                _wait_for_workers(store, size, peers_alive or (lambda: None))
-            else:
-                store.set(_joining_key(rank), "1")
+            store.set(_joining_key(rank), "1")
+            peers = range(1, size) if rank == 0 else [0]
+            _wait_for_peers(store, peers, peers_alive or (lambda: None))
             self._group = dist.ProcessGroupGloo(store, rank, size, _loopback_options())
             self._group.set_timeout(STEP_TIMEOUT)
         except BaseException:
@@ -249,17 +248,20 @@ def _joining_key(rank: int) -> str:
     return f"rank-{rank}-joining"
 
 
-def _wait_for_workers(store: dist.Store, size: int, peers_alive: Callable[[], None]) -> None:
-    """Rank 0: waits until every worker is about to join the group, checking that each
-    still lives. gloo's rendezvous alone waited RENDEZVOUS_TIMEOUT (120 s) for a worker
-    that had died on start-up (killed, or failed to import), then said "Wait timeout"."""
-    keys = [_joining_key(rank) for rank in range(1, size)]
+def _wait_for_peers(
+    store: dist.Store, peers: Iterable[int], peers_alive: Callable[[], None]
+) -> None:
+    """Waits until every peer is about to join the group, checking that each still
+    lives. gloo's rendezvous alone waited RENDEZVOUS_TIMEOUT (120 s) for a worker that had
+    died on start-up (killed, or failed to import), then said "Wait timeout"; and a worker
+    whose engine had died waited as long."""
+    keys = [_joining_key(rank) for rank in peers]
     deadline = time.monotonic() + RENDEZVOUS_TIMEOUT.total_seconds()
     while not store.check(keys):
         peers_alive()
         if time.monotonic() > deadline:
             raise TimeoutError(
-                f"the tensor-parallel workers did not start within "
+                f"the tensor-parallel ranks did not all start within "
                 f"{RENDEZVOUS_TIMEOUT.total_seconds():.0f} s"
             )
         time.sleep(JOIN_POLL_S)

@@ -281,3 +281,30 @@ def test_the_group_listens_on_loopback_only(reference, monkeypatch):
         ]  # fmt: skip
         addresses = _tcp_addresses(worker) | _tcp_addresses(os.getpid())
     assert addresses and addresses <= {"127.0.0.1"}, addresses
+
+
+def test_a_worker_whose_engine_died_during_start_up_stops_at_once(reference, tmp_path):
+    """It waited out gloo's 120 s rendezvous for a rank 0 that would never come, then left
+    the engine's folder behind (fuzz38). Here its engine is gone from the start (another
+    parent pid than its own)."""
+    import subprocess
+    import sys
+
+    import msgspec
+
+    from engine.config import EngineConfig
+    from engine.shard_worker import WorkerSpec
+
+    folder = tmp_path / "tessera-tp-test"
+    folder.mkdir()
+    spec = WorkerSpec(
+        config=EngineConfig(model=str(reference.model_dir), tensor_parallel_size=2),
+        rank=1, size=2, store_path=str(folder / "store"),
+        header_addresses=[f"ipc://{folder}/rank-1"], dtype="float32",
+        kv_cache_dtype="float32", parent_pid=1 if os.getpid() != 1 else 2,
+    )  # fmt: skip
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "engine.shard_worker"], timeout=200,
+                          input=msgspec.json.encode(spec), capture_output=True)  # fmt: skip
+    assert time.monotonic() - started < 30, done.stderr[-2000:]
+    assert done.returncode != 0 and not folder.exists()
