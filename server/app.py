@@ -15,17 +15,15 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import time
-from collections.abc import Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from engine.errors import EngineDeadError, InvalidRequest, ServerOverloaded
+from engine.errors import InvalidRequest
 from engine.multimodal.prompt import PromptProcessor
-from server.admission import AdmissionController, ServerDraining, SharedCounts, Ticket
+from server.admission import AdmissionController, ServerDraining, SharedCounts
 from server.app_state import AppState, load_sampling_defaults, make_fetcher
 from server.auth import check_api_key
 from server.chat import UUIDS, media_parts, messages_as_dicts, prepare_chat_prompt
@@ -37,7 +35,6 @@ from server.completions import (
 )
 from server.disconnects import ClientDisconnected, unless_client_leaves
 from server.errors import error_body, install_error_handlers
-from server.generation import GenerationTotals
 from server.jobs import build_job, prompt_bound, tokenised_off_the_loop_if_long
 from server.json_body import BoundedJsonRoute
 from server.metrics import API_CPU_COUNT_INTERVAL_S, ServerMetrics
@@ -49,18 +46,21 @@ from server.openai_models import (
 )
 from server.openai_replies import ModelCard, ModelList, dump
 from server.prompt_echo import PromptEcho
+from server.request_lifecycle import (
+    admit,
+    check_alive,
+    collect_until_disconnect,
+    finisher,
+    releasing,
+)
 from server.request_limits import RequestLimitMiddleware
-from server.request_log import RequestLogMiddleware, arrival_of, record_of
+from server.request_log import RequestLogMiddleware
 from server.response_events import ResponseShaper, stream_response
 from server.responses import ResponsesRequest, chat_request
 from server.sampling_params import check_structured_output, check_token_ids
 from server.settings import ServerSettings
 from server.streaming import (
-    ChoiceResult,
     EventStreamResponse,
-    GenerationJob,
-    collect,
-    guarded,
     stream_chat,
     stream_completion,
 )
@@ -242,10 +242,10 @@ def _add_api_routes(api: APIRouter) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         state = _state(request)
         state.check_model(body.model)
-        _check_alive(state, request)
+        check_alive(state, request)
         prompt = await _chat_prompt(state, body, request)
         job = build_job(state, body, prompt, prefix="chatcmpl-")
-        ticket = _admit(request, state, job)
+        ticket = admit(request, state, job)
         with_logprobs = body.logprobs
         if body.stream:
             stream = stream_chat(
@@ -253,11 +253,11 @@ def _add_api_routes(api: APIRouter) -> None:
                 state.engine,
                 state.processor.tokenizer,
                 with_logprobs=with_logprobs,
-                on_finished=_finisher(state, request),
+                on_finished=finisher(state, request),
             )
-            return EventStreamResponse(_releasing(stream, ticket), headers=SSE_HEADERS)
+            return EventStreamResponse(releasing(stream, ticket), headers=SSE_HEADERS)
         try:
-            [(totals, results)] = await _collect_until_disconnect(request, state, job)
+            [(totals, results)] = await collect_until_disconnect(request, state, job)
         finally:
             ticket.release()
         response = chat_response(job, results, totals, state.processor, with_logprobs=with_logprobs)
@@ -267,7 +267,7 @@ def _add_api_routes(api: APIRouter) -> None:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         state = _state(request)
         state.check_model(body.model)
-        _check_alive(state, request)
+        check_alive(state, request)
         await check_structured_output(body)
         prepare = functools.partial(prepare_completion_prompts, body, state.processor,
                                     state.vocab_size, prompt_bound(state, body))  # fmt: skip
@@ -281,7 +281,7 @@ def _add_api_routes(api: APIRouter) -> None:
             jobs = [dataclasses.replace(job, request_id=f"{request_id}-{part}",
                                         created=jobs[0].created)
                     for part, job in enumerate(jobs)]  # fmt: skip
-        ticket = _admit(request, state, *jobs)
+        ticket = admit(request, state, *jobs)
         echoes = [
             PromptEcho.of(body, job.prompt.token_ids, state.processor,
                           truncated=len(job.prompt.token_ids) < len(prompt.token_ids))
@@ -293,12 +293,12 @@ def _add_api_routes(api: APIRouter) -> None:
                 state.engine,
                 state.processor.tokenizer,
                 echoes=echoes,
-                on_finished=_finisher(state, request),
+                on_finished=finisher(state, request),
                 request_id=request_id,
             )
-            return EventStreamResponse(_releasing(stream, ticket), headers=SSE_HEADERS)
+            return EventStreamResponse(releasing(stream, ticket), headers=SSE_HEADERS)
         try:
-            outcomes = await _collect_until_disconnect(request, state, *jobs)
+            outcomes = await collect_until_disconnect(request, state, *jobs)
         finally:
             ticket.release()
         response = completion_response(request_id, jobs, outcomes, state.processor, echoes)
@@ -308,14 +308,14 @@ def _add_api_routes(api: APIRouter) -> None:
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         state = _state(request)
         state.check_model(body.model)
-        _check_alive(state, request)
+        check_alive(state, request)
         translation = chat_request(body)
         with translation.responses_params():
             prompt = await _chat_prompt(state, translation.chat, request)
             job = build_job(state, translation.chat, prompt, prefix="resp_")  # as OpenAI
         if not body.stream or body.wants_logprobs:  # fed token by token (response_events)
             job = dataclasses.replace(job, text_offsets=True)
-        ticket = _admit(request, state, job)
+        ticket = admit(request, state, job)
         shaper = ResponseShaper(job, body, state.processor.tokenizer, logprobs=body.wants_logprobs)
         if body.stream:
             stream = stream_response(
@@ -323,13 +323,13 @@ def _add_api_routes(api: APIRouter) -> None:
                 state.engine,
                 state.processor.tokenizer,
                 shaper,
-                on_finished=_finisher(state, request),
+                on_finished=finisher(state, request),
                 renamed=translation.renamed,
             )
-            return EventStreamResponse(_releasing(stream, ticket), headers=SSE_HEADERS)
+            return EventStreamResponse(releasing(stream, ticket), headers=SSE_HEADERS)
         try:
             with translation.responses_params():
-                [(totals, results)] = await _collect_until_disconnect(request, state, job)
+                [(totals, results)] = await collect_until_disconnect(request, state, job)
         finally:
             ticket.release()
         return JSONResponse(shaper.final(results[0], totals))
@@ -422,105 +422,3 @@ async def _chat_prompt(state: AppState, body: ChatCompletionRequest, request: Re
         return await unless_client_leaves(request, prepared)
     finally:
         admission.num_preparing -= 1
-
-
-def _check_alive(state: AppState, request: Request) -> None:
-    if not getattr(state.engine, "is_alive", True):
-        raise EngineDeadError("the engine is not running")
-    if request.app.state.admission.is_draining:
-        _count_rejected(state, ServerDraining.code)
-        raise ServerDraining("the server is shutting down; retry on another replica")
-
-
-def _count_rejected(state: AppState, reason: str) -> None:
-    state.metrics.on_request_rejected(reason)
-
-
-def _admit(request: Request, state: AppState, *jobs: GenerationJob) -> Ticket:
-    """Reserve room for all `n` sequences of the job (of each of a batch's), or 503
-    (counted). A batch larger than the whole room is a 400: an idle server admits any one
-    request, and a batch of 1024 prompts x 16 held 16384 sequences while every other
-    request got 503."""
-    admission = request.app.state.admission
-    num_sequences = sum(job.n for job in jobs)
-    num_tokens = sum(job.n * len(job.prompt.token_ids) for job in jobs)
-    if len(jobs) > 1 and (
-        num_sequences > admission.max_sequences or num_tokens > admission.max_waiting_tokens
-    ):
-        raise InvalidRequest(
-            f"this batch is {num_sequences} sequences of {num_tokens} prompt tokens (prompts "
-            f"x n), more than the server admits at once ({admission.max_sequences} sequences: "
-            f"--max-num-seqs + --max-waiting-requests; {admission.max_waiting_tokens} tokens: "
-            "--max-waiting-tokens); send it in smaller batches",
-            param="prompt",
-        )
-    try:
-        return admission.admit(num_sequences=num_sequences, num_tokens=num_tokens)
-    except ServerOverloaded as exc:
-        _count_rejected(state, exc.code or "server_overloaded")
-        raise
-
-
-async def _releasing(stream: Any, ticket: Ticket) -> Any:
-    """Yield from a response stream, ending it with an error event if it fails; release
-    the admission ticket however it ends."""
-    try:
-        async for chunk in guarded(stream):
-            yield chunk
-    finally:
-        ticket.release()
-        with contextlib.suppress(Exception):
-            await stream.aclose()
-
-
-def _finisher(state: AppState, request: Request) -> Callable[[GenerationTotals], None]:
-    """Records a finished request's metrics, its latencies counted from its arrival."""
-    start = arrival_of(request)
-
-    def on_finished(totals: GenerationTotals) -> None:
-        if totals.error_code is not None:
-            state.metrics.on_stream_error(totals.error_code)
-            return
-        now = time.monotonic()
-        for choice in totals.choices.values():
-            if choice.finish_reason is None:
-                continue
-            first = choice.first_token_time
-            state.metrics.on_choice_finished(
-                finish_reason=choice.finish_reason,
-                num_prompt_tokens=totals.num_prompt_tokens,
-                num_generated_tokens=choice.num_tokens,
-                ttft_s=None if first is None else first - start,
-                latency_s=(choice.finish_time or now) - start,
-            )
-        state.metrics.on_token_gaps(totals.inter_token_seconds)
-        record = record_of(request)
-        if record is not None:
-            # A batch's prompts finish one by one: the record sums them.
-            record.prompt_tokens = (record.prompt_tokens or 0) + totals.num_prompt_tokens
-            generated = totals.num_generated_tokens
-            record.completion_tokens = (record.completion_tokens or 0) + generated
-
-    return on_finished
-
-
-async def _collect_until_disconnect(
-    request: Request, state: AppState, *jobs: GenerationJob
-) -> list[tuple[GenerationTotals, list[ChoiceResult]]]:
-    """Run a non-streaming generation (one job, or a batch's) to its end: each job's
-    totals and choices. Cancel it (aborting in the engine) if the client disconnects
-    first."""
-    totals = [GenerationTotals(num_prompt_tokens=len(job.prompt.token_ids)) for job in jobs]
-    on_finished = _finisher(state, request)
-    work = collect(jobs, state.engine, state.processor.tokenizer, totals)
-    try:
-        results = await unless_client_leaves(request, work)
-    except ClientDisconnected:
-        logger.info("client disconnected; request %s aborted", jobs[0].request_id)
-        for job, figures in zip(jobs, totals, strict=True):
-            figures.abort_unfinished(job.n)
-            on_finished(figures)
-        raise
-    for figures in totals:
-        on_finished(figures)
-    return list(zip(totals, results, strict=True))
