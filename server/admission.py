@@ -25,7 +25,7 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.errors import ServerOverloaded
+from engine.errors import ServerOverloaded, TesseraError
 
 
 class ServerDraining(ServerOverloaded):
@@ -89,6 +89,9 @@ class AdmissionController:
     num_preparing: int = 0
     _stopping: asyncio.Future | None = None
     _stopped: bool = False
+    # What the requests `stop_all` ends get: a drain's ServerDraining unless it says (the
+    # engine's death: engine_dead, which a client may retry elsewhere at once).
+    stop_failure: TesseraError | None = None
 
     @property
     def num_in_flight(self) -> int:
@@ -106,8 +109,11 @@ class AdmissionController:
                 self._stopping.set_result(None)
         return self._stopping
 
-    def stop_all(self) -> None:
-        """The drain's deadline, or a second signal: what still prepares gives up."""
+    def stop_all(self, failure: TesseraError | None = None) -> None:
+        """The drain's deadline, a second signal, or the engine's death: what still
+        prepares gives up, with `failure` (None: ServerDraining)."""
+        if failure is not None and self.stop_failure is None:
+            self.stop_failure = failure
         self._stopped = True
         stopping = self.stopping()
         if not stopping.done():

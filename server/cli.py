@@ -155,6 +155,7 @@ async def run_server(settings: ServerSettings, slot: ApiServerSlot | None = None
     With `slot` this is one of several API processes (server/api_servers.py): it attaches
     to the launcher's engine and serves on the launcher's listening socket."""
     server: uvicorn.Server | None = None
+    admissions: list = []  # the app's, once it is built
     death_reasons: list[str] = []
     if slot is not None:
         bound = slot.listener
@@ -168,6 +169,10 @@ async def run_server(settings: ServerSettings, slot: ApiServerSlot | None = None
     def on_engine_death(reason: str) -> None:
         death_reasons.append(reason)
         logger.error("the engine died (%s); stopping the server", reason)
+        # Requests still fetching their media end now, with engine_dead: they waited for
+        # their fetch's deadline (a URL that never answers: then a 400), and the exit with them.
+        for admission in admissions:
+            admission.stop_all(EngineDeadError("the engine is not running"))
         if server is not None:
             server.should_exit = True
 
@@ -206,6 +211,7 @@ async def run_server(settings: ServerSettings, slot: ApiServerSlot | None = None
             api_server_index=slot.index if slot else 0,
             admission_counts=slot.admission_counts if slot else None,
         )
+        admissions.append(app.state.admission)
         config = uvicorn.Config(
             app,
             host=settings.host,

@@ -48,6 +48,7 @@ async def unless_client_leaves(request: Request, work: Coroutine[Any, Any, T]) -
                 await task
     if task.cancelled():
         if stopping.done():
-            raise ServerDraining("the server shut down before this request finished")
+            failure = request.app.state.admission.stop_failure
+            raise failure or ServerDraining("the server shut down before this request finished")
         raise ClientDisconnected()
     return task.result()

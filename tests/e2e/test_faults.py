@@ -375,3 +375,32 @@ def test_requests_still_fetching_media_when_a_drain_ends_get_its_error(model_dir
                 assert response.json()["error"]["code"] == "server_draining"
         assert handle.process.wait(30) == 0, handle.log_tail()
         assert time.monotonic() - signalled < 10
+
+
+def test_requests_still_fetching_media_when_the_engine_dies_get_engine_dead(model_dir, tmp_path):
+    """They went on fetching to their own deadline: a URL that never answers gave a 400
+    invalid_media (not retryable) long after the engine had died, and the server's exit
+    waited for it (fuzz40)."""
+    from bench.servers import engine_pid
+    from tests.unit.test_url_safety import hanging_listener
+
+    extra = ["--allow-private-media-urls", "--media-fetch-timeout-s", "60"]
+    with (
+        hanging_listener() as stuck_port,
+        run_server(model_dir, tmp_path / "s.log", *extra) as handle,
+    ):
+        url = f"http://127.0.0.1:{stuck_port}/a.png"
+        body = {"model": MODEL_NAME, "max_tokens": 4, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}},
+            {"type": "text", "text": "hi"}]}]}  # fmt: skip
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(httpx.post, handle.base_url + "/v1/chat/completions",
+                                 json=body, timeout=90)  # fmt: skip
+            time.sleep(1.0)  # fetching
+            os.kill(engine_pid(handle.process.pid), signal.SIGKILL)
+            killed = time.monotonic()
+            response = answer.result(timeout=60)
+        assert response.status_code == 503, response.text
+        assert response.json()["error"]["code"] == "engine_dead"
+        assert time.monotonic() - killed < 10
+        assert handle.process.wait(30) == 1, handle.log_tail()
