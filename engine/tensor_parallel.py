@@ -46,7 +46,11 @@ _ROW_PARALLEL = ("o_proj", "down_proj")
 # Building the group waits for every rank to join; after that, one collective waits for
 # the slowest rank's share of a step.
 RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=120)
-JOIN_POLL_S = 0.05  # how often rank 0 checks that the workers live while they start
+JOIN_POLL_S = 0.05  # how often the ranks check each other while they start
+# gloo's own rendezvous, once every rank has said it is joining (_wait_for_peers): a
+# moment, unless a peer died in between, which this bounds (a worker whose engine died
+# then waited out RENDEZVOUS_TIMEOUT, outliving the server by two minutes; fuzz40).
+GLOO_RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=20)
 STEP_TIMEOUT = datetime.timedelta(minutes=10)
 
 
@@ -272,6 +276,6 @@ def _loopback_options() -> dist.ProcessGroupGloo._Options:
     listen on 127.0.0.1. By default gloo listens where the host's name resolves, a LAN
     address on many hosts, where anyone could connect to the unauthenticated group."""
     options = dist.ProcessGroupGloo._Options()
-    options._timeout = RENDEZVOUS_TIMEOUT
+    options._timeout = GLOO_RENDEZVOUS_TIMEOUT
     options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
     return options

@@ -308,3 +308,14 @@ def test_a_worker_whose_engine_died_during_start_up_stops_at_once(reference, tmp
                           input=msgspec.json.encode(spec), capture_output=True)  # fmt: skip
     assert time.monotonic() - started < 30, done.stderr[-2000:]
     assert done.returncode != 0 and not folder.exists()
+
+
+def test_gloos_own_rendezvous_is_short_once_the_ranks_have_met():
+    """The ranks meet in the store, watching each other (_wait_for_peers); gloo's own
+    rendezvous after that took RENDEZVOUS_TIMEOUT (120 s) to notice a peer that died in
+    between: a worker outlived its dead engine, and the server, by two minutes (fuzz40)."""
+    import datetime
+
+    from engine.tensor_parallel import _loopback_options
+
+    assert _loopback_options()._timeout <= datetime.timedelta(seconds=30)
