@@ -186,7 +186,7 @@ def serve(spec: WorkerSpec) -> int:
     dtype, kv_cache_dtype = _DTYPES[spec.dtype], _DTYPES[spec.kv_cache_dtype]
 
     def engine_alive() -> None:
-        if os.getppid() != spec.parent_pid:
+        if _engine_gone(spec.parent_pid):
             raise RuntimeError("the engine process is gone")
 
     group = ShardGroup(spec.rank, spec.size, spec.store_path, spec.header_addresses, device,
@@ -230,10 +230,16 @@ def _load(config: EngineConfig, group: ShardGroup, dtype, kv_cache_dtype, device
     return model
 
 
+def _engine_gone(parent_pid: int) -> bool:
+    """Re-parented (to init or a subreaper): the engine process that started us is gone,
+    even by SIGKILL."""
+    return os.getppid() != parent_pid
+
+
 def _next_message(group: ShardGroup, parent_pid: int):
     """The next header from rank 0; None once the parent process is gone."""
     while not group.poll(POLL_MS):
-        if os.getppid() != parent_pid:
+        if _engine_gone(parent_pid):
             return None
     return group.receive()
 
@@ -251,7 +257,7 @@ def main() -> None:
     except Exception:
         logger.exception("tensor-parallel rank %d failed", spec.rank)
         code = 1
-    if code == EXIT_PARENT_GONE or os.getppid() != spec.parent_pid:
+    if _engine_gone(spec.parent_pid):
         # The engine's private folder (the group's store, our socket) is ours to remove
         # once the engine is gone, idle or mid-forward (whose collective then failed): an
         # engine killed with SIGKILL left one in /tmp every time (fuzz33, fuzz38).
