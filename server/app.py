@@ -34,7 +34,7 @@ from server.completions import (
     prepare_completion_prompts,
 )
 from server.disconnects import ClientDisconnected, unless_client_leaves
-from server.errors import error_body, install_error_handlers
+from server.errors import CLOSE_CONNECTION, error_body, install_error_handlers
 from server.jobs import build_job, prompt_bound, tokenised_off_the_loop_if_long
 from server.json_body import BoundedJsonRoute
 from server.metrics import API_CPU_COUNT_INTERVAL_S, ServerMetrics
@@ -201,12 +201,12 @@ def _add_open_routes(app: FastAPI) -> None:
         state = getattr(request.app.state, "tessera", None)
         if state is None or not getattr(state.engine, "is_alive", False):
             body = error_body("the engine is not running", type="server_error", code="engine_dead")
-            return JSONResponse(status_code=503, content=body)
+            return JSONResponse(status_code=503, content=body, headers=CLOSE_CONNECTION)
         if request.app.state.admission.is_draining:
             body = error_body(
                 "the server is shutting down", type="server_error", code=ServerDraining.code
             )
-            return JSONResponse(status_code=503, content=body)
+            return JSONResponse(status_code=503, content=body, headers=CLOSE_CONNECTION)
         return JSONResponse({"status": "ok"})
 
     @app.get("/version")

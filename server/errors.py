@@ -20,12 +20,18 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.errors import InvalidRequest, ServerOverloaded, TesseraError
+from engine.errors import EngineDeadError, InvalidRequest, ServerOverloaded, TesseraError
 from engine.protocol import ErrorInfo
+from server.admission import ServerDraining
 
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1  # seconds, on every 503 that says "try again"
+# 503s of a server on its way out: the client's keep-alive connection must not stay with it
+# (a pool would send its retries down the same connection, to the same dying process,
+# instead of opening one that a load balancer gives to another replica).
+LEAVING_CODES = (EngineDeadError.code, ServerDraining.code)
+CLOSE_CONNECTION = {"Connection": "close"}
 
 _MEDIA_PARAM = re.compile(r"media\[(\d+)\]")  # how the engine names a request's media item
 # Loc components pydantic adds for union members; they are not part of the field path.
@@ -116,6 +122,8 @@ def install_error_handlers(app: FastAPI) -> None:
         response = json_error(exc.status, tessera_error_body(exc))
         if isinstance(exc, ServerOverloaded):
             response.headers["Retry-After"] = str(RETRY_AFTER_S)
+        if exc.code in LEAVING_CODES:
+            response.headers.update(CLOSE_CONNECTION)
         return response
 
     @app.exception_handler(RequestValidationError)

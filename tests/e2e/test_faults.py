@@ -95,6 +95,7 @@ def test_engine_sigkill_mid_stream(model_dir, tmp_path):
                 if health.status_code != 200:
                     assert health.status_code == 503
                     assert health.json()["error"]["code"] == "engine_dead"
+                    assert health.headers["Connection"] == "close"
                     break
                 assert time.monotonic() - killed < 5, "/health still 200 after 5 s"
                 time.sleep(0.05)
@@ -104,6 +105,7 @@ def test_engine_sigkill_mid_stream(model_dir, tmp_path):
         assert '"error"' in streamed["lines"][-2] and "engine_dead" in streamed["lines"][-2]
         assert response.status_code == 503, response.text
         assert response.json()["error"]["code"] == "engine_dead"
+        assert response.headers["Connection"] == "close"
         assert handle.process.wait(20) == 1, handle.log_tail()  # a supervisor restarts it
         wait_all_gone(children, timeout=5)
 
@@ -245,6 +247,11 @@ def test_poisoned_request_fails_alone(busy_server):
     )
 
 
+def _new_connection(client: httpx.Client) -> bool:
+    """Whether `client`'s pool holds no connection that its last answer left open."""
+    return not client._transport._pool.connections  # httpcore's pool: drops a closed one
+
+
 @pytest.mark.parametrize("to_group", [False, True], ids=["server", "process-group"])
 def test_sigterm_drains_then_exits_zero(model_dir, tmp_path, to_group):
     """SIGTERM to the server alone (`docker stop`, Kubernetes) or to its whole process
@@ -261,11 +268,17 @@ def test_sigterm_drains_then_exits_zero(model_dir, tmp_path, to_group):
         else:
             handle.process.send_signal(signal.SIGTERM)
         time.sleep(0.2)
-        assert httpx.get(base + "/health", timeout=5).status_code == 503
-        refused = httpx.post(base + "/v1/chat/completions", json=_long(max_tokens=2), timeout=5)
+        with httpx.Client(base_url=base, timeout=5) as client:  # one keep-alive connection
+            health = client.get("/health")
+            assert health.status_code == 503
+            # ... which the draining server closes: a pool's retry must not come back to it
+            assert health.headers["Connection"] == "close"
+            refused = client.post("/v1/chat/completions", json=_long(max_tokens=2))
+            assert _new_connection(client)
         assert refused.status_code == 503
         assert refused.json()["error"]["code"] == "server_draining"
         assert refused.headers["Retry-After"] == "1"
+        assert refused.headers["Connection"] == "close"
         thread.join(60)
         assert result["lines"][-1] == "data: [DONE]"
         assert '"finish_reason":"length"' in result["lines"][-2].replace(" ", "") or any(
