@@ -23,6 +23,8 @@ bookkeeping. Modes:
                     decoder's projections run the Triton matrix-vector kernel, not cuBLAS
     graphs-cuda-core  graphs with --cuda-core-decode-rows 32: batches of up to 32 rows
                     attend on FlashInfer's CUDA-core decode kernel, not its tensor-core one
+    graphs-unfused  graphs with the FlashInfer backend's rotary and K/V write as two
+                    kernels, as before kernels/triton/rotary_kv_write.py
 
 "forward" is the device time of the decoder alone (CUDA events around it).
 
@@ -35,12 +37,13 @@ bytes read + written). Issue 8's targets: step <= 1.5x the floor at batch 1, <= 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -162,7 +165,11 @@ MODE_SETTINGS = {
     "graphs-small-linear": {"small_batch_linear_rows": 8},
     "graphs-cuda-core": {"cuda_core_decode_rows": 32},  # batch 1 and 32 on CUDA cores
 }
-MODES = ["graphs", "graphs-serial", "eager", *MODE_PENALTIES, *MODE_SETTINGS]
+# The mode that measures the FlashInfer backend's rotary and K/V write as two kernels (its
+# `fuse_rotary_kv_write`, a class switch rather than a setting: the fused kernel writes the
+# same bytes, so no user needs to choose).
+UNFUSED_MODE = "graphs-unfused"
+MODES = ["graphs", "graphs-serial", "eager", *MODE_PENALTIES, *MODE_SETTINGS, UNFUSED_MODE]
 
 
 def random_prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
@@ -280,7 +287,8 @@ def bench_size(size: str, args: argparse.Namespace, bandwidth: float) -> list[De
             **MODE_SETTINGS.get(mode, {}),
         )
         set_intra_op_threads(config)  # as the server's engine process does
-        core = EngineCore(config)
+        with rotary_kv_write_fused(mode != UNFUSED_MODE):
+            core = EngineCore(config)
         timer = ForwardTimer(core)
         per_token = kv_bytes_per_token(core)
         vocab = plain_token_ids(core)
@@ -301,6 +309,23 @@ def bench_size(size: str, args: argparse.Namespace, bandwidth: float) -> list[De
         if args.device == "cuda":
             torch.cuda.empty_cache()
     return results
+
+
+@contextlib.contextmanager
+def rotary_kv_write_fused(fused: bool) -> Iterator[None]:
+    """The FlashInfer backends built inside fuse rotary and the K/V write, or not (each
+    backend reads the class switch when it is built and keeps its own copy)."""
+    try:
+        from engine.attention.flashinfer_backend import FlashInferAttentionBackend
+    except ImportError:  # no flashinfer: the torch backend has nothing to fuse
+        yield
+        return
+    default = FlashInferAttentionBackend.fuse_rotary_kv_write
+    FlashInferAttentionBackend.fuse_rotary_kv_write = fused
+    try:
+        yield
+    finally:
+        FlashInferAttentionBackend.fuse_rotary_kv_write = default
 
 
 def format_row(r: DecodeResult) -> str:

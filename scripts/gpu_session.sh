@@ -17,7 +17,8 @@
 #   decode-7b
 #   decode-2b-cuda-core, decode-7b-cuda-core   bench/gpu_decode.py, batch 1 / 32 / 128,
 #               graphs on FlashInfer's tensor-core decode kernel against its CUDA-core one
-#               for batches of up to 32 rows (--cuda-core-decode-rows 32: graphs-cuda-core)
+#               for batches of up to 32 rows (--cuda-core-decode-rows 32: graphs-cuda-core),
+#               and against rotary and the K/V write as two kernels (graphs-unfused)
 #   gemv        bench/gpu_gemv.py: the 2B and 7B projections at 1 / 2 / 4 / 8 rows, cuBLAS
 #               against the small-batch Triton kernel (and a grid of its blocks at 1 row)
 #   decode-moe  a mixture of experts at real width (qwen3-vl-moe-8l: Qwen3-VL-30B-A3B's
@@ -102,7 +103,7 @@ run_decode() {  # $1: qwen2-vl-2b | qwen2-vl-7b; the 2B run also profiles batch 
 
 run_cuda_core_decode() {  # $1: qwen2-vl-2b | qwen2-vl-7b
     python3 bench/gpu_decode.py --sizes "$1" --batch-sizes 1 32 128 --model-root "$models" \
-        --modes graphs graphs-cuda-core --out "$out/decode-$1-cuda-core.json"
+        --modes graphs graphs-cuda-core graphs-unfused --out "$out/decode-$1-cuda-core.json"
 }
 
 run_moe() {

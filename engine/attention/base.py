@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from engine.models.layers import apply_rotary_folded
+
 if TYPE_CHECKING:
     from engine.model_config import ModelConfig
 
@@ -105,8 +107,41 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
 
+    def rotate_and_forward(
+        self,
+        qk: torch.Tensor,  # [num_tokens, num_heads + num_kv_heads, head_dim]: q heads, k heads
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        cos: torch.Tensor,  # [num_tokens, 1, head_dim] (engine.models.layers.rotary_tables)
+        signed_sin: torch.Tensor,  # [num_tokens, 1, head_dim]
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Rotary on q and k, then `forward`: `rotate_then_forward`, or the same with the
+        rotation and the K/V write fused (the FlashInfer backend). qk may be rotated in
+        place."""
+        ...
+
     def plan_cuda_graph(self, metadata: AttentionMetadata) -> None:
         """Prepares the decode graph of `metadata.num_seqs` rows for its next run (warm-up,
         capture or replay), on the host, outside the graph. `metadata` holds the graph's
         static tensors (already filled for this run) and the run's real host lists."""
         ...
+
+
+def rotate_then_forward(
+    backend: AttentionBackend,
+    qk: torch.Tensor,  # [T, H + KVH, D]
+    value: torch.Tensor,  # [T, KVH, D]
+    cos: torch.Tensor,  # [T, 1, D]
+    signed_sin: torch.Tensor,  # [T, 1, D]
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [T, H, D]
+    """`AttentionBackend.rotate_and_forward` unfused: rotate q and k together (one kernel
+    on CUDA, in place in qk), then `backend.forward`."""
+    qk = apply_rotary_folded(qk, cos, signed_sin)
+    num_kv_heads = value.shape[1]
+    query, key = qk.split([qk.shape[1] - num_kv_heads, num_kv_heads], dim=1)
+    return backend.forward(query, key, value, kv_cache, metadata, scale)

@@ -6,15 +6,16 @@ Eager steps (the first layer to see a new `AttentionMetadata`):
     block_tables[flat index] -> kv_indices on the device           (no host sync)
     wrapper.plan(...)                                               (decode-only: decode wrapper)
 Per layer:
-    write K/V into their slots (Triton kernel; FP8 E4M3 with per-tensor scales)
+    rotary on q and k, and K/V into their slots: one Triton kernel
+    (kernels/triton/rotary_kv_write.py; FP8 E4M3 with per-tensor scales)
     wrapper.run(query, kv_cache)
 
 Decode steps in CUDA graphs use one `GraphDecodeWrapper` per captured batch size, planned
 by `plan_cuda_graph` on the host before every replay; `forward` under such metadata only
 writes K/V and runs, which is what the graph captures.
 
-Rotary embeddings (M-RoPE for Qwen2-VL) are applied by the model before `forward`, so the
-cache holds rotated keys and FlashInfer runs with `pos_encoding_mode="NONE"`. FlashInfer
+Rotary embeddings (M-RoPE for Qwen2-VL) are applied before the cache write
+(`rotate_and_forward`; `forward` takes K already rotated), so the cache holds rotated keys and FlashInfer runs with `pos_encoding_mode="NONE"`. FlashInfer
 has float16 / bfloat16 kernels only (FP8 for the cache): float32 models use the torch
 backend (`engine.attention.check_attention_backend` says so at start-up).
 
@@ -28,7 +29,7 @@ import importlib.util
 
 import torch
 
-from engine.attention.base import AttentionMetadata, AttentionShape
+from engine.attention.base import AttentionMetadata, AttentionShape, rotate_then_forward
 from kernels import flashinfer_glue
 from kernels.reference import FP8_DTYPE
 
@@ -48,6 +49,9 @@ class FlashInferAttentionBackend:
     """
 
     name = "flashinfer"
+    # Rotary and the K/V write in one kernel (`rotate_and_forward`). A switch for
+    # bench/gpu_decode.py's `graphs-unfused` mode, which measures the two kernels.
+    fuse_rotary_kv_write = True
 
     def __init__(
         self,
@@ -81,6 +85,7 @@ class FlashInferAttentionBackend:
         self._planned_metadata: AttentionMetadata | None = None
         self._scale_tensors: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._last_plan_copied: torch.cuda.Event | None = None
+        self.fuse_rotary_kv_write = type(self).fuse_rotary_kv_write  # fixed from here on
 
     def forward(
         self,
@@ -91,11 +96,44 @@ class FlashInferAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, H, D]
+        self._check(query, kv_cache, scale)
+        self._write_kv(key, value, kv_cache, metadata.slot_mapping)
+        return self._attend(query, kv_cache, metadata)
+
+    def rotate_and_forward(
+        self,
+        qk: torch.Tensor,  # [T, H + KVH, D]
+        value: torch.Tensor,  # [T, KVH, D]
+        cos: torch.Tensor,  # [T, 1, D]
+        signed_sin: torch.Tensor,  # [T, 1, D]
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, H, D]
+        """Rotary and the K/V write in one Triton kernel (rotated K goes to the cache from
+        registers), then attention: one launch a layer fewer than `rotate_then_forward`,
+        with the same bytes in qk and the cache."""
+        if not self.fuse_rotary_kv_write:
+            return rotate_then_forward(self, qk, value, cos, signed_sin, kv_cache, metadata, scale)
+        from kernels.triton.rotary_kv_write import rotary_kv_write_
+
+        self._check(qk, kv_cache, scale)
+        scales = self._scales_on(kv_cache.device) if kv_cache.dtype == FP8_DTYPE else ()
+        rotary_kv_write_(qk, value, cos, signed_sin, kv_cache, metadata.slot_mapping, *scales)
+        return self._attend(qk[:, : qk.shape[1] - value.shape[1]], kv_cache, metadata)
+
+    def _check(self, query: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> None:
         if not query.is_cuda:
             raise ValueError("the flashinfer attention backend needs CUDA tensors")
         if scale != self.shape.scale or kv_cache.shape[2] != self.shape.block_size:
             raise ValueError("attention scale or block size differs from the planned shape")
-        self._write_kv(key, value, kv_cache, metadata.slot_mapping)
+
+    def _attend(
+        self,
+        query: torch.Tensor,  # [T, H, D]
+        kv_cache: torch.Tensor,  # this step's K/V written
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H, D]
         is_fp8 = kv_cache.dtype == FP8_DTYPE
         k_scale = self.k_scale if is_fp8 else None
         v_scale = self.v_scale if is_fp8 else None

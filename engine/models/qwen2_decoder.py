@@ -31,7 +31,6 @@ from engine.model_config import Llama3RopeScaling, ModelConfig
 from engine.models.layers import (
     RMSNorm,
     SiluAndMul,
-    apply_rotary_folded,
     llama3_inv_freq,
     rope_inv_freq,
     rotary_tables,
@@ -135,12 +134,14 @@ class Qwen2Attention(nn.Module):
         )  # [T, H + KVH, D]
         if self.q_norm is not None:
             qk = self._norm_heads(qk)
-        qk = apply_rotary_folded(qk, cos, sin)  # [T, H + KVH, D]; in place in qkv on CUDA
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(
             num_tokens, self.num_kv_heads, self.head_dim
         )  # [T, KVH, D]
-        out = self.attention.forward(q, k, v, kv_cache, attn_metadata, self.scale)  # [T, H, D]
+        # Rotary on q and k, the K/V write and attention (rotary and the write in one
+        # kernel on the FlashInfer backend).
+        out = self.attention.rotate_and_forward(
+            qk, v, cos, sin, kv_cache, attn_metadata, self.scale
+        )  # [T, H, D]
         out = self.o_proj(out.reshape(num_tokens, self.q_size))  # [T, hidden]
         return out if self.all_reduce is None else self.all_reduce(out)
 

@@ -8,6 +8,9 @@ in `kernels.reference`:
                        engine's `index_select` of the last rows is as fast, so unused)
     rms_norm           add_rms_norm(x, weight, eps, residual=None)  (the decoder's norms)
     rotary             rotary_folded_(qk, cos, signed_sin)  (in place on the QKV buffer)
+    rotary_kv_write    rotary_kv_write_(qk, value, cos, signed_sin, kv_cache, slot_mapping,
+                       k_scale, v_scale)  (the two above in one launch: the FlashInfer
+                       backend's `rotate_and_forward`)
     silu_and_mul       silu_and_mul(x)  (the MLP activation)
     quick_gelu         quick_gelu(x)  (the Qwen2-VL vision tower's activation)
     small_batch_linear small_batch_linear(x, weight, bias=None)  (decode projections, <= 8 rows)

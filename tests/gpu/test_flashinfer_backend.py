@@ -240,3 +240,30 @@ def test_back_to_back_plans_while_the_device_is_busy():
     torch.cuda.synchronize()
     for out, want in zip(outputs, expected, strict=True):
         torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("query_lens,context_lens", BATCHES[:2])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, reference.FP8_DTYPE], ids=["bf16", "fp8"])
+def test_fused_rotary_kv_write_equals_the_two_kernels(query_lens, context_lens, cache_dtype):
+    """`rotate_and_forward` with rotary and the K/V write in one kernel: the same cache bytes
+    and the same attention output as rotating first and writing in `forward`."""
+    from engine.models.layers import rotary_tables
+
+    query, key, value, kv_cache, metadata = random_paged_batch(
+        query_lens, context_lens, 12, 2, 128, 16, torch.bfloat16
+    )
+    kv_cache = kv_cache.to(cache_dtype)
+    angles = torch.rand(query.shape[0], 64, device=DEVICE) * 500
+    angles = torch.cat((angles, angles), dim=-1)
+    cos, sin = rotary_tables(angles.cos().bfloat16(), angles.sin().bfloat16())
+    scale = 0.125
+    outputs, caches = [], []
+    for fused in (True, False):
+        qk = torch.cat((query, key), dim=1)  # [T, H + KVH, D]
+        cache = kv_cache.clone()
+        backend = FlashInferAttentionBackend(shape_of(query, cache, scale), 0.02, 0.03)
+        backend.fuse_rotary_kv_write = fused
+        outputs.append(backend.rotate_and_forward(qk, value, cos, sin, cache, metadata, scale))
+        caches.append(cache)
+    assert torch.equal(caches[0].view(torch.uint8), caches[1].view(torch.uint8))
+    assert torch.equal(outputs[0], outputs[1])

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench import gpu_decode
 
 
@@ -66,3 +68,23 @@ def test_the_setting_modes_set_their_rows_and_nothing_else():
     for mode, settings in gpu_decode.MODE_SETTINGS.items():
         assert mode in gpu_decode.MODES
         EngineConfig(model="m", **settings)  # real settings, in range
+
+
+def test_the_unfused_mode_switches_the_backends_built_inside_and_restores_the_default(
+    monkeypatch,
+):
+    """flashinfer does not install here: a stand-in module holds the backend class."""
+    import sys
+    import types
+
+    class Backend:
+        fuse_rotary_kv_write = True
+
+    module = types.ModuleType("engine.attention.flashinfer_backend")
+    module.FlashInferAttentionBackend = Backend
+    monkeypatch.setitem(sys.modules, "engine.attention.flashinfer_backend", module)
+    assert gpu_decode.UNFUSED_MODE in gpu_decode.MODES
+    with pytest.raises(RuntimeError), gpu_decode.rotary_kv_write_fused(False):
+        assert Backend.fuse_rotary_kv_write is False
+        raise RuntimeError("the engine failed to build")
+    assert Backend.fuse_rotary_kv_write is True
