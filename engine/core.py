@@ -45,7 +45,7 @@ from engine.errors import (
 )
 from engine.feature_admission import FeatureAdmission
 from engine.grammar_admission import GrammarAdmission
-from engine.model_runner import ModelRunner, PendingStep
+from engine.model_runner import ModelRunner
 from engine.protocol import (
     EngineOutputs,
     EngineRequest,
@@ -59,6 +59,7 @@ from engine.protocol import (
 )
 from engine.request import Request
 from engine.request_checks import RequestBuilder
+from engine.runner_output import PendingStep
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput
 

@@ -41,6 +41,9 @@ SUPPORTED_ARCHITECTURES: dict[str, VisionVariant | None] = {
     "Qwen3MoeForCausalLM": None,
     "Qwen3VLMoeForConditionalGeneration": "qwen3_vl",
 }
+# config.json `model_type`s of Qwen3-VL checkpoints (the two "qwen3_vl" architectures above):
+# what transformers' processors go by, and so the prompt's and the video sampler's test.
+QWEN3_VL_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 # Decoders that normalise each query and key head (RMSNorm over head_dim) before the rotary
 # embedding: Qwen3's `q_norm` / `k_norm`.
 QK_NORM_ARCHITECTURES = (
@@ -49,6 +52,13 @@ QK_NORM_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     "Qwen3VLMoeForConditionalGeneration",
 )
+
+
+def is_qwen3_vl(raw: dict) -> bool:
+    """Whether a checkpoint's config.json is Qwen3-VL's (dense or MoE): its videos are
+    sampled and sized as Qwen3-VL's processor does, and go frame by frame after their
+    times in the prompt."""
+    return raw.get("model_type") in QWEN3_VL_MODEL_TYPES
 
 
 @dataclass(frozen=True)

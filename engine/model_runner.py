@@ -2,12 +2,14 @@
 
 `launch(SchedulerOutput)` queues a step's device work and returns at once:
     1. drop evicted encoder outputs; encode this step's new media in ONE batched
-       call across requests, split the rows per item, store them by content hash;
+       call across requests, split the rows per item, store them by content hash
+       (engine/media_encoding.py);
     2. gather the flat batch on the host (engine/step_inputs.py) and move it to the
        device without stalling (engine/device_io.py);
     3. forward (a CUDA graph replay for decode steps on a GPU, engine/cuda_graphs.py),
        logits of the last row of every sequence that samples, sample.
-`PendingStep.result()` then waits for the sampled tokens: the step's one host sync.
+`PendingStep.result()` (engine/runner_output.py) then waits for the sampled tokens: the
+step's one host sync.
 `execute` is both at once. A media item that fails to encode fails only the requests
 that need it.
 
@@ -22,7 +24,6 @@ rows of CUDA-graph steps write into; the scheduler never hands it out.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -33,8 +34,8 @@ from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphRunner, DecodeInputs, graph_max_seq_len
 from engine.device_config import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from engine.device_io import DeviceTimer, to_device
-from engine.encoder_cache import EncoderCache, uuid_of
-from engine.errors import MediaError, ModelLoadError, error_info, unknown_media_uuid
+from engine.encoder_cache import EncoderCache
+from engine.errors import ModelLoadError
 from engine.kv_cache_sizing import (
     CPU_KV_CACHE_GIB,
     GIB,
@@ -46,16 +47,17 @@ from engine.kv_cache_sizing import (
     log_sizing,
     profile_kv_cache_bytes,
 )
+from engine.media_encoding import encode_into_cache, encode_media, media_failure
 from engine.model_config import ModelConfig, check_max_model_len
 from engine.models import moe
 from engine.models.cpu_prepack import can_prepack, prepack_linears
 from engine.models.loader import load_model
 from engine.models.small_batch_linear import use_small_batch_linears
-from engine.multimodal.image_processor import normalize_pixels
 from engine.penalties import in_flight_outputs
 from engine.prompt_logprobs import PendingPromptLogprobs, score_prompt_tokens, scored_positions
-from engine.protocol import ErrorInfo, TokenLogprob
+from engine.protocol import ErrorInfo
 from engine.request import MediaItem
+from engine.runner_output import ModelRunnerOutput, PendingStep
 from engine.sampler import PendingSample, Sampler, SamplingRow, leaves_no_token
 from engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from engine.shard_worker import ShardWorkers
@@ -63,54 +65,6 @@ from engine.step_inputs import InFlightTokens, StepInputs, gather_step_inputs
 from engine.token_bans import banned_token_ids, no_token_left
 
 logger = logging.getLogger(__name__)
-
-
-
-@dataclass(frozen=True)
-class ModelRunnerOutput:
-    sampled_token_ids: dict[str, int]
-    logprobs: dict[str, TokenLogprob]
-    errors: dict[str, ErrorInfo] = field(default_factory=dict)
-    encoder_seconds: float = 0.0
-    num_encoder_items: int = 0
-    num_encoder_batches: int = 0
-    # request id -> (prompt index of the first scored token, the scores)
-    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class PendingStep:
-    """A step whose device work is queued. `result()` waits for its sampled tokens."""
-
-    sample: PendingSample | None
-    sampled_request_ids: list[str]  # row order of `sample`
-    errors: dict[str, ErrorInfo]
-    encoder_timer: DeviceTimer | None
-    num_encoder_items: int
-    num_encoder_batches: int
-    prompt_logprobs: list[PendingPromptLogprobs] = field(default_factory=list)
-
-    def result(self) -> ModelRunnerOutput:
-        sampled: dict[str, int] = {}
-        logprobs: dict[str, TokenLogprob] = {}
-        if self.sample is not None:
-            output = self.sample.result()  # the step's one host sync
-            for request_id, token_id, token_logprob in zip(
-                self.sampled_request_ids, output.token_ids, output.logprobs, strict=True
-            ):
-                sampled[request_id] = token_id
-                if token_logprob is not None:
-                    logprobs[request_id] = token_logprob
-        encoder_seconds = self.encoder_timer.seconds() if self.encoder_timer else 0.0
-        return ModelRunnerOutput(
-            sampled,
-            logprobs,
-            self.errors,
-            encoder_seconds,
-            self.num_encoder_items,
-            self.num_encoder_batches,
-            {p.request_id: (p.first_index, p.entries()) for p in self.prompt_logprobs},
-        )
 
 
 class ModelRunner:
@@ -299,13 +253,19 @@ class ModelRunner:
         if scheduler_output.media_to_encode:
             encoder_timer = DeviceTimer(self.device)
             encoder_timer.start()
-        failed_hashes, num_batches = self._encode(scheduler_output.media_to_encode)
+        failed_hashes, num_batches = encode_media(
+            scheduler_output.media_to_encode,
+            self._encode_batch,
+            self.encoder_cache,
+            self.dtype,
+            self.device,
+        )
         if encoder_timer is not None:
             encoder_timer.stop()
         errors: dict[str, ErrorInfo] = {}
         chunks = []
         for chunk in scheduler_output.chunks:
-            failure = self._media_failure(chunk, failed_hashes)
+            failure = media_failure(chunk, failed_hashes, self.encoder_cache)
             if failure is not None:
                 errors[chunk.request.request_id] = failure
             else:
@@ -324,79 +284,9 @@ class ModelRunner:
             prompt_logprobs,
         )
 
-    def _media_failure(
-        self, chunk: ScheduledChunk, failed_hashes: dict[str, ErrorInfo]
-    ) -> ErrorInfo | None:
-        """Why `chunk` cannot run: one of its media failed to encode or has no encoding."""
-        needed = chunk.request.media_overlapping(chunk.start, chunk.end)
-        for media in needed:
-            if media.content_hash in failed_hashes:
-                return failed_hashes[media.content_hash]
-        for media in needed:
-            if media.content_hash not in self.encoder_cache:
-                return error_info(_no_encoding(media))
-        return None
-
-    def _encode(self, items: list[MediaItem]) -> tuple[dict[str, ErrorInfo], int]:
-        """Encodes `items` in one batched call (per item on failure, to find the culprit)."""
-        if not items:
-            return {}, 0
-        failed: dict[str, ErrorInfo] = {}
-        ready = []
-        for item in items:
-            if item.embeds is not None:  # fetched features: the "encoder" is the request's copy
-                self.encoder_cache.put(
-                    item.content_hash, to_device(item.embeds, self.dtype, self.device)
-                )  # [num_tokens, hidden]
-            elif item.pixel_values is None:
-                failed[item.content_hash] = error_info(_no_encoding(item))
-            else:
-                ready.append(item)
-        if not ready:
-            return failed, 0
-        try:
-            self._encode_batch(ready)
-            return failed, 1
-        except Exception as exc:  # noqa: BLE001 - retried per item to attribute the failure
-            if len(ready) == 1:
-                logger.info("encoding %s failed: %s", ready[0].content_hash, exc)
-                failed[ready[0].content_hash] = error_info(exc)
-                return failed, 1
-        for item in ready:
-            try:
-                self._encode_batch([item])
-            except Exception as exc:  # noqa: BLE001
-                logger.info("encoding %s failed: %s", item.content_hash, exc)
-                failed[item.content_hash] = error_info(exc)
-        return failed, 1 + len(ready)
-
-    def _pixel_input(self, item: MediaItem) -> torch.Tensor:
-        """The item's encoder input on the device, [P, C * T_patch * patch * patch]: uint8
-        levels travel as they are (a quarter of float32's bytes) and are normalised there."""
-        if item.normalization is None:
-            return to_device(item.pixel_values, self.dtype, self.device)
-        levels = to_device(item.pixel_values, torch.uint8, self.device)
-        return normalize_pixels(levels, item.normalization).to(self.dtype)
-
     def _encode_batch(self, items: list[MediaItem]) -> None:
-        pixel_values = torch.cat([self._pixel_input(item) for item in items])
-        grid_thw = torch.tensor([item.grid_thw for item in items], dtype=torch.long)  # [N, 3]
-        rows = self.model.encode_images(pixel_values, grid_thw)  # [sum tokens, hidden]
-        merge = self.model_config.vision.spatial_merge_size
-        counts = [t * h * w // merge**2 for t, h, w in (item.grid_thw for item in items)]
-        if rows.shape[0] != sum(counts):
-            raise MediaError(
-                f"the vision encoder returned {rows.shape[0]} rows for "
-                f"{sum(counts)} expected tokens"
-            )
-        for item, count in zip(items, counts, strict=True):
-            if count != item.num_tokens:
-                raise MediaError(
-                    f"{item.modality} at {item.offset} has {item.num_tokens} "
-                    f"placeholders but its encoding has {count} rows"
-                )
-        for item, item_rows in zip(items, rows.split(counts), strict=True):
-            self.encoder_cache.put(item.content_hash, item_rows)
+        """One vision-encoder call; the rows go to the encoder cache."""
+        encode_into_cache(self.model, items, self.encoder_cache, self.dtype, self.device)
 
     def _run(
         self, chunks: list[ScheduledChunk], previous: PendingStep | None
@@ -523,16 +413,3 @@ class ModelRunner:
             multimodal_embeds,
             multimodal_rows,
         )
-
-
-def _no_encoding(item: MediaItem) -> MediaError:
-    """The error of an item with neither pixels nor a cached encoding: a uuid-only part
-    whose encoding was evicted while its request waited (the client sends it again)."""
-    uuid = uuid_of(item.content_hash)
-    if item.cached_only and uuid is not None:
-        return unknown_media_uuid(
-            uuid,
-            "its cached encoding was evicted while the request waited; send the media with "
-            "its uuid again",
-        )
-    return MediaError(f"{item.modality} at {item.offset} has no pixels and no cached encoding")

@@ -31,13 +31,14 @@ token (the model runner feeds it on the device); a request whose in-flight token
 max_tokens is not scheduled again, and one stopped by a token it did not know yet has
 its extra row dropped in `update`.
 
-Encoder references: a request holds one only while a span of that item is part-way
-computed, or, running, for an item only the cache can serve (`MediaItem.cached_only`: a
-uuid-only part, which a preemption would need again), so a request waiting for encoder
-room never holds room itself. An entry that a waiting request needs as a cached-only item
-is evicted last; evicted all the same, that request fails with `unknown_media_uuid`. An item
-larger than `encoder_cache_tokens` or `max_encoder_tokens_per_step` still runs: the
-budget grows to it at `add_request`, with a warning.
+Encoder references (engine/scheduler_media.py): a request holds one only while a span of
+that item is part-way computed, or, running, for an item only the cache can serve
+(`MediaItem.cached_only`: a uuid-only part, which a preemption would need again), so a
+request waiting for encoder room never holds room itself. An entry that a waiting
+request needs as a cached-only item is evicted last; evicted all the same, that request
+fails with `unknown_media_uuid`. An item larger than `encoder_cache_tokens` or
+`max_encoder_tokens_per_step` still runs: the budget grows to it at `add_request`, with a
+warning.
 """
 
 from __future__ import annotations
@@ -51,8 +52,10 @@ from engine.config import EngineConfig
 from engine.encoder_cache import EncoderCacheManager, uuid_of
 from engine.errors import too_long_for_kv_cache, unknown_media_uuid
 from engine.kv_cache_manager import KVCacheManager
-from engine.protocol import ErrorInfo, RequestOutput, SamplingParams, TokenLogprob
+from engine.protocol import ErrorInfo, RequestOutput, TokenLogprob
 from engine.request import MediaItem, Request, RequestStatus
+from engine.request_outputs import grammar_failure, request_output, stop_status
+from engine.scheduler_media import cached_only_hashes, chunk_end_for_media, release_media
 from engine.scheduler_output import ScheduledChunk, SchedulerCounters, SchedulerOutput
 from engine.waiting_queue import PriorityQueue, WaitingQueue
 
@@ -88,7 +91,7 @@ class Scheduler:
             raise refusal
         for media in request.media:
             self._fit_encoder_budgets(media.num_tokens)
-        for content_hash in _cached_only_hashes(request):
+        for content_hash in cached_only_hashes(request):
             if not self.encoder_cache.has(content_hash):
                 raise unknown_media_uuid(
                     uuid_of(content_hash) or content_hash,
@@ -126,7 +129,7 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is not None:
                 self._finish(request, RequestStatus.FINISHED_ABORTED)
-                outputs.append(self._output(request, []))
+                outputs.append(request_output(request, []))
         return outputs
 
     def fail(self, request_id: str, error: ErrorInfo) -> RequestOutput | None:
@@ -135,7 +138,7 @@ class Scheduler:
             return None
         request.error = error
         self._finish(request, RequestStatus.FINISHED_ERROR)
-        return self._output(request, [])
+        return request_output(request, [])
 
     def forget_media(self, content_hashes: Collection[str]) -> None:
         """Entries whose rows the runner never stored (engine/core.py, after a step)."""
@@ -247,29 +250,8 @@ class Scheduler:
         end = min(start + budget, request.num_scheduled_tokens)
         if start >= request.media_end:  # past every media span (every decode)
             return end - start
-        if not self.config.split_media:
-            for media in request.media:
-                if media.offset < end < media.end and media.offset > start:
-                    end = media.offset  # stop before the span rather than split it
-                    break
-        num_new_encoder_tokens = 0
-        overlapping = request.media_overlapping(start, end)
-        # Cached entries this chunk reads are acquired before any eviction: not room.
-        hits = {m.content_hash for m in overlapping if self.encoder_cache.has(m.content_hash)}
-        new_hashes: set[str] = set()
-        for media in overlapping:
-            if media.content_hash in hits or media.content_hash in to_encode:
-                continue
-            if media.content_hash in new_hashes:  # the same image twice in one chunk
-                continue
-            new_hashes.add(media.content_hash)
-            num_new_encoder_tokens += media.num_tokens
-            fits = num_new_encoder_tokens <= encoder_budget and self.encoder_cache.can_allocate(
-                num_new_encoder_tokens, keep=hits
-            )
-            if not fits:
-                end = max(media.offset, start)
-                break
+        end = chunk_end_for_media(request, start, end, self.encoder_cache, to_encode,
+                                  encoder_budget, split_media=self.config.split_media)  # fmt: skip
         return end - start
 
     def _commit_media(
@@ -304,7 +286,7 @@ class Scheduler:
         """Entries that requests not running yet (or preempted) need as cached-only items:
         evicted last, as they cannot be encoded again. Never held for them, though: a
         waiting request holding room could stall the running one that needs it."""
-        return {h for request in self.waiting for h in _cached_only_hashes(request)}
+        return {h for request in self.waiting for h in cached_only_hashes(request)}
 
     def _pending_token_ends(self, request: Request) -> bool:
         """Its in-flight tokens finish it by length (max_tokens, the context): nothing more
@@ -349,7 +331,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
-        self._release_media(request, everything=True)
+        release_media(self.encoder_cache, request, everything=True)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
@@ -384,10 +366,10 @@ class Scheduler:
             if errors and request.request_id in errors:
                 request.error = errors[request.request_id]
                 self._finish(request, RequestStatus.FINISHED_ERROR)
-                outputs.append(self._output(request, []))
+                outputs.append(request_output(request, []))
                 continue
             if chunk.start < request.media_end:  # else an earlier update released them all
-                self._release_media(request, everything=False)
+                release_media(self.encoder_cache, request, everything=False)
             if not chunk.samples:
                 continue  # mid-prefill: no token this step
             token_id = sampled_token_ids[request.request_id]
@@ -398,7 +380,7 @@ class Scheduler:
                 # which it takes): the request fails, without the token.
                 request.error = grammar_failure(request.grammar.error, request.sampling)
                 self._finish(request, RequestStatus.FINISHED_ERROR)
-                outputs.append(self._output(request, []))
+                outputs.append(request_output(request, []))
                 continue
             request.output_token_ids.append(token_id)
             request.note_output_token()
@@ -409,96 +391,19 @@ class Scheduler:
             token_logprob = logprobs.get(request.request_id)
             if request.logprobs is not None and token_logprob is not None:
                 request.logprobs.append(token_logprob)
-            status = self._stop_status(request, token_id)
+            status = stop_status(request, token_id, self.max_model_len)
             if status is not None:
                 self._finish(request, status)
             step_logprobs = [token_logprob] if token_logprob is not None else None
-            outputs.append(self._output(request, [token_id], step_logprobs))
+            outputs.append(request_output(request, [token_id], step_logprobs))
         return outputs
-
-    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
-        sampling = request.sampling
-        if not sampling.ignore_eos and token_id in request.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if token_id in sampling.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if request.grammar is not None and request.grammar_active and request.grammar.is_complete:
-            return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= sampling.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         self.kv.free(request, keep_cached=status != RequestStatus.FINISHED_ERROR)
-        self._release_media(request, everything=True)
+        release_media(self.encoder_cache, request, everything=True)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         self.requests.pop(request.request_id, None)
-
-    def _release_media(self, request: Request, *, everything: bool) -> None:
-        """Drops encoder references a request no longer needs (spans already in its KV;
-        `everything`: preempted or finished). A running request keeps its cached-only
-        items: a preemption would need them again, and nothing else can serve them."""
-        # The same image twice: its hash stays referenced while a later span of it is
-        # part-way done (only part-way spans, and a running request's cached-only items,
-        # hold references: no request can wait on room that it holds itself).
-        computed = request.num_computed_tokens
-        still_needed = set()
-        if not everything:
-            still_needed = _cached_only_hashes(request)
-            still_needed |= {m.content_hash for m in request.media if m.offset < computed < m.end}
-        for media in request.media:
-            if media.content_hash not in still_needed and (everything or media.end <= computed):
-                self.encoder_cache.release(media.content_hash, request.request_id)
-
-    @staticmethod
-    def _output(
-        request: Request, token_ids: list[int], logprobs: list[TokenLogprob] | None = None
-    ) -> RequestOutput:
-        prompt_logprobs = None
-        is_first_token = bool(token_ids) and request.num_output_tokens == len(token_ids)
-        if request.sampling.prompt_logprobs is not None and is_first_token:
-            prompt_logprobs = request.prompt_logprobs  # once, with the first token
-        if not request.is_finished:  # every decode step of every request: the short form
-            return RequestOutput(
-                request_id=request.request_id,
-                new_token_ids=token_ids,
-                logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs,
-                num_prompt_tokens=request.num_prompt_tokens,
-                num_cached_tokens=request.num_cached_tokens,
-            )
-        return RequestOutput(
-            request_id=request.request_id,
-            new_token_ids=token_ids,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            finish_reason=request.status.finish_reason,
-            error=request.error,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_cached_tokens=request.num_cached_tokens,
-            **request.phase_seconds(time.monotonic()),
-        )
-
-
-def _cached_only_hashes(request: Request) -> set[str]:
-    """The entries only the cache can serve to `request` (none of its items carries
-    their pixels or features)."""
-    if not any(m.cached_only for m in request.media):
-        return set()
-    served = {m.content_hash for m in request.media if not m.cached_only}
-    return {m.content_hash for m in request.media if m.cached_only} - served
-
-
-def grammar_failure(reason: str | None, sampling: SamplingParams) -> ErrorInfo:
-    spec = sampling.structured_output
-    return ErrorInfo(
-        f"the structured output's grammar failed: {reason or 'no allowed token'}",
-        param=spec.param if spec else None,
-        code="invalid_value",  # as the same grammar refused before generation is
-    )

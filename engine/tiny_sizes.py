@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.model_config import QWEN3_VL_MODEL_TYPES
+
 TEXT_ONLY_ARCHITECTURES = ("qwen2", "llama", "qwen3", "qwen3_moe")
 
 
@@ -65,7 +67,7 @@ class TinyModelSpec:
 
     @property
     def is_qwen3_vl(self) -> bool:
-        return self.architecture in ("qwen3_vl", "qwen3_vl_moe")
+        return self.architecture in QWEN3_VL_MODEL_TYPES
 
     @property
     def sparse_layers(self) -> tuple[int, ...]:

@@ -50,7 +50,7 @@ from engine.url_safety import (
 from server.image_cache import ProcessedImageCache, bytes_key
 
 if TYPE_CHECKING:
-    from server.openai_models import MediaProcessingOptions
+    from server.media_options import MediaProcessingOptions
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """Pydantic models of the OpenAI request bodies we accept (the replies are in
-`server/openai_replies.py`).
+`server/openai_replies.py`; the structured-output fields in
+`server/structured_output_fields.py`, `mm_processor_kwargs` in `server/media_options.py`).
 
 Requests are validated here (types, ranges); pydantic errors become 400s naming the field
 path in `server/errors.py`. Unknown request fields are ignored, like OpenAI does; keys of
@@ -9,17 +10,9 @@ vLLM's `structured_outputs` that Tessera does not implement are refused rather t
 from __future__ import annotations
 
 import functools
-import json
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationInfo,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
 from engine.errors import InvalidRequest
 from engine.protocol import MAX_LOGPROBS, StructuredOutput
@@ -32,6 +25,13 @@ from server.chat_messages import (
     Tool,
     few_enough_messages,
 )
+from server.media_options import MediaProcessingOptions
+from server.structured_output_fields import (
+    ResponseFormat,
+    StructuredOutputs,
+    structured_output_of,
+    with_guided_fields_mapped,
+)
 from server.tool_calls import ToolPlan, check_tools, tool_plan
 
 # Request limits (each violation is a 400 naming the field). Wide enough for real clients,
@@ -41,11 +41,6 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 512
 MAX_STOP_TOKEN_IDS = 256
 MAX_BAD_WORDS = 128
-MAX_CHOICES = 256  # structured_outputs.choice
-MAX_REGEX_CHARS = 4096  # structured_outputs.regex
-ANY_JSON_OBJECT = '{"type": "object"}'  # response_format json_object
-# vLLM's older request fields -> the `structured_outputs` key each one is
-GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice"}
 MAX_TOP_LOGPROBS = MAX_LOGPROBS
 MAX_LOGIT_BIAS = 300  # tokens per request, as OpenAI's API allows
 MAX_PROMPTS = 1024  # /v1/completions: prompts in one request (a batch)
@@ -136,26 +131,8 @@ class SamplingFields(RequestModel):
     @model_validator(mode="before")
     @classmethod
     def _guided_fields(cls, data: Any) -> Any:
-        """vLLM's older names of `structured_outputs` (`guided_json`, `guided_regex`,
-        `guided_choice`), which clients still send: mapped onto it, since ignoring one as
-        an unknown field would drop the constraint without a word."""
-        if not isinstance(data, dict):
-            return data
-        if data.get("guided_grammar") is not None:
-            raise InvalidRequest("guided_grammar is not supported; constrain the answer with "
-                                 "a JSON Schema, a regex or choices", param="guided_grammar")  # fmt: skip
-        if data.get("guided_whitespace_pattern") is not None:  # as structured_outputs' own
-            raise InvalidRequest("guided_whitespace_pattern is not supported: JSON is laid out "
-                                 "as json.dumps writes it", param="guided_whitespace_pattern")  # fmt: skip
-        given = [name for name in GUIDED_FIELDS if data.get(name) is not None]
-        if not given:
-            return data
-        if len(given) > 1 or data.get("structured_outputs") is not None:
-            raise InvalidRequest(
-                f"give one of {', '.join(GUIDED_FIELDS)} and structured_outputs", param=given[-1]
-            )
-        name = given[0]
-        return {**data, "structured_outputs": {GUIDED_FIELDS[name]: data[name]}}
+        """vLLM's older names of `structured_outputs`, mapped onto it."""
+        return with_guided_fields_mapped(data) if isinstance(data, dict) else data
 
     @field_validator("structured_outputs")
     @classmethod
@@ -170,24 +147,7 @@ class SamplingFields(RequestModel):
     @property
     def structured_output(self) -> tuple[StructuredOutput, str] | None:
         """The engine's constraint and the field it came from, or None for free text."""
-        structured, response_format = self.structured_outputs, self.response_format
-        if structured is not None:
-            if structured.json_object:
-                return StructuredOutput(json=ANY_JSON_OBJECT), "structured_outputs"
-            if structured.json_ is not None:
-                schema = structured.json_
-                text = schema if isinstance(schema, str) else json.dumps(schema)
-                return StructuredOutput(json=text), "structured_outputs.json"
-            if structured.regex is not None:
-                return StructuredOutput(regex=structured.regex), "structured_outputs.regex"
-            return StructuredOutput(choice=tuple(structured.choice or ())), "structured_outputs"
-        if response_format is None or response_format.type == "text":
-            return None
-        if response_format.type == "json_object" or response_format.json_schema is None:
-            # JSON mode: any object, whatever `json_schema` rides along (vLLM ignores it)
-            return StructuredOutput(json=ANY_JSON_OBJECT), "response_format"
-        schema = json.dumps(response_format.json_schema.schema_)
-        return StructuredOutput(json=schema), "response_format.json_schema.schema"
+        return structured_output_of(self.structured_outputs, self.response_format)
 
     @field_validator("stream_options")
     @classmethod
@@ -254,86 +214,6 @@ class SamplingFields(RequestModel):
         """vLLM's `continuous_usage_stats`: every chunk carries the usage so far (with
         `include_usage`, as vLLM asks)."""
         return self.include_usage and self.stream_options.continuous_usage_stats  # type: ignore[union-attr]
-
-
-class JsonSchemaFormat(RequestModel):
-    name: str = Field(default="response", max_length=64)
-    description: str | None = None
-    schema_: dict[str, Any] = Field(alias="schema")
-    strict: bool | None = None  # the grammar is always enforced strictly
-
-
-class ResponseFormat(RequestModel):
-    """OpenAI's `response_format`: plain text, any JSON object, or JSON matching a schema."""
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-    @model_validator(mode="after")
-    def _schema_given(self) -> ResponseFormat:
-        if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("type 'json_schema' needs a 'json_schema' object with a 'schema'")
-        return self
-
-
-class StructuredOutputs(BaseModel):
-    """vLLM's `structured_outputs`: exactly one of a JSON Schema (or `json_object`), a
-    regular expression or a list of choices. Other vLLM keys (grammar, structural tags)
-    are a 400 rather than silently ignored."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
-    json_object: bool | None = None
-    regex: str | None = Field(default=None, max_length=MAX_REGEX_CHARS)
-    choice: list[Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]] | None = Field(
-        default=None, min_length=1, max_length=MAX_CHOICES
-    )
-
-    @model_validator(mode="after")
-    def _exactly_one(self) -> StructuredOutputs:
-        given = [self.json_ is not None, bool(self.json_object), self.regex is not None,
-                 self.choice is not None]  # fmt: skip
-        if sum(given) != 1:
-            raise ValueError("give exactly one of json, json_object, regex and choice")
-        return self
-
-
-class MediaProcessingOptions(BaseModel):
-    """`mm_processor_kwargs`: one request's preprocessing of its `image_url` and `video_url`
-    parts, in the names of transformers' Qwen2-VL processors (what vLLM hands to them).
-    A request may ask for fewer pixels or frames than the server's bounds, never more
-    (checked against the model's and the server's settings in
-    engine/multimodal/processing.py)."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-    # = engine/multimodal/processing.py's SUPPORTED_KWARGS (not imported: that loads torch)
-    SUPPORTED: ClassVar[tuple[str, ...]] = ("fps", "max_frames", "min_pixels", "max_pixels")
-
-    fps: float | None = Field(default=None, gt=0.0)  # video frames sampled per second
-    max_frames: int | None = Field(default=None, ge=1)  # sampled frames per video
-    min_pixels: int | None = Field(default=None, ge=1)  # resized image / frame area bounds
-    max_pixels: int | None = Field(default=None, ge=1)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _known_keys(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            unknown = sorted(str(key) for key in data if key not in cls.SUPPORTED)
-            if unknown:
-                raise ValueError(
-                    f"unsupported key(s) {', '.join(unknown)[:200]}; supported: "
-                    + ", ".join(cls.SUPPORTED)
-                )
-        return data
-
-    @model_validator(mode="after")
-    def _ordered_bounds(self) -> MediaProcessingOptions:
-        if self.min_pixels and self.max_pixels and self.min_pixels > self.max_pixels:
-            raise ValueError(
-                f"min_pixels ({self.min_pixels}) is larger than max_pixels ({self.max_pixels})"
-            )
-        return self
 
 
 class ChatCompletionRequest(SamplingFields, ChatTemplateFields):

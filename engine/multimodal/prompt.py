@@ -22,6 +22,7 @@ import jinja2
 from tokenizers import Tokenizer
 
 from engine.errors import ContextLengthExceeded, InvalidRequest, MediaError, ModelLoadError
+from engine.model_config import is_qwen3_vl
 from engine.multimodal.chat_template import (
     compile_template,
     find_chat_template,
@@ -34,8 +35,6 @@ from engine.multimodal.chat_template import (
 IMAGE_PART_TYPES = {"image", "image_url", "input_image", "image_features"}
 VIDEO_PART_TYPES = {"video", "video_url", "video_features"}
 MODALITIES = ("image", "video")
-# config.json model types whose videos go frame by frame after their times (Qwen3-VL).
-QWEN3_VL_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 # A token covers at most its vocabulary entry's length of text (byte-level entries: one
 # character a byte), so a text of C characters has at least C / longest-entry tokens. A
 # normalizer may shrink the text before it is split (NFC composes up to three characters
@@ -184,7 +183,7 @@ class PromptProcessor:
             special_tokens=special_tokens,
             eos_token_ids=[int(i) for i in eos_ids or []],
             model_token_ids=model_token_ids,
-            timestamped_video_frames=model_config.get("model_type") in QWEN3_VL_MODEL_TYPES,
+            timestamped_video_frames=is_qwen3_vl(model_config),
         )
 
     # ------------------------------------------------------------------ chat rendering

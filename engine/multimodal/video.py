@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from engine.errors import MediaError, ModelLoadError
+from engine.model_config import is_qwen3_vl
 from engine.multimodal.hashing import video_content_hash
 from engine.multimodal.image_processor import (
     ImageProcessorConfig,
@@ -45,7 +46,6 @@ from engine.multimodal.image_processor import (
     frame_patches,
     smart_resize,
 )
-from engine.multimodal.prompt import QWEN3_VL_MODEL_TYPES
 
 # transformers' Qwen2VLVideoProcessor default (used when the model folder says nothing).
 DEFAULT_MIN_FRAMES = 4
@@ -168,11 +168,12 @@ def _qwen3_frame_indices(total_frames: int, video_fps: float | None, config: Vid
 
 
 def _is_qwen3_vl(model_dir: Path) -> bool:
+    """engine/model_config.is_qwen3_vl of the folder's config.json (False without one)."""
     try:
-        model_type = json.loads((model_dir / "config.json").read_text()).get("model_type")
-        return model_type in QWEN3_VL_MODEL_TYPES
-    except (OSError, ValueError, AttributeError):
+        raw = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
         return False
+    return isinstance(raw, dict) and is_qwen3_vl(raw)
 
 
 def second_per_grid_t(

@@ -14,7 +14,7 @@ from engine.multimodal.image_processor import ImageProcessorConfig
 from engine.multimodal.video import VideoConfig
 from server import media_fetch
 from server.media_fetch import MediaFetchConfig, MediaFetcher
-from server.openai_models import MediaProcessingOptions
+from server.media_options import MediaProcessingOptions
 
 
 def test_request_processing_narrows_the_server_bounds():

@@ -9,7 +9,7 @@ from engine.errors import InvalidRequest
 from engine.multimodal.image_processor import ImageProcessorConfig
 from engine.multimodal.processing import SUPPORTED_KWARGS, MediaProcessing
 from engine.multimodal.video import VideoConfig
-from server.openai_models import MediaProcessingOptions
+from server.media_options import MediaProcessingOptions
 
 IMAGE = ImageProcessorConfig(min_pixels=3136, max_pixels=1_000_000)
 DEFAULT = MediaProcessing(IMAGE, VideoConfig(IMAGE, max_frames=16))

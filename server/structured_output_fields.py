@@ -1,0 +1,122 @@
+"""The request fields that constrain the answer: OpenAI's `response_format`, vLLM's
+`structured_outputs` and its older `guided_*` names (server/openai_models.py's
+SamplingFields carries them), and the engine's `StructuredOutput` they make.
+
+Keys of vLLM's `structured_outputs` that Tessera does not implement are refused rather
+than ignored: an ignored constraint would let the answer go free without a word.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from engine.errors import InvalidRequest
+from engine.protocol import StructuredOutput
+from server.chat_messages import RequestModel
+
+MAX_CHOICES = 256  # structured_outputs.choice
+MAX_CHOICE_CHARS = 512  # each choice: as long as a stop string may be
+MAX_REGEX_CHARS = 4096  # structured_outputs.regex
+ANY_JSON_OBJECT = '{"type": "object"}'  # response_format json_object
+# vLLM's older request fields -> the `structured_outputs` key each one is
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice"}
+
+
+class JsonSchemaFormat(RequestModel):
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # the grammar is always enforced strictly
+
+
+class ResponseFormat(RequestModel):
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a 'json_schema' object with a 'schema'")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: exactly one of a JSON Schema (or `json_object`), a
+    regular expression or a list of choices. Other vLLM keys (grammar, structural tags)
+    are a 400 rather than silently ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = Field(default=None, max_length=MAX_REGEX_CHARS)
+    choice: list[Annotated[str, Field(max_length=MAX_CHOICE_CHARS)]] | None = Field(
+        default=None, min_length=1, max_length=MAX_CHOICES
+    )
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        given = [
+            self.json_ is not None,
+            bool(self.json_object),
+            self.regex is not None,
+            self.choice is not None,
+        ]
+        if sum(given) != 1:
+            raise ValueError("give exactly one of json, json_object, regex and choice")
+        return self
+
+
+def with_guided_fields_mapped(data: dict[str, Any]) -> dict[str, Any]:
+    """A request body with vLLM's older names of `structured_outputs` (`guided_json`,
+    `guided_regex`, `guided_choice`), which clients still send, mapped onto it: ignoring
+    one as an unknown field would drop the constraint without a word."""
+    if data.get("guided_grammar") is not None:
+        raise InvalidRequest(
+            "guided_grammar is not supported; constrain the answer with "
+            "a JSON Schema, a regex or choices",
+            param="guided_grammar",
+        )
+    if data.get("guided_whitespace_pattern") is not None:  # as structured_outputs' own
+        raise InvalidRequest(
+            "guided_whitespace_pattern is not supported: JSON is laid out as json.dumps writes it",
+            param="guided_whitespace_pattern",
+        )
+    given = [name for name in GUIDED_FIELDS if data.get(name) is not None]
+    if not given:
+        return data
+    if len(given) > 1 or data.get("structured_outputs") is not None:
+        raise InvalidRequest(
+            f"give one of {', '.join(GUIDED_FIELDS)} and structured_outputs", param=given[-1]
+        )
+    name = given[0]
+    return {**data, "structured_outputs": {GUIDED_FIELDS[name]: data[name]}}
+
+
+def structured_output_of(
+    structured: StructuredOutputs | None, response_format: ResponseFormat | None
+) -> tuple[StructuredOutput, str] | None:
+    """The engine's constraint and the field it came from, or None for free text (at most
+    one of the two fields is given: SamplingFields checks it)."""
+    if structured is not None:
+        if structured.json_object:
+            return StructuredOutput(json=ANY_JSON_OBJECT), "structured_outputs"
+        if structured.json_ is not None:
+            schema = structured.json_
+            text = schema if isinstance(schema, str) else json.dumps(schema)
+            return StructuredOutput(json=text), "structured_outputs.json"
+        if structured.regex is not None:
+            return StructuredOutput(regex=structured.regex), "structured_outputs.regex"
+        return StructuredOutput(choice=tuple(structured.choice or ())), "structured_outputs"
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object" or response_format.json_schema is None:
+        # JSON mode: any object, whatever `json_schema` rides along (vLLM ignores it)
+        return StructuredOutput(json=ANY_JSON_OBJECT), "response_format"
+    schema = json.dumps(response_format.json_schema.schema_)
+    return StructuredOutput(json=schema), "response_format.json_schema.schema"
