@@ -111,12 +111,13 @@ def admission_ms(model_dir: Path, num_images: int) -> float:
     """Milliseconds of `EngineCore.add_request` per image request (see the docstring)."""
     from bench.datasets import image_chat_prompt, random_text
     from engine import LLM
+    from engine.llm_params import SamplingParams as LLMSamplingParams  # what _build_request takes
 
     llm = LLM(str(model_dir), num_kv_blocks=num_images * 64, max_num_seqs=num_images)
     rng, requests = random.Random(0), []
     for index in range(num_images):
         prompt = image_chat_prompt(index, 448, random_text(rng, 200))
-        requests.append(llm._build_request(f"i{index}", prompt, SamplingParams(max_tokens=1)))
+        requests.append(llm._build_request(f"i{index}", prompt, LLMSamplingParams(max_tokens=1)))
     start = time.perf_counter()
     for request, tensors in requests:
         llm.engine.add_request(request, tensors)

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from engine.config import EngineConfig
     from engine.llm import LLM, GenerationResult
-    from engine.protocol import SamplingParams, StructuredOutput
+    from engine.llm_params import SamplingParams
+    from engine.protocol import StructuredOutput
 
 __all__ = ["LLM", "EngineConfig", "GenerationResult", "SamplingParams", "StructuredOutput"]
 
@@ -21,7 +22,7 @@ _EXPORTS = {
     "LLM": "engine.llm",
     "GenerationResult": "engine.llm",
     "EngineConfig": "engine.config",
-    "SamplingParams": "engine.protocol",
+    "SamplingParams": "engine.llm_params",  # the engine's, with n and stop strings
     "StructuredOutput": "engine.protocol",
 }
 

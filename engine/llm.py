@@ -9,6 +9,10 @@ A prompt is a str (raw text, tokenized as is, no chat template), a list[int]
 `fps`, `max_frames`, `min_pixels`, `max_pixels`, engine/multimodal/processing.py), and the
 chat rendering keys of the HTTP API: "add_generation_prompt", "continue_final_message" and
 "chat_template_kwargs".
+`SamplingParams` (engine/llm_params.py, vLLM's) also takes `n` (each result's `outputs`
+holds that many choices) and `stop` strings (with `include_stop_str_in_output` and
+`skip_special_tokens`); every choice's text comes out as the server's for the same request
+(engine/choices.py, engine/detokenizer.py: the same code).
 Bad input for one prompt gives that prompt a result with `error` set (or raises
 `InvalidRequest` when `raise_on_error=True`); the others still complete. That includes
 `SamplingParams` fields of the wrong type, which its constructor does not check (`typed`).
@@ -26,7 +30,6 @@ import signal
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -34,36 +37,21 @@ import numpy as np
 import PIL.Image
 import torch
 
+from engine import protocol
+from engine.choices import fan_out
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.detokenizer import SequenceDetokenizer
 from engine.errors import InvalidRequest, TesseraError, error_info
 from engine.generation_defaults import SamplingDefaults
+from engine.llm_params import SamplingParams
+from engine.llm_results import ChoiceText, CompletionOutput, GenerationResult
 from engine.multimodal.placement import media_input, place_media
-from engine.protocol import (
-    EngineRequest,
-    ErrorInfo,
-    Modality,
-    SamplingParams,
-    TokenLogprob,
-)
+from engine.protocol import EngineRequest, Modality
 
 Prompt = str | list[int] | dict
 # The keys of a {"messages": ...} prompt that say how it is rendered (as on the HTTP API).
 CHAT_RENDERING_KEYS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
-
-
-@dataclass(frozen=True)
-class GenerationResult:
-    """The finished output of one prompt."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str  # "stop" | "length" | "abort" | "error"
-    logprobs: list[TokenLogprob] | None = None
-    error: ErrorInfo | None = None
-    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.. (SamplingParams)
 
 
 class LLM:
@@ -150,7 +138,8 @@ class LLM:
         if isinstance(sampling_params, dict):  # its keys would be taken for one per prompt
             raise TypeError("sampling_params is a SamplingParams, or a list of one per prompt")
         params = self.default_sampling_params() if sampling_params is None else sampling_params
-        params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else params
+        one_for_all = isinstance(params, protocol.SamplingParams)
+        params_list = [params] * len(prompts) if one_for_all else params
         if len(params_list) != len(prompts):
             raise ValueError("pass one SamplingParams or one per prompt")
         priorities = list(priority) if priority is not None else [0] * len(prompts)
@@ -201,75 +190,86 @@ class LLM:
         request_ids: list[str],
         interrupted: Callable[[], bool] = lambda: False,
     ) -> list[GenerationResult]:
-        prompt_ids = {}
-        outputs: dict[str, list] = {}
+        prompt_ids: dict[str, list[int]] = {}
+        choices: dict[str, list[ChoiceText]] = {}  # by prompt
+        by_engine_id: dict[str, tuple[ChoiceText, SamplingParams]] = {}  # running choices
         results: dict[str, GenerationResult] = {}
+        order: list[str] = []  # the prompts' ids (`request_ids`: their choices' too)
+        eos_token_ids = self.engine.model_config.eos_token_ids
         for prompt, sampling, rank in zip(prompts, params_list, priorities, strict=True):
             request_id = f"llm-{next(self._ids)}"
-            request_ids.append(request_id)
+            order.append(request_id)
             try:
-                request, tensors = self._build_request(request_id, prompt, typed(sampling))
+                sampling = typed(sampling)
+                request, tensors = self._build_request(request_id, prompt, sampling)
                 request = msgspec.structs.replace(request, priority=rank)
             except TesseraError as exc:
                 if raise_on_error:
                     raise
                 results[request_id] = GenerationResult(
-                    request_id, [], [], "", "error", None, error_info(exc)
-                )
+                    request_id, [], [], "", "error", None, error_info(exc),
+                    outputs=[CompletionOutput(0, "", [], "error", error=error_info(exc))],
+                )  # fmt: skip
                 continue
             prompt_ids[request_id] = request.prompt_token_ids
-            outputs[request_id] = []
-            self.engine.add_request(request, tensors)
+            choices[request_id] = []
+            for index, engine_request in enumerate(fan_out(request, sampling.n)):
+                detokenizer = self._detokenizer(request.prompt_token_ids, sampling)
+                choice = ChoiceText(index, detokenizer, bool(sampling.stop_strings))
+                choices[request_id].append(choice)
+                by_engine_id[engine_request.request_id] = (choice, sampling)
+                request_ids.append(engine_request.request_id)
+                self.engine.add_request(engine_request, tensors)
         self.last_stats = []
-        while outputs.keys() - results.keys() and self.engine.has_unfinished_requests():
+        while by_engine_id and self.engine.has_unfinished_requests():
             if interrupted():
                 raise KeyboardInterrupt
             step = self.engine.step_overlapped()
             self.last_stats.append(step.stats)
             for output in step.outputs:
-                if output.request_id in outputs:
-                    outputs[output.request_id].append(output)
-                    if output.finish_reason is not None:
-                        results[output.request_id] = self._result(
-                            output.request_id,
-                            prompt_ids[output.request_id],
-                            outputs[output.request_id],
-                        )
-        if self.engine.has_step_in_flight:  # launched ahead for requests that have finished
+                if output.request_id not in by_engine_id:
+                    continue
+                choice, sampling = by_engine_id[output.request_id]
+                if choice.add(output, sampling, eos_token_ids):  # a stop string ended it
+                    self.engine.abort_requests([output.request_id])
+                if choice.done is not None:
+                    del by_engine_id[output.request_id]
+        # A step launched ahead for requests that have finished, or the aborts of choices
+        # a stop string ended: one more step, and nothing of this call's is left.
+        if self.engine.has_unfinished_requests():
             self.last_stats.append(self.engine.step().stats)
         if interrupted():  # in the call's last step: still the caller's interrupt
             raise KeyboardInterrupt
-        for request_id in request_ids:
+        for request_id, prompt_choices in choices.items():
+            results[request_id] = GenerationResult.of_choices(
+                request_id,
+                prompt_ids[request_id],
+                [choice.done for choice in prompt_choices],  # type: ignore[misc]
+                prompt_choices[0].prompt_logprobs,
+            )
+        for request_id in order:
             error = results[request_id].error
             if raise_on_error and error is not None:
                 raise InvalidRequest(error.message, param=error.param, code=error.code)
-        return [results[request_id] for request_id in request_ids]
+        return [results[request_id] for request_id in order]
 
-    def _result(
-        self, request_id: str, prompt_token_ids: list[int], outputs: list
-    ) -> GenerationResult:
-        token_ids = [t for output in outputs for t in output.new_token_ids]
-        logprobs = None
-        if any(output.logprobs for output in outputs):
-            logprobs = [lp for output in outputs for lp in (output.logprobs or [])]
-        last = outputs[-1]
-        prompt_logprobs = next(
-            (o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None
-        )
-        return GenerationResult(
-            request_id,
+    def _detokenizer(
+        self, prompt_token_ids: list[int], sampling: SamplingParams
+    ) -> SequenceDetokenizer:
+        """A choice's SequenceDetokenizer, as the server makes it (server/generation.py)."""
+        return SequenceDetokenizer(
+            self.prompt_processor.tokenizer,
             prompt_token_ids,
-            token_ids,
-            self.prompt_processor.decode(token_ids),
-            last.finish_reason.value,
-            logprobs,
-            last.error,
-            prompt_logprobs,
+            sampling.stop_strings,
+            skip_special_tokens=sampling.skip_special_tokens,
+            min_tokens=sampling.min_tokens,
+            include_stop=sampling.include_stop_str_in_output,
         )
 
     def _build_request(
-        self, request_id: str, prompt: Prompt, sampling: SamplingParams
+        self, request_id: str, prompt: Prompt, params: SamplingParams
     ) -> tuple[EngineRequest, list[torch.Tensor]]:
+        sampling = params.engine_params()
         if isinstance(prompt, str):
             return EngineRequest(
                 request_id=request_id,
@@ -296,7 +296,7 @@ class LLM:
         self,
         request_id: str,
         messages: list[dict],
-        sampling: SamplingParams,
+        sampling: protocol.SamplingParams,
         processing,
         rendering: dict[str, Any] | None = None,
     ) -> tuple[EngineRequest, list[torch.Tensor]]:
@@ -419,20 +419,21 @@ def typed(sampling: Any) -> SamplingParams:
     """`sampling` with every field's type checked, which a msgspec Struct's constructor
     does not do (the server's are decoded, and so checked): a wrong type fails its own
     prompt, naming the field, instead of a step for the whole batch."""
-    if not isinstance(sampling, SamplingParams):
+    if not isinstance(sampling, protocol.SamplingParams):
         raise InvalidRequest(
             f"sampling params are a SamplingParams, not {type(sampling).__name__}",
             param="sampling_params",
         )
     try:
-        return msgspec.convert(msgspec.to_builtins(sampling, enc_hook=_plain), SamplingParams)
+        params = msgspec.convert(msgspec.to_builtins(sampling, enc_hook=_plain), SamplingParams)
     except TypeError as exc:  # a value that is no plain data at all
         raise InvalidRequest(f"invalid sampling params: {exc}", param="sampling_params") from None
     except msgspec.ValidationError as exc:
-        field = re.search(r"at `\$\.(\w+)", str(exc))
+        named = re.search(r"at `\$\.(\w+)", str(exc))
         raise InvalidRequest(
-            f"invalid sampling params: {exc}", param=field.group(1) if field else "sampling_params"
+            f"invalid sampling params: {exc}", param=named.group(1) if named else "sampling_params"
         ) from None
+    return params.check()
 
 
 def _plain(value: Any) -> Any:

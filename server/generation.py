@@ -20,16 +20,16 @@ from typing import Any
 import msgspec
 from tokenizers import Tokenizer
 
+from engine.choices import answer_step, fan_out
+from engine.detokenizer import SequenceDetokenizer
 from engine.errors import EngineDeadError, InvalidRequest, TesseraError
 from engine.protocol import (
     EngineRequest,
-    FinishReason,
     MediaInput,
     RequestOutput,
     SamplingParams,
     TokenLogprob,
 )
-from server.detokenizer import SequenceDetokenizer
 from server.errors import error_info_to_exception
 
 logger = logging.getLogger(__name__)
@@ -161,37 +161,16 @@ def build_engine_requests(
     """The `n` engine requests of one OpenAI request. The prompt's scores are the same
     for every choice: with `score_prompt_once` only the first choice computes them (a
     completions stream shows them in every choice's first chunk, so there each does)."""
-    now = time.time()
-    ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
-    requests = []
-    for i, engine_request_id in enumerate(ids):
-        params = sampling
-        if n > 1 and sampling.seed is not None:
-            # Same seed on every choice would make all n choices identical. Wrapped in the
-            # int64 range the client's seed came from (2**63 - 1 + 1 was refused).
-            params = _with_seed(sampling, _wrapped_int64(sampling.seed + i))
-        if i and score_prompt_once and sampling.prompt_logprobs is not None:
-            params = msgspec.structs.replace(params, prompt_logprobs=None)
-        requests.append(
-            EngineRequest(
-                request_id=engine_request_id,
-                prompt_token_ids=prompt.token_ids,
-                sampling=params,
-                media=prompt.media,
-                arrival_time=now,
-                priority=priority,
-                cache_salt=prompt.cache_salt,
-            )
-        )
-    return requests
-
-
-def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
-    return msgspec.structs.replace(params, seed=seed)
-
-
-def _wrapped_int64(value: int) -> int:
-    return (value + 2**63) % 2**64 - 2**63
+    request = EngineRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt.token_ids,
+        sampling=sampling,
+        media=prompt.media,
+        arrival_time=time.time(),
+        priority=priority,
+        cache_salt=prompt.cache_salt,
+    )
+    return fan_out(request, n, score_prompt_once=score_prompt_once)
 
 
 def _merge(
@@ -333,45 +312,20 @@ def _apply_output(
         totals.num_cached_tokens = max(totals.num_cached_tokens, output.num_cached_tokens)
     if output.prompt_logprobs is not None and totals.prompt_logprobs is None:
         totals.prompt_logprobs = output.prompt_logprobs
-    new_token_ids = output.new_token_ids
-    # A stop token (stop_token_ids) or EOS ends the answer without its text, as vLLM's does
-    # unless include_stop_str_in_output (whatever skip_special_tokens says); it still
-    # counts, with its logprob (a stop token also as stop_reason).
-    last = new_token_ids[-1] if new_token_ids else None
-    ends_on_stop_token = (output.finish_reason == FinishReason.STOP and last is not None
-                          and (last in sampling.stop_token_ids
-                               or (last in eos_token_ids and not sampling.ignore_eos))
-                          and not detokenizer.include_stop)  # fmt: skip
-    first_offset = len(detokenizer.text_offsets or ())
-    text, taken = detokenizer.step_until_stop(
-        new_token_ids[:-1] if ends_on_stop_token else new_token_ids
-    )
-    if ends_on_stop_token and not detokenizer.is_stopped:
-        detokenizer.note_token_offset()
-        taken += 1
-    token_ids = list(new_token_ids[:taken])
-    totals.note_tokens(index, taken)
-    finish_reason = stop_reason = None
-    if not detokenizer.is_stopped and output.finish_reason is not None:
-        if output.finish_reason == FinishReason.ERROR:
-            raise EngineDeadError("the engine failed while serving the request")
-        if output.finish_reason == FinishReason.ABORT:
-            raise EngineDeadError("the request was aborted by the engine")
-        text += detokenizer.finish()
-        finish_reason = "length" if output.finish_reason == FinishReason.LENGTH else "stop"
-        last = token_ids[-1] if token_ids else None
-        if output.finish_reason == FinishReason.STOP and last in sampling.stop_token_ids:
-            stop_reason = last
-    if detokenizer.is_stopped:
-        finish_reason, stop_reason = "stop", detokenizer.matched_stop
+    step = answer_step(detokenizer, output, sampling, eos_token_ids)
+    totals.note_tokens(index, step.num_tokens)
+    if step.finish_reason == "error":
+        raise EngineDeadError("the engine failed while serving the request")
+    if step.finish_reason == "abort":
+        raise EngineDeadError("the request was aborted by the engine")
     return ChoiceDelta(
         index=index,
-        text=text,
-        token_ids=token_ids,
-        logprobs=list(output.logprobs or [])[:taken],
-        finish_reason=finish_reason,
-        stop_reason=stop_reason,
-        text_offsets=(detokenizer.text_offsets or [])[first_offset:],
+        text=step.text,
+        token_ids=list(output.new_token_ids[: step.num_tokens]),
+        logprobs=list(output.logprobs or [])[: step.num_tokens],
+        finish_reason=step.finish_reason,
+        stop_reason=step.stop_reason,
+        text_offsets=step.text_offsets,
     )
 
 

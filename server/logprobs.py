@@ -6,8 +6,8 @@ from collections.abc import Sequence
 
 from tokenizers import Tokenizer
 
+from engine.detokenizer import SequenceDetokenizer, token_bytes
 from engine.protocol import TokenLogprob
-from server.detokenizer import SequenceDetokenizer, token_bytes
 from server.openai_replies import (
     ChoiceLogprobs,
     CompletionLogprobs,

@@ -45,9 +45,9 @@ from typing import Any
 import msgspec
 from tokenizers import Tokenizer
 
+from engine.detokenizer import SequenceDetokenizer
 from engine.errors import TesseraError
 from engine.protocol import TokenLogprob
-from server.detokenizer import SequenceDetokenizer
 from server.generation import GenerationTotals
 from server.logprobs import chat_logprobs
 from server.openai_replies import dump

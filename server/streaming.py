@@ -2,7 +2,7 @@
 
 A stream is `data: {chunk}\\n\\n` events ending with `data: [DONE]\\n\\n`. The first chat
 chunk of every choice carries `delta.role`; a stop string is never emitted even in part
-(server.detokenizer holds back candidates). An error after the stream started becomes a
+(engine.detokenizer holds back candidates). An error after the stream started becomes a
 `data: {"error": {...}}` event followed by `data: [DONE]`, never a hang. When the client
 goes away Starlette cancels the response; `EventStreamResponse` then closes the generator
 chain at once, which cancels the engine requests.

@@ -304,7 +304,7 @@ def test_qwen2_5_windows_attend_through_varlen_as_through_grouped_sdpa(tmp_path,
 
 
 def test_pixel_levels_normalise_on_the_device_as_on_the_host(model_dir):
-    # The engine looks uint8 levels up on its device (engine/model_runner._pixel_input);
+    # The engine looks uint8 levels up on its device (engine/media_encoding.pixel_input);
     # the values must be bit for bit the host's, which transformers' processor matches.
     from engine.multimodal.image_processor import (
         ImageProcessorConfig,

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from engine.tiny_model import SIZES, train_tokenizer
-from server.detokenizer import (
+from engine.detokenizer import (
     IncrementalDetokenizer,
     SequenceDetokenizer,
     StopChecker,
     token_bytes,
 )
+from engine.tiny_model import SIZES, train_tokenizer
 
 TEXTS = [
     "Hello world, the cat sat.",

@@ -13,6 +13,12 @@ The engine sends token ids; the server turns them into text deltas here. Two rul
 ```
  token ids  ─▶ IncrementalDetokenizer.step() ─▶ text delta ─▶ StopChecker.feed() ─▶ safe text
 ```
+
+It lives in engine/ although the engine process never detokenises: both the server (its
+streams) and the offline `LLM` (engine/llm.py) turn token ids into text here, so that the
+same request gets the same text on either path, and engine/ never imports server/. It is
+pure text code (the `tokenizers` library; no torch, no engine state), as engine/multimodal/
+is the preprocessing both sides share.
 """
 
 from __future__ import annotations
