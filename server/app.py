@@ -50,8 +50,8 @@ from server.request_lifecycle import (
     admit,
     check_alive,
     collect_until_disconnect,
+    event_stream,
     finisher,
-    releasing,
 )
 from server.request_limits import RequestLimitMiddleware
 from server.request_log import RequestLogMiddleware
@@ -59,18 +59,13 @@ from server.response_events import ResponseShaper, stream_response
 from server.responses import ResponsesRequest, chat_request
 from server.sampling_params import check_structured_output, check_token_ids
 from server.settings import ServerSettings
-from server.streaming import (
-    EventStreamResponse,
-    stream_chat,
-    stream_completion,
-)
+from server.streaming import stream_chat, stream_completion
 from server.tool_calls import arguments_as_objects
 from server.unicode_check import check_request_text
 
 logger = logging.getLogger(__name__)
 
 VERSION = "0.1.0"
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 async def _count_api_cpu(metrics: ServerMetrics) -> None:
@@ -255,7 +250,7 @@ def _add_api_routes(api: APIRouter) -> None:
                 with_logprobs=with_logprobs,
                 on_finished=finisher(state, request),
             )
-            return EventStreamResponse(releasing(stream, ticket), headers=SSE_HEADERS)
+            return event_stream(state, stream, ticket)
         try:
             [(totals, results)] = await collect_until_disconnect(request, state, job)
         finally:
@@ -296,7 +291,7 @@ def _add_api_routes(api: APIRouter) -> None:
                 on_finished=finisher(state, request),
                 request_id=request_id,
             )
-            return EventStreamResponse(releasing(stream, ticket), headers=SSE_HEADERS)
+            return event_stream(state, stream, ticket)
         try:
             outcomes = await collect_until_disconnect(request, state, *jobs)
         finally:
@@ -326,7 +321,7 @@ def _add_api_routes(api: APIRouter) -> None:
                 on_finished=finisher(state, request),
                 renamed=translation.renamed,
             )
-            return EventStreamResponse(releasing(stream, ticket), headers=SSE_HEADERS)
+            return event_stream(state, stream, ticket)
         try:
             with translation.responses_params():
                 [(totals, results)] = await collect_until_disconnect(request, state, job)

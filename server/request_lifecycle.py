@@ -19,7 +19,7 @@ from server.app_state import AppState
 from server.disconnects import ClientDisconnected, unless_client_leaves
 from server.generation import GenerationTotals
 from server.request_log import arrival_of, record_of
-from server.streaming import ChoiceResult, GenerationJob, collect, guarded
+from server.streaming import ChoiceResult, EventStreamResponse, GenerationJob, collect, guarded
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,19 @@ def admit(request: Request, state: AppState, *jobs: GenerationJob) -> Ticket:
     except ServerOverloaded as exc:
         count_rejected(state, exc.code or "server_overloaded")
         raise
+
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def event_stream(state: AppState, stream: Any, ticket: Ticket) -> EventStreamResponse:
+    """A streamed answer's response: its chunks, ended with an error event if it fails,
+    the ticket given back however it ends (a client that stops reading included)."""
+    return EventStreamResponse(
+        releasing(stream, ticket),
+        headers=SSE_HEADERS,
+        write_timeout_s=state.settings.stream_write_timeout_s,
+    )
 
 
 async def releasing(stream: Any, ticket: Ticket) -> Any:

@@ -25,7 +25,7 @@ from PIL import Image
 
 from bench.local_inputs import picture, png_bytes
 from bench.servers import free_port
-from tests.e2e.conftest import MODEL_NAME, run_server
+from tests.e2e.conftest import MODEL_NAME, ServerHandle, run_server
 from tests.unit.test_url_safety import listener
 
 KEY = "sec-key-456"
@@ -364,10 +364,17 @@ def test_garbage_and_pickle_on_the_socket_are_dropped(strict, api):
 
 
 @pytest.fixture(scope="module")
-def impatient(model_dir, tmp_path_factory) -> Iterator[str]:
+def impatient_server(model_dir, tmp_path_factory) -> Iterator[ServerHandle]:
     log_path = tmp_path_factory.mktemp("logs") / "impatient.log"
-    with run_server(model_dir, log_path, "--request-read-timeout-s", "1") as handle:
-        yield handle.base_url
+    with run_server(model_dir, log_path, "--request-read-timeout-s", "1",
+                    "--stream-write-timeout-s", "2", "--max-model-len", "4096",
+                    "--max-num-seqs", "1", "--max-waiting-requests", "0") as handle:  # fmt: skip
+        yield handle
+
+
+@pytest.fixture(scope="module")
+def impatient(impatient_server) -> str:
+    return impatient_server.base_url
 
 
 def _silence_after(base_url: str, sent: bytes) -> tuple[bytes, float]:
@@ -410,3 +417,32 @@ def test_a_request_longer_than_the_read_timeout_is_answered_on_a_kept_alive_conn
         time.sleep(0.5)
         again = session.post("/v1/chat/completions", json={**body, "max_tokens": 2})
         assert again.status_code == 200
+
+
+def test_a_stream_its_client_stops_reading_gives_back_its_room(impatient_server):
+    """A client that asks for a stream and then reads nothing, connection open: once every
+    buffer between is full its request held the server's one sequence (--max-num-seqs 1)
+    for as long as the client liked, and everyone else got 503. After
+    --stream-write-timeout-s (2 s) without progress the stream ends."""
+    base = impatient_server.base_url
+    host, port = base.removeprefix("http://").split(":")
+    # The first event carries 3000 prompt positions' top-20 logprobs: megabytes, more than
+    # the kernel's socket buffers hold, so the next send waits on the client.
+    body = json.dumps({"model": MODEL_NAME, "prompt": [100 + i % 1400 for i in range(3000)],
+                       "max_tokens": 64, "ignore_eos": True, "stream": True,
+                       "prompt_logprobs": 20}).encode()  # fmt: skip
+    with socket.socket() as stalled:
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting
+        stalled.connect((host, int(port)))
+        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                        b"Content-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+        deadline = time.monotonic() + 90  # the 3000-token prefill takes seconds here
+        while True:
+            other = httpx.post(base + "/v1/completions", timeout=30,
+                               json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": 1})  # fmt: skip
+            if other.status_code == 200:
+                break
+            assert other.status_code == 503 and time.monotonic() < deadline, other.text
+            time.sleep(0.5)
+    assert "read nothing for 2 s (stream_write_timeout_s)" in impatient_server.log_tail(20000)
