@@ -15,6 +15,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from engine.protocol import DEFAULT_MAX_LOGPROBS
+
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # The names each setting takes, checked with the settings (a wrong one failed only in the
 # engine process, with a traceback and the exit code that asks a supervisor to restart).
@@ -55,6 +57,7 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads of the engine (per rank); None = torch's default on a CPU, 1 in the server's engine process with a GPU (its host tensor work is small, and parallel regions stall while the API processes and image decoding keep the cores busy); an in-process LLM keeps its caller's setting
     tensor_parallel_size: int = 1  # ranks the decoder layers are split over (CPU, gloo); each rank is a process
     seed: int = 0  # engine-wide sampling seed for requests without their own
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS  # the most alternatives a request may ask for per token (logprobs, top_logprobs, prompt_logprobs), as vLLM's --max-logprobs; each costs a top-k over the vocabulary and a detokenised entry in every chunk
     grammar_cache_size: int = 128  # structured outputs: compiled grammars kept, so a repeated schema is not compiled again; 0 = none
     grammar_lexer_fuel: int = 100_000  # structured outputs: regex work one grammar may cost (~50k per ms) before it fails its request; llguidance's default is 1,000,000
     feature_fetch_parallel: int = 8  # concurrent feature downloads per request; 1 = serial
@@ -87,7 +90,8 @@ class EngineConfig:
                       "cuda_graph_max_batch_size", "cuda_graph_max_seq_len", "num_threads",
                       "feature_fetch_parallel", "feature_fetch_timeout_s", "max_feature_bytes",
                       "grammar_lexer_fuel", "api_server_stall_timeout_s"),
-            non_negative=("feature_fetch_retries", "grammar_cache_size", "cuda_core_decode_rows"),
+            non_negative=("feature_fetch_retries", "grammar_cache_size", "cuda_core_decode_rows",
+                          "max_logprobs"),
         )  # fmt: skip
         if not DEVICE_PATTERN.fullmatch(self.device):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")

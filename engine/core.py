@@ -106,6 +106,7 @@ class EngineCore:
             self.runner.max_model_len,
             config.scheduling_policy,
             self.runner.encoder_cache,
+            max_logprobs=config.max_logprobs,
         )
         self.features = FeatureAdmission(self.config, self.runner, self.scheduler)
         self._compiler: GrammarCompiler | None = None  # made by _grammar_compiler()

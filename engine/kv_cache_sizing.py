@@ -43,20 +43,23 @@ from engine.device_io import to_device
 from engine.model_config import ModelConfig
 from engine.multimodal.image_processor import ImageProcessorConfig
 from engine.prompt_logprobs import SLICE_ROWS, score_prompt_tokens
-from engine.protocol import MAX_LOGPROBS, SamplingParams
+from engine.protocol import SamplingParams
 from engine.sampler import Sampler, SamplingRow
 
 logger = logging.getLogger(__name__)
 
 GIB = 2**30
 CPU_KV_CACHE_GIB = 2.0
-# The heaviest sampling a request can ask for: every filter, a penalty, a logit bias (its
-# cost is a copy of the logits, whatever the number of tokens) and the most logprobs the
-# API allows.
-HEAVIEST_SAMPLING = SamplingParams(
-    temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
-    logprobs=MAX_LOGPROBS, logit_bias=((0, 1.0),),
-)  # fmt: skip
+
+
+def heaviest_sampling(max_logprobs: int) -> SamplingParams:
+    """The heaviest sampling a request can ask for: every filter, a penalty, a logit bias
+    (its cost is a copy of the logits, whatever the number of tokens) and the most logprobs
+    the server allows (`max_logprobs`)."""
+    return SamplingParams(
+        temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
+        logprobs=max_logprobs, logit_bias=((0, 1.0),),
+    )  # fmt: skip
 
 
 def kv_block_bytes(model_config: ModelConfig, block_size: int, kv_cache_dtype: torch.dtype) -> int:
@@ -232,7 +235,8 @@ def run_largest_step(
     logits = model.compute_logits(hidden[-num_rows:])  # [S, vocab], cast by the sampler
     # A min_tokens ban and a grammar mask on every row too (the mask's [S, V] biases).
     allow_all = torch.full(((logits.shape[1] + 31) // 32,), -1, dtype=torch.int32)
-    row = SamplingRow(HEAVIEST_SAMPLING, [0] * num_tokens, [0], banned_token_ids=(0,),
+    row = SamplingRow(heaviest_sampling(config.max_logprobs), [0] * num_tokens, [0],
+                      banned_token_ids=(0,),
                       allowed_tokens=allow_all)  # fmt: skip
     rows = [row] * num_rows
     Sampler().sample(logits, rows).result()  # its own: the engine's draws stay untouched
@@ -240,7 +244,7 @@ def run_largest_step(
     # A prompt_logprobs request scores its prompt a slice of rows at a time: one slice's
     # logits and log-softmax, with the most alternatives the server allows.
     scored = hidden[:SLICE_ROWS]
-    score_prompt_tokens("profile", scored, 0, [0] * (scored.shape[0] + 1), 20,
+    score_prompt_tokens("profile", scored, 0, [0] * (scored.shape[0] + 1), config.max_logprobs,
                         model.compute_logits).entries()  # fmt: skip
 
 

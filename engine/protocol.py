@@ -38,7 +38,7 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=
 
 
 GREEDY_BELOW_TEMPERATURE = 1e-5  # vLLM's _SAMPLING_EPS
-MAX_LOGPROBS = 20  # alternatives per token (logprobs, prompt_logprobs): vLLM's default
+DEFAULT_MAX_LOGPROBS = 20  # alternatives per token (logprobs, prompt_logprobs): vLLM's --max-logprobs default
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

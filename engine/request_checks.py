@@ -22,7 +22,7 @@ from engine.model_config import ModelConfig
 from engine.models.mrope import mrope_positions
 from engine.multimodal.image_processor import normalization_table
 from engine.protocol import (
-    MAX_LOGPROBS,
+    DEFAULT_MAX_LOGPROBS,
     EngineRequest,
     MediaInput,
     Modality,
@@ -42,8 +42,11 @@ class RequestBuilder:
         max_model_len: int,
         scheduling_policy: str,
         encoder_cache: Container[str],
+        *,
+        max_logprobs: int = DEFAULT_MAX_LOGPROBS,
     ) -> None:
         self.model_config = model_config
+        self.max_logprobs = max_logprobs
         self.max_model_len = max_model_len
         self.scheduling_policy = scheduling_policy
         self.encoder_cache = encoder_cache  # the runner's: a uuid-only part must be in it
@@ -72,8 +75,11 @@ class RequestBuilder:
         for name in ("logprobs", "prompt_logprobs"):
             # A negative count would fail the sampler's or the scorer's topk for the batch;
             # a huge one would send the whole vocabulary for every token.
-            if not 0 <= (getattr(request.sampling, name) or 0) <= MAX_LOGPROBS:
-                raise InvalidRequest(f"{name} must be in [0, {MAX_LOGPROBS}]", param=name)
+            if not 0 <= (getattr(request.sampling, name) or 0) <= self.max_logprobs:
+                raise InvalidRequest(
+                    f"{name} must be in [0, {self.max_logprobs}] (the server's max_logprobs)",
+                    param=name,
+                )
 
         def in_vocabulary(token_ids: Sequence[int]) -> bool:
             return all(0 <= token_id < mc.vocab_size for token_id in token_ids)

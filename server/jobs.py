@@ -64,6 +64,7 @@ def build_job(state: AppState, body: Any, prompt: Any, *, prefix: str) -> Genera
         max_model_len=state.max_model_len,
         kv_capacity=state.kv_capacity_tokens,
         defaults=state.sampling_defaults,
+        max_logprobs=state.settings.engine.max_logprobs,
     )
     if body.bad_words:
         banned = bad_word_token_ids(body.bad_words, state.processor.tokenizer)

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
 from engine.errors import InvalidRequest
-from engine.protocol import MAX_LOGPROBS, StructuredOutput
+from engine.protocol import StructuredOutput
 from server.chat_messages import (
     MAX_MESSAGES,
     MAX_TOOLS,
@@ -41,7 +41,6 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 512
 MAX_STOP_TOKEN_IDS = 256
 MAX_BAD_WORDS = 128
-MAX_TOP_LOGPROBS = MAX_LOGPROBS
 MAX_LOGIT_BIAS = 300  # tokens per request, as OpenAI's API allows
 MAX_PROMPTS = 1024  # /v1/completions: prompts in one request (a batch)
 MAX_ABS_LOGIT_BIAS = 100.0
@@ -118,7 +117,7 @@ class SamplingFields(RequestModel):
     return_tokens_as_token_ids: bool = False
     # vLLM's: score every prompt token, with this many alternatives (the answer's
     # `prompt_logprobs`: null for the first token, then {token id: {logprob, rank, ...}}).
-    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    prompt_logprobs: int | None = Field(default=None, ge=0)  # <= --max-logprobs
     # vLLM's: with --scheduling-policy priority, lower runs first (else only 0 is allowed).
     priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
     # vLLM's: the prompt shares prefix-cache blocks only with requests of the same salt
@@ -223,7 +222,7 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     parallel_tool_calls: bool | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: int | None = Field(default=None, ge=0)  # <= --max-logprobs
     # Refused unless the server runs with --trust-request-chat-template (server/app.py).
     chat_template: str | None = Field(default=None, max_length=MAX_CHAT_TEMPLATE_CHARS)
     mm_processor_kwargs: MediaProcessingOptions | None = None
@@ -304,7 +303,7 @@ def _as_dict(tool_choice: Any) -> Any:
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(default=None, ge=0)  # 0: with echo, the prompt only
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    logprobs: int | None = Field(default=None, ge=0)  # <= --max-logprobs
     echo: bool = False
     # OpenAI's fields that would change the answer and that Tessera does not serve: refused
     # rather than ignored (an ignored suffix answers a fill-in-the-middle prompt wrongly).

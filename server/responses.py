@@ -51,10 +51,7 @@ from pydantic import ConfigDict, Field, ValidationError, field_validator
 from engine.errors import InvalidRequest, TesseraError
 from server.chat_messages import RequestModel, few_enough_messages
 from server.errors import validation_error_to_invalid
-from server.openai_models import (
-    MAX_TOP_LOGPROBS,
-    ChatCompletionRequest,
-)
+from server.openai_models import ChatCompletionRequest
 
 # Chat fields a Responses request may carry as extras, as vLLM's Responses endpoint does.
 PASSTHROUGH_FIELDS = (
@@ -111,7 +108,7 @@ class ResponsesRequest(RequestModel):
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: int | None = Field(default=None, ge=0)  # <= --max-logprobs
     include: list[str] | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None

@@ -11,7 +11,7 @@ from tokenizers import Tokenizer
 
 from engine.errors import ContextLengthExceeded, InvalidRequest, too_long_for_kv_cache
 from engine.generation_defaults import SamplingDefaults
-from engine.protocol import SamplingParams
+from engine.protocol import DEFAULT_MAX_LOGPROBS, SamplingParams
 from server.openai_models import SamplingFields
 
 
@@ -68,10 +68,12 @@ def build_sampling_params(
     max_model_len: int,
     kv_capacity: int | None = None,
     defaults: SamplingDefaults = OPENAI_DEFAULTS,
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS,
 ) -> SamplingParams:
     """Validate the sampling fields against the model and build the engine's params; a
     field the request leaves out takes its value from `defaults`. `kv_capacity`: the KV
-    cache's slots, which bound one request too where they are fewer than the context."""
+    cache's slots, which bound one request too where they are fewer than the context.
+    `max_logprobs`: the engine's (--max-logprobs), checked here to name the API's field."""
     requested = request.requested_max_tokens  # type: ignore[attr-defined]
     room = max_model_len - num_prompt_tokens
     prompt_param = "messages" if hasattr(request, "messages") else "prompt"
@@ -113,6 +115,14 @@ def build_sampling_params(
             param="min_tokens",
         )
     num_logprobs = request.num_logprobs  # type: ignore[attr-defined]
+    for param in ("top_logprobs", "logprobs", "prompt_logprobs"):
+        asked = getattr(request, param, None)
+        if isinstance(asked, int) and not isinstance(asked, bool) and asked > max_logprobs:
+            raise InvalidRequest(
+                f"{param} must be at most {max_logprobs} (the server's --max-logprobs), "
+                f"got {asked}",
+                param=param,
+            )
     top_k = request.top_k if request.top_k is not None else defaults.top_k
     constraint = request.structured_output
     return SamplingParams(

@@ -140,3 +140,16 @@ def test_chat_is_generate_of_message_prompts(llm):
     assert continued.token_ids == expected[1].token_ids
     with pytest.raises(TypeError, match="tools"):
         llm.chat(first, GREEDY, tools=[])
+
+
+def test_max_logprobs_bounds_what_a_request_may_ask(reference, prompts):
+    """--max-logprobs / LLM(max_logprobs=...): 20 was a constant, not a setting."""
+    with LLM(str(reference.model_dir), num_kv_blocks=64, max_logprobs=30) as llm:
+        asks = [SamplingParams(max_tokens=2, logprobs=30, prompt_logprobs=30),
+                SamplingParams(max_tokens=2, logprobs=31),
+                SamplingParams(max_tokens=2, prompt_logprobs=31)]  # fmt: skip
+        fits, too_many, too_many_prompt = llm.generate([prompts[0]] * 3, asks)
+    assert fits.error is None
+    assert all(len(entry.top) == 30 for entry in fits.logprobs + fits.prompt_logprobs)
+    assert too_many.error.param == "logprobs" and "[0, 30]" in too_many.error.message
+    assert too_many_prompt.error.param == "prompt_logprobs"

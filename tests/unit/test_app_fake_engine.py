@@ -565,3 +565,26 @@ def test_protocol_details_of_errors(app):
     kwargs = chat(client, chat_template_kwargs={"self": 1})
     assert kwargs.status_code == 400
     assert kwargs.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def test_max_logprobs_is_a_setting_checked_on_every_route(model_dir):
+    """--max-logprobs (vLLM's): 20 was fixed, as pydantic bounds, on every logprobs field."""
+    engine = FakeEngine(str(model_dir / "tokenizer.json"))
+    config = ServerSettings(engine=EngineConfig(model=str(model_dir), served_model_name="tiny",
+                                                max_logprobs=30))  # fmt: skip
+    with TestClient(build_app(config, engine)) as client:
+        body = chat(client, max_tokens=1, logprobs=True, top_logprobs=30).json()
+        assert len(body["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 30
+        assert engine.requests[-1].sampling.logprobs == 30
+        messages = [{"role": "user", "content": "hi"}]
+        for route, body, param in (
+            ("/v1/chat/completions",
+             {"messages": messages, "logprobs": True, "top_logprobs": 31}, "top_logprobs"),
+            ("/v1/completions", {"prompt": "hi", "logprobs": 31}, "logprobs"),
+            ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 31}, "prompt_logprobs"),
+            ("/v1/responses", {"input": "hi", "top_logprobs": 31}, "top_logprobs"),
+        ):  # fmt: skip
+            response = client.post(route, json={"model": "tiny", **body})
+            assert response.status_code == 400, (route, response.text)
+            error = response.json()["error"]
+            assert error["param"] == param and "--max-logprobs" in error["message"], error
