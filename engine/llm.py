@@ -312,13 +312,17 @@ class LLM:
             for part_index, part in enumerate(content):
                 param = f"messages[{message_index}].content[{part_index}]"
                 kind = part.get("type") if isinstance(part, dict) else None
+                if kind in ("image_url", "video_url"):  # OpenAI's form, for a data: URL
+                    part = _inlined(part, kind, param)
+                    kind = part["type"]
                 if kind in ("image", "video"):
                     items.append((kind, self._process_media(part, param, processing)))
-                elif kind in IMAGE_PART_TYPES | VIDEO_PART_TYPES:  # the HTTP API's forms
+                elif kind in IMAGE_PART_TYPES | VIDEO_PART_TYPES:  # the HTTP API's other forms
                     raise InvalidRequest(
                         f"a {kind!r} part is the HTTP API's; LLM.generate takes "
-                        "{'type': 'image', 'image': a PIL image or encoded bytes} and "
-                        "{'type': 'video', 'video': a file's bytes or frames}",
+                        "{'type': 'image', 'image': a PIL image or encoded bytes}, "
+                        "{'type': 'video', 'video': a file's bytes or frames} and "
+                        "image_url / video_url parts with data: URLs",
                         param=param,
                     )
         rendering = dict(rendering or {})
@@ -387,6 +391,26 @@ class LLM:
                 "a video's frames are PIL images or [H, W, 3] uint8 arrays", param=param
             )
         return process_video(frames, processing.video)
+
+
+def _inlined(part: dict, kind: str, param: str) -> dict:
+    """An `image_url` / `video_url` part holding a data: URL as the offline form: its
+    decoded bytes. vLLM's LLM.chat also fetches http(s) and file URLs; here that stays the
+    server's (its fetcher's SSRF guard, allowed domains and folders are server settings)."""
+    from engine.multimodal.media import decode_data_url, is_data_url
+
+    value = part.get(kind)
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not is_data_url(url):
+        raise InvalidRequest(
+            f"LLM.chat takes a {kind} part with a data: URL (base64); fetch other URLs "
+            "yourself and pass the bytes as {'type': 'image', 'image': ...}, or use the server",
+            param=param,
+        )
+    modality = kind.removesuffix("_url")
+    # The caller's own bytes: bounded by memory alone, as an image passed as bytes is.
+    data = decode_data_url(url, max_bytes=len(url), param=param)
+    return {"type": modality, modality: data}
 
 
 @contextlib.contextmanager

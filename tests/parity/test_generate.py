@@ -8,6 +8,7 @@ within 1e-4 of log_softmax(HF output_logits).
 
 from __future__ import annotations
 
+import base64
 import io
 
 import numpy as np
@@ -182,25 +183,43 @@ def test_bad_inputs_fail_alone(reference, prompts):
     image_id = reference.tokenizer.convert_tokens_to_ids("<|image_pad|>")
     corrupt = io.BytesIO()
     picture(64, 64, 4).save(corrupt, format="PNG")
-    http_image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    http_image = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+    bad_data_url = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     bad = [
         list(range(10, 250)),  # longer than the context
         [5, 6, image_id, image_id, 7],  # placeholders without media
         "typed <|image_pad|> placeholder",  # placeholder typed into text
         chat(corrupt.getvalue()[:60], "truncated image"),  # corrupt image bytes
+        {"messages": [{"role": "user", "content": [bad_data_url, {"type": "text", "text": "?"}]}]},
         {"messages": [{"role": "user", "content": [http_image, {"type": "text", "text": "?"}]}]},
     ]
     batch = [prompts[0], *bad, prompts[1]]
     results = llm.generate(batch, GREEDY)
     check([results[0], results[-1]], reference, prompts, [0, 1])
     codes = [r.error.code if r.error else None for r in results[1:-1]]
-    assert codes[:4] == ["context_length_exceeded", "invalid_media", "invalid_media",
-                         "invalid_media"]  # fmt: skip
+    assert codes[:5] == ["context_length_exceeded", "invalid_media", "invalid_media",
+                         "invalid_media", "invalid_media"]  # fmt: skip
     assert all(r.finish_reason == "error" and r.token_ids == [] for r in results[1:-1])
     assert "240" in results[1].error.message and "200" in results[1].error.message
-    offline_form = results[5].error
-    assert offline_form.param == "messages[0].content[0]" and offline_form.status == 400
-    assert "'image_url' part is the HTTP API's" in offline_form.message
+    assert results[5].error.param == "messages[0].content[0]"
+    fetched = results[6].error  # a URL to fetch: the server's work
+    assert fetched.param == "messages[0].content[0]" and fetched.status == 400
+    assert "image_url part with a data: URL" in fetched.message
+
+
+def test_chat_takes_image_url_parts_with_data_urls(reference, prompts):
+    """OpenAI's image_url form with a data: URL, as vLLM's LLM.chat takes it: the same
+    answer as the image's bytes (it was refused as "the HTTP API's")."""
+    image = io.BytesIO()
+    picture(56, 84, 7).save(image, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(image.getvalue()).decode()
+    as_bytes = [{"role": "user", "content": [{"type": "image", "image": image.getvalue()},
+                                             {"type": "text", "text": "What is it?"}]}]  # fmt: skip
+    as_url = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                           {"type": "text", "text": "What is it?"}]}]  # fmt: skip
+    with LLM(str(reference.model_dir), num_kv_blocks=256) as llm:
+        first, second = llm.chat([as_bytes, as_url], GREEDY, raise_on_error=True)
+    assert first.token_ids == second.token_ids and len(first.token_ids) == GREEDY.max_tokens
 
 
 def test_malformed_prompts_and_sampling_fail_alone(reference, prompts):
