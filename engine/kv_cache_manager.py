@@ -73,8 +73,11 @@ class KVCacheManager:
         """Cached full blocks matching the start of a request with no KV yet.
 
         Returns (block ids, number of tokens they cover). The hit never covers the
-        last token (it must be recomputed to get logits) and never ends inside a
-        media span (the span's encoder rows would be needed for a partial chunk).
+        last token (it must be recomputed to get logits), nor a span that the limit
+        (that token, or the prompt logprobs still to score) would split. It may end
+        inside an earlier span, at a block boundary: the chunk that goes on from there
+        takes that span's encoder rows from the encoder cache or encodes it again
+        (scheduler_media.py), as a chunk split by --split-media does.
         """
         if not self.enable_prefix_caching or request.num_computed_tokens > 0:
             return [], 0
