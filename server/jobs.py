@@ -49,6 +49,11 @@ async def tokenised_off_the_loop_if_long(tokenise: Callable[[], Any], text: Any)
 
 
 def build_job(state: AppState, body: Any, prompt: Any, *, prefix: str) -> GenerationJob:
+    if body.n > state.settings.max_n:
+        raise InvalidRequest(
+            f"n must be at most {state.settings.max_n} (the server's --max-n), got {body.n}",
+            param="n",
+        )
     if body.priority and state.settings.engine.scheduling_policy != "priority":
         raise InvalidRequest(
             "priority needs the server's --scheduling-policy priority", param="priority"

@@ -36,7 +36,6 @@ from server.tool_calls import ToolPlan, check_tools, tool_plan
 
 # Request limits (each violation is a 400 naming the field). Wide enough for real clients,
 # small enough that no single request can tie up the server.
-MAX_N = 16
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 512
 MAX_STOP_TOKEN_IDS = 256
@@ -99,7 +98,7 @@ class SamplingFields(RequestModel):
         list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]] | None
     ) = Field(default=None, max_length=MAX_BAD_WORDS)
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
-    n: int = Field(default=1, ge=1, le=MAX_N)
+    n: int = Field(default=1, ge=1)  # <= --max-n
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0)

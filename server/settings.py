@@ -100,6 +100,7 @@ class ServerSettings:
     api_server_count: int | None = None  # processes that parse requests, preprocess media and stream tokens for one engine; None = on a GPU a quarter of the usable cores, 1 to 4 (that work bounds serving there), else 1 (docs/deploy.md)
     engine_inbox_address: str | None = None  # tcp://HOST:PORT; None = private ipc:// socket
     engine_outbox_address: str | None = None  # set together with engine_inbox_address
+    max_n: int = 16  # choices one request may ask for (n); each is a sequence of its own in the batch and in the admission budget
     stream_interval: int = 1  # new tokens a streamed chunk waits for after the first (vLLM's and SGLang's --stream-interval): more cost the API process less per token and make chunks coarser
     timeout_keep_alive_s: int = 5  # idle HTTP keep-alive
     request_read_timeout_s: float = 30.0  # a request's header block, and each wait for more of its body, must come within this (else the connection closes, or 408)
@@ -139,7 +140,7 @@ class ServerSettings:
                           "video_fps", "media_fetch_timeout_s", "request_read_timeout_s", "stream_write_timeout_s",
                           "timeout_keep_alive_s", "shutdown_timeout_s", "max_waiting_tokens",
                           "max_video_decode_seconds", "max_image_pixels",
-                          "engine_startup_timeout_s"),
+                          "engine_startup_timeout_s", "max_n"),
                 non_negative=("max_waiting_requests", "max_images_per_request",
                               "image_cache_mb", "media_fetch_max_redirects"),
             )  # fmt: skip

@@ -588,3 +588,18 @@ def test_max_logprobs_is_a_setting_checked_on_every_route(model_dir):
             assert response.status_code == 400, (route, response.text)
             error = response.json()["error"]
             assert error["param"] == param and "--max-logprobs" in error["message"], error
+
+
+def test_max_n_is_a_setting(model_dir, app):
+    """n was at most 16 by a pydantic bound: OpenAI's API takes up to 128."""
+    default_client, _ = app
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 1}
+    refused = default_client.post("/v1/completions", json={**body, "n": 17})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "n"
+    client, _ = _client(model_dir, max_n=20)
+    with client:
+        assert len(client.post("/v1/completions", json={**body, "n": 20}).json()["choices"]) == 20
+        error = client.post("/v1/chat/completions", json={
+            "model": "tiny", "max_tokens": 1, "n": 21,
+            "messages": [{"role": "user", "content": "hi"}]}).json()["error"]  # fmt: skip
+    assert error["param"] == "n" and "--max-n" in error["message"]
