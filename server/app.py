@@ -34,7 +34,7 @@ from server.completions import (
     prepare_completion_prompts,
 )
 from server.disconnects import ClientDisconnected, unless_client_leaves
-from server.errors import CLOSE_CONNECTION, error_body, install_error_handlers
+from server.errors import CLOSE_CONNECTION, RETRY_AFTER_S, error_body, install_error_handlers
 from server.jobs import build_job, prompt_bound, tokenised_off_the_loop_if_long
 from server.json_body import BoundedJsonRoute
 from server.metrics import API_CPU_COUNT_INTERVAL_S, ServerMetrics
@@ -201,7 +201,8 @@ def _add_open_routes(app: FastAPI) -> None:
             body = error_body(
                 "the server is shutting down", type="server_error", code=ServerDraining.code
             )
-            return JSONResponse(status_code=503, content=body, headers=CLOSE_CONNECTION)
+            headers = {**CLOSE_CONNECTION, "Retry-After": str(RETRY_AFTER_S)}  # as its requests'
+            return JSONResponse(status_code=503, content=body, headers=headers)
         return JSONResponse({"status": "ok"})
 
     @app.get("/version")
@@ -250,7 +251,7 @@ def _add_api_routes(api: APIRouter) -> None:
                 with_logprobs=with_logprobs,
                 on_finished=finisher(state, request),
             )
-            return event_stream(state, stream, ticket)
+            return event_stream(stream, ticket)
         try:
             [(totals, results)] = await collect_until_disconnect(request, state, job)
         finally:
@@ -291,7 +292,7 @@ def _add_api_routes(api: APIRouter) -> None:
                 on_finished=finisher(state, request),
                 request_id=request_id,
             )
-            return event_stream(state, stream, ticket)
+            return event_stream(stream, ticket)
         try:
             outcomes = await collect_until_disconnect(request, state, *jobs)
         finally:
@@ -321,7 +322,7 @@ def _add_api_routes(api: APIRouter) -> None:
                 on_finished=finisher(state, request),
                 renamed=translation.renamed,
             )
-            return event_stream(state, stream, ticket)
+            return event_stream(stream, ticket)
         try:
             with translation.responses_params():
                 [(totals, results)] = await collect_until_disconnect(request, state, job)

@@ -218,7 +218,7 @@ async def run_server(settings: ServerSettings, slot: ApiServerSlot | None = None
             port=settings.port,
             # h11, so that its header-size backstop below applies, with a deadline for each
             # header block (server/http_protocol.py)
-            http=timed_h11_protocol(settings.request_read_timeout_s),
+            http=timed_h11_protocol(settings.request_read_timeout_s, settings.write_timeout_s),
             # server/request_limits.py enforces max_header_bytes exactly (431); h11's
             # limit bounds what is buffered until then (see that module's docstring).
             h11_max_incomplete_event_size=2 * settings.max_header_bytes,

@@ -1,4 +1,5 @@
-"""uvicorn's h11 protocol with a deadline on each request's header block.
+"""uvicorn's h11 protocol with a deadline on each request's header block, and on a
+client that stops taking its response.
 
 uvicorn times a connection out only between requests, after a response (its keep-alive
 timeout), and any byte that arrives cancels that timer: a client that connects and sends
@@ -6,20 +7,63 @@ nothing, or half a header block, held its connection forever (400 such connectio
 425 file descriptors). Here a connection must finish each request's header block within
 `read_timeout_s` of connecting, or of its previous response, or it is closed. A body that
 stalls is the ASGI middleware's to answer (408, server/request_limits.py).
+
+The way out: a client that stops reading with its connection open (every buffer between
+full, so the transport pauses the writer) held its request, and that request's admission
+room, for as long as it liked; a few such clients refused everyone else with 503s. Once
+the transport pauses, the bytes the client has not taken yet (the transport's buffer plus,
+on Linux, the socket's send queue) are checked every quarter of `write_timeout_s`; when
+none has left for `write_timeout_s` the connection is reset (SO_LINGER 0, then abort).
+The response then ends as a disconnect does (its engine requests aborted, its room given
+back), and its buffered megabytes go with it: a close would wait for the client to read
+them, for ever, and a plain abort would leave the kernel sending its queue in the
+background. Progress
+is measured in bytes, not sends, so a slow but steady reader of one big event (the
+prompt_logprobs of a long prompt) is never cut.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
+import logging
+import socket
+import struct
+import sys
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+logger = logging.getLogger(__name__)
 
-def timed_h11_protocol(read_timeout_s: float) -> type[H11Protocol]:
-    """An H11Protocol class whose header blocks must arrive within `read_timeout_s`."""
+# The unsent bytes of a socket's send queue (Linux's SIOCOUTQ, as termios.TIOCOUTQ).
+_SEND_QUEUE_IOCTL = 0x5411 if sys.platform.startswith("linux") else None
+
+
+def unsent_bytes(transport: asyncio.Transport) -> int:
+    """Bytes written to `transport` that its peer has not taken yet: the transport's own
+    buffer, plus the socket's send queue where the kernel tells it."""
+    pending = transport.get_write_buffer_size()
+    sock = transport.get_extra_info("socket")
+    if sock is not None and _SEND_QUEUE_IOCTL is not None:
+        try:
+            queued = fcntl.ioctl(sock.fileno(), _SEND_QUEUE_IOCTL, b"\0\0\0\0")
+        except OSError:  # closed meanwhile, or not a TCP socket
+            return pending
+        pending += struct.unpack("i", queued)[0]
+    return pending
+
+
+def timed_h11_protocol(read_timeout_s: float, write_timeout_s: float = 0) -> type[H11Protocol]:
+    """An H11Protocol class whose header blocks must arrive within `read_timeout_s`, and
+    whose connections are aborted once their client has taken none of what is written to
+    it for `write_timeout_s` (0: never)."""
 
     class TimedH11Protocol(H11Protocol):
         _header_deadline: asyncio.TimerHandle | None = None
+        _write_check: asyncio.TimerHandle | None = None
+        _unsent = 0  # at the last check
+        _taken_at = 0.0  # when the client last took some of it
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -39,7 +83,43 @@ def timed_h11_protocol(read_timeout_s: float) -> type[H11Protocol]:
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._cancel_deadline()
+            self._stop_write_checks()
             super().connection_lost(exc)
+
+        def pause_writing(self) -> None:  # the transport's buffer is over its high mark
+            super().pause_writing()
+            if write_timeout_s and self._write_check is None:
+                self._unsent = unsent_bytes(self.transport)
+                self._taken_at = self.loop.time()
+                self._write_check = self.loop.call_later(write_timeout_s / 4, self._check_writes)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            self._stop_write_checks()
+
+        def _check_writes(self) -> None:
+            self._write_check = None
+            unsent, now = unsent_bytes(self.transport), self.loop.time()
+            if unsent < self._unsent:  # the client took some
+                self._taken_at = now
+            self._unsent = unsent
+            if now - self._taken_at < write_timeout_s:
+                self._write_check = self.loop.call_later(write_timeout_s / 4, self._check_writes)
+                return
+            client = "{}:{}".format(*self.client) if self.client else "a client"
+            logger.warning("%s took none of its response for %.0f s (%d bytes waiting): "
+                           "connection aborted (write_timeout_s)", client, write_timeout_s,
+                           unsent)  # fmt: skip
+            sock = self.transport.get_extra_info("socket")
+            if sock is not None:  # a reset, not a close: the kernel would go on sending
+                with contextlib.suppress(OSError):  # its queue to the client in the background
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.transport.abort()  # connection_lost follows: the response ends as a disconnect
+
+        def _stop_write_checks(self) -> None:
+            if self._write_check is not None:
+                self._write_check.cancel()
+                self._write_check = None
 
         def _await_headers(self) -> None:
             self._cancel_deadline()

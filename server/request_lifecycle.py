@@ -64,22 +64,22 @@ def admit(request: Request, state: AppState, *jobs: GenerationJob) -> Ticket:
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def event_stream(state: AppState, stream: Any, ticket: Ticket) -> EventStreamResponse:
+def event_stream(stream: Any, ticket: Ticket) -> EventStreamResponse:
     """A streamed answer's response: its chunks, ended with an error event if it fails,
-    the ticket given back however it ends (a client that stops reading included)."""
-    return EventStreamResponse(
-        releasing(stream, ticket),
-        headers=SSE_HEADERS,
-        write_timeout_s=state.settings.stream_write_timeout_s,
-    )
+    the ticket given back however it ends."""
+    return EventStreamResponse(releasing(stream, ticket), headers=SSE_HEADERS)
 
 
 async def releasing(stream: Any, ticket: Ticket) -> Any:
     """Yield from a response stream, ending it with an error event if it fails; release
     the admission ticket however it ends."""
     try:
-        async for chunk in guarded(stream):
-            yield chunk
+        # Closed here, not left to the loop's finalizer: its aclose() ran as a task while
+        # the `finally` below closed the stream under it ("aclose(): asynchronous
+        # generator is already running", fuzz44).
+        async with contextlib.aclosing(guarded(stream)) as chunks:
+            async for chunk in chunks:
+                yield chunk
     finally:
         ticket.release()
         with contextlib.suppress(Exception):

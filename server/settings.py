@@ -104,7 +104,7 @@ class ServerSettings:
     stream_interval: int = 1  # new tokens a streamed chunk waits for after the first (vLLM's and SGLang's --stream-interval): more cost the API process less per token and make chunks coarser
     timeout_keep_alive_s: int = 5  # idle HTTP keep-alive
     request_read_timeout_s: float = 30.0  # a request's header block, and each wait for more of its body, must come within this (else the connection closes, or 408)
-    stream_write_timeout_s: float = 60.0  # a streamed answer its client stops reading (every buffer between full) ends after this long without progress, and its requests give back their room
+    write_timeout_s: float = 60.0  # a response whose client takes none of it for this long (every buffer between full) ends as a disconnect: its connection aborted, its requests' room given back; 0 = never
     max_header_bytes: int = 64 * 1024  # request line + headers; over it: 431
     enable_feature_inputs: bool = False  # accept image_features / video_features parts
     allowed_feature_buckets: str | None = None  # comma-separated S3 buckets; None = any
@@ -137,15 +137,17 @@ class ServerSettings:
                           "max_header_bytes", "max_video_frames", "max_video_tokens",
                           "image_decode_threads", "video_decode_threads", "stream_interval",
                           "media_fetch_max_connections", "media_fetch_max_connections_per_host",
-                          "video_fps", "media_fetch_timeout_s", "request_read_timeout_s", "stream_write_timeout_s",
+                          "video_fps", "media_fetch_timeout_s", "request_read_timeout_s",
                           "timeout_keep_alive_s", "shutdown_timeout_s", "max_waiting_tokens",
                           "max_video_decode_seconds", "max_image_pixels",
                           "engine_startup_timeout_s", "max_n"),
-                non_negative=("max_waiting_requests", "max_images_per_request",
+                non_negative=("max_waiting_requests", "max_images_per_request", "write_timeout_s",
                               "image_cache_mb", "media_fetch_max_redirects"),
             )  # fmt: skip
         except ValueError as exc:
             raise SettingsError(str(exc)) from None
+        if 0 < self.write_timeout_s < 1:  # a check every quarter of it, per paused connection
+            raise SettingsError(f"write_timeout_s must be 0 (never) or at least 1, got {self.write_timeout_s}")
         if (self.engine_inbox_address is None) != (self.engine_outbox_address is None):
             raise SettingsError("set both engine_inbox_address and engine_outbox_address, or none")
         for name in ("engine_inbox_address", "engine_outbox_address"):

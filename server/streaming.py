@@ -106,83 +106,23 @@ def counted_if_left(totals: GenerationTotals, n: int, on_finished: OnFinished) -
         raise
 
 
-class StreamStalled(Exception):
-    """The client took none of a stream's chunks for `write_timeout_s`."""
-
-
 class EventStreamResponse(StreamingResponse):
     """An SSE response that closes its body iterator however it ends.
 
     Starlette cancels `stream_response` when the client disconnects. If that lands while a
     chunk is being sent (not while waiting for the next one), Starlette leaves the body
     iterator suspended and unclosed; its engine requests then run on until the garbage
-    collector finds the abandoned generators, seconds later.
-
-    `write_timeout_s`: a client that stops reading without leaving (every buffer between
-    full: a send waits on TCP's flow control) held its requests' admission for as long as
-    it kept the connection, so a few such clients refused everyone else with 503s. A send
-    that waits this long ends the stream as a disconnect does; uvicorn then closes the
-    connection (logging "ASGI callable returned without completing response").
+    collector finds the abandoned generators, seconds later. A client that stops reading
+    is disconnected by the protocol (server/http_protocol.py, `--write-timeout-s`).
     """
 
     media_type = "text/event-stream"
 
-    def __init__(
-        self, content: Any, *, write_timeout_s: float | None = None, **kwargs: Any
-    ) -> None:
-        super().__init__(content, **kwargs)
-        self.write_timeout_s = write_timeout_s
-
     async def stream_response(self, send: Send) -> None:
-        watch = _SendWatch(send, self.write_timeout_s) if self.write_timeout_s else None
         try:
-            await super().stream_response(watch.send if watch else send)
-        except StreamStalled:
-            logger.warning("a stream's client read nothing for %.0f s (stream_write_timeout_s): "
-                           "ended", self.write_timeout_s)  # fmt: skip
+            await super().stream_response(send)
         finally:
-            if watch is not None:
-                watch.close()
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
-
-
-class _SendWatch:
-    """`send` that raises StreamStalled once it has waited `timeout_s`. One timer a stream,
-    checking every quarter of the timeout, not one a chunk: `asyncio.timeout` around every
-    send cost ~14 us a token (two attribute writes here)."""
-
-    def __init__(self, send: Send, timeout_s: float) -> None:
-        self._send = send
-        self._timeout_s = timeout_s
-        self._loop = asyncio.get_running_loop()
-        self._task = asyncio.current_task()
-        self._pending_since: float | None = None
-        self._stalled = False
-        self._timer = self._loop.call_later(timeout_s / 4, self._check)
-
-    async def send(self, message: Any) -> None:
-        self._pending_since = self._loop.time()
-        try:
-            await self._send(message)
-        except asyncio.CancelledError:
-            # Our own cancel (below) becomes StreamStalled; anyone else's stays a cancel.
-            if self._stalled and self._task is not None and self._task.uncancel() == 0:
-                raise StreamStalled() from None
-            raise
-        finally:
-            self._pending_since = None
-
-    def _check(self) -> None:
-        since = self._pending_since
-        if since is not None and self._loop.time() - since >= self._timeout_s:
-            self._stalled = True
-            if self._task is not None:
-                self._task.cancel()  # the task waits in `send` now: the loop runs this
-            return
-        self._timer = self._loop.call_later(self._timeout_s / 4, self._check)
-
-    def close(self) -> None:
-        self._timer.cancel()
 
 
 def sse(data: dict[str, Any]) -> bytes:

@@ -273,6 +273,7 @@ def test_sigterm_drains_then_exits_zero(model_dir, tmp_path, to_group):
             assert health.status_code == 503
             # ... which the draining server closes: a pool's retry must not come back to it
             assert health.headers["Connection"] == "close"
+            assert health.headers["Retry-After"] == "1"  # as the requests' 503s say
             refused = client.post("/v1/chat/completions", json=_long(max_tokens=2))
             assert _new_connection(client)
         assert refused.status_code == 503

@@ -367,7 +367,7 @@ def test_garbage_and_pickle_on_the_socket_are_dropped(strict, api):
 def impatient_server(model_dir, tmp_path_factory) -> Iterator[ServerHandle]:
     log_path = tmp_path_factory.mktemp("logs") / "impatient.log"
     with run_server(model_dir, log_path, "--request-read-timeout-s", "1",
-                    "--stream-write-timeout-s", "2", "--max-model-len", "4096",
+                    "--write-timeout-s", "2", "--max-model-len", "4096",
                     "--max-num-seqs", "1", "--max-waiting-requests", "0") as handle:  # fmt: skip
         yield handle
 
@@ -422,8 +422,8 @@ def test_a_request_longer_than_the_read_timeout_is_answered_on_a_kept_alive_conn
 def test_a_stream_its_client_stops_reading_gives_back_its_room(impatient_server):
     """A client that asks for a stream and then reads nothing, connection open: once every
     buffer between is full its request held the server's one sequence (--max-num-seqs 1)
-    for as long as the client liked, and everyone else got 503. After
-    --stream-write-timeout-s (2 s) without progress the stream ends."""
+    for as long as the client liked, and everyone else got 503. After --write-timeout-s
+    (2 s) in which it takes nothing the connection is aborted, and the stream ends."""
     base = impatient_server.base_url
     host, port = base.removeprefix("http://").split(":")
     # The first event carries 3000 prompt positions' top-20 logprobs: megabytes, more than
@@ -445,4 +445,10 @@ def test_a_stream_its_client_stops_reading_gives_back_its_room(impatient_server)
                 break
             assert other.status_code == 503 and time.monotonic() < deadline, other.text
             time.sleep(0.5)
-    assert "read nothing for 2 s (stream_write_timeout_s)" in impatient_server.log_tail(20000)
+        # Aborted, its megabytes dropped: a close would have waited for the client to
+        # read them (and a SIGTERM's drain for that connection, to its deadline).
+        stalled.settimeout(10)
+        with pytest.raises(ConnectionResetError):
+            while stalled.recv(1 << 16):
+                pass
+    assert "took none of its response for 2 s" in impatient_server.log_tail(20000)
