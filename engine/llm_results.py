@@ -32,6 +32,13 @@ class CompletionOutput:
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     error: ErrorInfo | None = None
 
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """vLLM's: the sum of the chosen tokens' logprobs (None without `logprobs`)."""
+        if self.logprobs is None:
+            return None
+        return sum(entry.logprob for entry in self.logprobs)
+
 
 @dataclass(frozen=True)
 class GenerationResult:

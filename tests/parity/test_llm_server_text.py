@@ -198,4 +198,10 @@ def test_logprobs_end_with_the_choice_as_on_the_server(llm, http):
             assert [lp.token_id for lp in output.logprobs] == output.token_ids
             assert [lp.logprob for lp in output.logprobs] == pytest.approx(
                 choice["logprobs"]["token_logprobs"], abs=1e-5)  # fmt: skip
+            # vLLM's cumulative_logprob: the sum of the answer's token logprobs
+            assert output.cumulative_logprob == pytest.approx(
+                sum(choice["logprobs"]["token_logprobs"]), abs=1e-4)  # fmt: skip
     assert result.outputs[0].stop_reason == stop
+    assert free.outputs[0].cumulative_logprob is not None
+    [plain] = llm.generate(PROMPT, SamplingParams(max_tokens=2))
+    assert plain.outputs[0].cumulative_logprob is None  # as vLLM's, without logprobs
