@@ -15,6 +15,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.tiny_model import make_tiny_model
+from tests.e2e.test_stop_api import a_stop_inside  # the e2e stop tests pick theirs so
 
 MODEL = "tiny"
 PROMPT = "the quick brown fox jumps over"
@@ -99,15 +100,6 @@ def served(choices: list[dict], key: str = "text") -> list[tuple]:
          c["stop_reason"])
         for c in choices
     ]  # fmt: skip
-
-
-def a_stop_inside(text: str) -> str:
-    """Three characters from the middle of `text`, where they first occur."""
-    for start in range(len(text) // 3, len(text) - 3):
-        stop = text[start : start + 3]
-        if stop.strip() and text.index(stop) == start:
-            return stop
-    raise AssertionError(f"no usable stop string in {text!r}")
 
 
 def test_n_seeded_choices_are_the_servers(llm, http):
