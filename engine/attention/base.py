@@ -117,7 +117,7 @@ class AttentionBackend(Protocol):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Rotary on q and k, then `forward`: `rotate_then_forward`, or the same with the
+        """Rotary on q and k, then `forward`: `RotateThenForward`, or the same with the
         rotation and the K/V write fused (the FlashInfer backend). qk may be rotated in
         place."""
         ...
@@ -129,19 +129,12 @@ class AttentionBackend(Protocol):
         ...
 
 
-def rotate_then_forward(
-    backend: AttentionBackend,
-    qk: torch.Tensor,  # [T, H + KVH, D]
-    value: torch.Tensor,  # [T, KVH, D]
-    cos: torch.Tensor,  # [T, 1, D]
-    signed_sin: torch.Tensor,  # [T, 1, D]
-    kv_cache: torch.Tensor,
-    metadata: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:  # [T, H, D]
-    """`AttentionBackend.rotate_and_forward` unfused: rotate q and k together (one kernel
-    on CUDA, in place in qk), then `backend.forward`."""
-    qk = apply_rotary_folded(qk, cos, signed_sin)
-    num_kv_heads = value.shape[1]
-    query, key = qk.split([qk.shape[1] - num_kv_heads, num_kv_heads], dim=1)
-    return backend.forward(query, key, value, kv_cache, metadata, scale)
+class RotateThenForward:
+    """`AttentionBackend.rotate_and_forward` unfused, for a backend with `forward`: rotate
+    q and k together (one kernel on CUDA, in place in qk), then `forward`."""
+
+    def rotate_and_forward(self, qk, value, cos, signed_sin, kv_cache, metadata, scale):
+        qk = apply_rotary_folded(qk, cos, signed_sin)
+        num_kv_heads = value.shape[1]
+        query, key = qk.split([qk.shape[1] - num_kv_heads, num_kv_heads], dim=1)
+        return self.forward(query, key, value, kv_cache, metadata, scale)  # type: ignore[attr-defined]

@@ -29,7 +29,7 @@ import importlib.util
 
 import torch
 
-from engine.attention.base import AttentionMetadata, AttentionShape, rotate_then_forward
+from engine.attention.base import AttentionMetadata, AttentionShape, RotateThenForward
 from kernels import flashinfer_glue
 from kernels.reference import FP8_DTYPE
 
@@ -39,7 +39,7 @@ if importlib.util.find_spec("flashinfer") is None:
     )
 
 
-class FlashInferAttentionBackend:
+class FlashInferAttentionBackend(RotateThenForward):
     """`engine.attention.base.AttentionBackend` over FlashInfer's batch prefill/decode wrappers.
 
     One instance serves every layer of a model: all layers of a step share one plan, made
@@ -111,10 +111,10 @@ class FlashInferAttentionBackend:
         scale: float,
     ) -> torch.Tensor:  # [T, H, D]
         """Rotary and the K/V write in one Triton kernel (rotated K goes to the cache from
-        registers), then attention: one launch a layer fewer than `rotate_then_forward`,
+        registers), then attention: one launch a layer fewer than `RotateThenForward`'s,
         with the same bytes in qk and the cache."""
         if not self.fuse_rotary_kv_write:
-            return rotate_then_forward(self, qk, value, cos, signed_sin, kv_cache, metadata, scale)
+            return super().rotate_and_forward(qk, value, cos, signed_sin, kv_cache, metadata, scale)
         from kernels.triton.rotary_kv_write import rotary_kv_write_
 
         self._check(qk, kv_cache, scale)

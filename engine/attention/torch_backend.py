@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import AttentionMetadata, rotate_then_forward
+from engine.attention.base import AttentionMetadata, RotateThenForward
 from engine.device_io import to_device
 from kernels.reference import FP8_DTYPE, dequantize_fp8, quantize_fp8
 
@@ -82,7 +82,7 @@ class Fp8Scales:
     value: torch.Tensor  # [1] float32
 
 
-class TorchAttentionBackend:
+class TorchAttentionBackend(RotateThenForward):
     """`engine.attention.base.AttentionBackend` in plain PyTorch (any device, any float dtype).
 
     `k_scale`/`v_scale` are the per-tensor scales of an FP8 (float8_e4m3fn) cache; other
@@ -149,18 +149,6 @@ class TorchAttentionBackend:
             )  # [S, H, D]
             out.index_copy_(0, decode.query_rows, decoded)
         return out
-
-    def rotate_and_forward(
-        self,
-        qk: torch.Tensor,  # [T, H + KVH, D]
-        value: torch.Tensor,  # [T, KVH, D]
-        cos: torch.Tensor,  # [T, 1, D]
-        signed_sin: torch.Tensor,  # [T, 1, D]
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:  # [T, H, D]
-        return rotate_then_forward(self, qk, value, cos, signed_sin, kv_cache, metadata, scale)
 
     def _scales_on(self, device: torch.device) -> Fp8Scales:
         """The FP8 scales as [1] float32 tensors on `device`, made once per device."""
