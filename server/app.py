@@ -21,7 +21,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from engine.errors import InvalidRequest
+from engine.errors import EngineDeadError, InvalidRequest
 from engine.multimodal.prompt import PromptProcessor
 from server.admission import AdmissionController, ServerDraining, SharedCounts
 from server.app_state import AppState, load_sampling_defaults, make_fetcher
@@ -34,7 +34,7 @@ from server.completions import (
     prepare_completion_prompts,
 )
 from server.disconnects import ClientDisconnected, unless_client_leaves
-from server.errors import CLOSE_CONNECTION, RETRY_AFTER_S, error_body, install_error_handlers
+from server.errors import install_error_handlers
 from server.jobs import build_job, prompt_bound, tokenised_off_the_loop_if_long
 from server.json_body import BoundedJsonRoute
 from server.metrics import API_CPU_COUNT_INTERVAL_S, ServerMetrics
@@ -193,16 +193,12 @@ def _state(request: Request) -> AppState:
 def _add_open_routes(app: FastAPI) -> None:
     @app.get("/health")
     async def health(request: Request) -> Response:
+        # The 503s are the requests' (server/errors.py: Retry-After, Connection: close).
         state = getattr(request.app.state, "tessera", None)
         if state is None or not getattr(state.engine, "is_alive", False):
-            body = error_body("the engine is not running", type="server_error", code="engine_dead")
-            return JSONResponse(status_code=503, content=body, headers=CLOSE_CONNECTION)
+            raise EngineDeadError("the engine is not running")
         if request.app.state.admission.is_draining:
-            body = error_body(
-                "the server is shutting down", type="server_error", code=ServerDraining.code
-            )
-            headers = {**CLOSE_CONNECTION, "Retry-After": str(RETRY_AFTER_S)}  # as its requests'
-            return JSONResponse(status_code=503, content=body, headers=headers)
+            raise ServerDraining("the server is shutting down")
         return JSONResponse({"status": "ok"})
 
     @app.get("/version")

@@ -31,7 +31,6 @@ RETRY_AFTER_S = 1  # seconds, on every 503 that says "try again"
 # (a pool would send its retries down the same connection, to the same dying process,
 # instead of opening one that a load balancer gives to another replica).
 LEAVING_CODES = (EngineDeadError.code, ServerDraining.code)
-CLOSE_CONNECTION = {"Connection": "close"}
 
 _MEDIA_PARAM = re.compile(r"media\[(\d+)\]")  # how the engine names a request's media item
 # Loc components pydantic adds for union members; they are not part of the field path.
@@ -123,7 +122,7 @@ def install_error_handlers(app: FastAPI) -> None:
         if isinstance(exc, ServerOverloaded):
             response.headers["Retry-After"] = str(RETRY_AFTER_S)
         if exc.code in LEAVING_CODES:
-            response.headers.update(CLOSE_CONNECTION)
+            response.headers["Connection"] = "close"
         return response
 
     @app.exception_handler(RequestValidationError)
