@@ -22,7 +22,6 @@ from engine.model_config import ModelConfig
 from engine.models.mrope import mrope_positions
 from engine.multimodal.image_processor import normalization_table
 from engine.protocol import (
-    DEFAULT_MAX_LOGPROBS,
     EngineRequest,
     MediaInput,
     Modality,
@@ -43,7 +42,7 @@ class RequestBuilder:
         scheduling_policy: str,
         encoder_cache: Container[str],
         *,
-        max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+        max_logprobs: int,  # EngineConfig.max_logprobs
     ) -> None:
         self.model_config = model_config
         self.max_logprobs = max_logprobs
