@@ -15,9 +15,10 @@ by `plan_cuda_graph` on the host before every replay; `forward` under such metad
 writes K/V and runs, which is what the graph captures.
 
 Rotary embeddings (M-RoPE for Qwen2-VL) are applied before the cache write
-(`rotate_and_forward`; `forward` takes K already rotated), so the cache holds rotated keys and FlashInfer runs with `pos_encoding_mode="NONE"`. FlashInfer
-has float16 / bfloat16 kernels only (FP8 for the cache): float32 models use the torch
-backend (`engine.attention.check_attention_backend` says so at start-up).
+(`rotate_and_forward`; `forward` takes K already rotated), so the cache holds rotated keys
+and FlashInfer runs with `pos_encoding_mode="NONE"`. FlashInfer has float16 / bfloat16
+kernels only (FP8 for the cache): float32 models use the torch backend
+(`engine.attention.check_attention_backend` says so at start-up).
 
 Importing this module fails with ImportError when flashinfer is not installed; the engine
 imports it only when `--attention-backend flashinfer` is chosen.
