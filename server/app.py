@@ -35,6 +35,7 @@ from server.completions import (
 )
 from server.disconnects import ClientDisconnected, unless_client_leaves
 from server.errors import install_error_handlers
+from server.field_limits import FieldLimits
 from server.jobs import build_job, prompt_bound, tokenised_off_the_loop_if_long
 from server.json_body import BoundedJsonRoute
 from server.metrics import API_CPU_COUNT_INTERVAL_S, ServerMetrics
@@ -170,6 +171,7 @@ def build_app(
         check_api_key(request, settings.api_key)
 
     app.state.max_json_containers = settings.max_request_json_containers  # server/json_body.py
+    app.state.field_limits = FieldLimits.of(settings)  # server/json_body.py
     api = APIRouter(
         dependencies=[Depends(require_api_key), Depends(check_request_text)],
         route_class=BoundedJsonRoute,

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-# Limits of a chat (each violation a 400 naming the field; see openai_models.py's others)
-MAX_MESSAGES = 2048
-MAX_CONTENT_PARTS = 8192  # content parts of all messages together
-MAX_TOOLS = 128  # tools, and tool calls in one message
+from server.field_limits import check_count
+
+# Limits OpenAI's API or the model's shapes fix; the others are settings (field_limits.py).
 MAX_TOOL_NAME_CHARS = 64
 MAX_FRAME_SECONDS = 4096  # video_features.frame_seconds: temporal patches of one video
 
@@ -122,12 +121,19 @@ class ChatMessage(RequestModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[ToolCallMessagePart] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_calls: list[ToolCallMessagePart] | None = None
     tool_call_id: str | None = None  # role "tool": the call this answers
     # An earlier answer's thinking, which templates such as Qwen3's write back into the
     # turns after the last user message (vLLM takes either name).
     reasoning_content: str | None = None
     reasoning: str | None = None
+
+    @field_validator("tool_calls", mode="before")
+    @classmethod
+    def _few_enough_tool_calls(cls, calls: Any) -> Any:
+        if isinstance(calls, list):
+            check_count(len(calls), "max_tools", "tool calls in one message")
+        return calls
 
 
 class FunctionDefinition(RequestModel):
@@ -152,21 +158,22 @@ class NamedToolChoice(RequestModel):
 
 
 def few_enough_messages(messages: Any) -> Any:
-    """A `mode="before"` check of a body's messages: at most MAX_MESSAGES, with at most
-    MAX_CONTENT_PARTS content parts in all, counted before any is validated. pydantic checks
-    a list's length after validating its items, so a 62 MB body of 2.4 M empty text parts
-    held the event loop for 44 s."""
+    """A `mode="before"` check of a body's messages: at most `--max-messages`, with at most
+    `--max-content-parts` content parts in all, counted before any is validated (pydantic
+    would validate every item first: server/field_limits.py)."""
     if isinstance(messages, list):
-        if len(messages) > MAX_MESSAGES:
-            raise ValueError(f"at most {MAX_MESSAGES} messages are allowed, got {len(messages)}")
+        check_count(len(messages), "max_messages", "messages")
         num_parts = sum(
             len(message["content"])
             for message in messages
             if isinstance(message, dict) and isinstance(message.get("content"), list)
         )
-        if num_parts > MAX_CONTENT_PARTS:
-            raise ValueError(
-                f"at most {MAX_CONTENT_PARTS} content parts are allowed in all messages, "
-                f"got {num_parts}"
-            )
+        check_count(num_parts, "max_content_parts", "content parts in all messages")
     return messages
+
+
+def few_enough_tools(tools: Any) -> Any:
+    """A `mode="before"` check of a body's tools: at most `--max-tools`."""
+    if isinstance(tools, list):
+        check_count(len(tools), "max_tools", "tools")
+    return tools

@@ -11,6 +11,9 @@ with that many braces is longer than a context holds, so no answerable request i
 refused. The parser's other failures (a 10^5-digit number, nesting past the recursion
 limit) become the JSON error every malformed body gets; they were a bare "There was an
 error parsing the body".
+
+The route also applies the app's request field limits (`app.state.field_limits`,
+server/field_limits.py) while it validates the body and runs the handler.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from typing import Any
 from fastapi import HTTPException, Request, Response
 from fastapi.routing import APIRoute
 from starlette.requests import ClientDisconnect
+
+from server.field_limits import DEFAULT_FIELD_LIMITS, applying
 
 DEFAULT_MAX_CONTAINERS = 500_000
 
@@ -63,6 +68,8 @@ class BoundedJsonRoute(APIRoute):
         handler = super().get_route_handler()
 
         async def with_bounded_json(request: Request) -> Response:
-            return await handler(BoundedJsonRequest(request.scope, request.receive))
+            limits = getattr(request.app.state, "field_limits", DEFAULT_FIELD_LIMITS)
+            with applying(limits):
+                return await handler(BoundedJsonRequest(request.scope, request.receive))
 
         return with_bounded_json

@@ -17,14 +17,14 @@ from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_va
 from engine.errors import InvalidRequest
 from engine.protocol import StructuredOutput
 from server.chat_messages import (
-    MAX_MESSAGES,
-    MAX_TOOLS,
     ChatMessage,
     NamedToolChoice,
     RequestModel,
     Tool,
     few_enough_messages,
+    few_enough_tools,
 )
+from server.field_limits import check_count, check_lengths
 from server.media_options import MediaProcessingOptions
 from server.structured_output_fields import (
     ResponseFormat,
@@ -34,17 +34,10 @@ from server.structured_output_fields import (
 )
 from server.tool_calls import ToolPlan, check_tools, tool_plan
 
-# Request limits (each violation is a 400 naming the field). Wide enough for real clients,
-# small enough that no single request can tie up the server.
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_CHARS = 512
-MAX_STOP_TOKEN_IDS = 256
-MAX_BAD_WORDS = 128
-MAX_LOGIT_BIAS = 300  # tokens per request, as OpenAI's API allows
-MAX_PROMPTS = 1024  # /v1/completions: prompts in one request (a batch)
+# Limits OpenAI's API or the engine fix (each violation is a 400 naming the field); those an
+# operator may change are settings (server/field_limits.py).
 MAX_ABS_LOGIT_BIAS = 100.0
 MAX_INT64 = 2**63 - 1
-MAX_CHAT_TEMPLATE_CHARS = 64 * 1024
 MAX_CHAT_TEMPLATE_KWARGS = 64
 MAX_CACHE_SALT_CHARS = 256
 MAX_ALLOWED_TOKEN_IDS = 2**18  # more than any vocabulary served
@@ -94,10 +87,8 @@ class SamplingFields(RequestModel):
     stop: str | list[str] | None = None
     include_stop_str_in_output: bool = False  # vLLM's: the text ends with the stop string
     # vLLM's: words the answer never writes (server/sampling_params.py's bad_word_token_ids)
-    bad_words: (
-        list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]] | None
-    ) = Field(default=None, max_length=MAX_BAD_WORDS)
-    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    bad_words: list[Annotated[str, Field(min_length=1)]] | None = None
+    stop_token_ids: list[int] | None = None
     n: int = Field(default=1, ge=1)  # <= --max-n
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
@@ -154,22 +145,35 @@ class SamplingFields(RequestModel):
             raise ValueError("stream_options needs stream: true")  # as vLLM and OpenAI
         return options
 
+    # Lists and mappings a body may make long are counted before their items are validated
+    # (server/field_limits.py).
     @field_validator("logit_bias", mode="before")
     @classmethod
     def _few_logit_bias(cls, bias: Any) -> Any:
-        # Counted before the entries are validated, as every list and mapping a body may
-        # make long (`few_enough`).
-        if isinstance(bias, dict) and len(bias) > MAX_LOGIT_BIAS:
-            raise ValueError(f"at most {MAX_LOGIT_BIAS} tokens may be biased")
+        if isinstance(bias, dict):
+            check_count(len(bias), "max_logit_bias_tokens", "biased tokens")
         return bias
+
+    @field_validator("bad_words", mode="before")
+    @classmethod
+    def _few_bad_words(cls, words: Any) -> Any:
+        if isinstance(words, list):
+            check_count(len(words), "max_bad_words", "bad words")
+            check_lengths(words, "max_stop_string_chars", "a bad word")
+        return words
+
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _few_stop_token_ids(cls, token_ids: Any) -> Any:
+        if isinstance(token_ids, list):
+            check_count(len(token_ids), "max_stop_token_ids", "stop token ids")
+        return token_ids
 
     @field_validator("logit_bias")
     @classmethod
     def _bounded_logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
         if not bias:
             return bias
-        if len(bias) > MAX_LOGIT_BIAS:
-            raise ValueError(f"at most {MAX_LOGIT_BIAS} tokens may be biased")
         for key, value in bias.items():
             if not (key.isascii() and key.isdigit() and len(key) <= 18):
                 raise ValueError(f"keys must be token ids, got {key[:40]!r}")
@@ -185,14 +189,18 @@ class SamplingFields(RequestModel):
         merged = {int(key): value for key, value in (self.logit_bias or {}).items()}
         return tuple(sorted(merged.items()))
 
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _few_stop_strings(cls, stop: Any) -> Any:
+        if isinstance(stop, list):
+            check_count(len(stop), "max_stop_strings", "stop strings")
+        check_lengths(stop, "max_stop_string_chars", "a stop string")
+        return stop
+
     @field_validator("stop")
     @classmethod
-    def _bounded_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+    def _no_empty_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
         items = [stop] if isinstance(stop, str) else stop or []
-        if len(items) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
-        if any(len(item) > MAX_STOP_STRING_CHARS for item in items):
-            raise ValueError(f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters")
         if any(item == "" for item in items):  # vLLM's refusal too; it would stop nothing
             raise ValueError("stop cannot contain an empty string")
         return stop
@@ -215,18 +223,25 @@ class SamplingFields(RequestModel):
 
 
 class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
-    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0)  # <= --max-logprobs
     # Refused unless the server runs with --trust-request-chat-template (server/app.py).
-    chat_template: str | None = Field(default=None, max_length=MAX_CHAT_TEMPLATE_CHARS)
+    chat_template: str | None = None
     mm_processor_kwargs: MediaProcessingOptions | None = None
 
     _few_enough_messages = field_validator("messages", mode="before")(few_enough_messages)
+    _few_enough_tools = field_validator("tools", mode="before")(few_enough_tools)
+
+    @field_validator("chat_template", mode="before")
+    @classmethod
+    def _short_enough_chat_template(cls, template: Any) -> Any:
+        check_lengths(template, "max_request_chat_template_chars", "chat_template")
+        return template
 
     @field_validator("top_logprobs")
     @classmethod
@@ -313,12 +328,8 @@ class CompletionRequest(SamplingFields):
     @classmethod
     def _at_most_max_prompts(cls, prompt: Any) -> Any:
         # Before the union is tried over every item: 5 M `[0]` prompts took 10 s of it.
-        if (
-            isinstance(prompt, list)
-            and len(prompt) > MAX_PROMPTS
-            and isinstance(prompt[0], str | list)
-        ):
-            raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            check_count(len(prompt), "max_prompts_per_request", "prompts in one request")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
             # A batch: all strings or all token-id lists. Left to the union, a mixed one's
             # error named the first prompt, whichever was wrong (fuzz37).
@@ -392,8 +403,9 @@ class TokenizeRequest(ChatTemplateFields):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)  # rendered as chat's
+    tools: list[Tool] | None = None  # rendered as chat's
     _few_enough_messages = field_validator("messages", mode="before")(few_enough_messages)
+    _few_enough_tools = field_validator("tools", mode="before")(few_enough_tools)
     add_special_tokens: bool = True
     return_token_strs: bool = False  # vLLM's: each token's own string, as the vocabulary has it
     # How a chat's media are sized (as on the chat), and whose media uuids it may name

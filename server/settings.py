@@ -41,6 +41,7 @@ from engine.config import EngineConfig, check_ranges
 from engine.generation_defaults import SamplingDefaults
 from engine.logging_utils import LOG_FORMATS, LOG_LEVELS
 from engine.multimodal.chat_template import chat_template_from_setting
+from server.field_limits import DEFAULT_FIELD_LIMITS, FieldLimits
 from server.reasoning import REASONING_PARSERS
 from server.tool_calls import TOOL_CALL_PARSERS
 
@@ -50,6 +51,7 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 _NONE = ("none", "null")
 MAX_API_SERVERS = 64
+_LIMITS = DEFAULT_FIELD_LIMITS  # the request field limits (server/field_limits.py)
 
 
 class SettingsError(ValueError):
@@ -101,6 +103,18 @@ class ServerSettings:
     engine_inbox_address: str | None = None  # tcp://HOST:PORT; None = private ipc:// socket
     engine_outbox_address: str | None = None  # set together with engine_inbox_address
     max_n: int = 16  # choices one request may ask for (n); each is a sequence of its own in the batch and in the admission budget
+    max_messages: int = _LIMITS.max_messages  # messages in one chat (or Responses input items, or /tokenize chat)
+    max_content_parts: int = _LIMITS.max_content_parts  # content parts of all of a chat's messages together
+    max_tools: int = _LIMITS.max_tools  # tools in one request, and tool calls in one message
+    max_stop_strings: int = _LIMITS.max_stop_strings  # stop strings in one request
+    max_stop_string_chars: int = _LIMITS.max_stop_string_chars  # characters of each stop string, bad word and structured-output choice
+    max_stop_token_ids: int = _LIMITS.max_stop_token_ids  # stop_token_ids in one request
+    max_bad_words: int = _LIMITS.max_bad_words  # bad_words in one request
+    max_logit_bias_tokens: int = _LIMITS.max_logit_bias_tokens  # tokens one logit_bias may bias (OpenAI's limit)
+    max_prompts_per_request: int = _LIMITS.max_prompts_per_request  # prompts in one /v1/completions batch
+    max_request_chat_template_chars: int = _LIMITS.max_request_chat_template_chars  # a request's own chat_template (with trust_request_chat_template)
+    max_structured_output_choices: int = _LIMITS.max_structured_output_choices  # structured_outputs.choice entries
+    max_structured_output_regex_chars: int = _LIMITS.max_structured_output_regex_chars  # structured_outputs.regex characters
     stream_interval: int = 1  # new tokens a streamed chunk waits for after the first (vLLM's and SGLang's --stream-interval): more cost the API process less per token and make chunks coarser
     timeout_keep_alive_s: int = 5  # idle HTTP keep-alive
     request_read_timeout_s: float = 30.0  # a request's header block, and each wait for more of its body, must come within this (else the connection closes, or 408)
@@ -140,7 +154,8 @@ class ServerSettings:
                           "video_fps", "media_fetch_timeout_s", "request_read_timeout_s",
                           "timeout_keep_alive_s", "shutdown_timeout_s", "max_waiting_tokens",
                           "max_video_decode_seconds", "max_image_pixels",
-                          "engine_startup_timeout_s", "max_n"),
+                          "engine_startup_timeout_s", "max_n",
+                          *(field.name for field in dataclasses.fields(FieldLimits))),
                 non_negative=("max_waiting_requests", "max_images_per_request", "write_timeout_s",
                               "image_cache_mb", "media_fetch_max_redirects"),
             )  # fmt: skip

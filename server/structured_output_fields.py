@@ -9,17 +9,15 @@ than ignored: an ignored constraint would let the answer go free without a word.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.errors import InvalidRequest
 from engine.protocol import StructuredOutput
 from server.chat_messages import RequestModel
+from server.field_limits import check_count, check_lengths
 
-MAX_CHOICES = 256  # structured_outputs.choice
-MAX_CHOICE_CHARS = 512  # each choice: as long as a stop string may be
-MAX_REGEX_CHARS = 4096  # structured_outputs.regex
 ANY_JSON_OBJECT = '{"type": "object"}'  # response_format json_object
 # vLLM's older request fields -> the `structured_outputs` key each one is
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice"}
@@ -54,10 +52,22 @@ class StructuredOutputs(BaseModel):
 
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")
     json_object: bool | None = None
-    regex: str | None = Field(default=None, max_length=MAX_REGEX_CHARS)
-    choice: list[Annotated[str, Field(max_length=MAX_CHOICE_CHARS)]] | None = Field(
-        default=None, min_length=1, max_length=MAX_CHOICES
-    )
+    regex: str | None = None
+    choice: list[str] | None = Field(default=None, min_length=1)
+
+    @field_validator("regex", mode="before")
+    @classmethod
+    def _short_enough_regex(cls, regex: Any) -> Any:
+        check_lengths(regex, "max_structured_output_regex_chars", "a regex")
+        return regex
+
+    @field_validator("choice", mode="before")
+    @classmethod
+    def _few_enough_choices(cls, choices: Any) -> Any:
+        if isinstance(choices, list):
+            check_count(len(choices), "max_structured_output_choices", "choices")
+            check_lengths(choices, "max_stop_string_chars", "a choice")
+        return choices
 
     @model_validator(mode="after")
     def _exactly_one(self) -> StructuredOutputs:

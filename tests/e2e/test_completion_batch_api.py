@@ -11,7 +11,7 @@ from collections import defaultdict
 import httpx
 import pytest
 
-from server.openai_models import MAX_PROMPTS
+from server.field_limits import DEFAULT_FIELD_LIMITS
 from tests.e2e.conftest import MODEL_NAME, run_server
 
 PROMPTS = ["The cat sat on", "Once upon a time", "A red"]
@@ -82,7 +82,7 @@ def test_a_batch_of_token_id_prompts_through_the_openai_client(client, http):
         (["fine", "x " * 5000], "prompt[1]"),  # past the context
         ([[1, 2], [1, 10**9]], "prompt[1]"),  # not a token id
         (["fine", ""], "prompt[1]"),
-        (["a"] * (MAX_PROMPTS + 1), "prompt"),
+        (["a"] * (DEFAULT_FIELD_LIMITS.max_prompts_per_request + 1), "prompt"),
     ],
 )
 def test_a_bad_prompt_in_a_batch_is_a_400_naming_it(http, prompt, param):

@@ -55,6 +55,7 @@ def strict(model_dir, media_root, tmp_path_factory) -> Iterator[tuple[str, Path,
         "--engine-outbox-address", outbox,
         "--max-num-seqs", "2", "--max-waiting-requests", "0",
         "--enable-feature-inputs",  # without --allow-private-feature-urls
+        "--max-stop-strings", "3",
     ]  # fmt: skip
     with run_server(model_dir, log_path, *extra) as handle:
         yield handle.base_url, log_path, outbox
@@ -217,6 +218,12 @@ def test_typed_placeholder_tokens_do_not_break_the_engine(api):
 )
 def test_limits_are_400_naming_the_param(api, fields, param):
     expect_error(chat(api, "hi", **fields), 400, param)
+
+
+def test_a_field_limit_is_the_servers_setting(api):
+    assert chat(api, "hi", stop=["x", "y", "z"]).status_code == 200
+    error = expect_error(chat(api, "hi", stop=["w", "x", "y", "z"]), 400, "stop")
+    assert "at most 3 stop strings" in error["message"] and "--max-stop-strings" in error["message"]
 
 
 def test_too_many_messages(api):

@@ -277,7 +277,7 @@ def test_a_body_of_millions_of_items_is_refused_before_they_are_validated():
     """Each item of a list was validated before its length was checked (2.4 M empty text
     parts in a 62 MB chat: 44 s of the event loop, every other stream frozen). The items
     here are invalid: validated one by one, each would be an error of its own."""
-    from server.chat_messages import MAX_CONTENT_PARTS
+    from server.field_limits import DEFAULT_FIELD_LIMITS
     from server.openai_models import TokenizeRequest
 
     parts = [{"type": "bogus"}] * 200_000
@@ -295,7 +295,7 @@ def test_a_body_of_millions_of_items_is_refused_before_they_are_validated():
             model.model_validate(body)
         assert len(info.value.errors()) == 1, param
         assert validation_error_to_invalid(info.value.errors()).param == param
-    few = [{"type": "text", "text": "a"}] * MAX_CONTENT_PARTS
+    few = [{"type": "text", "text": "a"}] * DEFAULT_FIELD_LIMITS.max_content_parts
     ChatCompletionRequest.model_validate({**BASE, "messages": [{"role": "user", "content": few}]})
 
 

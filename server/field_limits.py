@@ -1,0 +1,95 @@
+"""How much a request's fields may hold: server settings (`--max-messages`,
+`--max-stop-strings`, ...), read by the request models' validators while a body is
+validated. Each violation is a 400 naming the field and the setting.
+
+pydantic builds a model's schema once, at import, so a limit that is a setting cannot be a
+`Field(max_length=...)`. The validators ask `field_limits()` instead: the limits of the app
+whose route is validating the body (`BoundedJsonRoute` applies `app.state.field_limits`
+around its routes, server/json_body.py), or the defaults outside one (the offline `LLM`,
+tests). Counts of long lists are checked before their items are validated (`mode="before"`):
+pydantic checks a list's length only after validating every item, and a 62 MB body of 2.4 M
+empty text parts held the event loop for 44 s that way.
+
+The limits OpenAI's API itself defines stay constants where they are used: a function name's
+64 characters, a bias in [-100, 100], a cache salt's 256 characters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class FieldLimits:
+    """The defaults are the settings' (server/settings.py takes them from here): wide enough
+    for real clients, small enough that no single request ties up the server."""
+
+    max_messages: int = 2048
+    max_content_parts: int = 8192  # content parts of all messages together
+    max_tools: int = 128  # tools, and tool calls in one message
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 512  # each stop string, bad word and structured-output choice
+    max_stop_token_ids: int = 256
+    max_bad_words: int = 128
+    max_logit_bias_tokens: int = 300  # as OpenAI's API allows
+    max_prompts_per_request: int = 1024  # /v1/completions batches
+    max_request_chat_template_chars: int = 64 * 1024
+    max_structured_output_choices: int = 256
+    max_structured_output_regex_chars: int = 4096
+
+    @classmethod
+    def of(cls, settings: Any) -> FieldLimits:
+        """The limits a ServerSettings holds (its fields of the same names)."""
+        return cls(
+            **{field.name: getattr(settings, field.name) for field in dataclasses.fields(cls)}
+        )
+
+
+DEFAULT_FIELD_LIMITS = FieldLimits()
+_CURRENT: ContextVar[FieldLimits] = ContextVar("field_limits", default=DEFAULT_FIELD_LIMITS)
+
+
+def field_limits() -> FieldLimits:
+    """The limits of the request being validated (the defaults outside a server's route)."""
+    return _CURRENT.get()
+
+
+@contextmanager
+def applying(limits: FieldLimits) -> Iterator[None]:
+    """Validate with `limits` inside this block (and in the tasks it starts)."""
+    token = _CURRENT.set(limits)
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
+
+
+def _flag(setting: str) -> str:
+    return "--" + setting.replace("_", "-")
+
+
+def check_count(count: int, setting: str, what: str) -> None:
+    """ValueError unless `count` of `what` (say "stop strings") is within the limit
+    `setting` (a FieldLimits field) names."""
+    limit = getattr(field_limits(), setting)
+    if count > limit:
+        raise ValueError(
+            f"at most {limit} {what} are allowed (the server's {_flag(setting)}), got {count}"
+        )
+
+
+def check_lengths(items: Any, setting: str, what: str) -> None:
+    """ValueError if a string among `items` (one string or a list) is longer than the limit
+    `setting` names; `what` is one item's name (say "a stop string")."""
+    limit = getattr(field_limits(), setting)
+    for item in [items] if isinstance(items, str) else items if isinstance(items, list) else ():
+        if isinstance(item, str) and len(item) > limit:
+            raise ValueError(
+                f"{what} may have at most {limit} characters (the server's {_flag(setting)}), "
+                f"got {len(item)}"
+            )
