@@ -121,6 +121,7 @@ def build_app(
         with contextlib.suppress(AttributeError):
             engine.add_stats_listener(metrics.on_engine_stats)
             engine.add_finish_listener(metrics.on_engine_request_finished)
+        UUIDS.capacity = settings.max_remembered_media_uuids  # the process's one registry
         if count > 1:  # a uuid-only part may reach another process than its media did
             engine.share_media_uuids(UUIDS)
         app.state.tessera = AppState(

@@ -47,7 +47,7 @@ from server.media_fetch import MediaFetcher, MediaProcessing
 from server.openai_models import ChatCompletionRequest
 from server.tool_calls import arguments_as_objects
 
-MAX_REMEMBERED_UUIDS = 16384
+MAX_REMEMBERED_UUIDS = 16384  # the default of --max-remembered-media-uuids
 FEATURE_SCHEMES = ("s3://", "http://", "https://", "data:")
 
 
@@ -209,7 +209,10 @@ def _policy(enabled: bool, buckets: str | None, prefixes: str | None, model: str
 
 class UuidRegistry:
     """(cache_salt, uuid) -> (modality, the latest ProcessedImage's facts) of media sent
-    with a client uuid (bounded LRU): a uuid is known only to requests of its salt."""
+    with a client uuid: a uuid is known only to requests of its salt. At most `capacity`
+    of them (`--max-remembered-media-uuids`); the one least recently sent or named goes
+    first (before 2026-11-27, the one least recently sent: a uuid named by every request
+    but sent once was forgotten behind a stream of new ones)."""
 
     def __init__(self, capacity: int = MAX_REMEMBERED_UUIDS) -> None:
         self.capacity = capacity
@@ -257,6 +260,8 @@ class UuidRegistry:
     ) -> RememberedMedia:
         with self._lock:
             entry = self._items.get((salt, uuid))
+            if entry is not None:
+                self._items.move_to_end((salt, uuid))
         if entry is None:
             why = f"send the {modality.value} with its uuid first"
             raise unknown_media_uuid(uuid, why, param=param)

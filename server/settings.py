@@ -115,6 +115,7 @@ class ServerSettings:
     max_request_chat_template_chars: int = _LIMITS.max_request_chat_template_chars  # a request's own chat_template (with trust_request_chat_template)
     max_structured_output_choices: int = _LIMITS.max_structured_output_choices  # structured_outputs.choice entries
     max_structured_output_regex_chars: int = _LIMITS.max_structured_output_regex_chars  # structured_outputs.regex characters
+    max_remembered_media_uuids: int = 16384  # media uuids each API process remembers for uuid-only parts (the least recently used forgotten first: naming it again is a 400)
     stream_interval: int = 1  # new tokens a streamed chunk waits for after the first (vLLM's and SGLang's --stream-interval): more cost the API process less per token and make chunks coarser
     timeout_keep_alive_s: int = 5  # idle HTTP keep-alive
     request_read_timeout_s: float = 30.0  # a request's header block, and each wait for more of its body, must come within this (else the connection closes, or 408)
@@ -154,7 +155,7 @@ class ServerSettings:
                           "video_fps", "media_fetch_timeout_s", "request_read_timeout_s",
                           "timeout_keep_alive_s", "shutdown_timeout_s", "max_waiting_tokens",
                           "max_video_decode_seconds", "max_image_pixels",
-                          "engine_startup_timeout_s", "max_n",
+                          "engine_startup_timeout_s", "max_n", "max_remembered_media_uuids",
                           *(field.name for field in dataclasses.fields(FieldLimits))),
                 non_negative=("max_waiting_requests", "max_images_per_request", "write_timeout_s",
                               "image_cache_mb", "media_fetch_max_redirects"),
