@@ -9,7 +9,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from server.field_limits import check_count
+from server.field_limits import bounded, check_count
 
 # Limits OpenAI's API or the model's shapes fix; the others are settings (field_limits.py).
 MAX_TOOL_NAME_CHARS = 64
@@ -128,12 +128,9 @@ class ChatMessage(RequestModel):
     reasoning_content: str | None = None
     reasoning: str | None = None
 
-    @field_validator("tool_calls", mode="before")
-    @classmethod
-    def _few_enough_tool_calls(cls, calls: Any) -> Any:
-        if isinstance(calls, list):
-            check_count(len(calls), "max_tools", "tool calls in one message")
-        return calls
+    _few_tool_calls = field_validator("tool_calls", mode="before")(
+        bounded(count=("max_tools", "tool calls in one message"))
+    )
 
 
 class FunctionDefinition(RequestModel):
@@ -172,8 +169,4 @@ def few_enough_messages(messages: Any) -> Any:
     return messages
 
 
-def few_enough_tools(tools: Any) -> Any:
-    """A `mode="before"` check of a body's tools: at most `--max-tools`."""
-    if isinstance(tools, list):
-        check_count(len(tools), "max_tools", "tools")
-    return tools
+few_enough_tools = bounded(count=("max_tools", "tools"))  # a body's tools, before validation

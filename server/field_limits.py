@@ -17,7 +17,7 @@ The limits OpenAI's API itself defines stay constants where they are used: a fun
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -93,3 +93,21 @@ def check_lengths(items: Any, setting: str, what: str) -> None:
                 f"{what} may have at most {limit} characters (the server's {_flag(setting)}), "
                 f"got {len(item)}"
             )
+
+
+def bounded(
+    count: tuple[str, str] | None = None, lengths: tuple[str, str] | None = None
+) -> Callable[[Any], Any]:
+    """A field's `mode="before"` validator: a list's (or mapping's) length within `count` =
+    (setting, what: "stop strings"), and each of its strings (or the string itself) within
+    `lengths` = (setting, one item's name: "a stop string"). Use:
+    `_few_stops = field_validator("stop", mode="before")(bounded(...))`."""
+
+    def check(value: Any) -> Any:
+        if count is not None and isinstance(value, list | dict):
+            check_count(len(value), *count)
+        if lengths is not None:
+            check_lengths(value, *lengths)
+        return value
+
+    return check

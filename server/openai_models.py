@@ -24,7 +24,7 @@ from server.chat_messages import (
     few_enough_messages,
     few_enough_tools,
 )
-from server.field_limits import check_count, check_lengths
+from server.field_limits import bounded, check_count
 from server.media_options import MediaProcessingOptions
 from server.structured_output_fields import (
     ResponseFormat,
@@ -147,27 +147,18 @@ class SamplingFields(RequestModel):
 
     # Lists and mappings a body may make long are counted before their items are validated
     # (server/field_limits.py).
-    @field_validator("logit_bias", mode="before")
-    @classmethod
-    def _few_logit_bias(cls, bias: Any) -> Any:
-        if isinstance(bias, dict):
-            check_count(len(bias), "max_logit_bias_tokens", "biased tokens")
-        return bias
-
-    @field_validator("bad_words", mode="before")
-    @classmethod
-    def _few_bad_words(cls, words: Any) -> Any:
-        if isinstance(words, list):
-            check_count(len(words), "max_bad_words", "bad words")
-            check_lengths(words, "max_stop_string_chars", "a bad word")
-        return words
-
-    @field_validator("stop_token_ids", mode="before")
-    @classmethod
-    def _few_stop_token_ids(cls, token_ids: Any) -> Any:
-        if isinstance(token_ids, list):
-            check_count(len(token_ids), "max_stop_token_ids", "stop token ids")
-        return token_ids
+    _few_biases = field_validator("logit_bias", mode="before")(
+        bounded(count=("max_logit_bias_tokens", "biased tokens"))
+    )
+    _few_bad_words = field_validator("bad_words", mode="before")(
+        bounded(("max_bad_words", "bad words"), ("max_stop_string_chars", "a bad word"))
+    )
+    _few_stop_token_ids = field_validator("stop_token_ids", mode="before")(
+        bounded(count=("max_stop_token_ids", "stop token ids"))
+    )
+    _few_stop_strings = field_validator("stop", mode="before")(
+        bounded(("max_stop_strings", "stop strings"), ("max_stop_string_chars", "a stop string"))
+    )
 
     @field_validator("logit_bias")
     @classmethod
@@ -188,14 +179,6 @@ class SamplingFields(RequestModel):
         """(token id, bias) by token id; "007" and "7" name one token, the last one wins."""
         merged = {int(key): value for key, value in (self.logit_bias or {}).items()}
         return tuple(sorted(merged.items()))
-
-    @field_validator("stop", mode="before")
-    @classmethod
-    def _few_stop_strings(cls, stop: Any) -> Any:
-        if isinstance(stop, list):
-            check_count(len(stop), "max_stop_strings", "stop strings")
-        check_lengths(stop, "max_stop_string_chars", "a stop string")
-        return stop
 
     @field_validator("stop")
     @classmethod
@@ -237,11 +220,9 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     _few_enough_messages = field_validator("messages", mode="before")(few_enough_messages)
     _few_enough_tools = field_validator("tools", mode="before")(few_enough_tools)
 
-    @field_validator("chat_template", mode="before")
-    @classmethod
-    def _short_enough_chat_template(cls, template: Any) -> Any:
-        check_lengths(template, "max_request_chat_template_chars", "chat_template")
-        return template
+    _short_enough_chat_template = field_validator("chat_template", mode="before")(
+        bounded(lengths=("max_request_chat_template_chars", "chat_template"))
+    )
 
     @field_validator("top_logprobs")
     @classmethod

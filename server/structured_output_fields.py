@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from engine.errors import InvalidRequest
 from engine.protocol import StructuredOutput
 from server.chat_messages import RequestModel
-from server.field_limits import check_count, check_lengths
+from server.field_limits import bounded
 
 ANY_JSON_OBJECT = '{"type": "object"}'  # response_format json_object
 # vLLM's older request fields -> the `structured_outputs` key each one is
@@ -55,19 +55,12 @@ class StructuredOutputs(BaseModel):
     regex: str | None = None
     choice: list[str] | None = Field(default=None, min_length=1)
 
-    @field_validator("regex", mode="before")
-    @classmethod
-    def _short_enough_regex(cls, regex: Any) -> Any:
-        check_lengths(regex, "max_structured_output_regex_chars", "a regex")
-        return regex
-
-    @field_validator("choice", mode="before")
-    @classmethod
-    def _few_enough_choices(cls, choices: Any) -> Any:
-        if isinstance(choices, list):
-            check_count(len(choices), "max_structured_output_choices", "choices")
-            check_lengths(choices, "max_stop_string_chars", "a choice")
-        return choices
+    _short_enough_regex = field_validator("regex", mode="before")(
+        bounded(lengths=("max_structured_output_regex_chars", "a regex"))
+    )
+    _few_enough_choices = field_validator("choice", mode="before")(
+        bounded(("max_structured_output_choices", "choices"), ("max_stop_string_chars", "a choice"))
+    )
 
     @model_validator(mode="after")
     def _exactly_one(self) -> StructuredOutputs:

@@ -289,6 +289,17 @@ def test_a_body_of_millions_of_items_is_refused_before_they_are_validated():
         (CompletionRequest, {"model": "m", "prompt": [[0]] * 200_000}, "prompt"),
         (CompletionRequest, {"model": "m", "prompt": "x",
                              "logit_bias": {str(i): "x" for i in range(200_000)}}, "logit_bias"),
+        (ChatCompletionRequest, {**BASE, "tools": [{"type": "bogus"}] * 200_000}, "tools"),
+        (ChatCompletionRequest, {**BASE, "stop_token_ids": ["x"] * 200_000}, "stop_token_ids"),
+        (ChatCompletionRequest, {**BASE, "bad_words": [7] * 200_000}, "bad_words"),
+        (ChatCompletionRequest, {**BASE, "stop": [7] * 200_000}, "stop"),
+        (ChatCompletionRequest, {**BASE, "messages": [
+            {"role": "assistant", "tool_calls": [{"bogus": 1}] * 200_000}]},
+         "messages[0].tool_calls"),
+        (ChatCompletionRequest, {**BASE, "structured_outputs": {"choice": [7] * 200_000}},
+         "structured_outputs.choice"),
+        (TokenizeRequest, {"messages": [{"role": "user", "content": "a"}],
+                           "tools": [7] * 200_000}, "tools"),
     ]  # fmt: skip
     for model, body, param in cases:
         with pytest.raises(ValidationError) as info:
