@@ -30,7 +30,7 @@ import signal
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
@@ -52,6 +52,16 @@ from engine.protocol import EngineRequest, Modality
 Prompt = str | list[int] | dict
 # The keys of a {"messages": ...} prompt that say how it is rendered (as on the HTTP API).
 CHAT_RENDERING_KEYS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+
+
+class BuiltRequest(NamedTuple):
+    """A prompt made into the engine's request: its tensors (media pixels), and the text it
+    came from (vLLM's `RequestOutput.prompt`: the string given, or a chat's rendering; None
+    for token ids)."""
+
+    request: EngineRequest
+    tensors: list[torch.Tensor]
+    prompt_text: str | None
 
 
 class LLM:
@@ -191,6 +201,7 @@ class LLM:
         interrupted: Callable[[], bool] = lambda: False,
     ) -> list[GenerationResult]:
         prompt_ids: dict[str, list[int]] = {}
+        prompt_texts: dict[str, str | None] = {}
         choices: dict[str, list[ChoiceText]] = {}  # by prompt
         by_engine_id: dict[str, tuple[ChoiceText, SamplingParams]] = {}  # running choices
         results: dict[str, GenerationResult] = {}
@@ -201,7 +212,9 @@ class LLM:
             order.append(request_id)
             try:
                 sampling = typed(sampling)
-                request, tensors = self._build_request(request_id, prompt, sampling)
+                request, tensors, prompt_texts[request_id] = self._build_request(
+                    request_id, prompt, sampling
+                )
                 request = msgspec.structs.replace(request, priority=rank)
             except TesseraError as exc:
                 if raise_on_error:
@@ -246,6 +259,7 @@ class LLM:
                 prompt_ids[request_id],
                 [choice.done for choice in prompt_choices],  # type: ignore[misc]
                 prompt_choices[0].prompt_logprobs,
+                prompt_texts[request_id],
             )
         for request_id in order:
             error = results[request_id].error
@@ -268,18 +282,18 @@ class LLM:
 
     def _build_request(
         self, request_id: str, prompt: Prompt, params: SamplingParams
-    ) -> tuple[EngineRequest, list[torch.Tensor]]:
+    ) -> BuiltRequest:
         sampling = params.engine_params()
         if isinstance(prompt, str):
-            return EngineRequest(
+            return BuiltRequest(EngineRequest(
                 request_id=request_id,
                 prompt_token_ids=self.prompt_processor.encode_prompt(prompt),
                 sampling=sampling,
-            ), []
+            ), [], prompt)  # fmt: skip
         if isinstance(prompt, list):
-            return EngineRequest(
+            return BuiltRequest(EngineRequest(
                 request_id=request_id, prompt_token_ids=list(prompt), sampling=sampling
-            ), []
+            ), [], None)  # fmt: skip
         if isinstance(prompt, dict) and "messages" in prompt:
             processing = None  # a text-only model: a media part is refused below
             if self.image_config is not None:
@@ -299,7 +313,7 @@ class LLM:
         sampling: protocol.SamplingParams,
         processing,
         rendering: dict[str, Any] | None = None,
-    ) -> tuple[EngineRequest, list[torch.Tensor]]:
+    ) -> BuiltRequest:
         from engine.multimodal.prompt import IMAGE_PART_TYPES, VIDEO_PART_TYPES
 
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
@@ -351,7 +365,7 @@ class LLM:
             sampling=sampling,
             media=media,
         )
-        return request, tensors
+        return BuiltRequest(request, tensors, processed.text)
 
     def _process_media(self, part: dict, param: str, processing):
         """ProcessedImage of an {"type": "image"} or {"type": "video"} content part under

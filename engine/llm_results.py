@@ -56,6 +56,8 @@ class GenerationResult:
     prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.. (SamplingParams)
     stop_reason: str | int | None = None
     outputs: list[CompletionOutput] = field(default_factory=list)
+    prompt: str | None = None  # vLLM's: the prompt string, a chat's rendering, None for ids
+    finished: bool = True  # vLLM's; an offline result is always whole
 
     @classmethod
     def of_choices(
@@ -64,11 +66,12 @@ class GenerationResult:
         prompt_token_ids: list[int],
         outputs: list[CompletionOutput],
         prompt_logprobs: list[TokenLogprob] | None = None,
+        prompt: str | None = None,
     ) -> GenerationResult:
         first = outputs[0]
         return cls(request_id, prompt_token_ids, first.token_ids, first.text,
                    first.finish_reason, first.logprobs, first.error, prompt_logprobs,
-                   first.stop_reason, outputs)  # fmt: skip
+                   first.stop_reason, outputs, prompt)  # fmt: skip
 
 
 class ChoiceText:

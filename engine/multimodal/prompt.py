@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -59,10 +59,12 @@ class PlaceholderSpan:
 
 @dataclass(frozen=True)
 class ProcessedPrompt:
-    """Token ids with every media placeholder expanded; one span per item, in order."""
+    """Token ids with every media placeholder expanded; one span per item, in order; and
+    for a chat, the text its template rendered (one placeholder token per item)."""
 
     token_ids: list[int]
     spans: list[PlaceholderSpan]
+    text: str | None = None
 
 
 class PromptProcessor:
@@ -349,9 +351,10 @@ class PromptProcessor:
             tools=tools,
             template_kwargs=template_kwargs,
         )
-        return self.expand_placeholders(
+        expanded = self.expand_placeholders(
             self.encode(text, max_tokens=max_tokens), media_token_counts
         )
+        return replace(expanded, text=text)
 
 
 def normalize_messages(

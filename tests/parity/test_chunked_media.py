@@ -56,7 +56,7 @@ def _run(llm: LLM, prompt, prompt_ids, expected, budget: int) -> list:
 
 
 def _media_spans(llm: LLM, prompt) -> list[tuple[int, int]]:
-    request, _ = llm._build_request("probe", prompt, GREEDY)
+    request = llm._build_request("probe", prompt, GREEDY).request
     return [(m.offset, m.offset + m.num_tokens) for m in request.media]
 
 

@@ -36,7 +36,7 @@ def run(llm: LLM, with_feature: bool) -> list[list[int]]:
     prompts = [chat(image, "Describe it in detail.") for image in IMAGES]
     ids = []
     for index, prompt in enumerate(prompts):
-        request, tensors = llm._build_request(f"r{index}-{with_feature}", prompt, GREEDY)
+        request, tensors, _ = llm._build_request(f"r{index}-{with_feature}", prompt, GREEDY)
         if with_feature and index == len(prompts) - 1:
             (media,) = request.media
             media = msgspec.structs.replace(

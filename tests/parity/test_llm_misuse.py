@@ -142,6 +142,17 @@ def test_chat_is_generate_of_message_prompts(llm):
         llm.chat(first, GREEDY, tools=[])
 
 
+def test_results_name_their_prompt_as_vllms_do(llm):
+    """vLLM's `RequestOutput.prompt` and `finished`: the string given, a chat's rendering
+    (its template's text, tokenised into the prompt's ids), None for token ids."""
+    chat = [{"role": "user", "content": "Describe the floor."}]
+    text, rendered, ids = llm.generate(["Hello there", {"messages": chat}, [5, 6, 7]], GREEDY)
+    assert text.prompt == "Hello there" and ids.prompt is None
+    assert "Describe the floor." in rendered.prompt
+    assert llm.prompt_processor.encode(rendered.prompt) == rendered.prompt_token_ids
+    assert text.finished and rendered.finished and ids.finished
+
+
 def test_max_logprobs_bounds_what_a_request_may_ask(reference, prompts):
     """--max-logprobs / LLM(max_logprobs=...): 20 was a constant, not a setting."""
     with LLM(str(reference.model_dir), num_kv_blocks=64, max_logprobs=30) as llm:

@@ -108,7 +108,7 @@ def test_batched_vision_rows_equal_per_item_rows(setup):
         assert total(single.last_stats, "vision_encoder_items_total") == 1
     sizes = set()
     for index, prompt in enumerate(prompts):
-        (media,) = batched._build_request(f"probe{index}", prompt, GREEDY)[0].media
+        (media,) = batched._build_request(f"probe{index}", prompt, GREEDY).request.media
         rows = batched.engine.runner.encoder_cache.get(media.content_hash)  # [tokens, hidden]
         alone = single.engine.runner.encoder_cache.get(media.content_hash)
         assert rows.shape == (media.num_tokens, 128)
@@ -122,8 +122,8 @@ def test_prefix_cache_counts_same_and_different_image(setup):
     llm = LLM(model_dir, num_kv_blocks=256, block_size=4)
     same = prompt_of("A", "What is this?")
     other = prompt_of("A2", "What is this?")  # same token ids, other pixels
-    request_a = llm._build_request("probe-a", same[1], GREEDY)[0]
-    request_a2 = llm._build_request("probe-a2", other[1], GREEDY)[0]
+    request_a = llm._build_request("probe-a", same[1], GREEDY).request
+    request_a2 = llm._build_request("probe-a2", other[1], GREEDY).request
     assert request_a.prompt_token_ids == request_a2.prompt_token_ids
     num_prompt = len(request_a.prompt_token_ids)
     (media,) = request_a.media

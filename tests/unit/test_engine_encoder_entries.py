@@ -30,7 +30,7 @@ def asking(llm: LLM, request_id: str, image: Image.Image, *, uuid: str | None = 
     """The engine request the server sends for a chat with one image part: under the
     client's uuid, and without its pixels for a part that names the uuid alone."""
     content = [{"type": "text", "text": lead}, {"type": "image", "image": image}]
-    request, tensors = llm._build_request(request_id, {"messages": [
+    request, tensors, _ = llm._build_request(request_id, {"messages": [
         {"role": "user", "content": content}]}, GREEDY)  # fmt: skip
     if uuid is not None:
         media = msgspec.structs.replace(request.media[0], content_hash=f"uuid:{uuid}")
