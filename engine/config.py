@@ -64,6 +64,8 @@ class EngineConfig:
     feature_fetch_timeout_s: float = 30.0  # total deadline per feature URL, retries included
     max_feature_bytes: int = 256 * 1024 * 1024  # per feature file
     feature_fetch_retries: int = 3  # transient failures (timeouts, 5xx, throttling)
+    feature_fetch_max_connections: int = 64  # open feature downloads of all requests together, per storage kind (S3, http(s)); each request takes up to feature_fetch_parallel
+    feature_known_versions: int = 16384  # feature URLs whose version (ETag / Last-Modified) is remembered, so that an unchanged file is not downloaded again (least recently used forgotten first)
     s3_endpoint_url: str | None = None  # None = the standard AWS environment / config
     allow_private_feature_urls: bool = False  # allow http(s) feature URLs on private networks
     allowed_feature_url_prefixes: str | None = None  # comma-separated URL prefixes, each ending in '/' (else https://a.example also lets https://a.example.evil.net in); a URL, and every redirect it takes, is held to them as it will be fetched (dot segments resolved); None = any
@@ -89,6 +91,7 @@ class EngineConfig:
                       "encoder_cache_tokens", "max_encoder_tokens_per_step",
                       "cuda_graph_max_batch_size", "cuda_graph_max_seq_len", "num_threads",
                       "feature_fetch_parallel", "feature_fetch_timeout_s", "max_feature_bytes",
+                      "feature_fetch_max_connections", "feature_known_versions",
                       "grammar_lexer_fuel", "api_server_stall_timeout_s"),
             non_negative=("feature_fetch_retries", "grammar_cache_size", "cuda_core_decode_rows",
                           "max_logprobs"),

@@ -69,6 +69,8 @@ class FeatureAdmission:
                     s3_endpoint_url=c.s3_endpoint_url,
                     allow_private_urls=c.allow_private_feature_urls,
                     allowed_url_prefixes=http_prefixes(c.allowed_feature_url_prefixes),
+                    max_known_versions=c.feature_known_versions,
+                    max_connections=c.feature_fetch_max_connections,
                 )
             )
         return self._fetcher

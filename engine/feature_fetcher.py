@@ -65,9 +65,6 @@ _NOT_FOUND_CODES = {"NoSuchKey", "NoSuchBucket", "404", "NotFound"}
 _DENIED_CODES = {"AccessDenied", "403", "401", "InvalidAccessKeyId", "SignatureDoesNotMatch"}
 
 
-# Connections of all requests' downloads together, per storage kind (each request takes up
-# to `parallel` of them).
-MAX_CONNECTIONS = 64
 
 
 @dataclass(frozen=True)
@@ -88,6 +85,9 @@ class FetchConfig:
     # URLs whose version (ETag / Last-Modified) is remembered to skip a download, newest
     # used kept: a forgotten one is downloaded again. Presigned URLs are all distinct.
     max_known_versions: int = 16384
+    # Connections of all requests' downloads together, per storage kind (each request takes
+    # up to `parallel` of them).
+    max_connections: int = 64
 
 
 @dataclass(frozen=True)
@@ -335,7 +335,7 @@ class FeatureFetcher:
         if self._http is None:
             # No limit a host: features usually come from one storage host.
             self._http = guarded_session(self._policy, timeout_s=self.config.timeout_s,
-                                         max_connections=MAX_CONNECTIONS,
+                                         max_connections=self.config.max_connections,
                                          max_connections_per_host=0)  # fmt: skip
         try:
             async with open_checked(
@@ -379,7 +379,7 @@ class FeatureFetcher:
                     retries={"total_max_attempts": 1},
                     # botocore's default pool of 10 is shared by every request: two
                     # requests' parallel downloads of slow objects held it whole.
-                    max_pool_connections=MAX_CONNECTIONS,
+                    max_pool_connections=self.config.max_connections,
                     connect_timeout=self.config.timeout_s,
                     read_timeout=self.config.timeout_s,
                 ),

@@ -78,3 +78,22 @@ def test_the_engine_fetcher_holds_every_hop_to_the_http_prefixes():
         assert admission.fetcher.config.allowed_url_prefixes == ("http://store.test/a/",)
     finally:
         admission.close()
+
+
+def test_the_engine_fetcher_takes_the_fetch_limits_of_its_settings():
+    """The connection pool and the remembered versions were constants (64, 16384)."""
+    from types import SimpleNamespace
+
+    from engine.config import EngineConfig
+    from engine.feature_admission import FeatureAdmission
+
+    config = EngineConfig(model="unused", feature_fetch_max_connections=5,
+                          feature_known_versions=7, feature_fetch_parallel=3)  # fmt: skip
+    admission = FeatureAdmission(config, SimpleNamespace(), scheduler=None)
+    try:
+        fetched = admission.fetcher.config
+        assert (fetched.max_connections, fetched.max_known_versions, fetched.parallel) == (5, 7, 3)
+    finally:
+        admission.close()
+    with pytest.raises(ValueError, match="feature_fetch_max_connections"):
+        EngineConfig(model="unused", feature_fetch_max_connections=0)
