@@ -10,8 +10,9 @@ tests). Counts of long lists are checked before their items are validated (`mode
 pydantic checks a list's length only after validating every item, and a 62 MB body of 2.4 M
 empty text parts held the event loop for 44 s that way.
 
-The limits OpenAI's API itself defines stay constants where they are used: a function name's
-64 characters, a bias in [-100, 100], a cache salt's 256 characters.
+Constants where they are used: the limits OpenAI's API itself defines (a function name's 64
+characters, a bias in [-100, 100]), and those of small fields no real request comes near (a
+cache salt's 256 characters, 64 chat_template_kwargs, a video's 4096 frame_seconds).
 """
 
 from __future__ import annotations
