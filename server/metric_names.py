@@ -218,6 +218,14 @@ METRICS: tuple[MetricSpec, ...] = (
 
 METRICS_BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in METRICS}
 
+# The values of a family's own label known before any event: each of these series is
+# exported from start-up at 0, as every series with the model label alone is.
+KNOWN_LABEL_VALUES: dict[str, tuple[str, ...]] = {
+    "tessera:request_success_total": ("stop", "length", "abort"),
+    "tessera:requests_rejected_total": ("server_overloaded", "server_draining"),
+    "tessera:media_preprocess_seconds": ("image", "video"),
+}
+
 # Every sample name a PromQL query may reference.
 SERIES_NAMES: frozenset[str] = frozenset(s for spec in METRICS for s in spec.series_names)
 

@@ -44,7 +44,7 @@ from prometheus_client import (
 )
 
 from engine.protocol import EngineStats, Ready, RequestOutput
-from server.metric_names import METRICS, MULTIPROC_DIR_ENV
+from server.metric_names import KNOWN_LABEL_VALUES, METRICS, MODEL_LABEL, MULTIPROC_DIR_ENV
 
 # No `_created` series: multiprocess mode (several API processes) never exports them, so a
 # dashboard built on one process's would break when the process count changed.
@@ -105,6 +105,14 @@ class ServerMetrics:
         if exports_engine_stats:
             for name in _STATS_GAUGES.values():
                 self._metrics[name].labels(model_name).set(0)
+        # Counters and histograms start at 0, as vLLM's do: Prometheus takes a series' first
+        # sample as its baseline, so the events that made a series appear were lost to
+        # increase() and rate() (a fresh server's first burst of 503s raised no alert).
+        for spec in METRICS:
+            if spec.type != "gauge" and spec.labels == (MODEL_LABEL,):
+                self._labelled(spec.name)
+            for value in KNOWN_LABEL_VALUES.get(spec.name, ()):
+                self._labelled(spec.name, value)
 
     def _labelled(self, name: str, *labels: str):
         return self._metrics[name].labels(self.model_name, *labels)
