@@ -246,6 +246,9 @@ class RequestOutput(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     queued_seconds: float | None = None  # entered the scheduler's queue -> first scheduled
     prefill_seconds: float | None = None  # first scheduled -> first token
     decode_seconds: float | None = None  # first token -> last token
+    # The tokens the engine generated for the request in all, those no client read included
+    # (past a stop string, after the client left); set on the finishing output only.
+    num_output_tokens: int | None = None
 
 
 class EngineStats(msgspec.Struct, frozen=True, kw_only=True):

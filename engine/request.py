@@ -225,6 +225,7 @@ class Request:
             finish_reason=reason,
             error=error,
             num_prompt_tokens=self.num_prompt_tokens,
+            num_output_tokens=0,
         )
 
     def media_overlapping(self, start: int, end: int) -> list[MediaItem]:

@@ -63,5 +63,6 @@ def request_output(
         error=request.error,
         num_prompt_tokens=request.num_prompt_tokens,
         num_cached_tokens=request.num_cached_tokens,
+        num_output_tokens=request.num_output_tokens,
         **request.phase_seconds(time.monotonic()),
     )

@@ -145,7 +145,8 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
     _histogram(
         "tessera:request_generation_tokens",
-        "Generated tokens of finished requests.",
+        "Generated tokens of finished requests, as the engine made them (with n > 1 per "
+        "choice): those no client read included, as in generation_tokens_total.",
         TOKEN_BUCKETS,
     ),
     _histogram("tessera:iteration_tokens", "Tokens scheduled in one engine step.", TOKEN_BUCKETS),

@@ -4,9 +4,9 @@ The registry is built from `server.metric_names.METRICS` (the one list of names,
 labels and buckets). Engine gauges and counters come from the EngineStats the engine sends
 with every step (`EngineClient.add_stats_listener`), the prompt and generated token
 counters among them (counted as the engine makes tokens, as vLLM counts); each engine
-request's queue / prefill / decode phases from its last output
+request's queue / prefill / decode phases and generated tokens from its last output
 (`EngineClient.add_finish_listener`); and what a client saw of each choice (finish reason,
-sizes, TTFT, end-to-end latency, token gaps) when its request finishes. With n > 1 each
+prompt size, TTFT, end-to-end latency, token gaps) when its request finishes. With n > 1 each
 choice counts as one request, as vLLM's child requests do.
 
 `tessera:http_requests_total` is labelled by the route TEMPLATE (`/v1/chat/completions`),
@@ -165,7 +165,6 @@ class ServerMetrics:
         *,
         finish_reason: str,
         num_prompt_tokens: int,
-        num_generated_tokens: int,
         ttft_s: float | None,
         latency_s: float,
     ) -> None:
@@ -173,7 +172,6 @@ class ServerMetrics:
         saw it: its finish reason, sizes, and latencies from the request's arrival."""
         self._labelled("tessera:request_success_total", finish_reason).inc()
         self._labelled("tessera:request_prompt_tokens").observe(num_prompt_tokens)
-        self._labelled("tessera:request_generation_tokens").observe(num_generated_tokens)
         if ttft_s is not None:
             self._labelled("tessera:time_to_first_token_seconds").observe(ttft_s)
         self._labelled("tessera:e2e_request_latency_seconds").observe(latency_s)
@@ -186,7 +184,12 @@ class ServerMetrics:
     def on_engine_request_finished(self, output: RequestOutput) -> None:
         """The engine-side phases of a finished engine request (one choice), from its last
         output, which arrives whether or not the server still listens (a stop string, a
-        client that left). A phase it never reached is left out."""
+        client that left), and the tokens it generated in all: a non-streamed request
+        whose client left had most of them unread in its collector, and counted 1 when
+        the server counted what the client got (fuzz48). A phase it never reached is left
+        out."""
+        if output.num_output_tokens is not None:
+            self._labelled("tessera:request_generation_tokens").observe(output.num_output_tokens)
         for name, value in (
             ("tessera:request_queue_time_seconds", output.queued_seconds),
             ("tessera:request_prefill_time_seconds", output.prefill_seconds),

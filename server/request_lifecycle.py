@@ -102,7 +102,6 @@ def finisher(state: AppState, request: Request) -> Callable[[GenerationTotals], 
             state.metrics.on_choice_finished(
                 finish_reason=choice.finish_reason,
                 num_prompt_tokens=totals.num_prompt_tokens,
-                num_generated_tokens=choice.num_tokens,
                 ttft_s=None if first is None else first - start,
                 latency_s=(choice.finish_time or now) - start,
             )

@@ -174,6 +174,17 @@ def test_requests_the_client_leaves_count_as_aborted(http, server):
     # one read, counted +0 (a second of the tiny model is hundreds of tokens).
     generated = settled["tessera:generation_tokens_total"] - before["tessera:generation_tokens_total"]
     assert generated >= 6 + 20
+    # Each request's generated tokens are the engine's too: the non-streamed one's unread
+    # backlog counted 1 (the first output, all its client got) before (fuzz48).
+    sizes = "tessera:request_generation_tokens_sum"
+
+    def agree(samples, _):
+        return samples[sizes] - before[sizes] == (
+            samples["tessera:generation_tokens_total"] - before["tessera:generation_tokens_total"])
+
+    final, _ = wait_for(http, agree)
+    assert agree(final, None), (final[sizes] - before[sizes], final["tessera:generation_tokens_total"]
+                                - before["tessera:generation_tokens_total"])  # fmt: skip
 
 
 def test_a_client_that_hangs_up_while_uploading_counts_as_499(http, server):
