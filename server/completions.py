@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 
 from engine.errors import InvalidRequest
 from engine.multimodal.prompt import PromptProcessor
-from server.generation import GenerationTotals, PreparedPrompt
+from server.generation import GenerationJob, GenerationTotals, PreparedPrompt
 from server.logprobs import chat_logprobs, prompt_logprobs
 from server.openai_models import CompletionRequest
 from server.openai_replies import (
@@ -25,7 +25,7 @@ from server.openai_replies import (
 )
 from server.prompt_echo import PromptEcho
 from server.sampling_params import check_token_ids
-from server.streaming import ChoiceResult, GenerationJob, usage_of
+from server.streaming import ChoiceResult, usage_of
 
 
 def prepare_completion_prompts(

@@ -31,6 +31,8 @@ from engine.protocol import (
     TokenLogprob,
 )
 from server.errors import error_info_to_exception
+from server.reasoning import ReasoningSplitter
+from server.tool_calls import ToolPlan
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +83,41 @@ class ChoiceDelta:
     # vLLM's: the stop string or stop token id that finished the choice (None for EOS,
     # a grammar's end or the length limit).
     stop_reason: str | int | None = None
+
+
+@dataclass(frozen=True)
+class GenerationJob:
+    """Everything needed to run one validated OpenAI request against the engine."""
+
+    request_id: str
+    model_name: str
+    prompt: PreparedPrompt
+    sampling: SamplingParams
+    n: int
+    stop: list[str]
+    include_stop: bool = False  # include_stop_str_in_output
+    skip_special_tokens: bool = True
+    include_usage: bool = False
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats
+    tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprobs name "token_id:{id}"
+    prompt_only: bool = False  # echo with max_tokens 0: the generated token is left out
+    text_offsets: bool = False  # completions' logprobs: each token's place in the text
+    tools: ToolPlan | None = None  # chat with tools: answers are parsed for tool calls
+    # chat with a reasoning parser: None (plain answers), or whether the prompt opened the
+    # thinking already (server/reasoning.py)
+    thinking_opened: bool | None = None
+    priority: int = 0  # --scheduling-policy priority: lower runs first
+    # Tokens a delta waits for after the first (--stream-interval); None: the answer is
+    # read only once it has ended (not streamed, no stop strings to look for).
+    tokens_per_wake: int | None = 1
+    eos_token_ids: tuple[int, ...] = ()  # an answer ending on one leaves its text out
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def reasoning_splitter(self) -> ReasoningSplitter | None:
+        """A splitter for one choice's answer, when the job's answers carry reasoning."""
+        if self.thinking_opened is None:
+            return None
+        return ReasoningSplitter(opened=self.thinking_opened)
 
 
 @dataclass
@@ -232,46 +269,37 @@ async def interleave(streams: Sequence[AsyncIterator[Any]]) -> AsyncIterator[tup
 async def generate_choices(
     engine: Any,
     tokenizer: Tokenizer,
-    request_id: str,
-    prompt: PreparedPrompt,
-    sampling: SamplingParams,
-    *,
-    n: int,
-    stop: Sequence[str],
-    skip_special_tokens: bool,
+    job: GenerationJob,
     totals: GenerationTotals,
-    priority: int = 0,
-    include_stop: bool = False,
-    keep_output: bool = True,
+    *,
     score_prompt_once: bool = True,
-    tokens_per_wake: int | None = 1,
-    eos_token_ids: Sequence[int] = (),
-    text_offsets: bool = False,
 ) -> AsyncIterator[ChoiceDelta]:
-    """Yield text deltas of all choices until every choice has finished. Without
-    `keep_output` the generated tokens are dropped as they come (a prompt-only answer:
-    no text, logprobs or completion tokens). Between a choice's first and last delta, one
-    comes once `tokens_per_wake` new tokens wait (None: none; EngineClient.generate).
+    """Yield the text deltas of all the job's choices, interleaved, until every choice has
+    finished. A prompt-only job's generated tokens are dropped as they come (no text,
+    logprobs or completion tokens). Between a choice's first and last delta, one comes once
+    `job.tokens_per_wake` new tokens wait (None: none; EngineClient.generate).
+    `score_prompt_once` False: every choice's first delta carries the prompt's scores.
 
     Raises the typed error of a failed choice (`EngineDeadError`, `InvalidRequest`, ...).
     """
-    requests = build_engine_requests(request_id, prompt, sampling, n, priority,
+    prompt, sampling, n = job.prompt, job.sampling, job.n
+    requests = build_engine_requests(job.request_id, prompt, sampling, n, job.priority,
                                      score_prompt_once=score_prompt_once)  # fmt: skip
     detokenizers = [
         SequenceDetokenizer(
             tokenizer,
             prompt.token_ids,
-            stop,
-            skip_special_tokens=skip_special_tokens,
+            job.stop,
+            skip_special_tokens=job.skip_special_tokens,
             min_tokens=sampling.min_tokens,
-            include_stop=include_stop,
-            track_offsets=text_offsets,
+            include_stop=job.include_stop,
+            track_offsets=job.text_offsets,
         )
         for _ in range(n)
     ]
     finished = [False] * n
     totals.num_prompt_tokens = len(prompt.token_ids)
-    merged = _merge(engine, requests, prompt.tensors, tokens_per_wake)
+    merged = _merge(engine, requests, prompt.tensors, job.tokens_per_wake)
     try:
         async for index, item in merged:
             if finished[index]:
@@ -280,10 +308,10 @@ async def generate_choices(
                 if isinstance(item, TesseraError):
                     raise item
                 raise EngineDeadError("the engine failed while serving the request") from item
-            if not keep_output:
+            if job.prompt_only:
                 item = msgspec.structs.replace(item, new_token_ids=[], logprobs=None)
             delta = _apply_output(
-                detokenizers[index], index, item, totals, sampling, prompt, eos_token_ids
+                detokenizers[index], index, item, totals, sampling, prompt, job.eos_token_ids
             )
             if delta.finish_reason is not None:
                 finished[index] = True

@@ -15,7 +15,7 @@ import msgspec
 from engine.errors import InvalidRequest
 from engine.multimodal.prompt import INLINE_TOKENIZE_CHARS, final_message_text
 from server.chat import messages_as_dicts
-from server.generation import PreparedPrompt
+from server.generation import GenerationJob, PreparedPrompt
 from server.openai_models import ChatCompletionRequest
 from server.reasoning import (
     THINK_END,
@@ -24,7 +24,6 @@ from server.reasoning import (
     reasoning_format,
 )
 from server.sampling_params import bad_word_token_ids, build_sampling_params, check_token_ids
-from server.streaming import GenerationJob
 from server.tool_calls import ToolPlan, call_format
 
 if TYPE_CHECKING:

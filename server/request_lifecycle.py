@@ -17,9 +17,9 @@ from engine.errors import EngineDeadError, InvalidRequest, ServerOverloaded
 from server.admission import ServerDraining, Ticket
 from server.app_state import AppState
 from server.disconnects import ClientDisconnected, unless_client_leaves
-from server.generation import GenerationTotals
+from server.generation import GenerationJob, GenerationTotals
 from server.request_log import arrival_of, record_of
-from server.streaming import ChoiceResult, EventStreamResponse, GenerationJob, collect, guarded
+from server.streaming import ChoiceResult, EventStreamResponse, collect, guarded
 
 logger = logging.getLogger(__name__)
 

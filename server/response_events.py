@@ -48,17 +48,11 @@ from tokenizers import Tokenizer
 from engine.detokenizer import SequenceDetokenizer
 from engine.errors import TesseraError
 from engine.protocol import TokenLogprob
-from server.generation import GenerationTotals
+from server.generation import GenerationJob, GenerationTotals, generate_choices
 from server.logprobs import chat_logprobs
 from server.openai_replies import dump
 from server.responses import ResponsesRequest
-from server.streaming import (
-    ChoiceResult,
-    GenerationJob,
-    OnFinished,
-    counted_if_left,
-    run_job,
-)
+from server.streaming import ChoiceResult, OnFinished, counted_if_left
 from server.tool_calls import ToolCall
 
 logger = logging.getLogger(__name__)
@@ -459,7 +453,9 @@ async def stream_response(
         token_ids: list[int] = []
         sent = 0  # characters of the answer's text fed so far
         try:
-            async with contextlib.aclosing(run_job(job, engine, tokenizer, totals)) as deltas:
+            async with contextlib.aclosing(
+                generate_choices(engine, tokenizer, job, totals)
+            ) as deltas:
                 async for delta in deltas:
                     token_ids += delta.token_ids
                     # With logprobs (text_offsets), a delta of several tokens goes in token

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,9 +23,9 @@ from starlette.types import Send
 from tokenizers import Tokenizer
 
 from engine.errors import TesseraError
-from engine.protocol import SamplingParams, TokenLogprob
+from engine.protocol import TokenLogprob
 from server.errors import error_body, tessera_error_body
-from server.generation import GenerationTotals, PreparedPrompt, generate_choices, interleave
+from server.generation import GenerationJob, GenerationTotals, generate_choices, interleave
 from server.logprobs import (
     chat_logprobs,
     prompt_logprobs,
@@ -34,48 +33,11 @@ from server.logprobs import (
 )
 from server.openai_replies import PromptTokensDetails, UsageInfo, dump
 from server.prompt_echo import PromptEcho
-from server.reasoning import ReasoningSplitter
-from server.tool_calls import ToolPlan
 
 logger = logging.getLogger(__name__)
 
 DONE = b"data: [DONE]\n\n"
 _JSON = msgspec.json.Encoder()
-
-
-@dataclass(frozen=True)
-class GenerationJob:
-    """Everything needed to run one validated OpenAI request against the engine."""
-
-    request_id: str
-    model_name: str
-    prompt: PreparedPrompt
-    sampling: SamplingParams
-    n: int
-    stop: list[str]
-    include_stop: bool = False  # include_stop_str_in_output
-    skip_special_tokens: bool = True
-    include_usage: bool = False
-    continuous_usage: bool = False  # stream_options.continuous_usage_stats
-    tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprobs name "token_id:{id}"
-    prompt_only: bool = False  # echo with max_tokens 0: the generated token is left out
-    text_offsets: bool = False  # completions' logprobs: each token's place in the text
-    tools: ToolPlan | None = None  # chat with tools: answers are parsed for tool calls
-    # chat with a reasoning parser: None (plain answers), or whether the prompt opened the
-    # thinking already (server/reasoning.py)
-    thinking_opened: bool | None = None
-    priority: int = 0  # --scheduling-policy priority: lower runs first
-    # Tokens a delta waits for after the first (--stream-interval); None: the answer is
-    # read only once it has ended (not streamed, no stop strings to look for).
-    tokens_per_wake: int | None = 1
-    eos_token_ids: tuple[int, ...] = ()  # an answer ending on one leaves its text out
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    def reasoning_splitter(self) -> ReasoningSplitter | None:
-        """A splitter for one choice's answer, when the job's answers carry reasoning."""
-        if self.thinking_opened is None:
-            return None
-        return ReasoningSplitter(opened=self.thinking_opened)
 
 
 @dataclass
@@ -176,36 +138,6 @@ def usage_of(*totals: GenerationTotals) -> UsageInfo:
     )
 
 
-def run_job(
-    job: GenerationJob,
-    engine: Any,
-    tokenizer: Tokenizer,
-    totals: GenerationTotals,
-    *,
-    scores_per_choice: bool = False,
-):
-    """The job's deltas, every choice interleaved (server.generation.generate_choices).
-    `scores_per_choice`: every choice's first delta must find the prompt's scores."""
-    return generate_choices(
-        engine,
-        tokenizer,
-        job.request_id,
-        job.prompt,
-        job.sampling,
-        n=job.n,
-        stop=job.stop,
-        skip_special_tokens=job.skip_special_tokens,
-        totals=totals,
-        priority=job.priority,
-        include_stop=job.include_stop,
-        keep_output=not job.prompt_only,
-        eos_token_ids=job.eos_token_ids,
-        text_offsets=job.text_offsets,
-        score_prompt_once=not scores_per_choice,
-        tokens_per_wake=job.tokens_per_wake,
-    )
-
-
 async def collect(
     jobs: Sequence[GenerationJob],
     engine: Any,
@@ -216,7 +148,8 @@ async def collect(
     choice's full text, job by job (non-streaming responses). The first error raises."""
     results = [[ChoiceResult() for _ in range(job.n)] for job in jobs]
     runs = [
-        run_job(job, engine, tokenizer, figures) for job, figures in zip(jobs, totals, strict=True)
+        generate_choices(engine, tokenizer, job, figures)
+        for job, figures in zip(jobs, totals, strict=True)
     ]
     async with contextlib.aclosing(interleave(runs)) as deltas:
         async for part, delta in deltas:
@@ -258,7 +191,7 @@ async def stream_chat(
         extractors = [job.tools.extractor() for _ in range(job.n)] if job.tools else None
         splitters = [job.reasoning_splitter() for _ in range(job.n)]
         wants_prompt_logprobs = job.sampling.prompt_logprobs is not None
-        deltas = guarded(run_job(job, engine, tokenizer, totals), totals)
+        deltas = guarded(generate_choices(engine, tokenizer, job, totals), totals)
         async with contextlib.aclosing(deltas) as pieces:
             async for piece in pieces:
                 if isinstance(piece, bytes):
@@ -336,7 +269,9 @@ async def stream_completion(
         for job, figures in zip(jobs, totals, strict=True):
             counted.enter_context(counted_if_left(figures, job.n, on_finished))
         runs = [
-            guarded(run_job(job, engine, tokenizer, figures, scores_per_choice=True), figures)
+            guarded(
+                generate_choices(engine, tokenizer, job, figures, score_prompt_once=False), figures
+            )
             for job, figures in zip(jobs, totals, strict=True)
         ]
         async with contextlib.aclosing(interleave(runs)) as pieces:

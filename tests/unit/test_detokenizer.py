@@ -218,7 +218,7 @@ def test_tokens_after_a_stop_string_are_no_part_of_the_answer(tokenizer):
     import asyncio
 
     from engine.protocol import FinishReason, RequestOutput, SamplingParams, TokenLogprob
-    from server.generation import GenerationTotals, PreparedPrompt, generate_choices
+    from server.generation import GenerationJob, GenerationTotals, PreparedPrompt, generate_choices
 
     ids = tokenizer.encode(
         "the cat sat on the mat and then went home", add_special_tokens=False
@@ -236,10 +236,9 @@ def test_tokens_after_a_stop_string_are_no_part_of_the_answer(tokenizer):
 
     async def run():
         totals = GenerationTotals()
-        deltas = [d async for d in generate_choices(
-            OneBigOutput(), tokenizer, "r", PreparedPrompt([1, 2]),
-            SamplingParams(max_tokens=len(ids), logprobs=0), n=1, stop=["mat"],
-            skip_special_tokens=True, totals=totals)]  # fmt: skip
+        sampling = SamplingParams(max_tokens=len(ids), logprobs=0)
+        job = GenerationJob("r", "m", PreparedPrompt([1, 2]), sampling, n=1, stop=["mat"])
+        deltas = [d async for d in generate_choices(OneBigOutput(), tokenizer, job, totals)]
         return deltas, totals
 
     deltas, totals = asyncio.run(run())

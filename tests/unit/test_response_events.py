@@ -14,10 +14,10 @@ from pydantic import TypeAdapter
 
 from engine.protocol import SamplingParams, TokenLogprob
 from engine.tiny_model import SIZES, train_tokenizer
-from server.generation import GenerationTotals, PreparedPrompt
+from server.generation import GenerationJob, GenerationTotals, PreparedPrompt
 from server.response_events import ResponseShaper, _Assembler, _EventWriter
 from server.responses import ResponsesRequest
-from server.streaming import ChoiceResult, GenerationJob
+from server.streaming import ChoiceResult
 from server.tool_calls import ToolPlan
 
 TOOLS = [{"type": "function", "function": {"name": "get_time"}}]
