@@ -33,7 +33,6 @@ from engine.feature_fetcher import FeatureFetcher, FeatureJob, FetchConfig, Fetc
 from engine.feature_validation import FeatureSpec
 from engine.protocol import FinishReason, MediaInput, RequestOutput
 from engine.request import Request
-from engine.url_safety import http_prefixes
 
 logger = logging.getLogger(__name__)
 
@@ -59,20 +58,7 @@ class FeatureAdmission:
     @property
     def fetcher(self) -> FeatureFetcher:
         if self._fetcher is None:
-            c = self.config
-            self._fetcher = FeatureFetcher(
-                FetchConfig(
-                    parallel=c.feature_fetch_parallel,
-                    timeout_s=c.feature_fetch_timeout_s,
-                    max_bytes=c.max_feature_bytes,
-                    max_retries=c.feature_fetch_retries,
-                    s3_endpoint_url=c.s3_endpoint_url,
-                    allow_private_urls=c.allow_private_feature_urls,
-                    allowed_url_prefixes=http_prefixes(c.allowed_feature_url_prefixes),
-                    max_known_versions=c.feature_known_versions,
-                    max_connections=c.feature_fetch_max_connections,
-                )
-            )
+            self._fetcher = FeatureFetcher(FetchConfig.of(self.config))
         return self._fetcher
 
     def submit(self, request: Request, media: Sequence[MediaInput]) -> bool:

@@ -35,6 +35,7 @@ import aiohttp
 import blake3
 import torch
 
+from engine.config import EngineConfig
 from engine.feature_validation import FeatureError, FeatureSpec, validate_features
 from engine.multimodal.media import DataUrlError, parse_data_url
 from engine.url_safety import (
@@ -43,6 +44,7 @@ from engine.url_safety import (
     UnsafeUrlError,
     UrlPolicy,
     guarded_session,
+    http_prefixes,
     open_checked,
     read_capped,
 )
@@ -69,12 +71,13 @@ _DENIED_CODES = {"AccessDenied", "403", "401", "InvalidAccessKeyId", "SignatureD
 
 @dataclass(frozen=True)
 class FetchConfig:
-    """Limits of the fetcher; mirrors the `feature_*` fields of EngineConfig."""
+    """Limits of the fetcher: the `feature_*` settings of EngineConfig (`of`), whose
+    defaults are its own."""
 
-    parallel: int = 8  # concurrent downloads per request; 1 = one at a time
-    timeout_s: float = 30.0  # total deadline per URL, retries included
-    max_bytes: int = 256 * 1024 * 1024  # per file
-    max_retries: int = 3
+    parallel: int = EngineConfig.feature_fetch_parallel  # concurrent downloads per request
+    timeout_s: float = EngineConfig.feature_fetch_timeout_s  # per URL, retries included
+    max_bytes: int = EngineConfig.max_feature_bytes  # per file
+    max_retries: int = EngineConfig.feature_fetch_retries
     backoff_s: float = 0.05  # first retry delay, doubled each time
     s3_endpoint_url: str | None = None
     allow_private_urls: bool = False  # http(s) URLs may point at loopback / private hosts
@@ -84,10 +87,24 @@ class FetchConfig:
     allowed_url_prefixes: tuple[str, ...] | None = None
     # URLs whose version (ETag / Last-Modified) is remembered to skip a download, newest
     # used kept: a forgotten one is downloaded again. Presigned URLs are all distinct.
-    max_known_versions: int = 16384
+    max_known_versions: int = EngineConfig.feature_known_versions
     # Connections of all requests' downloads together, per storage kind (each request takes
     # up to `parallel` of them).
-    max_connections: int = 64
+    max_connections: int = EngineConfig.feature_fetch_max_connections
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> FetchConfig:
+        return cls(
+            parallel=config.feature_fetch_parallel,
+            timeout_s=config.feature_fetch_timeout_s,
+            max_bytes=config.max_feature_bytes,
+            max_retries=config.feature_fetch_retries,
+            s3_endpoint_url=config.s3_endpoint_url,
+            allow_private_urls=config.allow_private_feature_urls,
+            allowed_url_prefixes=http_prefixes(config.allowed_feature_url_prefixes),
+            max_known_versions=config.feature_known_versions,
+            max_connections=config.feature_fetch_max_connections,
+        )
 
 
 @dataclass(frozen=True)

@@ -61,22 +61,7 @@ def make_fetcher(settings: ServerSettings, metrics: ServerMetrics) -> MediaFetch
     model_dir = Path(settings.engine.model)
     if not (model_dir / "preprocessor_config.json").is_file():
         return None
-    config = MediaFetchConfig(
-        max_image_bytes=settings.max_image_bytes,
-        timeout_s=settings.media_fetch_timeout_s,
-        allow_private_urls=settings.allow_private_media_urls,
-        max_image_pixels=settings.max_image_pixels,
-        processed_image_cache_bytes=settings.image_cache_mb * 1024 * 1024,
-        max_redirects=settings.media_fetch_max_redirects,
-        max_connections=settings.media_fetch_max_connections,
-        max_connections_per_host=settings.media_fetch_max_connections_per_host,
-        allowed_domains=settings.allowed_media_domains,
-        allowed_local_path=settings.allowed_local_media_path,
-        max_video_bytes=settings.max_video_bytes,
-        max_video_decode_seconds=settings.max_video_decode_seconds,
-        num_image_decode_threads=settings.image_decode_thread_count(),
-        num_video_decode_threads=settings.video_decode_threads,
-    )
+    config = MediaFetchConfig.of(settings)
     video_config = VideoConfig.from_model_dir(
         model_dir,
         fps=settings.video_fps,

@@ -48,6 +48,7 @@ from engine.url_safety import (
     read_capped,
 )
 from server.image_cache import ProcessedImageCache, bytes_key
+from server.settings import ServerSettings
 
 if TYPE_CHECKING:
     from server.media_options import MediaProcessingOptions
@@ -55,22 +56,41 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class MediaFetchConfig:
-    """Limits for fetching media; resolved from ServerSettings at start-up."""
+    """Limits for fetching media: ServerSettings' (`of`), whose defaults are its own."""
 
-    max_image_bytes: int = 20 * 1024 * 1024
-    timeout_s: float = 10.0
+    max_image_bytes: int = ServerSettings.max_image_bytes
+    timeout_s: float = ServerSettings.media_fetch_timeout_s
     allow_private_urls: bool = False
-    max_image_pixels: int = 64_000_000
-    max_redirects: int = 3
+    max_image_pixels: int = ServerSettings.max_image_pixels
+    max_redirects: int = ServerSettings.media_fetch_max_redirects
     num_image_decode_threads: int = 2
-    num_video_decode_threads: int = 2
-    processed_image_cache_bytes: int = 256 * 1024 * 1024  # 0 = no cache
+    num_video_decode_threads: int = ServerSettings.video_decode_threads
+    processed_image_cache_bytes: int = ServerSettings.image_cache_mb * 1024 * 1024  # 0 = off
     allowed_domains: str | None = None  # comma-separated host allowlist; None = any
     allowed_local_path: str | None = None  # file:// only under this folder; None = off
-    max_video_bytes: int = 64 * 1024 * 1024
-    max_video_decode_seconds: float = 30.0
-    max_connections: int = 256  # open media downloads, per API process
-    max_connections_per_host: int = 64
+    max_video_bytes: int = ServerSettings.max_video_bytes
+    max_video_decode_seconds: float = ServerSettings.max_video_decode_seconds
+    max_connections: int = ServerSettings.media_fetch_max_connections  # per API process
+    max_connections_per_host: int = ServerSettings.media_fetch_max_connections_per_host
+
+    @classmethod
+    def of(cls, settings: ServerSettings) -> MediaFetchConfig:
+        return cls(
+            max_image_bytes=settings.max_image_bytes,
+            timeout_s=settings.media_fetch_timeout_s,
+            allow_private_urls=settings.allow_private_media_urls,
+            max_image_pixels=settings.max_image_pixels,
+            processed_image_cache_bytes=settings.image_cache_mb * 1024 * 1024,
+            max_redirects=settings.media_fetch_max_redirects,
+            max_connections=settings.media_fetch_max_connections,
+            max_connections_per_host=settings.media_fetch_max_connections_per_host,
+            allowed_domains=settings.allowed_media_domains,
+            allowed_local_path=settings.allowed_local_media_path,
+            max_video_bytes=settings.max_video_bytes,
+            max_video_decode_seconds=settings.max_video_decode_seconds,
+            num_image_decode_threads=settings.image_decode_thread_count(),
+            num_video_decode_threads=settings.video_decode_threads,
+        )
 
     @property
     def url_policy(self) -> UrlPolicy:
