@@ -22,6 +22,8 @@ from pathlib import Path
 
 import httpx
 
+from engine.process_tree import child_pids
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -154,18 +156,6 @@ def cpu_seconds(pid: int, thread_id: int | None = None) -> float:
     stat = f"/proc/{pid}/stat" if thread_id is None else f"/proc/{pid}/task/{thread_id}/stat"
     fields = Path(stat).read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def child_pids(pid: int) -> list[int]:
-    """The direct children of process `pid`, from every one of its threads (Linux /proc)."""
-    children = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            listed = (task / "children").read_text()
-        except FileNotFoundError:  # the thread ended since the listing (a worker thread)
-            continue
-        children += [int(child) for child in listed.split()]
-    return children
 
 
 def process_name(pid: int) -> str:

@@ -32,6 +32,7 @@ import contextlib
 import faulthandler
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -84,9 +85,12 @@ def run_engine(
     log_level: str = "info",
     log_format: str = "text",
     core_factory: Callable[[EngineConfig], Any] | None = None,
+    run_dir: str | None = None,
 ) -> None:
     """Entry point of the engine process (a multiprocessing "spawn" target). Address i
-    of `inbox_addresses` and of `outbox_addresses` belong to API process i.
+    of `inbox_addresses` and of `outbox_addresses` belong to API process i. `run_dir`: the
+    server's private folder (its ipc sockets, its metrics files), which the engine removes
+    when it finds the server gone: a server killed with SIGKILL could not (fuzz47).
 
     `core_factory` builds the core (default `engine.core.EngineCore`); it must be a
     module-level callable so that spawn can pass it. Never returns normally on failure:
@@ -115,6 +119,8 @@ def run_engine(
         for outbox in outboxes:
             outbox.close(linger=2000)  # let a final EngineOutputs / EngineFailed go out
         context.term()
+    if exit_code == EXIT_PARENT_GONE and run_dir is not None:
+        shutil.rmtree(run_dir, ignore_errors=True)
     if exit_code:
         sys.exit(exit_code)
 

@@ -50,6 +50,7 @@ from typing import Any
 
 from engine.logging_utils import configure_logging, name_this_process
 from engine.process import STOP_SIGNAL, run_engine
+from engine.process_tree import kill_tree
 from server.cli import API_PROCESS_DRAIN_SIGNAL, bind_port, run_server
 from server.metric_names import MULTIPROC_DIR_ENV
 from server.settings import ServerSettings
@@ -109,7 +110,8 @@ def run_api_servers(settings: ServerSettings) -> int:
     engine = spawn.Process(
         target=run_engine,
         args=(settings.engine, inboxes, outboxes, os.getpid()),
-        kwargs={"log_level": settings.log_level, "log_format": settings.log_format},
+        kwargs={"log_level": settings.log_level, "log_format": settings.log_format,
+                "run_dir": run_dir},  # fmt: skip
         name="tessera-engine",
         daemon=True,
     )
@@ -211,15 +213,17 @@ class _Launcher:
 
 
 def _stop(process: multiprocessing.process.BaseProcess, signum: int, timeout: float) -> None:
-    """Send `signum` to `process` if it runs, SIGKILL it after `timeout` s (never started:
-    nothing to do)."""
+    """Send `signum` to `process` if it runs; after `timeout` s SIGKILL it with every
+    process it started (the engine's tensor-parallel workers: fuzz47). Never started:
+    nothing to do."""
     if process.pid is None:
         return
     if process.is_alive():
         os.kill(process.pid, signum)
         process.join(timeout)
     if process.is_alive():
-        process.kill()
+        logger.warning("%s (%d) did not exit; killing it", process.name, process.pid)
+        kill_tree(process.pid)
         process.join(2.0)
 
 

@@ -36,6 +36,7 @@ import zmq.asyncio
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError, InvalidRequest, TesseraError
 from engine.process import STOP_SIGNAL, run_engine
+from engine.process_tree import kill_tree
 from engine.protocol import (
     AbortRequests,
     EngineFailed,
@@ -158,7 +159,7 @@ class EngineClient:
         process = spawn.Process(
             target=run_engine,
             args=(self.config, [inbox_address], [outbox_address], os.getpid()),
-            kwargs=self._engine_kwargs,
+            kwargs={**self._engine_kwargs, "run_dir": self._ipc_dir},
             name="tessera-engine",
             daemon=True,  # never outlive the server, even if shutdown() is skipped
         )
@@ -237,14 +238,19 @@ class EngineClient:
         deadline = time.monotonic() + timeout
         while process.is_alive() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        # It ignores SIGTERM (engine/process.py): STOP_SIGNAL unwinds it, SIGKILL ends it.
+        # It ignores SIGTERM (engine/process.py): STOP_SIGNAL unwinds it (stopping its
+        # tensor-parallel workers), SIGKILL ends it with every process it started (a
+        # worker that is stopped or wedged outlived it: fuzz47).
         for signum in (STOP_SIGNAL, signal.SIGKILL):
             if not process.is_alive():
                 break
             name = signal.Signals(signum).name
             logger.warning("engine process %d did not exit; sending %s", process.pid, name)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(process.pid, signum)
+            if signum == signal.SIGKILL:
+                kill_tree(process.pid)
+            else:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signum)
             await asyncio.to_thread(process.join, 2.0)
         process.join(0)
 

@@ -7,12 +7,14 @@ import asyncio
 import base64
 import concurrent.futures
 import contextlib
+import glob
 import os
 import signal
 import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 import zlib
 from collections.abc import Iterator
@@ -20,7 +22,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from bench.servers import child_pids, engine_pid, repo_pythonpath
+from bench.servers import engine_pid, repo_pythonpath
+from engine.process_tree import child_pids
 from tests.e2e.conftest import (
     MODEL_NAME,
     ServerHandle,
@@ -136,9 +139,20 @@ def test_a_stopped_engine_fails_its_requests_instead_of_holding_them(model_dir, 
                 os.kill(engine, signal.SIGKILL)
 
 
+def _run_dirs() -> set[str]:
+    """The servers' private folders (ipc sockets; metrics files with several API processes)."""
+    return set(glob.glob(f"{tempfile.gettempdir()}/tessera-*")) - set(
+        glob.glob(f"{tempfile.gettempdir()}/tessera-tp-*"))  # fmt: skip
+
+
 def test_server_sigkill_engine_exits(model_dir, tmp_path):
+    """The engine notices its parent is gone, exits, and removes the folder of the server's
+    sockets, which a server killed with SIGKILL could not (it stayed behind: fuzz47)."""
+    before = _run_dirs()
     with run_server(model_dir, tmp_path / "server_killed.log") as handle:
         children = child_pids(handle.process.pid)
+        run_dirs = _run_dirs() - before
+        assert run_dirs  # this server's
         body = _long(max_tokens=1900, stream=True)
         stream, _, started = stream_in_background(handle.base_url, body)
         assert started.wait(60), handle.log_tail()  # the engine is busy stepping
@@ -146,6 +160,7 @@ def test_server_sigkill_engine_exits(model_dir, tmp_path):
         handle.process.wait(10)
         stream.join(30)
         wait_all_gone(children, timeout=5)  # the engine noticed its parent is gone
+    assert not run_dirs & _run_dirs()
 
 
 def test_many_clients_disconnect_after_the_first_chunk(busy_server):

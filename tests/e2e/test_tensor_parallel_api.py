@@ -19,7 +19,8 @@ import pytest
 
 from bench.datasets import data_url
 from bench.local_inputs import picture, png_bytes
-from bench.servers import child_pids, engine_pid
+from bench.servers import engine_pid
+from engine.process_tree import child_pids
 from tests.e2e.conftest import MODEL_NAME, is_gone, run_server, stream_in_background
 
 
@@ -96,6 +97,27 @@ def test_a_hung_worker_is_not_left_behind_by_the_step_watchdog(model_dir, tmp_pa
             assert response.status_code == 503, response.text
             assert handle.process.wait(30) == 1, handle.log_tail()
             _wait_gone(worker, "the stopped tensor-parallel worker")
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker, signal.SIGKILL)
+
+
+def test_a_hung_worker_is_not_left_behind_by_a_shutdown(model_dir, tmp_path):
+    """SIGTERM drains, then the engine, stuck in a collective with a stopped worker, is
+    killed: the worker was not, and outlived the server for good (fuzz47)."""
+    args = ["--tensor-parallel-size", "2", "--shutdown-timeout-s", "1"]
+    with run_server(model_dir, tmp_path / "tp.log", *args) as handle:
+        [worker] = _shard_workers(engine_pid(handle.process.pid))
+        try:
+            body = {**_question(max_tokens=2000), "stream": True}
+            thread, _, started = stream_in_background(handle.base_url, body)
+            assert started.wait(60)
+            os.kill(worker, signal.SIGSTOP)  # mid-forward: the engine waits on it
+            handle.process.send_signal(signal.SIGTERM)
+            handle.process.wait(60)
+            thread.join(30)
+            _wait_gone(worker, "the stopped tensor-parallel worker")
+            assert "did not exit; sending SIGKILL" in handle.log_tail(20000)
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(worker, signal.SIGKILL)

@@ -23,9 +23,9 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from bench.servers import child_pids  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.errors import EngineBroken, ModelLoadError  # noqa: E402
+from engine.process_tree import child_pids  # noqa: E402
 from engine.tiny_model import make_tiny_model  # noqa: E402
 from tests.parity.test_generate import GREEDY, Reference, check, make_prompts  # noqa: E402
 
@@ -105,7 +105,7 @@ def test_an_llm_dropped_without_close_stops_its_workers(reference):
 
     script = f"""
 import gc, os
-from bench.servers import child_pids
+from engine.process_tree import child_pids
 from engine import LLM, SamplingParams
 llm = LLM({str(reference.model_dir)!r}, tensor_parallel_size=2, num_kv_blocks=64)
 llm.generate(["Hello"], SamplingParams(max_tokens=2, temperature=0.0))
