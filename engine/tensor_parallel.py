@@ -52,6 +52,9 @@ JOIN_POLL_S = 0.05  # how often the ranks check each other while they start
 # then waited out RENDEZVOUS_TIMEOUT, outliving the server by two minutes; fuzz40).
 GLOO_RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=20)
 STEP_TIMEOUT = datetime.timedelta(minutes=10)
+# After a collective fails: how long a peer's exit may lag the broken connection, so that
+# the error names the rank that died.
+PEER_EXIT_WAIT_S = 1.0
 
 
 def split_dim(name: str) -> int | None:
@@ -117,9 +120,11 @@ class ShardGroup:
         peers_alive: Callable[[], None] | None = None,
     ) -> None:
         """`peers_alive`: raises once a peer has died (rank 0: a worker; a worker: rank
-        0), checked while the ranks wait for each other to join."""
+        0), checked while the ranks wait for each other to join, and after a collective
+        fails, to name the peer that died."""
         self.shard = (rank, size)
         self.device = device
+        self._peers_alive = peers_alive or (lambda: None)
         # Rank 0: why the workers are no longer in step with it (a forward it left midway).
         self.out_of_step: str | None = None
         self._context = zmq.Context()
@@ -138,7 +143,7 @@ class ShardGroup:
             store = dist.FileStore(store_path, size)
             store.set(_joining_key(rank), "1")
             peers = range(1, size) if rank == 0 else [0]
-            _wait_for_peers(store, peers, peers_alive or (lambda: None))
+            _wait_for_peers(store, peers, self._peers_alive)
             self._group = dist.ProcessGroupGloo(store, rank, size, _loopback_options())
             self._group.set_timeout(STEP_TIMEOUT)
         except BaseException:
@@ -154,10 +159,21 @@ class ShardGroup:
         self._collective(self._group.barrier)
 
     def _collective(self, start: Callable[[], dist.Work]) -> None:
-        """Runs one collective; a peer that died or timed out breaks the whole group."""
+        """Runs one collective; a peer that died or timed out breaks the whole group. The
+        error names the peer that exited where one did: gloo's own ("Connection reset by
+        peer") comes first, and named this rank alone (fuzz47)."""
         try:
             start().wait()
         except RuntimeError as exc:
+            deadline = time.monotonic() + PEER_EXIT_WAIT_S  # its exit may lag the reset
+            while True:
+                try:
+                    self._peers_alive()
+                except EngineBroken as dead:
+                    raise EngineBroken(f"{dead}; the collective failed: {exc}") from exc
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.02)
             raise EngineBroken(f"tensor-parallel rank {self.shard[0]}: {exc}") from exc
 
     # rank 0

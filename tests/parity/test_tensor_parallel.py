@@ -80,7 +80,8 @@ def test_a_dead_rank_fails_the_engine_and_no_process_is_left(reference):
         ]  # fmt: skip
         os.kill(worker, signal.SIGKILL)
         started = time.monotonic()
-        with pytest.raises(EngineBroken, match="(?i)connection|closed|reset|peer"):
+        # The rank that died is named, not only gloo's broken connection (fuzz47).
+        with pytest.raises(EngineBroken, match=r"rank 1 exited \(code -9\); the collective"):
             llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0.0))
         assert time.monotonic() - started < 30
     finally:
