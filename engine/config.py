@@ -70,7 +70,7 @@ class EngineConfig:
     allow_private_feature_urls: bool = False  # allow http(s) feature URLs on private networks
     allowed_feature_url_prefixes: str | None = None  # comma-separated URL prefixes, each ending in '/' (else https://a.example also lets https://a.example.evil.net in); a URL, and every redirect it takes, is held to them as it will be fetched (dot segments resolved); None = any
     engine_step_timeout_s: float = 300.0  # a pass of the engine loop (one step) longer than this is a hang: the engine exits, and the server with it, for its supervisor to restart; 0 = never
-    api_server_stall_timeout_s: float = 30.0  # with api_server_count > 1: an API process that reads none of its outputs this long (stopped, wedged, dead) has its requests aborted; the others' are never held up by it
+    api_server_stall_timeout_s: float = 30.0  # with api_server_count > 1: an API process whose output queue stays full this long (it reads none of its outputs: stopped, wedged, dead) has its requests aborted; the others' are never held up by it
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -204,11 +204,17 @@ class StepWatchdog:
     that hangs (a kernel, a collective), or a deadlock. Requests would otherwise wait
     forever while /health said ok. The exit makes the server fail their requests with a
     503 and exit non-zero, for its supervisor to restart (SGLang's watchdog does the same).
-    The main thread's stack goes to the log first, to say where it hung."""
+    The main thread's stack goes to the log first, to say where it hung.
 
-    def __init__(self, loop: EngineLoop, timeout_s: float) -> None:
+    A pass still running after a tenth of the timeout is logged once, as a warning: a
+    tensor-parallel worker stopped for 30 s held every request without a word in the log
+    until it went on or the timeout came (fuzz47)."""
+
+    def __init__(self, loop: EngineLoop, timeout_s: float, warn_after_s: float | None = None):
         self._loop = loop
         self._timeout_s = timeout_s
+        self._warn_after_s = timeout_s / 10 if warn_after_s is None else warn_after_s
+        self._warned_pass: float | None = None  # the pass already warned of
 
     def start(self) -> None:
         if self._timeout_s > 0:
@@ -216,8 +222,17 @@ class StepWatchdog:
 
     def _watch(self) -> None:
         while True:
-            time.sleep(min(1.0, self._timeout_s / 4))
-            stalled = time.monotonic() - self._loop.last_pass
+            time.sleep(min(1.0, self._warn_after_s / 2))
+            last_pass = self._loop.last_pass
+            stalled = time.monotonic() - last_pass
+            if stalled > self._warn_after_s and self._warned_pass != last_pass:
+                self._warned_pass = last_pass
+                logger.warning(
+                    "engine step has run %.0f s (engine_step_timeout_s %g ends the engine): "
+                    "waiting on the device, a tensor-parallel rank, or a deadlock",
+                    stalled,
+                    self._timeout_s,
+                )
             if stalled > self._timeout_s:
                 logger.error(
                     "engine step has run %.0f s, past engine_step_timeout_s (%g): exiting; "
