@@ -50,7 +50,7 @@ from collections.abc import Collection
 
 from engine.config import EngineConfig
 from engine.encoder_cache import EncoderCacheManager, uuid_of
-from engine.errors import too_long_for_kv_cache, unknown_media_uuid
+from engine.errors import MediaError, too_long_for_kv_cache, unknown_media_uuid
 from engine.kv_cache_manager import KVCacheManager
 from engine.protocol import ErrorInfo, RequestOutput, TokenLogprob
 from engine.request import MediaItem, Request, RequestStatus
@@ -91,16 +91,36 @@ class Scheduler:
             raise refusal
         for media in request.media:
             self._fit_encoder_budgets(media.num_tokens)
-        for content_hash in cached_only_hashes(request):
+        cached_only = cached_only_hashes(request)
+        for content_hash in cached_only:
             if not self.encoder_cache.has(content_hash):
                 raise unknown_media_uuid(
                     uuid_of(content_hash) or content_hash,
                     "its cached encoding was evicted; send the media with its uuid again",
                 )
+        self._check_cached_only_room(request, cached_only)
         self.requests[request.request_id] = request
         request.queued_time = time.monotonic()
         request.queue_order = next(self._queue_order)
         self.waiting.push(request)
+
+    def _check_cached_only_room(self, request: Request, cached_only: set[str]) -> None:
+        """A running request holds its uuid-only items' entries, and each other item needs
+        room beside them: more than the cache holds, and its chunk could never start
+        (0 tokens each step, and first in the queue, every request behind it waited)."""
+        if not cached_only:
+            return
+        sizes = {m.content_hash: m.num_tokens for m in request.media}
+        held = sum(sizes[content_hash] for content_hash in cached_only)
+        largest = max((n for h, n in sizes.items() if h not in cached_only), default=0)
+        if held + largest > self.encoder_cache.budget_tokens:
+            raise MediaError(
+                f"the request's uuid-only media take {held} encoder cache tokens and its "
+                f"largest other item {largest}, more than the encoder cache holds "
+                f"({self.encoder_cache.budget_tokens}, --encoder-cache-tokens): send the "
+                "media with their uuids again, or fewer of them in one request",
+                param="messages",
+            )
 
     def _fit_encoder_budgets(self, num_tokens: int) -> None:
         """An item larger than an encoder budget still runs: the budget grows to fit it."""

@@ -28,31 +28,41 @@ def chunk_end_for_media(
     split_media: bool,
 ) -> int:
     """Where a chunk [start, end) must end for its media: before a span it would split
-    (without `split_media`, unless the span starts the chunk), and before the first new
-    item that the step's encoder budget or the cache's room cannot take."""
+    (without `split_media`, unless the span starts the chunk), and before the first item
+    that would not fit: a new one the step's encoder budget or the cache's room cannot take
+    beside the cached entries read before it, or a cached one that the new items before it
+    would need evicted (it is read, and encoded again if need be, by a later chunk).
+
+    Items are taken in prompt order. Every cached entry anywhere in the chunk used to be
+    kept from the start, and a new item before a cached one that did not fit beside it
+    ended the chunk before that new item, at its start: a request with the items
+    [big, small, big] under a cache of one big and a bit planned 0 tokens every step for
+    ever, and at the head of the queue stalled every request behind it (fuzz46)."""
     if not split_media:
         for media in request.media:
             if media.offset < end < media.end and media.offset > start:
                 end = media.offset  # stop before the span rather than split it
                 break
     num_new_encoder_tokens = 0
-    overlapping = request.media_overlapping(start, end)
-    # Cached entries this chunk reads are acquired before any eviction: not room.
-    hits = {m.content_hash for m in overlapping if cache.has(m.content_hash)}
+    kept: set[str] = set()  # cached entries the chunk reads: acquired before any eviction
     new_hashes: set[str] = set()
-    for media in overlapping:
-        if media.content_hash in hits or media.content_hash in to_encode:
-            continue
-        if media.content_hash in new_hashes:  # the same image twice in one chunk
-            continue
-        new_hashes.add(media.content_hash)
-        num_new_encoder_tokens += media.num_tokens
-        fits = num_new_encoder_tokens <= encoder_budget and cache.can_allocate(
-            num_new_encoder_tokens, keep=hits
-        )
+    for media in request.media_overlapping(start, end):
+        content_hash = media.content_hash
+        if content_hash in kept or content_hash in new_hashes or content_hash in to_encode:
+            continue  # the same image twice in one chunk, or encoded this step already
+        if cache.has(content_hash):
+            fits = not num_new_encoder_tokens or cache.can_allocate(
+                num_new_encoder_tokens, keep=kept | {content_hash}
+            )
+            kept.add(content_hash)
+        else:
+            new_hashes.add(content_hash)
+            num_new_encoder_tokens += media.num_tokens
+            fits = num_new_encoder_tokens <= encoder_budget and cache.can_allocate(
+                num_new_encoder_tokens, keep=kept
+            )
         if not fits:
-            end = max(media.offset, start)
-            break
+            return max(media.offset, start)
     return end
 
 

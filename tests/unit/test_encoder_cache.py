@@ -101,6 +101,35 @@ def test_chunk_hit_is_not_counted_as_room_for_a_new_item():
     run_to_end(scheduler)
 
 
+def run_bounded(scheduler: Scheduler, max_steps: int = 100) -> list:
+    """run_to_end, failing rather than spinning when the requests stop making progress."""
+    outs = []
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished_requests():
+            return outs
+        outs.append(step(scheduler))
+        assert scheduler.encoder_cache.num_used_tokens <= scheduler.encoder_cache.budget_tokens
+    raise AssertionError(f"still unfinished after {max_steps} steps: {scheduler.running}")
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["fresh", "big-cached-before"])
+def test_a_new_item_before_a_cached_one_that_cannot_stay_beside_it_still_runs(warm):
+    """Every cached entry of the chunk was kept from its start: the small new item before
+    the cached big one could not fit beside it, the chunk ended at the small item's start,
+    0 tokens every step for ever; queued first, the request stalled every request behind
+    it (fuzz46). Now the chunk ends before the cached item, which is encoded again later."""
+    scheduler = make_scheduler(encoder_cache_tokens=20, max_num_batched_tokens=64)
+    if warm:
+        run_to_end_with(scheduler, make_request("warm", 24, [image(2, 18, "big")]))
+        media = [image(2, 4, "small"), image(8, 18, "big")]
+    else:
+        media = [image(2, 18, "big"), image(22, 4, "small"), image(28, 18, "big")]
+    scheduler.add_request(make_request("mixed", 60, media))
+    scheduler.add_request(make_request("text", 8, []))  # queued behind it
+    encoded = [m.content_hash for out in run_bounded(scheduler) for m in out.media_to_encode]
+    assert encoded == (["small", "big"] if warm else ["big", "small", "big"])
+
+
 def test_same_image_twice_stays_referenced_while_its_second_span_is_part_done():
     # Regression: finishing the first span released the hash while the second span of
     # the same image was still part-way, so another request could evict it.
@@ -177,6 +206,21 @@ def test_a_waiting_uuid_only_request_never_stalls_the_running_one():
             break
         step(scheduler)
     assert running.is_finished and not scheduler.has_unfinished_requests()
+
+
+def test_uuid_only_items_that_leave_no_room_for_the_others_are_refused():
+    """Held while the request runs, they left no room for its own image after them: the
+    chunk could never start (0 tokens each step, and first in the queue, every request
+    behind it waited)."""
+    scheduler = make_scheduler(encoder_cache_tokens=20)
+    run_to_end_with(scheduler, make_request("warm", 24, [image(2, 16, "uuid:u1")]))
+    too_many = make_request("only", 40, [cached_only(2, 16, "uuid:u1"), image(20, 8, "v")])
+    with pytest.raises(MediaError, match="--encoder-cache-tokens") as refused:
+        scheduler.add_request(too_many)
+    assert refused.value.status == 400 and not scheduler.has_unfinished_requests()
+    fits = make_request("fits", 40, [cached_only(2, 16, "uuid:u1"), image(20, 4, "v")])
+    scheduler.add_request(fits)
+    assert [m.content_hash for out in run_bounded(scheduler) for m in out.media_to_encode] == ["v"]
 
 
 def test_a_cached_only_item_evicted_before_admission_is_refused():
