@@ -125,8 +125,8 @@ def salted(key: str, salt: str | None) -> str:
 
 def uuid_of(key: str) -> str | None:
     """The client's uuid an encoder-cache key was made of (engine/request_checks.py
-    `_cache_key`: "uuid:" + it + "@image:1x4x4", maybe `salted`), None for a content
-    hash's key."""
+    `_cache_key`: "uuid:" + it + "@image:1x4x4", a video's temporal patch + "/t0", maybe
+    `salted`), None for a content hash's key."""
     if key.startswith("salt"):
         length, _, rest = key.removeprefix("salt").partition(":")
         key = rest[int(length) + 1 :]

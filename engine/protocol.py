@@ -170,6 +170,9 @@ class MediaInput(msgspec.Struct, frozen=True, kw_only=True):
     normalization: PixelNormalization | None = None  # set iff pixel_values are uint8
     feature: FeatureSource | None = None
     second_per_grid_t: float = 1.0
+    # A video laid out temporal patch by temporal patch (Qwen3-VL): which patch this item
+    # is (its key in the encoder cache is the video's and this index).
+    frame: int | None = None
 
 
 class EngineRequest(msgspec.Struct, frozen=True, kw_only=True, tag=True):

@@ -309,11 +309,15 @@ def _cache_key(media: MediaInput, salt: str | None) -> str:
     different sizes, or with an image and then a video: rows cached for one must never be
     spliced into another's placeholders (a wrong answer, or a step failed for every
     request in it), so a uuid names its rows per modality and grid. Under a `cache_salt`
-    the key is the salt's own (`salted`)."""
+    the key is the salt's own (`salted`). A video's temporal patch adds its index after
+    all that, where `uuid_of` reads past it (it was within the uuid, and the error of an
+    evicted one named "V1/t0" for the client's "V1": fuzz46)."""
     key = media.content_hash
     if key.startswith("uuid:"):
         t, h, w = media.grid_thw
         key = f"{key}@{media.modality.value}:{t}x{h}x{w}"
+    if media.frame is not None:
+        key = f"{key}/t{media.frame}"
     return salted(key, salt)
 
 

@@ -54,7 +54,7 @@ def place_media(
             changes.update(
                 num_tokens=span.num_tokens,
                 grid_thw=(1, h, w),
-                content_hash=f"{item.content_hash}/t{span.frame}",
+                frame=span.frame,
             )
             if pixels is not None:
                 pixels = pixels[span.frame * h * w : (span.frame + 1) * h * w]

@@ -3,6 +3,7 @@ scheduler's reference rules for chunks that end inside media spans."""
 
 import logging
 
+import msgspec
 import pytest
 
 from engine.config import EngineConfig
@@ -245,6 +246,21 @@ def test_an_evicted_uuid_is_named_as_the_client_sent_it_under_a_salt_too(salt):
         scheduler.add_request(make_request("only", 8, [cached_only(2, 4, key)]))
     assert refused.value.code == "unknown_media_uuid"
     assert refused.value.message.startswith("unknown media uuid 'u@1': ")
+
+
+@pytest.mark.parametrize("uuid", ["V1", "a/t0@b"])
+def test_a_video_patchs_key_names_the_clients_uuid(uuid):
+    """Each temporal patch's key had "/t0" inside the uuid: the error of an evicted one
+    named "V1/t0" for the client's "V1" (fuzz46)."""
+    from engine.encoder_cache import uuid_of
+    from engine.protocol import MediaInput, Modality
+    from engine.request_checks import _cache_key
+
+    patch = MediaInput(modality=Modality.VIDEO, content_hash=f"uuid:{uuid}", offset=0,
+                       num_tokens=4, grid_thw=(1, 4, 4), frame=3)  # fmt: skip
+    other = msgspec.structs.replace(patch, frame=4)
+    assert uuid_of(_cache_key(patch, None)) == uuid == uuid_of(_cache_key(patch, "s"))
+    assert _cache_key(patch, None) != _cache_key(other, None)  # each patch its own rows
 
 
 def test_an_entry_whose_rows_never_came_is_forgotten():

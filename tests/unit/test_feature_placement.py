@@ -14,7 +14,7 @@ from engine.feature_validation import FeatureSpec
 from engine.multimodal.placement import place_media
 from engine.multimodal.prompt import PlaceholderSpan
 from engine.protocol import FeatureSource, MediaInput, Modality
-from engine.request_checks import _check_feature_rows
+from engine.request_checks import _cache_key, _check_feature_rows
 
 URL = "s3://features/clip.safetensors"
 PER_PATCH = 4  # grid (1, 4, 4) / merge 2**2
@@ -37,7 +37,9 @@ def test_each_temporal_patch_is_a_row_range_of_the_file():
     assert tensors == []
     assert [item.offset for item in placed] == [5, 15, 25]
     assert [item.grid_thw for item in placed] == [(1, 4, 4)] * 3
-    assert [item.content_hash for item in placed] == [f"feature-url:abc/t{t}" for t in range(3)]
+    assert [item.frame for item in placed] == [0, 1, 2]
+    keys = [_cache_key(item, None) for item in placed]  # each patch its own encoder entry
+    assert keys == [f"feature-url:abc/t{t}" for t in range(3)]
     assert [item.feature for item in placed] == [
         FeatureSource(URL, rows=(t * PER_PATCH, (t + 1) * PER_PATCH), file_grid_thw=(3, 4, 4))
         for t in range(3)
