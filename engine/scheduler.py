@@ -32,11 +32,14 @@ max_tokens is not scheduled again, and one stopped by a token it did not know ye
 its extra row dropped in `update`.
 
 Encoder references (engine/scheduler_media.py): a request holds one only while a span of
-that item is part-way computed, or, running, for an item only the cache can serve
-(`MediaItem.cached_only`: a uuid-only part, which a preemption would need again), so a
-request waiting for encoder room never holds room itself. An entry that a waiting
-request needs as a cached-only item is evicted last; evicted all the same, that request
-fails with `unknown_media_uuid`. An item larger than `encoder_cache_tokens` or
+that item is part-way computed, or, from its first chunk until it ends, for an item only
+the cache can serve (`MediaItem.cached_only`: a uuid-only part, which a preemption would
+need again), so a request waiting for encoder room never holds room itself. An entry that
+a waiting request needs as a cached-only item is evicted last; evicted all the same, that
+request fails with `unknown_media_uuid`. A request whose cached-only items leave no room
+for its largest other item is refused at `add_request`; when running requests wait on
+encoder room that only their cached-only entries hold (no chunk moves), the most recently
+admitted one is preempted. An item larger than `encoder_cache_tokens` or
 `max_encoder_tokens_per_step` still runs: the budget grows to it at `add_request`, with a
 warning.
 """
@@ -207,18 +210,21 @@ class Scheduler:
             self._make_room_for_the_urgent(budget, preempted)
         decodes: list[Request] = []
         prefills: list[Request] = []
+        sits_out = False
         for request in self.running:
             if request.num_pending_tokens and (
                 request.sampling.needs_output_on_host or self._pending_token_ends(request)
             ):
                 # Its next token needs the one in flight on the host (a grammar's mask, a
                 # bad word's ban), or that token ends it: it sits this step out.
+                sits_out = True
                 continue
             num_left = request.num_scheduled_tokens - request.num_computed_tokens
             if num_left == 1:
                 decodes.append(request)
             elif num_left > 1:
                 prefills.append(request)
+        waiting_for_media: list[Request] = []
         for request in decodes + prefills:
             if budget <= 0:
                 break
@@ -226,10 +232,21 @@ class Scheduler:
                 continue
             start = request.num_computed_tokens
             num_tokens = self._plan_chunk(request, start, budget, to_encode, encoder_budget[0])
-            if num_tokens == 0:
+            if num_tokens == 0:  # its next item has no encoder room yet
+                waiting_for_media.append(request)
                 continue
             if self._allocate_or_preempt(request, num_tokens, scheduled, preempted):
                 run(request, start, num_tokens)
+        if waiting_for_media and not chunks and not sits_out:
+            # No running request moves, and none will free encoder room: each holds entries
+            # (uuid-only items) another needs the room of. Preempting one lets the others
+            # go on; its own uuid-only entries stay, evicted last (fuzz49).
+            if self.is_priority:
+                victim = max(waiting_for_media, key=lambda r: r.urgency)
+            else:
+                victim = waiting_for_media[-1]  # the most recently admitted
+            self._preempt(victim)
+            preempted.append(victim.request_id)
 
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
@@ -282,12 +299,16 @@ class Scheduler:
         to_encode: dict[str, MediaItem],
         encoder_budget: list[int],
     ) -> None:
-        """References (or accounts and queues for encoding) the media a chunk touches."""
+        """References (or accounts and queues for encoding) the media a chunk touches, and
+        from its first chunk on the entries only the cache can serve it (uuid-only items,
+        held while it runs: a first chunk's new items evicted the request's own uuid-only
+        entry further on, and it failed as "evicted": fuzz49)."""
         overlapping = request.media_overlapping(start, end)
-        for media in overlapping:  # existing entries first, so allocation cannot evict them
-            if self.encoder_cache.has(media.content_hash):
-                if not self.encoder_cache.is_referenced_by(media.content_hash, request.request_id):
-                    self.encoder_cache.acquire(media.content_hash, request.request_id)
+        held = [m.content_hash for m in overlapping] + sorted(cached_only_hashes(request))
+        for content_hash in held:  # existing entries first, so allocation cannot evict them
+            if self.encoder_cache.has(content_hash):
+                if not self.encoder_cache.is_referenced_by(content_hash, request.request_id):
+                    self.encoder_cache.acquire(content_hash, request.request_id)
                     self.counters.encoder_cache_queries += 1
                     self.counters.encoder_cache_hits += 1
         spare: set[str] | None = None

@@ -44,7 +44,9 @@ def chunk_end_for_media(
                 end = media.offset  # stop before the span rather than split it
                 break
     num_new_encoder_tokens = 0
-    kept: set[str] = set()  # cached entries the chunk reads: acquired before any eviction
+    # Cached entries the chunk reads, acquired before any eviction, and those only the
+    # cache can serve the request (held from its first chunk: Scheduler._commit_media).
+    kept = {h for h in cached_only_hashes(request) if cache.has(h)}
     new_hashes: set[str] = set()
     for media in request.media_overlapping(start, end):
         content_hash = media.content_hash

@@ -224,6 +224,34 @@ def test_uuid_only_items_that_leave_no_room_for_the_others_are_refused():
     assert [m.content_hash for out in run_bounded(scheduler) for m in out.media_to_encode] == ["v"]
 
 
+def test_a_request_never_evicts_its_own_uuid_only_entry():
+    """Its first chunk's new items took the room of its own uuid-only entry further on,
+    and the request failed as "evicted" (fuzz49): the entry is held from its first chunk."""
+    scheduler = make_scheduler(encoder_cache_tokens=20, max_num_batched_tokens=64)
+    run_to_end_with(scheduler, make_request("warm", 12, [image(2, 8, "uuid:u1")]))
+    media = [image(2, 8, "a"), image(12, 8, "b"), cached_only(22, 8, "uuid:u1")]
+    scheduler.add_request(make_request("r", 40, media))
+    outs = run_bounded(scheduler)
+    assert all(not m.cached_only for out in outs for m in out.media_to_encode)
+    assert "uuid:u1" not in [h for out in outs for h in out.evicted_encoder_hashes]
+
+
+def test_running_requests_holding_uuid_only_entries_do_not_wait_on_each_other():
+    """Each held its uuid-only entry and needed room the other's held: neither moved, for
+    ever (fuzz49). One is preempted, the other goes on, then it runs again."""
+    scheduler = make_scheduler(encoder_cache_tokens=20, max_num_batched_tokens=16,
+                               split_media=False)  # fmt: skip
+    run_to_end_with(scheduler, make_request("warm1", 8, [image(0, 6, "uuid:u1")]))
+    run_to_end_with(scheduler, make_request("warm2", 8, [image(0, 6, "uuid:u2")]))
+    first = make_request("a", 24, [cached_only(0, 6, "uuid:u1"), image(8, 10, "x")])
+    second = make_request("b", 24, [cached_only(0, 6, "uuid:u2"), image(8, 10, "y")])
+    scheduler.add_request(first)
+    scheduler.add_request(second)
+    run_bounded(scheduler, max_steps=30)
+    assert first.error is None and second.error is None
+    assert scheduler.counters.num_preemptions == 1
+
+
 def test_a_cached_only_item_evicted_before_admission_is_refused():
     scheduler = make_scheduler(encoder_cache_tokens=10)
     with pytest.raises(MediaError) as refused:
