@@ -234,6 +234,12 @@ class UuidRegistry:
             tuple(image.grid_thw), image.num_tokens, image.second_per_grid_t, image.frame_seconds
         )  # fmt: skip
         self._store((salt, uuid), modality, facts)
+        self._tell_the_others(uuid, salt, modality, facts)
+
+    def _tell_the_others(
+        self, uuid: str, salt: str | None, modality: Modality, facts: RememberedMedia
+    ) -> None:
+        """The other API processes remember the uuid too, as last used now."""
         if self._share is not None:
             self._share(MediaUuid(uuid=uuid, cache_salt=salt, modality=modality,
                                   grid_thw=facts.grid_thw, num_tokens=facts.num_tokens,
@@ -271,6 +277,9 @@ class UuidRegistry:
                 f"media uuid {uuid!r} names {known_modality.value}, not {modality.value}",
                 param=param,
             )
+        # Named here, used everywhere: with several API processes the others kept it as
+        # least recently used, and forgot it first (fuzz51).
+        self._tell_the_others(uuid, salt, modality, facts)
         return facts
 
 

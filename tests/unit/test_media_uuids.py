@@ -50,3 +50,15 @@ def test_the_capacity_is_a_setting():
     assert field.default == MAX_REMEMBERED_UUIDS
     with pytest.raises(ValueError, match="max_remembered_media_uuids"):
         ServerSettings(engine=EngineConfig(model="m"), max_remembered_media_uuids=0)
+
+
+def test_naming_a_uuid_refreshes_it_in_the_other_api_processes():
+    """Only new uuids were shared: the process a uuid-only part reached kept it, the others
+    forgot it first (fuzz51)."""
+    here, there = UuidRegistry(capacity=2), UuidRegistry(capacity=2)
+    here.share_with(there.learn)
+    here.remember("a", Modality.IMAGE, None, _Image())
+    here.remember("b", Modality.IMAGE, None, _Image())
+    here.lookup("a", Modality.IMAGE, None, param="p")
+    here.remember("c", Modality.IMAGE, None, _Image())
+    assert [_known(there, uuid) for uuid in "abc"] == [True, False, True]
