@@ -46,11 +46,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import ConfigDict, Field, ValidationError, field_validator
+from pydantic import ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from engine.errors import InvalidRequest, TesseraError
-from server.chat_messages import RequestModel, few_enough_messages
+from server.chat_messages import RequestModel, few_enough_messages, few_enough_tools
 from server.errors import validation_error_to_invalid
+from server.field_limits import check_count
 from server.openai_models import ChatCompletionRequest
 
 # Chat fields a Responses request may carry as extras, as vLLM's Responses endpoint does.
@@ -98,14 +99,15 @@ class ResponsesRequest(RequestModel):
     model_config = ConfigDict(extra="allow")
 
     model: str
+    instructions: str | None = None  # before `input`: its check counts them (one message)
     input: str | list[Any]
-    instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = None
     top_p: float | None = None
     stream: bool = False
     text: dict[str, Any] | None = None
     tools: list[Any] | None = None
+    _few_enough_tools = field_validator("tools", mode="before")(few_enough_tools)
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0)  # <= --max-logprobs
@@ -119,8 +121,15 @@ class ResponsesRequest(RequestModel):
     prompt: Any = None
     background: bool | None = None
 
-    # Input items become messages: as many, with as many content parts, are allowed.
-    _few_enough_items = field_validator("input", mode="before")(few_enough_messages)
+    @field_validator("input", mode="before")
+    @classmethod
+    def _few_enough_items(cls, items: Any, info: ValidationInfo) -> Any:
+        """Input items become messages, and the instructions one more: as many, with as
+        many content parts, are allowed (counted here, before the chat's own check, whose
+        error was renamed word by word: "at most 2 input are allowed")."""
+        if isinstance(items, list) and info.data.get("instructions"):
+            check_count(len(items) + 1, "max_messages", "messages (input items and instructions)")
+        return few_enough_messages(items)
 
     @property
     def wants_logprobs(self) -> bool:
@@ -204,7 +213,7 @@ def renamed(exc: TesseraError, message_sources: tuple[MessageSource, ...]) -> Te
     if chat_param is not None and param != chat_param:
         exc.param = param
         # the chat field, quoted ('messages[0]') or bare ("invalid response_format...")
-        field = rf"(?<![\w.\[]){re.escape(chat_param)}(?![\w\[])"
+        field = rf"(?<![\w.\[-]){re.escape(chat_param)}(?![\w\[])"  # not in "--max-messages"
         exc.message = re.sub(field, param, exc.message)
         exc.args = (exc.message,)
     return exc

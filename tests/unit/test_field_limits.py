@@ -145,3 +145,29 @@ def test_a_server_applies_its_own_limits_on_every_route(model_dir):
         for route, body, _ in bodies:
             response = default_client.post(route, json=body)
             assert response.status_code == 200, (route, response.text)
+
+
+def test_responses_count_their_instructions_and_name_the_flag_whole(model_dir):
+    """Instructions are one more message: the chat's own check refused them, and its error,
+    renamed word by word for Responses, read "at most 2 input are allowed (the server's
+    --max-input)" (fuzz49, fuzz51)."""
+    client, _ = _client(model_dir, max_messages=2)
+    body = {"model": "tiny", "max_output_tokens": 1, "instructions": "be brief",
+            "input": [USER, USER]}  # fmt: skip
+    with client:
+        error = client.post("/v1/responses", json=body).json()["error"]
+        assert error["param"] == "input", error
+        assert "--max-messages" in error["message"] and "--max-input" not in error["message"]
+        fits = client.post("/v1/responses", json={**body, "input": [USER]})
+        assert fits.status_code == 200, fits.text
+
+
+def test_responses_count_their_tools_before_translating_them():
+    """Each tool was translated before the chat's count of them (450 k tools: 2.4 s)."""
+    from server.responses import ResponsesRequest
+
+    tools = [{"type": "bogus"}] * 200_000
+    with pytest.raises(ValidationError) as info:
+        ResponsesRequest.model_validate({"model": "m", "input": "hi", "tools": tools})
+    assert len(info.value.errors()) == 1
+    assert validation_error_to_invalid(info.value.errors()).param == "tools"

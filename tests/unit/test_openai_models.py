@@ -300,6 +300,8 @@ def test_a_body_of_millions_of_items_is_refused_before_they_are_validated():
          "structured_outputs.choice"),
         (TokenizeRequest, {"messages": [{"role": "user", "content": "a"}],
                            "tools": [7] * 200_000}, "tools"),
+        # token ids, then strings: the union tried over every item held the loop 20 s
+        (CompletionRequest, {"model": "m", "prompt": [0] + ["a"] * 200_000}, "prompt"),
     ]  # fmt: skip
     for model, body, param in cases:
         with pytest.raises(ValidationError) as info:
