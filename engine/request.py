@@ -225,7 +225,7 @@ class Request:
             finish_reason=reason,
             error=error,
             num_prompt_tokens=self.num_prompt_tokens,
-            num_output_tokens=0,
+            num_output_tokens=None if reason is FinishReason.ERROR else 0,
         )
 
     def media_overlapping(self, start: int, end: int) -> list[MediaItem]:

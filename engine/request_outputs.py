@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-from engine.protocol import ErrorInfo, RequestOutput, SamplingParams, TokenLogprob
+from engine.protocol import ErrorInfo, FinishReason, RequestOutput, SamplingParams, TokenLogprob
 from engine.request import Request, RequestStatus
 
 
@@ -63,6 +63,14 @@ def request_output(
         error=request.error,
         num_prompt_tokens=request.num_prompt_tokens,
         num_cached_tokens=request.num_cached_tokens,
-        num_output_tokens=request.num_output_tokens,
+        num_output_tokens=generated_tokens(request),
         **request.phase_seconds(time.monotonic()),
     )
+
+
+def generated_tokens(request: Request) -> int | None:
+    """A finished request's `RequestOutput.num_output_tokens`: None for one that failed,
+    which counts in no per-request metric (as one refused on arrival; fuzz49)."""
+    if request.status.finish_reason is FinishReason.ERROR:
+        return None
+    return request.num_output_tokens

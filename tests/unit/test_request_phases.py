@@ -58,3 +58,22 @@ def test_phases_survive_the_wire_and_abort_while_queued_has_only_queue_time():
     message = EngineOutputs([aborted], EngineStats())
     decoded = SERVER_INBOX_DECODER.decode(msgspec.msgpack.encode(message))
     assert decoded.outputs[0].queued_seconds == aborted.queued_seconds
+
+
+def test_the_finishing_output_counts_the_tokens_generated_unless_the_request_failed():
+    """request_generation_tokens observes it: a request that failed counts in no
+    per-request metric, whether refused on arrival or failed later (fuzz49)."""
+    from engine.protocol import ErrorInfo
+
+    scheduler = make_scheduler(max_num_seqs=3)
+    for request_id in ("done", "aborted", "failed"):
+        scheduler.add_request(make_request(request_id, max_tokens=3))
+    step(scheduler)
+    step(scheduler)
+    [aborted] = scheduler.abort(["aborted"])
+    failed = scheduler.fail("failed", ErrorInfo(message="boom"))
+    outputs = []
+    while scheduler.has_unfinished_requests():
+        outputs += step(scheduler)
+    assert (aborted.num_output_tokens, failed.num_output_tokens) == (2, None)
+    assert outputs[-1].num_output_tokens == 3  # "done"
