@@ -224,6 +224,11 @@ class Scheduler:
                 decodes.append(request)
             elif num_left > 1:
                 prefills.append(request)
+            if request.num_computed_tokens < request.media_end:
+                # The spans the steps before compute: their entries are not needed now.
+                # `update` releases them, but a step launched ahead is planned before it,
+                # and a request waited for room its own last chunk held (fuzz50).
+                release_media(self.encoder_cache, request, everything=False)
         waiting_for_media: list[Request] = []
         for request in decodes + prefills:
             if budget <= 0:
@@ -237,14 +242,18 @@ class Scheduler:
                 continue
             if self._allocate_or_preempt(request, num_tokens, scheduled, preempted):
                 run(request, start, num_tokens)
-        if waiting_for_media and not chunks and not sits_out:
+        holding = [r for r in waiting_for_media if r.status == RequestStatus.RUNNING
+                   and cached_only_hashes(r)]  # fmt: skip
+        if holding and not chunks and not sits_out and not preempted:
             # No running request moves, and none will free encoder room: each holds entries
             # (uuid-only items) another needs the room of. Preempting one lets the others
-            # go on; its own uuid-only entries stay, evicted last (fuzz49).
+            # go on; its own uuid-only entries stay, evicted last (fuzz49). Only then: a
+            # request waiting on a part-way span of another, which a KV preemption had
+            # just freed, was preempted too, and the two took turns for ever (fuzz50).
             if self.is_priority:
-                victim = max(waiting_for_media, key=lambda r: r.urgency)
+                victim = max(holding, key=lambda r: r.urgency)
             else:
-                victim = waiting_for_media[-1]  # the most recently admitted
+                victim = holding[-1]  # the most recently admitted
             self._preempt(victim)
             preempted.append(victim.request_id)
 
@@ -311,6 +320,13 @@ class Scheduler:
                     self.encoder_cache.acquire(content_hash, request.request_id)
                     self.counters.encoder_cache_queries += 1
                     self.counters.encoder_cache_hits += 1
+        for media in overlapping:
+            queued = to_encode.get(media.content_hash)
+            if queued is not None and _has_input(media) and not _has_input(queued):
+                # An earlier request's uuid-only item was queued for this entry (evicted
+                # while it waited), and this one sent the pixels: encode these, or both
+                # requests failed as "evicted" (fuzz50).
+                to_encode[media.content_hash] = media
         spare: set[str] | None = None
         for media in overlapping:
             if not self.encoder_cache.has(media.content_hash):
@@ -448,3 +464,8 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.requests.pop(request.request_id, None)
+
+
+def _has_input(media: MediaItem) -> bool:
+    """Pixels or fetched features the runner can encode the item from."""
+    return media.pixel_values is not None or media.embeds is not None

@@ -306,3 +306,57 @@ def test_an_entry_whose_rows_never_came_is_forgotten():
 def run_to_end_with(scheduler: Scheduler, request: Request) -> None:
     scheduler.add_request(request)
     run_to_end(scheduler)
+
+
+def test_a_request_waiting_on_a_shared_part_way_image_is_not_preempted_with_its_holder():
+    """b held x part-way and preempted itself for KV blocks, which freed x; the step had no
+    chunk, so a, waiting for room, was preempted too, and the two took turns for ever
+    (fuzz50). Only requests holding uuid-only entries are preempted for encoder room."""
+    config = EngineConfig(model="unused", block_size=4, enable_prefix_caching=False,
+                          encoder_cache_tokens=10, max_num_batched_tokens=16)  # fmt: skip
+    scheduler = Scheduler(config, num_kv_blocks=5, max_model_len=1000)
+    scheduler.add_request(make_request("a", 16, [image(0, 10, "x"), image(12, 3, "y")]))
+    scheduler.add_request(make_request("b", 11, [image(0, 10, "x")]))
+    run_bounded(scheduler, max_steps=30)
+
+
+def test_a_step_launched_ahead_finds_the_room_of_spans_already_scheduled():
+    """Overlap scheduling plans step N+1 before step N's results release its spans: the
+    request waited for room its own last chunk held, and preempted itself every other step
+    (fuzz50). The order here is EngineCore.step_overlapped's."""
+    scheduler = make_scheduler(encoder_cache_tokens=14, max_num_batched_tokens=32)
+    request = make_request("r", 20, [image(0, 6, "x"), image(7, 9, "y")])
+    scheduler.add_request(request)
+    in_flight = scheduler.schedule()
+    for _ in range(20):
+        if not scheduler.has_unfinished_requests():
+            break
+        ahead = scheduler.schedule()  # launched before in_flight's tokens are known
+        done = {c.request.request_id: 5 for c in in_flight.chunks if c.samples}
+        scheduler.update(in_flight, done)
+        assert not ahead.preempted_request_ids
+        in_flight = ahead
+    scheduler.update(in_flight, {c.request.request_id: 5 for c in in_flight.chunks if c.samples})
+    assert request.is_finished and request.num_preemptions == 0
+
+
+def test_pixels_sent_for_an_entry_a_uuid_only_item_queued_are_the_ones_encoded():
+    """A uuid-only item whose entry was evicted while it waited was queued for encoding
+    with no pixels, and a request in the same step that sent the uuid's pixels only
+    referenced it: both failed as "evicted" (fuzz50)."""
+    import torch
+
+    scheduler = make_scheduler(encoder_cache_tokens=8, max_num_batched_tokens=16)
+    run_to_end_with(scheduler, make_request("warm", 8, [image(2, 4, "uuid:u1")]))
+    scheduler.add_request(make_request("big", 10, [image(0, 8, "v")]))  # evicts u1
+    scheduler.add_request(make_request("only", 6, [cached_only(0, 4, "uuid:u1")]))
+    step(scheduler)
+    sent = image(2, 4, "uuid:u1")
+    sent.pixel_values = torch.zeros(16, 12)
+    scheduler.add_request(make_request("sent", 8, [sent]))
+    for _ in range(20):
+        out = scheduler.schedule()
+        if out.media_to_encode:
+            break
+        scheduler.update(out, {c.request.request_id: 5 for c in out.chunks if c.samples})
+    assert [m.pixel_values is sent.pixel_values for m in out.media_to_encode] == [True]
