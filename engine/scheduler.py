@@ -250,10 +250,7 @@ class Scheduler:
             # go on; its own uuid-only entries stay, evicted last (fuzz49). Only then: a
             # request waiting on a part-way span of another, which a KV preemption had
             # just freed, was preempted too, and the two took turns for ever (fuzz50).
-            if self.is_priority:
-                victim = max(holding, key=lambda r: r.urgency)
-            else:
-                victim = holding[-1]  # the most recently admitted
+            victim = self._victim(holding)
             self._preempt(victim)
             preempted.append(victim.request_id)
 
@@ -360,11 +357,7 @@ class Scheduler:
         self, request: Request, num_tokens: int, scheduled: set[str], preempted: list[str]
     ) -> bool:
         while not self.kv.allocate_slots(request, num_tokens):
-            candidates = [r for r in self.running if r.request_id not in scheduled]
-            if self.is_priority:
-                victim = max(candidates, key=lambda r: r.urgency)
-            else:
-                victim = candidates[-1]  # the most recently admitted
+            victim = self._victim([r for r in self.running if r.request_id not in scheduled])
             self._preempt(victim)
             preempted.append(victim.request_id)
             if victim is request:
@@ -385,6 +378,13 @@ class Scheduler:
                 return
             self._preempt(victim)
             preempted.append(victim.request_id)
+
+    def _victim(self, candidates: list[Request]) -> Request:
+        """Which of `candidates` (running, in admission order) to preempt: the least urgent
+        under the priority policy, else the most recently admitted."""
+        if self.is_priority:
+            return max(candidates, key=lambda r: r.urgency)
+        return candidates[-1]
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
