@@ -119,7 +119,7 @@ def admission_ms(model_dir: Path, num_images: int) -> float:
         prompt = image_chat_prompt(index, 448, random_text(rng, 200))
         requests.append(llm._build_request(f"i{index}", prompt, LLMSamplingParams(max_tokens=1)))
     start = time.perf_counter()
-    for request, tensors in requests:
+    for request, tensors, _ in requests:
         llm.engine.add_request(request, tensors)
     return (time.perf_counter() - start) / num_images * 1000
 

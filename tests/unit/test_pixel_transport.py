@@ -44,7 +44,8 @@ def image_request(llm: LLM, request_id: str, seed: int = 0):
     """An EngineRequest (uint8 levels, as the server sends it) and its tensors."""
     content = [{"type": "image", "image": picture(seed)}, {"type": "text", "text": "What?"}]
     messages = [{"role": "user", "content": content}]
-    return llm._chat_request(request_id, messages, GREEDY, llm.processing)
+    built = llm._chat_request(request_id, messages, GREEDY, llm.processing)
+    return built.request, built.tensors
 
 
 def with_pixels(request, pixels: torch.Tensor, normalization: PixelNormalization | None):
