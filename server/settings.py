@@ -438,15 +438,19 @@ def load_settings(
     environ = os.environ if environ is None else environ
     flags = vars(build_parser().parse_args(argv))
     values: dict[str, Any] = {}
+    sources: dict[str, str] = {}  # setting -> where its value came from, for errors
     config_path = flags.pop("config", None) or environ.get(CONFIG_ENV)
     if config_path:
         values.update(_from_yaml(config_path))
+        sources.update(dict.fromkeys(values, config_path))
     for field in FIELDS.values():
         if field.env in environ:
             values[field.name] = _parse_text(field, environ[field.env], field.env)
+            sources[field.name] = field.env
     for name, value in flags.items():
         field = FIELDS[name]
         values[name] = value if field.type is bool else _parse_text(field, value, field.flag)
+        sources[name] = field.flag
     if "model" not in values:
         from server.default_model import default_model_dir
 
@@ -455,10 +459,19 @@ def load_settings(
     server_values = {k: v for k, v in values.items() if not FIELDS[k].is_engine}
     try:
         return ServerSettings(engine=EngineConfig(**engine_values), **server_values)
-    except SettingsError:
-        raise
     except (TypeError, ValueError) as exc:
-        raise SettingsError(f"invalid settings: {exc}") from None
+        message = str(exc) if isinstance(exc, SettingsError) else f"invalid settings: {exc}"
+        raise SettingsError(_naming_sources(message, sources)) from None
+
+
+def _naming_sources(message: str, sources: Mapping[str, str]) -> str:
+    """`message` with where each setting it names came from: a range error named the
+    setting alone, and left the user to find whether a flag, an environment variable or
+    the YAML file had set it (fuzz51)."""
+    named = [name for name in sources if re.search(rf"\b{name}\b", message)]
+    if not named:
+        return message
+    return f"{message} (set by {', '.join(sources[name] for name in named)})"
 
 
 if __name__ == "__main__":

@@ -149,6 +149,23 @@ def test_scheduler_limits_must_be_positive(flag: str, value: str) -> None:
         load_settings([flag, value], {})
 
 
+def test_a_range_error_names_where_its_value_came_from(tmp_path: Path) -> None:
+    """A flag, an environment variable or the YAML file: the message named the setting
+    alone, and left the user to find which had set it (fuzz51)."""
+    config = _yaml(tmp_path, "max_tools: 0\nmax_num_seqs: 4\n")
+    cases = [
+        (["--max-tools", "0"], {}, "(set by --max-tools)"),
+        ([], {"TESSERA_MAX_TOOLS": "-1"}, "(set by TESSERA_MAX_TOOLS)"),
+        (["--config", config], {}, f"(set by {config})"),
+        (["--config", config], {"TESSERA_MAX_TOOLS": "0"}, "(set by TESSERA_MAX_TOOLS)"),
+    ]
+    for argv, environ, source in cases:
+        with pytest.raises(SettingsError) as refused:
+            load_settings(argv, environ)
+        assert str(refused.value).startswith("max_tools must be positive"), refused.value
+        assert str(refused.value).endswith(source), refused.value
+
+
 def test_small_batch_linear_rows_stay_within_the_kernels_rows() -> None:
     assert load_settings(["--small-batch-linear-rows", "8"], {}).engine.small_batch_linear_rows == 8
     for rows in ("9", "-1"):
