@@ -67,8 +67,6 @@ _NOT_FOUND_CODES = {"NoSuchKey", "NoSuchBucket", "404", "NotFound"}
 _DENIED_CODES = {"AccessDenied", "403", "401", "InvalidAccessKeyId", "SignatureDoesNotMatch"}
 
 
-
-
 @dataclass(frozen=True)
 class FetchConfig:
     """Limits of the fetcher: the `feature_*` settings of EngineConfig (`of`), whose

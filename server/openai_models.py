@@ -309,9 +309,9 @@ class CompletionRequest(SamplingFields):
     @classmethod
     def _at_most_max_prompts(cls, prompt: Any) -> Any:
         # Before the union is tried over every item: 5 M `[0]` prompts took 10 s of it.
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            check_count(len(prompt), "max_prompts_per_request", "prompts in one request")
-        if isinstance(prompt, list) and prompt and type(prompt[0]) is int:
+        if not (isinstance(prompt, list) and prompt):
+            return prompt
+        if type(prompt[0]) is int:
             # One prompt of token ids. A string further on made the union try each of its
             # members over every item: 1 M of them held the event loop 20 s (fuzz51).
             for index, item in enumerate(prompt):
@@ -320,7 +320,8 @@ class CompletionRequest(SamplingFields):
                         f"prompt[{index}] is not a token id as prompt[0] is: a prompt of "
                         "token ids holds only integers"
                     )
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        elif isinstance(prompt[0], str | list):
+            check_count(len(prompt), "max_prompts_per_request", "prompts in one request")
             # A batch: all strings or all token-id lists. Left to the union, a mixed one's
             # error named the first prompt, whichever was wrong (fuzz37).
             kind = type(prompt[0])
