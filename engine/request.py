@@ -80,6 +80,12 @@ class MediaItem:
         return self.offset + self.num_tokens
 
 
+def counted_output_tokens(reason: FinishReason | None, num_output_tokens: int) -> int | None:
+    """A finishing output's `num_output_tokens`: None for a request that failed, which counts
+    in no per-request metric (as one refused on arrival does; fuzz49)."""
+    return None if reason is FinishReason.ERROR else num_output_tokens
+
+
 class Request:
     """Mutable state of one sequence, from admission to its finish."""
 
@@ -225,7 +231,7 @@ class Request:
             finish_reason=reason,
             error=error,
             num_prompt_tokens=self.num_prompt_tokens,
-            num_output_tokens=None if reason is FinishReason.ERROR else 0,
+            num_output_tokens=counted_output_tokens(reason, 0),
         )
 
     def media_overlapping(self, start: int, end: int) -> list[MediaItem]:

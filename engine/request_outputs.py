@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import time
 
-from engine.protocol import ErrorInfo, FinishReason, RequestOutput, SamplingParams, TokenLogprob
-from engine.request import Request, RequestStatus
+from engine.protocol import ErrorInfo, RequestOutput, SamplingParams, TokenLogprob
+from engine.request import Request, RequestStatus, counted_output_tokens
 
 
 def stop_status(request: Request, token_id: int, max_model_len: int) -> RequestStatus | None:
@@ -63,14 +63,8 @@ def request_output(
         error=request.error,
         num_prompt_tokens=request.num_prompt_tokens,
         num_cached_tokens=request.num_cached_tokens,
-        num_output_tokens=generated_tokens(request),
+        num_output_tokens=counted_output_tokens(
+            request.status.finish_reason, request.num_output_tokens
+        ),
         **request.phase_seconds(time.monotonic()),
     )
-
-
-def generated_tokens(request: Request) -> int | None:
-    """A finished request's `RequestOutput.num_output_tokens`: None for one that failed,
-    which counts in no per-request metric (as one refused on arrival; fuzz49)."""
-    if request.status.finish_reason is FinishReason.ERROR:
-        return None
-    return request.num_output_tokens
