@@ -45,9 +45,9 @@ from server.chat_messages import (
 from server.generation import PreparedPrompt
 from server.media_fetch import MediaFetcher, MediaProcessing
 from server.openai_models import ChatCompletionRequest
+from server.settings import ServerSettings
 from server.tool_calls import arguments_as_objects
 
-MAX_REMEMBERED_UUIDS = 16384  # the default of --max-remembered-media-uuids
 FEATURE_SCHEMES = ("s3://", "http://", "https://", "data:")
 
 
@@ -214,7 +214,7 @@ class UuidRegistry:
     first (before 2026-11-27, the one least recently sent: a uuid named by every request
     but sent once was forgotten behind a stream of new ones)."""
 
-    def __init__(self, capacity: int = MAX_REMEMBERED_UUIDS) -> None:
+    def __init__(self, capacity: int = ServerSettings.max_remembered_media_uuids) -> None:
         self.capacity = capacity
         self._items: collections.OrderedDict[
             tuple[str | None, str], tuple[Modality, RememberedMedia]

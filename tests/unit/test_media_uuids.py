@@ -8,7 +8,7 @@ import pytest
 from engine.config import EngineConfig
 from engine.errors import MediaError
 from engine.protocol import Modality
-from server.chat import MAX_REMEMBERED_UUIDS, UuidRegistry
+from server.chat import UuidRegistry
 from server.settings import ServerSettings
 
 
@@ -47,7 +47,7 @@ def test_a_uuid_is_known_only_to_its_salt():
 
 def test_the_capacity_is_a_setting():
     field = ServerSettings.__dataclass_fields__["max_remembered_media_uuids"]
-    assert field.default == MAX_REMEMBERED_UUIDS
+    assert field.default == UuidRegistry().capacity
     with pytest.raises(ValueError, match="max_remembered_media_uuids"):
         ServerSettings(engine=EngineConfig(model="m"), max_remembered_media_uuids=0)
 
