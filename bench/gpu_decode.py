@@ -21,8 +21,6 @@ bookkeeping. Modes:
                     frequency_penalty 0.5, which count each output token
     graphs-small-linear  graphs with --small-batch-linear-rows 8: up to 8 rows, the
                     decoder's projections run the Triton matrix-vector kernel, not cuBLAS
-    graphs-cuda-core  graphs with --cuda-core-decode-rows 32: batches of up to 32 rows
-                    attend on FlashInfer's CUDA-core decode kernel, not its tensor-core one
     graphs-unfused  graphs with the FlashInfer backend's rotary and K/V write as two
                     kernels, as before kernels/triton/rotary_kv_write.py
 
@@ -163,7 +161,6 @@ MODE_PENALTIES = {
 # Engine settings of the modes that change one.
 MODE_SETTINGS = {
     "graphs-small-linear": {"small_batch_linear_rows": 8},
-    "graphs-cuda-core": {"cuda_core_decode_rows": 32},  # batch 1 and 32 on CUDA cores
 }
 # The mode that measures the FlashInfer backend's rotary and K/V write as two kernels (its
 # `fuse_rotary_kv_write`, a class switch rather than a setting: the fused kernel writes the

@@ -52,7 +52,6 @@ class EngineConfig:
     overlap_scheduling: bool = True  # GPU: launch step N+1 before reading step N's tokens
     cuda_graph_max_batch_size: int | None = None  # largest captured decode batch; None = max_num_seqs
     small_batch_linear_rows: int = 0  # CUDA: the decoder's linear layers take the Triton matrix-vector kernel for up to this many rows (at most 8), cuBLAS above; 0 = cuBLAS always (docs/gpu.md)
-    cuda_core_decode_rows: int = 0  # flashinfer: decode batches of up to this many rows attend on CUDA cores (FlashInfer's use_tensor_cores=False), larger ones on tensor cores; 0 = tensor cores always (docs/gpu.md)
     cuda_graph_max_seq_len: int | None = None  # decode steps with a longer history run eagerly; None = the whole context with flashinfer (its cost does not grow with the bound), 8192 with torch (which pads keys to it)
     num_threads: int | None = None  # torch intra-op threads of the engine (per rank); None = torch's default on a CPU, 1 in the server's engine process with a GPU (its host tensor work is small, and parallel regions stall while the API processes and image decoding keep the cores busy); an in-process LLM keeps its caller's setting
     tensor_parallel_size: int = 1  # ranks the decoder layers are split over (CPU, gloo); each rank is a process
@@ -93,8 +92,7 @@ class EngineConfig:
                       "feature_fetch_parallel", "feature_fetch_timeout_s", "max_feature_bytes",
                       "feature_fetch_max_connections", "feature_known_versions",
                       "grammar_lexer_fuel", "api_server_stall_timeout_s"),
-            non_negative=("feature_fetch_retries", "grammar_cache_size", "cuda_core_decode_rows",
-                          "max_logprobs"),
+            non_negative=("feature_fetch_retries", "grammar_cache_size", "max_logprobs"),
         )  # fmt: skip
         if not DEVICE_PATTERN.fullmatch(self.device):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
@@ -124,6 +122,11 @@ class EngineConfig:
 
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)
+
+    @property
+    def max_graph_batch(self) -> int:
+        """The largest decode batch replayed from a CUDA graph."""
+        return self.cuda_graph_max_batch_size or self.max_num_seqs
 
     @property
     def model_name(self) -> str:

@@ -109,7 +109,7 @@ class ModelRunner:
             ),
             config.kv_cache_scale,
             config.kv_cache_scale,
-            cuda_core_decode_rows=config.cuda_core_decode_rows,
+            max_graph_batch=config.max_graph_batch,
         )
         memory_probe = None
         if self.device.type == "cuda" and self._sizes_kv_cache_from_memory():
@@ -187,7 +187,7 @@ class ModelRunner:
             self.model,
             self.kv_caches,
             self.attention,
-            max_batch_size=self.config.cuda_graph_max_batch_size or self.config.max_num_seqs,
+            max_batch_size=self.config.max_graph_batch,
             max_seq_len=graph_max_seq_len(
                 self.config.cuda_graph_max_seq_len,
                 self.config.attention_backend,

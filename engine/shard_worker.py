@@ -220,7 +220,7 @@ def _load(config: EngineConfig, group: ShardGroup, dtype, kv_cache_dtype, device
     shape = AttentionShape.of_model(local, config.block_size, dtype, kv_cache_dtype)
     attention = get_attention_backend(
         config.attention_backend, shape, config.kv_cache_scale, config.kv_cache_scale,
-        cuda_core_decode_rows=config.cuda_core_decode_rows,
+        max_graph_batch=config.max_graph_batch,
     )  # fmt: skip
     model = load_model(
         config.model, dtype=dtype, device=device, attention=attention, tensor_parallel=group

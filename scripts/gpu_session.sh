@@ -15,10 +15,8 @@
 #               with --small-batch-linear-rows 8 (graphs-small-linear); with a torch
 #               profile of batch 1 and 128 (profiles.tar: Chrome traces)
 #   decode-7b
-#   decode-2b-cuda-core, decode-7b-cuda-core   bench/gpu_decode.py, batch 1 / 32 / 128,
-#               graphs on FlashInfer's tensor-core decode kernel against its CUDA-core one
-#               for batches of up to 32 rows (--cuda-core-decode-rows 32: graphs-cuda-core),
-#               and against rotary and the K/V write as two kernels (graphs-unfused)
+#   decode-2b-unfused, decode-7b-unfused   bench/gpu_decode.py, batch 1 / 32 / 128, graphs
+#               against rotary and the K/V write as two kernels (graphs-unfused)
 #   gemv        bench/gpu_gemv.py: the 2B and 7B projections at 1 / 2 / 4 / 8 rows, cuBLAS
 #               against the small-batch Triton kernel (and a grid of its blocks at 1 row)
 #   decode-moe  a mixture of experts at real width (qwen3-vl-moe-8l: Qwen3-VL-30B-A3B's
@@ -101,9 +99,9 @@ run_decode() {  # $1: qwen2-vl-2b | qwen2-vl-7b; the 2B run also profiles batch 
     if [ -d /tmp/profiles ]; then tar -C /tmp -cf "$out/profiles.tar" profiles; fi
 }
 
-run_cuda_core_decode() {  # $1: qwen2-vl-2b | qwen2-vl-7b
+run_unfused_decode() {  # $1: qwen2-vl-2b | qwen2-vl-7b
     python3 bench/gpu_decode.py --sizes "$1" --batch-sizes 1 32 128 --model-root "$models" \
-        --modes graphs graphs-cuda-core graphs-unfused --out "$out/decode-$1-cuda-core.json"
+        --modes graphs graphs-unfused --out "$out/decode-$1-unfused.json"
 }
 
 run_moe() {
@@ -143,7 +141,7 @@ for step in "$@"; do
         tests) fn=run_tests ;;
         decode-2b) fn="run_decode qwen2-vl-2b" ;;
         decode-7b) fn="run_decode qwen2-vl-7b" ;;
-        decode-2b-cuda-core | decode-7b-cuda-core) fn="run_cuda_core_decode qwen2-vl-${step:7:2}" ;;
+        decode-2b-unfused | decode-7b-unfused) fn="run_unfused_decode qwen2-vl-${step:7:2}" ;;
         decode-moe) fn=run_moe ;;
         gemv) fn="python3 bench/gpu_gemv.py --out $out/gemv.json" ;;
         prefill-2b) fn=run_prefill ;;
@@ -166,7 +164,7 @@ qwen2-vl-2b-${step#serving-2b-} --runs tessera --tessera-arg=--image-decode-thre
 \"top_p\": 0.001, \"temperature\": 0.01, \"repetition_penalty\": 1.05}'" ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac
-    export -f prepare run_tests run_decode run_moe run_prefill run_vision run_serving
+    export -f prepare run_tests run_decode run_unfused_decode run_moe run_prefill run_vision run_serving
     export out models
     timeout "$step_timeout" bash -c "$fn" 2>&1 | tee "$out/$step.log"
     rc=${PIPESTATUS[0]}

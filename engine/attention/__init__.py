@@ -35,12 +35,12 @@ def get_attention_backend(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     *,
-    cuda_core_decode_rows: int = 0,
+    max_graph_batch: int = 1,
 ) -> AttentionBackend:
     """Builds the backend named `name` ("torch" or "flashinfer"); imports it lazily.
     `shape` is required by backends that plan ahead (flashinfer). `k_scale`/`v_scale` are
-    the per-tensor scales of an FP8 KV cache (others ignore them). flashinfer: decode
-    batches of up to `cuda_core_decode_rows` rows attend on CUDA cores."""
+    the per-tensor scales of an FP8 KV cache (others ignore them). flashinfer sizes its
+    workspace for decode graphs of up to `max_graph_batch` rows."""
     if name == "torch":
         from engine.attention.torch_backend import TorchAttentionBackend
 
@@ -52,9 +52,7 @@ def get_attention_backend(
             raise ValueError(f"attention backend 'flashinfer' is not available: {exc}") from exc
         if shape is None:
             raise ValueError("attention backend 'flashinfer' needs the model's AttentionShape")
-        return FlashInferAttentionBackend(
-            shape, k_scale, v_scale, cuda_core_decode_rows=cuda_core_decode_rows
-        )
+        return FlashInferAttentionBackend(shape, k_scale, v_scale, max_graph_batch=max_graph_batch)
     raise _unknown_backend(name)
 
 

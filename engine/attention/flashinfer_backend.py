@@ -59,14 +59,12 @@ class FlashInferAttentionBackend(RotateThenForward):
         shape: AttentionShape,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
-        workspace_bytes: int = flashinfer_glue.DEFAULT_WORKSPACE_BYTES,
         *,
-        cuda_core_decode_rows: int = 0,
+        max_graph_batch: int = 1,
     ) -> None:
         self.shape = shape
-        # Captured decode batches of up to this many rows attend on CUDA cores: at a few
-        # rows the tensor-core kernel's tiles are mostly padding (docs/gpu.md).
-        self.cuda_core_decode_rows = cuda_core_decode_rows
+        # The largest captured decode batch: its plan's split-KV tiles size the workspace.
+        self.max_graph_batch = max_graph_batch
         self._geometry = flashinfer_glue.PlanGeometry(
             num_qo_heads=shape.num_heads,
             num_kv_heads=shape.num_kv_heads,
@@ -78,7 +76,6 @@ class FlashInferAttentionBackend(RotateThenForward):
         )
         self.k_scale = k_scale
         self.v_scale = v_scale
-        self._workspace_bytes = workspace_bytes
         self._wrappers: flashinfer_glue.FlashInferWrappers | None = None
         self._graph_wrappers: dict[int, flashinfer_glue.GraphDecodeWrapper] = {}
         # Holding the planned metadata keeps it alive, so an identity test cannot be fooled
@@ -152,7 +149,6 @@ class FlashInferAttentionBackend(RotateThenForward):
                 self._eager_wrappers(metadata.block_tables.device).workspace,
                 batch_size,
                 max_pages=batch_size * width,
-                use_tensor_cores=batch_size > self.cuda_core_decode_rows,
             )
             self._graph_wrappers[batch_size] = wrapper
         self._plan(wrapper, metadata)
@@ -181,9 +177,21 @@ class FlashInferAttentionBackend(RotateThenForward):
             )
         return self._scale_tensors[device]
 
+    def workspace_bytes(self, device: torch.device) -> int:
+        """FlashInfer's recommended 128 MiB, or what this model's split-KV plans can take
+        on this device when that is more (wide query-head groups on many SMs)."""
+        needed = flashinfer_glue.split_kv_workspace_bytes(
+            self._geometry,
+            torch.cuda.get_device_properties(device).multi_processor_count,
+            self.max_graph_batch,
+        )
+        return max(flashinfer_glue.DEFAULT_WORKSPACE_BYTES, needed)
+
     def _eager_wrappers(self, device: torch.device) -> flashinfer_glue.FlashInferWrappers:
         if self._wrappers is None:
-            self._wrappers = flashinfer_glue.FlashInferWrappers(device, self._workspace_bytes)
+            self._wrappers = flashinfer_glue.FlashInferWrappers(
+                device, self.workspace_bytes(device)
+            )
         return self._wrappers
 
     def _plan_if_new_step(

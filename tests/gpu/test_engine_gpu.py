@@ -104,17 +104,6 @@ def test_flashinfer_tracks_torch_backend_in_bf16(model_dir, prompts, enforce_eag
 
 
 @needs_flashinfer
-def test_cuda_core_decode_tracks_torch_backend_in_bf16(model_dir, prompts):
-    """Captured decode batches of up to 8 rows on FlashInfer's CUDA-core kernel."""
-    options = dict(device="cuda", dtype="bfloat16")
-    reference = generate(model_dir, prompts, attention_backend="torch", enforce_eager=True,
-                         **options)  # fmt: skip
-    candidate = generate(model_dir, prompts, attention_backend="flashinfer",
-                         cuda_core_decode_rows=8, **options)  # fmt: skip
-    assert_all_track(candidate, reference, BF16_TOL)
-
-
-@needs_flashinfer
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
 def test_flashinfer_fp8_cache(model_dir, prompts, enforce_eager):
     """FlashInfer over an FP8 cache tracks the torch backend over the same FP8 cache (the

@@ -17,7 +17,14 @@ from engine.attention import get_attention_backend
 from engine.attention.base import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from kernels import reference
-from kernels.flashinfer_glue import build_paged_kv_plan, gather_page_indices, use_tensor_max_in
+from kernels.flashinfer_glue import (
+    DEFAULT_WORKSPACE_BYTES,
+    PlanGeometry,
+    build_paged_kv_plan,
+    gather_page_indices,
+    split_kv_workspace_bytes,
+    use_tensor_max_in,
+)
 
 
 def random_paged_batch(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size,
@@ -182,3 +189,24 @@ def test_planning_max_reduces_a_tensor_in_one_op_and_is_the_builtin_otherwise():
     assert planner.biggest(torch.tensor([[1, 2], [3, 4]]).flatten()).item() == 4
     with pytest.raises(ValueError):
         planner.biggest([])
+
+
+def geometry(num_qo_heads: int, num_kv_heads: int, head_dim: int = 128) -> PlanGeometry:
+    return PlanGeometry(num_qo_heads, num_kv_heads, head_dim, 16, head_dim**-0.5,
+                        torch.bfloat16, torch.bfloat16)  # fmt: skip
+
+
+def test_split_kv_workspace_follows_flashinfers_tile_arithmetic():
+    """Qwen3-VL-30B-A3B's 32 query heads over 4 KV heads on 132 SMs: 66 split tiles of 128
+    rows, 32 x 66 x 128 x 129 floats, past the recommended 128 MiB that failed on the H200
+    (its 64 tiles took exactly 128 MiB for the partial outputs, nothing for the
+    log-sum-exps). Qwen2-VL's 2B (12 over 2) and 7B (28 over 4) shapes fit in it."""
+    moe = split_kv_workspace_bytes(geometry(32, 4), num_sms=132, max_graph_batch=128)
+    assert moe == 4 * 32 * 66 * 128 * 129 + 32 > DEFAULT_WORKSPACE_BYTES
+    for heads, kv_heads in [(12, 2), (28, 4)]:
+        needed = split_kv_workspace_bytes(geometry(heads, kv_heads), 132, max_graph_batch=256)
+        assert needed <= DEFAULT_WORKSPACE_BYTES
+    # A decode graph of 512 rows pads to its own tiles: 8 x 512 packed rows in tiles of 16,
+    # plus one per row after the first, more than the eager plan's 66 tiles of 128.
+    wide = split_kv_workspace_bytes(geometry(32, 4), num_sms=132, max_graph_batch=512)
+    assert wide == 4 * 32 * (256 + 511) * 16 * 129 + 32 > moe

@@ -63,7 +63,6 @@ def test_the_setting_modes_set_their_rows_and_nothing_else():
 
     assert gpu_decode.MODE_SETTINGS == {
         "graphs-small-linear": {"small_batch_linear_rows": 8},
-        "graphs-cuda-core": {"cuda_core_decode_rows": 32},
     }
     for mode, settings in gpu_decode.MODE_SETTINGS.items():
         assert mode in gpu_decode.MODES

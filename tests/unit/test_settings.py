@@ -310,7 +310,7 @@ def test_an_engine_step_timeout_shorter_than_the_idle_poll_is_refused() -> None:
      ("--cuda-graph-max-seq-len", "-1"), ("--max-image-pixels", "0"),
      ("--max-images-per-request", "-1"), ("--image-cache-mb", "-1"),
      ("--media-fetch-max-redirects", "-1"), ("--seed", str(2**64)),
-     ("--seed", str(-(2**63) - 1)), ("--cuda-core-decode-rows", "-1")],
+     ("--seed", str(-(2**63) - 1))],
 )  # fmt: skip
 def test_every_limit_out_of_its_range_is_refused_at_start_up(flag: str, value: str) -> None:
     """Each was accepted: a NaN fetch deadline, a start-up deadline of -1 s, a KV scale of 0
