@@ -41,6 +41,7 @@ from server.json_body import BoundedJsonRoute
 from server.metrics import API_CPU_COUNT_INTERVAL_S, ServerMetrics
 from server.openai_models import (
     ChatCompletionRequest,
+    ChatTemplateFields,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
@@ -333,6 +334,7 @@ def _add_api_routes(api: APIRouter) -> None:
     async def tokenize(body: TokenizeRequest, request: Request) -> dict:
         state = _state(request)
         state.check_model(body.model)
+        _check_chat_template_trusted(state, body)
         if body.messages is not None and media_parts(body.messages):
             tokens = await unless_client_leaves(request, _chat_tokens_with_media(state, body))
             return _tokenized(state, body, tokens)
@@ -378,7 +380,7 @@ async def _chat_tokens_with_media(state: AppState, body: TokenizeRequest) -> lis
     chat). No bound on the length: counting is what /tokenize is for."""
     fields = body.model_dump(exclude_none=True, include={
         "messages", "tools", "add_generation_prompt", "continue_final_message",
-        "chat_template_kwargs", "mm_processor_kwargs", "cache_salt"})  # fmt: skip
+        "chat_template_kwargs", "chat_template", "mm_processor_kwargs", "cache_salt"})  # fmt: skip
     chat = ChatCompletionRequest.model_validate({**fields, "model": state.model_name})
     prepared = await prepare_chat_prompt(
         chat,
@@ -392,16 +394,21 @@ async def _chat_tokens_with_media(state: AppState, body: TokenizeRequest) -> lis
     return prepared.token_ids
 
 
-async def _chat_prompt(state: AppState, body: ChatCompletionRequest, request: Request) -> Any:
-    """A chat request's prompt: its grammar checked, its media fetched and preprocessed,
-    its messages rendered and tokenised. A client that leaves meanwhile takes its fetches
-    and queued decodes with it (they held the shared connections and decode threads)."""
-    await check_structured_output(body)
+def _check_chat_template_trusted(state: AppState, body: ChatTemplateFields) -> None:
+    """A request's own template runs code-like Jinja on the server: only when trusted."""
     if body.chat_template is not None and not state.settings.trust_request_chat_template:
         raise InvalidRequest(
             "request chat templates are disabled on this server (--trust-request-chat-template)",
             param="chat_template",
         )
+
+
+async def _chat_prompt(state: AppState, body: ChatCompletionRequest, request: Request) -> Any:
+    """A chat request's prompt: its grammar checked, its media fetched and preprocessed,
+    its messages rendered and tokenised. A client that leaves meanwhile takes its fetches
+    and queued decodes with it (they held the shared connections and decode threads)."""
+    await check_structured_output(body)
+    _check_chat_template_trusted(state, body)
     prepared = prepare_chat_prompt(
         body,
         state.processor,

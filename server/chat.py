@@ -364,7 +364,6 @@ async def prepare_chat_prompt(
         processor.process_chat,
         arguments_as_objects(messages_as_dicts(request.messages)),
         counts,
-        chat_template=request.chat_template,  # app.py refuses it unless trusted
         tools=plan.tools if plan else None,
         max_tokens=max_prompt_tokens,
         **request.template_options,

@@ -50,12 +50,19 @@ class StreamOptions(RequestModel):
 class ChatTemplateFields(RequestModel):
     """How a chat is rendered (vLLM's names): a generation prompt after the last message
     (the default), or `continue_final_message` to leave the last message open for the
-    model to carry on, and extra template variables in `chat_template_kwargs`."""
+    model to carry on, extra template variables in `chat_template_kwargs`, and a template of
+    the request's own in `chat_template`."""
 
     add_generation_prompt: bool | None = None  # default: not when continuing the last one
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = Field(
         default=None, max_length=MAX_CHAT_TEMPLATE_KWARGS
+    )
+    # Refused unless the server runs with --trust-request-chat-template (server/app.py).
+    chat_template: str | None = None
+
+    _short_enough_chat_template = field_validator("chat_template", mode="before")(
+        bounded(lengths=("max_request_chat_template_chars", "chat_template"))
     )
 
     @property
@@ -68,6 +75,7 @@ class ChatTemplateFields(RequestModel):
             "add_generation_prompt": add_generation_prompt,
             "continue_final_message": self.continue_final_message,
             "template_kwargs": self.chat_template_kwargs,
+            "chat_template": self.chat_template,
         }
 
 
@@ -213,16 +221,10 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0)  # <= --max-logprobs
-    # Refused unless the server runs with --trust-request-chat-template (server/app.py).
-    chat_template: str | None = None
     mm_processor_kwargs: MediaProcessingOptions | None = None
 
     _few_enough_messages = field_validator("messages", mode="before")(few_enough_messages)
     _few_enough_tools = field_validator("tools", mode="before")(few_enough_tools)
-
-    _short_enough_chat_template = field_validator("chat_template", mode="before")(
-        bounded(lengths=("max_request_chat_template_chars", "chat_template"))
-    )
 
     @field_validator("top_logprobs")
     @classmethod

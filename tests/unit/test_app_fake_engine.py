@@ -603,3 +603,20 @@ def test_max_n_is_a_setting(model_dir, app):
             "model": "tiny", "max_tokens": 1, "n": 21,
             "messages": [{"role": "user", "content": "hi"}]}).json()["error"]  # fmt: skip
     assert error["param"] == "n" and "--max-n" in error["message"]
+
+
+def test_tokenize_renders_a_chat_through_the_requests_own_template(model_dir):
+    """/tokenize ignored `chat_template`: it counted the model's template's tokens for a
+    chat that would run on another (vLLM's /tokenize takes the field, as the chat does).
+    Untrusted, it is refused as the chat refuses it."""
+    plain = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    body = {"messages": [{"role": "user", "content": "hello world"}], "chat_template": plain}
+    client, engine = _client(model_dir, trust_request_chat_template=True)
+    with client:
+        tokens = client.post("/tokenize", json=body).json()["tokens"]
+        assert tokens == engine.tokenizer.encode("hello world", add_special_tokens=False).ids
+    client, _ = _client(model_dir)
+    with client:
+        refused = client.post("/tokenize", json=body)
+        assert refused.status_code == 400
+        assert refused.json()["error"]["param"] == "chat_template"
