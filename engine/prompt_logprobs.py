@@ -74,7 +74,8 @@ def score_prompt_tokens(
         target = targets[start : start + SLICE_ROWS].unsqueeze(1)  # [m, 1]
         token_logprob = logprobs.gather(1, target)  # [m, 1]
         chosen.append(token_logprob.squeeze(1))
-        ranks.append((logprobs > token_logprob).sum(dim=1) + 1)
+        # vLLM's rank: the tokens at least as likely, itself and every tie included
+        ranks.append((logprobs >= token_logprob).sum(dim=1))
         values, ids = logprobs.topk(min(num_top, logprobs.shape[1]), dim=-1)
         top_values.append(values)
         top_ids.append(ids)

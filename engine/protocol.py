@@ -229,7 +229,7 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = []  # (token_id, logprob), best first
-    rank: int | None = None  # prompt logprobs: 1 + the number of likelier tokens
+    rank: int | None = None  # prompt logprobs: how many tokens are at least as likely (vLLM's)
 
 
 class RequestOutput(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
