@@ -129,6 +129,10 @@ class ServerSettings:
             # A key read from a file ends in a newline no client sends; an empty one (an
             # optional Secret left empty) is no key, and `tessera serve` warns of that.
             object.__setattr__(self, "api_key", self.api_key.strip() or None)
+        if self.api_key is not None and not (self.api_key.isascii() and self.api_key.isprintable()):
+            # HTTP carries header values as bytes that servers read as Latin-1: a client
+            # cannot send a key with other characters so that it compares equal.
+            raise SettingsError("api_key must be printable ASCII (it travels in an HTTP header)")
         if self.log_format not in LOG_FORMATS:
             raise SettingsError(f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}")
         if self.tool_call_parser not in TOOL_CALL_PARSERS:

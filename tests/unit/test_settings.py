@@ -341,6 +341,14 @@ def test_an_api_key_is_taken_without_surrounding_whitespace_and_empty_is_none(gi
     assert load_settings(["--api-key", given], {}).api_key == key
 
 
+@pytest.mark.parametrize("key", ["clé", "sk-\x01", "sk\u2009key"])
+def test_an_api_key_no_client_can_send_is_refused_at_start_up(key):
+    """A key like "clé" started the server, then every request got 401: Starlette reads
+    header bytes as Latin-1, and the check compared them with the key's UTF-8."""
+    with pytest.raises(SettingsError, match="api_key must be printable ASCII"):
+        load_settings(["--api-key", key], {})
+
+
 @pytest.mark.parametrize("flag, value", [("--dtype", "fp32"), ("--kv-cache-dtype", "fp16"),
                                          ("--attention-backend", "flash")])  # fmt: skip
 def test_an_unknown_dtype_or_backend_is_refused_with_the_settings(flag, value):
