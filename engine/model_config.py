@@ -157,6 +157,10 @@ class ModelConfig:
     mrope_interleaved: bool = False
     moe: MoEConfig | None = None  # a mixture-of-experts decoder (Qwen3-MoE, Qwen3-VL-MoE)
     llama3_rope_scaling: Llama3RopeScaling | None = None
+    # Some layers attend to only this many latest tokens (Qwen2 / Qwen3's
+    # use_sliding_window). Tessera's attention sees the whole context, the same within the
+    # window: the context length is capped to it (check_max_model_len).
+    sliding_window: int | None = None
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -199,6 +203,7 @@ class ModelConfig:
             head_dim = text.get("head_dim") or hidden // num_heads
             rope_scaling = text.get("rope_scaling") or text.get("rope_parameters") or {}
             rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+            _check_decoder_activation(text)
             eos = text.get("eos_token_id", raw.get("eos_token_id"))
             eos_ids = tuple(eos) if isinstance(eos, list) else (eos,) if eos is not None else ()
             return cls(
@@ -232,6 +237,7 @@ class ModelConfig:
                 llama3_rope_scaling=(
                     _llama3_rope_scaling(rope_scaling) if rope_type == "llama3" else None
                 ),
+                sliding_window=_sliding_window(text),
                 extra=raw,
             )
         except (KeyError, TypeError) as exc:
@@ -281,12 +287,42 @@ def _mrope_section(
     """The vision-language models' own sections; for a text-only model all frequencies on
     the first row (plain RoPE). Rotary scalings Tessera does not implement are refused."""
     if variant is not None:
+        if rope_type not in ("default", "mrope"):  # YaRN or linear would be ignored
+            raise ModelLoadError(
+                f"rope scaling {rope_type!r} is not supported for vision-language models; "
+                "only their M-RoPE"
+            )
         return tuple(rope_scaling["mrope_section"])
     if rope_type not in ("default", "llama3"):
         raise ModelLoadError(
             f"rope scaling {rope_type!r} is not supported; only the default rope and llama3"
         )
     return (head_dim // 2, 0, 0)
+
+
+def _check_decoder_activation(text: dict) -> None:
+    """Every supported decoder's MLP is SiLU-gated; another `hidden_act` would be ignored."""
+    activation = text.get("hidden_act", "silu")
+    if activation != "silu":
+        raise ModelLoadError(
+            f"hidden_act {activation!r} is not supported for the decoder; only 'silu'"
+        )
+
+
+def _sliding_window(text: dict) -> int | None:
+    """The window of the layers that slide, as transformers' Qwen2 / Qwen3 configs decide
+    them (`use_sliding_window`, then `layer_types`, else the layers from
+    `max_window_layers` on); None when every layer sees the whole context."""
+    window = text.get("sliding_window")
+    if not text.get("use_sliding_window") or window is None:
+        return None
+    layers = text["num_hidden_layers"]
+    layer_types = text.get("layer_types")
+    if layer_types is not None:
+        slides = "sliding_attention" in layer_types
+    else:
+        slides = text.get("max_window_layers", layers) < layers
+    return int(window) if slides else None
 
 
 def _vision_config(variant: VisionVariant, vision: dict, decoder_hidden: int) -> VisionConfig:
@@ -391,14 +427,22 @@ def _generation_eos_ids(path: Path) -> tuple[int, ...]:
 
 def check_max_model_len(max_model_len: int | None, model_config: ModelConfig) -> int:
     """The context length to serve: `max_model_len`, or the model's trained positions
-    (`max_position_embeddings`). A longer one is refused, as vLLM refuses it: positions
-    past the trained ones give wrong answers."""
+    (`max_position_embeddings`), or its sliding window if shorter. A longer one is refused,
+    as vLLM refuses it: positions past the trained ones give wrong answers, and so would
+    attention past the window, since Tessera's layers all see the whole context."""
     trained = model_config.max_position_embeddings
+    window = model_config.sliding_window
     if max_model_len is None:
-        return trained
+        return trained if window is None else min(trained, window)
     if max_model_len > trained:
         raise ModelLoadError(
             f"max_model_len {max_model_len} is longer than the model's "
             f"max_position_embeddings ({trained}), the positions it was trained on"
+        )
+    if window is not None and max_model_len > window:
+        raise ModelLoadError(
+            f"max_model_len {max_model_len} is longer than the model's sliding window "
+            f"({window} tokens, use_sliding_window); Tessera attends to the whole context, "
+            "so it serves such a model up to its window"
         )
     return max_model_len

@@ -130,6 +130,12 @@ class ModelRunner:
             use_small_batch_linears(self.model.model, config.small_batch_linear_rows)
         self.model_config = self.model.config
         self.max_model_len = check_max_model_len(config.max_model_len, self.model_config)
+        if self.model_config.sliding_window == self.max_model_len != config.max_model_len:
+            logger.warning(
+                "the model's layers use a sliding window of %d tokens, which Tessera does "
+                "not implement: its context length is capped to the window",
+                self.max_model_len,
+            )
         self.block_size = config.block_size
         self.num_kv_blocks = self._num_kv_blocks(memory_probe)
         capacity = self.num_kv_blocks * self.block_size
