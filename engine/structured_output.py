@@ -71,7 +71,10 @@ def to_grammar(spec: StructuredOutput) -> str:
     if spec.json is not None:
         return llguidance.LLMatcher.grammar_from_json_schema(spec.json, defaults=JSON_OPTIONS)
     if spec.regex is not None:
-        return llguidance.LLMatcher.grammar_from_regex(spec.regex)
+        # \d and \w as ASCII, as in a JSON schema's pattern here and in xgrammar (vLLM's
+        # default): llguidance's Rust regex syntax takes them as Unicode (fuzz53).
+        ascii_classes = llguidance.regex_to_lark(spec.regex, "dw")
+        return llguidance.LLMatcher.grammar_from_regex(ascii_classes)
     if not spec.choice:
         raise ValueError("choice needs at least one string")
     # A Lark rule of string literals; json.dumps quotes and escapes each one.

@@ -4,6 +4,7 @@ the sampler's masking, and the scheduler finishing a request whose grammar is co
 from __future__ import annotations
 
 import json
+import string
 
 import pytest
 import torch
@@ -85,6 +86,16 @@ def test_a_matcher_walks_a_choice_to_its_end(compiler, tokenizer, choice):
         assert matcher.accept(token_id)
         text += tokenizer.decode([token_id])
     assert text in ("yes", "no")
+
+
+def test_a_regexs_digit_and_word_classes_are_ascii(compiler, tokenizer):
+    """`\\d{3}` wrote Arabic-Indic and N'Ko digits: Rust regex syntax's \\d is Unicode. A
+    JSON schema's pattern and vLLM's default backend take it as [0-9]."""
+    for regex, first_chars in ((r"\d{3}", "0123456789"),
+                               (r"\w+", string.ascii_letters + string.digits + "_")):  # fmt: skip
+        matcher = compiler.matcher(StructuredOutput(regex=regex))
+        firsts = {tokenizer.decode([t])[:1] for t in allowed_ids(matcher.allowed_tokens())}
+        assert firsts and firsts <= set(first_chars), sorted(firsts - set(first_chars))
 
 
 def test_a_token_outside_the_grammar_is_refused(compiler, tokenizer):
