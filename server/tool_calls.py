@@ -209,7 +209,9 @@ class ToolCallExtractor:
         if not self._in_calls:
             return held, []
         if self._named_call is not None:
-            return "", [dataclasses.replace(self._named_call, arguments=held.strip())]
+            # Its arguments as streamed, whitespace and all; none written (a stop string,
+            # or max_tokens spent thinking) is no call, not one whose arguments are "".
+            return "", [dataclasses.replace(self._named_call, arguments=held)] if held else []
         if self._plan.mode == "required":
             calls = _array_calls(held)
         else:

@@ -156,6 +156,22 @@ def test_a_named_functions_arguments_stream_as_they_come():
     assert (call.id, call.arguments) == (first[0]["id"], '{"city": "Oslo"}')
 
 
+@pytest.mark.parametrize("text", ['{"alpha": ', "", '{"a": 1}\n'])
+def test_a_named_calls_arguments_are_what_streamed_and_none_written_is_no_call(text):
+    """A call cut by max_tokens after '{"alpha": ' streamed that, and answered
+    '{"alpha":' unstreamed (fuzz53); nothing written (a stop string, or the budget spent
+    thinking) was a call whose arguments, "", are not JSON (fuzz54)."""
+    plan = ToolPlan("named", TOOLS, named="get_weather")
+    _, rest, calls = run(plan, text, 3)
+    assert rest == "" and [c.arguments for c in calls] == ([text] if text else [])
+    extractor = plan.extractor()
+    deltas = [delta for piece in (text[:4], text[4:]) for delta in extractor.feed_stream(piece)[1]]
+    content, last, streamed_calls = extractor.finish_stream()
+    assert content == "" and last == []
+    assert [c.arguments for c in streamed_calls] == [c.arguments for c in calls]
+    assert "".join(d["function"]["arguments"] for d in deltas) == text
+
+
 def stream(plan: ToolPlan, text: str, chunk: int):
     """Every feed_stream's (content, deltas), then finish_stream's."""
     extractor = plan.extractor()
