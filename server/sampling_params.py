@@ -4,8 +4,12 @@ KV cache, vocabulary, grammar), as the engine's `SamplingParams`."""
 from __future__ import annotations
 
 import asyncio
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
+import blake3
 import msgspec
 from tokenizers import Tokenizer
 
@@ -14,17 +18,51 @@ from engine.generation_defaults import SamplingDefaults
 from engine.protocol import DEFAULT_MAX_LOGPROBS, SamplingParams
 from server.openai_models import SamplingFields
 
+# llguidance's check of a large schema takes ~0.3 s (5000 properties), with the GIL
+# released. In asyncio's default pool, which also renders every chat prompt, a burst of
+# them held plain chats for seconds (fuzz53: 13 s for a 2-token chat behind 48): the checks
+# get two threads of their own, and a schema checked once is not checked again.
+GRAMMAR_CHECK_THREADS = 2
+GRAMMAR_CHECKS_REMEMBERED = 256
+_grammar_checks = ThreadPoolExecutor(GRAMMAR_CHECK_THREADS, thread_name_prefix="grammar-check")
+
+
+class _GrammarVerdicts:
+    """An LRU of grammar_error's answers, keyed by the blake3 of the spec (a schema can be
+    hundreds of kB; its digest is 32 bytes). Filled from the check threads."""
+
+    def __init__(self, capacity: int) -> None:
+        self._capacity = capacity
+        self._verdicts: OrderedDict[bytes, str | None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def check(self, spec) -> str | None:
+        from engine.structured_output import grammar_error  # llguidance only when asked for
+
+        key = blake3.blake3(msgspec.msgpack.encode(spec)).digest()
+        with self._lock:
+            if key in self._verdicts:
+                self._verdicts.move_to_end(key)
+                return self._verdicts[key]
+        error = grammar_error(spec)
+        with self._lock:
+            self._verdicts[key] = error
+            if len(self._verdicts) > self._capacity:
+                self._verdicts.popitem(last=False)
+        return error
+
+
+_grammar_verdicts = _GrammarVerdicts(GRAMMAR_CHECKS_REMEMBERED)
+
 
 async def check_structured_output(request: SamplingFields) -> None:
-    """A 400 naming the field when the request's grammar cannot be built. llguidance's
-    checks of a large schema can take a while: they run off the event loop."""
+    """A 400 naming the field when the request's grammar cannot be built."""
     constraint = request.structured_output
     if constraint is None:
         return
-    from engine.structured_output import grammar_error  # llguidance only when asked for
-
     spec, param = constraint
-    error = await asyncio.to_thread(grammar_error, spec)
+    loop = asyncio.get_running_loop()
+    error = await loop.run_in_executor(_grammar_checks, _grammar_verdicts.check, spec)
     if error is not None:
         raise InvalidRequest(f"invalid {param}: {error[:500]}", param=param)
 
