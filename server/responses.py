@@ -207,16 +207,26 @@ def responses_param(
 
 
 def renamed(exc: TesseraError, message_sources: tuple[MessageSource, ...]) -> TesseraError:
-    """`exc` naming the Responses field instead of the chat one, in `param` and message."""
+    """`exc` naming the Responses fields instead of the chat ones, in `param` and message:
+    the failing field, and any other renamed one the message mentions ("min_tokens must
+    not exceed max_tokens")."""
     chat_param = exc.param
     param = responses_param(chat_param, message_sources)
+    message = exc.message
     if chat_param is not None and param != chat_param:
-        exc.param = param
-        # the chat field, quoted ('messages[0]') or bare ("invalid response_format...")
-        field = rf"(?<![\w.\[-]){re.escape(chat_param)}(?![\w\[])"  # not in "--max-messages"
-        exc.message = re.sub(field, param, exc.message)
-        exc.args = (exc.message,)
+        message = _with_field_renamed(message, chat_param, param)
+    for chat_name, name in _RENAMED.items():
+        if "." not in chat_name:
+            message = _with_field_renamed(message, chat_name, name)
+    exc.param, exc.message, exc.args = param, message, (message,)
     return exc
+
+
+def _with_field_renamed(message: str, chat_field: str, field: str) -> str:
+    # the chat field, quoted ('messages[0]') or bare ("invalid response_format..."), but
+    # not inside a flag ("--max-messages") or a longer name
+    found = rf"(?<![\w.\[-]){re.escape(chat_field)}(?![\w\[])"
+    return re.sub(found, field, message)
 
 
 def chat_request(body: ResponsesRequest) -> ChatTranslation:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.errors import InvalidRequest
 from server.responses import ResponsesRequest, chat_request, responses_param
 
 CALL = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}", "id": "fc_1"}
@@ -62,3 +63,17 @@ def test_errors_name_an_input_image_and_a_tool_choice_as_responses_does(chat_par
     """They named the chat's fields: image_url.url, image_url.detail, function.name."""
     translation = chat_request(ResponsesRequest(model="m", input=items))
     assert responses_param(chat_param, translation.message_sources) == param
+
+
+@pytest.mark.parametrize("message, param, expected", [
+    ("min_tokens (10) must not exceed max_tokens (4)", "min_tokens",
+     "min_tokens (10) must not exceed max_output_tokens (4)"),
+    ("a named tool_choice is a format of its own: leave response_format out", "tool_choice",
+     "a named tool_choice is a format of its own: leave text.format out"),
+])  # fmt: skip
+def test_an_error_names_every_renamed_field_it_mentions_as_responses_does(message, param, expected):
+    """Only the failing field was renamed: a Responses client read about max_tokens and
+    response_format, which it never sent (fuzz54)."""
+    translation = chat_request(ResponsesRequest(model="m", input=[USER]))
+    error = translation.renamed(InvalidRequest(message, param=param))
+    assert error.message == expected and str(error) == expected
