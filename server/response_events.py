@@ -267,9 +267,10 @@ class _Assembler:
                 if not text:
                     entries = ()
         call_deltas: list[dict[str, Any]] = []
+        self.items.hold(entries, len(text))
         if self.extractor is not None:
             text, call_deltas = self.extractor.feed_stream(text)
-        yield from self.items.add_text(text, entries)
+        yield from self.items.add_text(text)
         for call_delta in call_deltas:
             yield from self.items.add_call(call_delta)
         if not last:
@@ -277,7 +278,7 @@ class _Assembler:
         calls: list[ToolCall] = []
         if self.extractor is not None:
             rest, _, calls = self.extractor.finish_stream()
-            yield from self.items.add_text(rest, [])
+            yield from self.items.add_text(rest)
         yield from self.items.finish(calls, response_status(finish_reason))
 
 
@@ -290,7 +291,9 @@ class _StreamedOutput:
         self.output: list[dict[str, Any]] = []  # items in output_index order
         self.text = ""
         self.entries: list[TokenLogprob] = []  # the open message's logprobs so far
-        self.pending: list[TokenLogprob] = []  # not yet sent with a delta
+        # Entries not yet sent with a delta, each with how many characters of the answer's
+        # text it wrote: the tool parser may hold text back, then release only part of it.
+        self.pending: list[tuple[TokenLogprob, int]] = []
         self.message_index: int | None = None  # output_index of the open message
         self.message_id = shaper.message_id
         self.call_items: dict[int, tuple[int, str]] = {}  # call index -> (output_index, id)
@@ -328,16 +331,31 @@ class _StreamedOutput:
         yield self.event("response.output_item.done", output_index=index, item=item)
         self.output[index] = item
 
-    def add_text(self, text: str, entries: Sequence[TokenLogprob]) -> Iterator[bytes]:
-        self.pending += entries
+    def hold(self, entries: Sequence[TokenLogprob], num_chars: int) -> None:
+        """A piece's entries, until the `num_chars` of text they wrote (counted on the
+        last) is sent as the message's."""
+        self.pending += [(entry, 0) for entry in entries[:-1]]
+        self.pending += [(entry, num_chars) for entry in entries[-1:]]
+
+    def add_text(self, text: str) -> Iterator[bytes]:
+        """Text for the message, with the held entries that wrote it: a tool parser that
+        held '<tool_c' and then saw '<' releases '<tool_c' alone, and that '<' token's
+        entry stays held (it went out with the text, a call's token in the message's
+        logprobs, fuzz54)."""
         if not text:
             return
         yield from self._close_reasoning()
         if self.message_index is None:
             yield from self._open_message()
         self.text += text
-        self.entries += self.pending
-        sent, self.pending = self.pending, []
+        count, covered = 0, 0
+        for _, num_chars in self.pending:
+            if covered + num_chars > len(text):
+                break
+            count, covered = count + 1, covered + num_chars
+        sent = [entry for entry, _ in self.pending[:count]]
+        del self.pending[:count]
+        self.entries += sent
         yield self.event("response.output_text.delta", item_id=self.message_id,
                          output_index=self.message_index, content_index=0, delta=text,
                          logprobs=self.shaper.logprobs(sent))  # fmt: skip

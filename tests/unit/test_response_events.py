@@ -149,6 +149,21 @@ def test_a_text_part_has_the_logprobs_of_its_own_tokens(tokenizer):
     assert logprob_ids(final_of(feeds, calling)[0]) == [0, 1]
 
 
+def test_text_a_tool_parser_releases_takes_only_the_entries_that_wrote_it(tokenizer):
+    """'<tool_c' held as a call's possible start, then '<': the parser releases '<tool_c'
+    and holds the new '<', whose entry went out with the text, a call's token in the
+    message's logprobs (fuzz54)."""
+    feeds = ["<", "tool", "_c", "<", "tool_call>\n",
+             '{"name": "get_time", "arguments": {}}\n</tool_call>']  # fmt: skip
+    events, output = events_of(feeds, shaper_for(tokenizer))
+    assert [item["type"] for item in output] == ["message", "function_call"]
+    assert output[0]["content"][0]["text"] == "<tool_c" and logprob_ids(output[0]) == [0, 1, 2]
+    sent = [-lp["logprob"] for e in events if e["type"] == "response.output_text.delta"
+            for lp in e["logprobs"]]  # fmt: skip
+    assert sent == [0, 1, 2]
+    assert logprob_ids(final_of(feeds, shaper_for(tokenizer))[0]) == [0, 1, 2]
+
+
 def test_a_delta_of_several_tokens_gives_each_entry_to_its_own_tokens_text(tokenizer):
     """With --stream-interval 4 a delta brought several tokens, and all their entries went
     with its text: a call's opening tokens, </think>'s, a held stop string's."""
