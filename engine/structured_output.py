@@ -86,9 +86,19 @@ def to_grammar(spec: StructuredOutput) -> str:
 def grammar_error(spec: StructuredOutput) -> str | None:
     """Why `spec` cannot constrain a request, or None when it can."""
     try:
+        if spec.regex is not None:
+            # the client's own regex first, so that an error quotes it rather than its
+            # ASCII rewrite ([0-9] for \d)
+            as_given = _validation_error(llguidance.LLMatcher.grammar_from_regex(spec.regex))
+            if as_given is not None:
+                return as_given
         grammar = to_grammar(spec)
     except ValueError as exc:
         return str(exc)
+    return _validation_error(grammar)
+
+
+def _validation_error(grammar: str) -> str | None:
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
         grammar, limits=PARSER_LIMITS
     )

@@ -53,6 +53,7 @@ from server.chat_messages import RequestModel, few_enough_messages, few_enough_t
 from server.errors import validation_error_to_invalid
 from server.field_limits import check_count
 from server.openai_models import ChatCompletionRequest
+from server.sampling_params import GrammarRefused
 
 # Chat fields a Responses request may carry as extras, as vLLM's Responses endpoint does.
 PASSTHROUGH_FIELDS = (
@@ -212,12 +213,15 @@ def renamed(exc: TesseraError, message_sources: tuple[MessageSource, ...]) -> Te
     not exceed max_tokens")."""
     chat_param = exc.param
     param = responses_param(chat_param, message_sources)
-    message = exc.message
-    if chat_param is not None and param != chat_param:
-        message = _with_field_renamed(message, chat_param, param)
-    for chat_name, name in _RENAMED.items():
-        if "." not in chat_name:
-            message = _with_field_renamed(message, chat_name, name)
+    if isinstance(exc, GrammarRefused):  # llguidance's detail quotes the client's schema
+        message = f"invalid {param}: {exc.detail}"
+    else:
+        message = exc.message
+        if chat_param is not None and param != chat_param:
+            message = _with_field_renamed(message, chat_param, param)
+        for chat_name, name in _RENAMED.items():
+            if "." not in chat_name:
+                message = _with_field_renamed(message, chat_name, name)
     exc.param, exc.message, exc.args = param, message, (message,)
     return exc
 

@@ -4,7 +4,7 @@ KV cache, vocabulary, grammar), as the engine's `SamplingParams`."""
 from __future__ import annotations
 
 import asyncio
-import threading
+import functools
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -24,32 +24,55 @@ from server.openai_models import SamplingFields
 # get two threads of their own, and a schema checked once is not checked again.
 GRAMMAR_CHECK_THREADS = 2
 GRAMMAR_CHECKS_REMEMBERED = 256
+GRAMMAR_ERROR_CHARS = 500  # of llguidance's message, which may quote the whole schema
 _grammar_checks = ThreadPoolExecutor(GRAMMAR_CHECK_THREADS, thread_name_prefix="grammar-check")
 
 
+class GrammarRefused(InvalidRequest):
+    """A structured output llguidance cannot build; `detail` is its (shortened) reason, kept
+    apart so that a renamed field (the Responses API's) never rewrites the client's text."""
+
+    def __init__(self, param: str, detail: str) -> None:
+        super().__init__(f"invalid {param}: {detail}", param=param)
+        self.detail = detail
+
+
 class _GrammarVerdicts:
-    """An LRU of grammar_error's answers, keyed by the blake3 of the spec (a schema can be
-    hundreds of kB; its digest is 32 bytes). Filled from the check threads."""
+    """An LRU of grammar checks' answers (None, or why not), keyed by the blake3 of the
+    spec: a schema can be megabytes, its digest is 32 bytes. Looked up on the event loop;
+    only a spec not seen yet goes to a check thread, once however many requests carry it."""
 
     def __init__(self, capacity: int) -> None:
         self._capacity = capacity
         self._verdicts: OrderedDict[bytes, str | None] = OrderedDict()
-        self._lock = threading.Lock()
+        self._in_flight: dict[bytes, asyncio.Future] = {}
 
-    def check(self, spec) -> str | None:
-        from engine.structured_output import grammar_error  # llguidance only when asked for
-
+    async def check(self, spec) -> str | None:
         key = blake3.blake3(msgspec.msgpack.encode(spec)).digest()
-        with self._lock:
-            if key in self._verdicts:
-                self._verdicts.move_to_end(key)
-                return self._verdicts[key]
-        error = grammar_error(spec)
-        with self._lock:
-            self._verdicts[key] = error
+        if key in self._verdicts:
+            self._verdicts.move_to_end(key)
+            return self._verdicts[key]
+        if key not in self._in_flight:
+            loop = asyncio.get_running_loop()
+            future = loop.run_in_executor(_grammar_checks, _grammar_error, spec)
+            future.add_done_callback(functools.partial(self._settle, key))
+            self._in_flight[key] = future
+        # shielded: a request that leaves does not cancel the others' shared check
+        return await asyncio.shield(self._in_flight[key])
+
+    def _settle(self, key: bytes, future: asyncio.Future) -> None:
+        del self._in_flight[key]
+        if not future.cancelled() and future.exception() is None:
+            self._verdicts[key] = future.result()
             if len(self._verdicts) > self._capacity:
                 self._verdicts.popitem(last=False)
-        return error
+
+
+def _grammar_error(spec) -> str | None:
+    from engine.structured_output import grammar_error  # llguidance only when asked for
+
+    error = grammar_error(spec)
+    return None if error is None else error[:GRAMMAR_ERROR_CHARS]
 
 
 _grammar_verdicts = _GrammarVerdicts(GRAMMAR_CHECKS_REMEMBERED)
@@ -61,10 +84,9 @@ async def check_structured_output(request: SamplingFields) -> None:
     if constraint is None:
         return
     spec, param = constraint
-    loop = asyncio.get_running_loop()
-    error = await loop.run_in_executor(_grammar_checks, _grammar_verdicts.check, spec)
+    error = await _grammar_verdicts.check(spec)
     if error is not None:
-        raise InvalidRequest(f"invalid {param}: {error[:500]}", param=param)
+        raise GrammarRefused(param, error)
 
 
 OPENAI_DEFAULTS = SamplingDefaults()

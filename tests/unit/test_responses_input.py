@@ -77,3 +77,14 @@ def test_an_error_names_every_renamed_field_it_mentions_as_responses_does(messag
     translation = chat_request(ResponsesRequest(model="m", input=[USER]))
     error = translation.renamed(InvalidRequest(message, param=param))
     assert error.message == expected and str(error) == expected
+
+
+def test_a_grammar_error_keeps_the_clients_own_text():
+    """The message-wide rename rewrote llguidance's quote of the schema: a $ref to
+    '/definitions/max_tokens' came back as '/definitions/max_output_tokens' (fuzz57)."""
+    from server.sampling_params import GrammarRefused
+
+    translation = chat_request(ResponsesRequest(model="m", input=[USER]))
+    detail = "unknown $ref '#/definitions/max_tokens' near response_format"
+    error = translation.renamed(GrammarRefused("response_format", detail))
+    assert error.param == "text.format" and error.message == f"invalid text.format: {detail}"

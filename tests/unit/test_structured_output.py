@@ -212,3 +212,9 @@ def test_the_grammar_cache_keeps_the_most_recently_used(model_dir):
     uncached.matcher(a)
     assert uncached.cached(a) is None
 
+
+
+def test_a_bad_regex_is_quoted_as_the_client_wrote_it():
+    """Its error quoted the ASCII rewrite, [0-9] for the client's \\d (fuzz57)."""
+    error = grammar_error(StructuredOutput(regex=r"\d+(\w"))
+    assert error is not None and r"\d+(\w" in error and "[0-9]" not in error
