@@ -33,7 +33,7 @@ class EngineConfig:
     served_model_name: str | None = None  # defaults to the folder name
     dtype: str = "auto"  # auto = bfloat16 on CUDA, and on a CPU with native bf16 for a bf16 checkpoint; else float32
     device: str = "auto"  # auto = cuda if available else cpu
-    max_model_len: int | None = None  # None = the model's max_position_embeddings
+    max_model_len: int | None = None  # None = the model's max_position_embeddings (or its sliding window, if shorter: Tessera attends to the whole context)
     max_num_seqs: int = 64  # most sequences running at once (continuous batching)
     max_num_batched_tokens: int = 2048  # token budget of one engine step (prefill chunks + decodes)
     scheduling_policy: str = "fcfs"  # fcfs = arrival order; priority = by each request's priority (lower first), and a more urgent arrival preempts a less urgent running request
@@ -125,7 +125,7 @@ class EngineConfig:
 
     @property
     def max_graph_batch(self) -> int:
-        """The largest decode batch replayed from a CUDA graph."""
+        """The largest decode batch a CUDA graph captures (unless enforce_eager)."""
         return self.cuda_graph_max_batch_size or self.max_num_seqs
 
     @property

@@ -174,33 +174,40 @@ class PlanGeometry:
     kv_dtype: torch.dtype
 
 
-def split_kv_workspace_bytes(geometry: PlanGeometry, num_sms: int, max_graph_batch: int) -> int:
+def split_kv_workspace_bytes(
+    geometry: PlanGeometry, num_sms: int, max_graph_batch: int, compute_major: int = 9
+) -> int:
     """The most float workspace FlashInfer 0.6's FA2 plans take for this geometry: the
     partial outputs and log-sum-exps of split-KV work tiles, `num_qo_heads x tiles x
     cta_tile_q x (head_dim + 1)` floats (`PrefillPlanImpl` in its scheduler.cuh).
 
     An eager plan splits only while its tiles fit in `2 x num_sms / num_kv_heads` (two
     CTAs an SM), each tile up to 128 query rows. A CUDA-graph decode plan of B rows always
-    splits and pads to `max(that, ceil(B x group / cta_tile_q) + B - 1)` tiles. Qwen3-VL-
-    30B-A3B's 32 query heads over 4 KV heads ask for 128 MiB + 1 MiB on an H200's 132 SMs:
-    FlashInfer's recommended 128 MiB failed its first prefill (docs/gpu.md, 2026-11-28).
+    splits and pads to `max(that, ceil(B x group / cta_tile_q) + B - 1)` tiles
+    (`max_graph_batch` 0: no graphs). Qwen3-VL-30B-A3B's 32 query heads over 4 KV heads
+    ask for 133 MiB on an H200's 132 SMs: FlashInfer's recommended 128 MiB failed its first
+    prefill (docs/gpu.md, 2026-11-28).
     """
     group = geometry.num_qo_heads // geometry.num_kv_heads
     split_tiles = 2 * num_sms // geometry.num_kv_heads
-    eager_rows = split_tiles * _cta_tile_q(packed_qo_len=1 << 30, head_dim=geometry.head_dim)
-    graph_tile = _cta_tile_q(packed_qo_len=group, head_dim=geometry.head_dim)
-    graph_tiles = -(-max_graph_batch * group // graph_tile) + max_graph_batch - 1
-    graph_rows = max(split_tiles, graph_tiles) * graph_tile
+    eager_tile = _cta_tile_q(1 << 30, geometry.head_dim, compute_major)
+    eager_rows = split_tiles * eager_tile
+    graph_rows = 0
+    if max_graph_batch:
+        graph_tile = _cta_tile_q(group, geometry.head_dim, compute_major)
+        graph_tiles = -(-max_graph_batch * group // graph_tile) + max_graph_batch - 1
+        graph_rows = max(split_tiles, graph_tiles) * graph_tile
     floats = geometry.num_qo_heads * max(eager_rows, graph_rows) * (geometry.head_dim + 1)
     return 4 * floats + 2 * 16  # each of the two buffers starts 16-byte aligned
 
 
-def _cta_tile_q(packed_qo_len: int, head_dim: int) -> int:
-    """FlashInfer's query rows a CTA takes (`FA2DetermineCtaTileQ`, on sm80 and newer, for
-    head dims under 512 whose smallest tile fits shared memory, as every model here)."""
+def _cta_tile_q(packed_qo_len: int, head_dim: int, compute_major: int) -> int:
+    """FlashInfer's query rows a CTA takes (`FA2DetermineCtaTileQ`, for head dims under 512
+    whose smallest tile fits shared memory, as every model here); before sm80, 64 rows
+    even for a few."""
     if packed_qo_len > 64 and head_dim < 256:
         return 128
-    return 64 if packed_qo_len > 16 else 16
+    return 64 if packed_qo_len > 16 or compute_major < 8 else 16
 
 
 def _plan_decode(

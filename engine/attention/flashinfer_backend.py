@@ -63,7 +63,8 @@ class FlashInferAttentionBackend(RotateThenForward):
         max_graph_batch: int = 1,
     ) -> None:
         self.shape = shape
-        # The largest captured decode batch: its plan's split-KV tiles size the workspace.
+        # The largest captured decode batch (0: none): its plan's split-KV tiles size the
+        # workspace.
         self.max_graph_batch = max_graph_batch
         self._geometry = flashinfer_glue.PlanGeometry(
             num_qo_heads=shape.num_heads,
@@ -180,11 +181,11 @@ class FlashInferAttentionBackend(RotateThenForward):
     def workspace_bytes(self, device: torch.device) -> int:
         """FlashInfer's recommended 128 MiB, or what this model's split-KV plans can take
         on this device when that is more (wide query-head groups on many SMs)."""
+        properties = torch.cuda.get_device_properties(device)
         needed = flashinfer_glue.split_kv_workspace_bytes(
-            self._geometry,
-            torch.cuda.get_device_properties(device).multi_processor_count,
-            self.max_graph_batch,
-        )
+            self._geometry, properties.multi_processor_count, self.max_graph_batch,
+            properties.major,
+        )  # fmt: skip
         return max(flashinfer_glue.DEFAULT_WORKSPACE_BYTES, needed)
 
     def _eager_wrappers(self, device: torch.device) -> flashinfer_glue.FlashInferWrappers:

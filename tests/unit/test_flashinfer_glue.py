@@ -191,6 +191,10 @@ def test_planning_max_reduces_a_tensor_in_one_op_and_is_the_builtin_otherwise():
         planner.biggest([])
 
 
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def geometry(num_qo_heads: int, num_kv_heads: int, head_dim: int = 128) -> PlanGeometry:
     return PlanGeometry(num_qo_heads, num_kv_heads, head_dim, 16, head_dim**-0.5,
                         torch.bfloat16, torch.bfloat16)  # fmt: skip
@@ -210,3 +214,15 @@ def test_split_kv_workspace_follows_flashinfers_tile_arithmetic():
     # plus one per row after the first, more than the eager plan's 66 tiles of 128.
     wide = split_kv_workspace_bytes(geometry(32, 4), num_sms=132, max_graph_batch=512)
     assert wide == 4 * 32 * (256 + 511) * 16 * 129 + 32 > moe
+
+
+def test_no_graphs_and_older_gpus_size_their_own_plans():
+    """Without decode graphs (enforce_eager) only the eager plans count: a 1024-row graph
+    term took 387 MiB where 133 were enough (fuzz57). Before sm80 a decode tile is 64
+    query rows, not 16: Qwen2-VL-7B's 256-row graphs on a T4's 40 SMs need 249 MiB."""
+    moe = geometry(32, 4)
+    eager = split_kv_workspace_bytes(moe, num_sms=132, max_graph_batch=0)
+    assert eager == split_kv_workspace_bytes(moe, num_sms=132, max_graph_batch=1)
+    assert split_kv_workspace_bytes(moe, 132, max_graph_batch=1024) > 2 * eager
+    turing = split_kv_workspace_bytes(geometry(28, 4), 40, max_graph_batch=256, compute_major=7)
+    assert turing == 4 * 28 * (ceil_div(256 * 7, 64) + 255) * 64 * 129 + 32
