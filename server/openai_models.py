@@ -79,6 +79,12 @@ class ChatTemplateFields(RequestModel):
         }
 
 
+def null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
+    """A `mode="before"` validator: an explicit null is the field's default, as OpenAI's
+    types and vLLM take it (the openai client sends one when a caller passes None on)."""
+    return cls.model_fields[info.field_name].default if value is None else value
+
+
 class SamplingFields(RequestModel):
     """Fields shared by /v1/chat/completions and /v1/completions."""
 
@@ -130,6 +136,8 @@ class SamplingFields(RequestModel):
     def _guided_fields(cls, data: Any) -> Any:
         """vLLM's older names of `structured_outputs`, mapped onto it."""
         return with_guided_fields_mapped(data) if isinstance(data, dict) else data
+
+    _null_stream_or_n = field_validator("stream", "n", mode="before")(null_is_the_default)
 
     @field_validator("structured_outputs")
     @classmethod
@@ -222,6 +230,38 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0)  # <= --max-logprobs
     mm_processor_kwargs: MediaProcessingOptions | None = None
+    # OpenAI's fields that would change the answer and that Tessera does not serve: refused
+    # rather than ignored (an ignored function_call answered in text, not with the call).
+    functions: Any = None
+    function_call: Any = None
+    modalities: list[str] | None = None
+    audio: Any = None
+
+    _null_logprobs = field_validator("logprobs", mode="before")(null_is_the_default)
+
+    @field_validator("functions", "function_call")
+    @classmethod
+    def _no_legacy_functions(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None:
+            raise ValueError(
+                f"{info.field_name} (deprecated by OpenAI) is not supported; use tools and "
+                "tool_choice"
+            )
+        return value
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_only(cls, modalities: list[str] | None) -> list[str] | None:
+        if modalities and set(modalities) != {"text"}:
+            raise ValueError("only text output is supported: modalities must be ['text']")
+        return modalities
+
+    @field_validator("audio")
+    @classmethod
+    def _no_audio(cls, audio: Any) -> Any:
+        if audio is not None:
+            raise ValueError("audio output is not supported")
+        return audio
 
     _few_enough_messages = field_validator("messages", mode="before")(few_enough_messages)
     _few_enough_tools = field_validator("tools", mode="before")(few_enough_tools)
@@ -299,9 +339,13 @@ def _as_dict(tool_choice: Any) -> Any:
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(default=None, ge=0)  # 0: with echo, the prompt only
+    # OpenAI's and vLLM's default; null: as many as the context has room for. 0: with
+    # echo, the prompt only.
+    max_tokens: int | None = Field(default=16, ge=0)
     logprobs: int | None = Field(default=None, ge=0)  # <= --max-logprobs
     echo: bool = False
+
+    _null_echo = field_validator("echo", mode="before")(null_is_the_default)
     # OpenAI's fields that would change the answer and that Tessera does not serve: refused
     # rather than ignored (an ignored suffix answers a fill-in-the-middle prompt wrongly).
     suffix: str | None = None

@@ -115,6 +115,11 @@ def test_logit_bias_becomes_sorted_pairs():
         ({"logit_bias": {"3": 101}}, "[-100, 100]"),
         ({"logit_bias": {"3": "nan"}}, "[-100, 100]"),
         ({"logit_bias": {str(i): 1 for i in range(301)}}, "at most 300"),
+        # were ignored (fuzz59): a forced function_call answered in text, audio as text
+        ({"function_call": {"name": "f"}}, "use tools and tool_choice"),
+        ({"functions": [{"name": "f", "parameters": {}}]}, "use tools and tool_choice"),
+        ({"modalities": ["text", "audio"]}, "only text output"),
+        ({"audio": {"voice": "alloy", "format": "wav"}}, "audio output is not supported"),
     ],
 )
 def test_fields_tessera_cannot_honour_are_400_naming_them(fields, message):
@@ -319,3 +324,22 @@ def test_a_responses_input_of_millions_of_parts_is_refused_before_they_are_read(
     with pytest.raises(ValidationError) as info:
         ResponsesRequest.model_validate({"model": "m", "input": items})
     assert validation_error_to_invalid(info.value.errors()).param == "input"
+
+
+def test_an_explicit_null_is_the_fields_default():
+    """OpenAI's types and vLLM take null for these; it was a 400 (fuzz59)."""
+    chat = ChatCompletionRequest.model_validate(
+        {**BASE, "n": None, "stream": None, "logprobs": None, "modalities": ["text"]})
+    assert (chat.n, chat.stream, chat.logprobs) == (1, False, False)
+    completion = CompletionRequest.model_validate(
+        {"model": "m", "prompt": "x", "n": None, "stream": None, "echo": None})
+    assert (completion.n, completion.stream, completion.echo) == (1, False, False)
+
+
+def test_a_completion_writes_16_tokens_unless_asked_otherwise():
+    """OpenAI's documented default and vLLM's: it ran to the end of the context (1177
+    tokens, 75 s on a CPU, fuzz59). An explicit null still asks for all the room left."""
+    completion = CompletionRequest.model_validate({"model": "m", "prompt": "x"})
+    assert build_sampling_params(completion, num_prompt_tokens=3, max_model_len=100).max_tokens == 16
+    unbounded = CompletionRequest.model_validate({"model": "m", "prompt": "x", "max_tokens": None})
+    assert build_sampling_params(unbounded, num_prompt_tokens=3, max_model_len=100).max_tokens == 97
