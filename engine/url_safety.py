@@ -166,12 +166,17 @@ class UrlPolicy:
         if parts.netloc not in ("", "localhost") or parts.query or parts.fragment:
             raise UnsafeUrlError("a file:// URL must be file:///absolute/path")
         root = Path(self.allowed_local_path).resolve()
-        try:
-            path = Path(unquote(parts.path)).resolve(strict=True)
+        outside = UnsafeUrlError("the local file is not under the allowed local media path")
+        try:  # symlinks followed as far as they exist
+            path = Path(unquote(parts.path)).resolve()
         except (OSError, RuntimeError, ValueError):
-            raise UnsafeUrlError("the local file does not exist") from None
-        if not path.is_relative_to(root) or not path.is_file():
-            raise UnsafeUrlError("the local file is not under the allowed local media path")
+            raise outside from None
+        # Inside the root first: checked the other way round, a client could tell which
+        # files exist anywhere on the server ("does not exist" against "not under").
+        if not path.is_relative_to(root):
+            raise outside
+        if not path.is_file():
+            raise UnsafeUrlError("the local file does not exist")
         return path
 
 

@@ -134,6 +134,23 @@ def test_file_urls_stay_inside_the_root(tmp_path):
         UrlPolicy().resolve_local_path(f"file://{root}/ok.png")
 
 
+def test_a_file_url_outside_the_root_never_tells_whether_the_file_exists(tmp_path):
+    """A missing file said "does not exist" and an existing one "not under the allowed
+    local media path": a probe of any path on the server (fuzz60)."""
+    root = tmp_path / "media"
+    root.mkdir()
+    (tmp_path / "secret.txt").write_text("s")
+    policy = UrlPolicy(allowed_local_path=str(root))
+    messages = set()
+    for name in ("secret.txt", "no-such-file.txt"):
+        with pytest.raises(UnsafeUrlError) as refused:
+            policy.resolve_local_path(f"file://{tmp_path}/{name}")
+        messages.add(str(refused.value))
+    assert messages == {"the local file is not under the allowed local media path"}
+    with pytest.raises(UnsafeUrlError, match="does not exist"):  # inside the root, it may say
+        policy.resolve_local_path(f"file://{root}/missing.png")
+
+
 class _Counter:
     def __init__(self) -> None:
         self.count = 0
