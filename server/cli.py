@@ -236,7 +236,9 @@ async def run_server(settings: ServerSettings, slot: ApiServerSlot | None = None
                 ServerDraining("the server shut down before this request finished")
             )
 
-        server = GracefulServer(config, stop_all)
+        # uvicorn says where it listens only when it binds the socket itself
+        address = None if slot is not None and slot.index else listening_address(bound)
+        server = GracefulServer(config, stop_all, announce=address)
         if slot is not None:
             server.handled_signals = (API_PROCESS_DRAIN_SIGNAL,)
         try:
@@ -262,6 +264,12 @@ async def run_server(settings: ServerSettings, slot: ApiServerSlot | None = None
             bound.close()
 
 
+def listening_address(sock: socket.socket) -> str:
+    """http://host:port of a bound socket (an IPv6 host in brackets)."""
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 class GracefulServer(uvicorn.Server):
     """uvicorn.Server whose SIGINT/SIGTERM handling is a graceful shutdown, after which
     `serve()` returns (uvicorn would re-raise the signal, skipping the engine's shutdown).
@@ -278,13 +286,24 @@ class GracefulServer(uvicorn.Server):
     _stop_now = False  # a second signal: end the drain now
     handled_signals: tuple[signal.Signals, ...] = HANDLED_SIGNALS
 
-    def __init__(self, config: uvicorn.Config, stop_all: Callable[[], int] | None = None):
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        stop_all: Callable[[], int] | None = None,
+        announce: str | None = None,
+    ):
         super().__init__(config)
         self._stop_all = stop_all
+        self._announce = announce  # logged once listening: "serving on http://..."
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started and self._announce:
+            logger.info("serving on %s", self._announce)
 
     def handle_exit(self, sig: int, frame) -> None:
         admission = getattr(getattr(self.config.app, "state", None), "admission", None)

@@ -132,6 +132,14 @@ def test_processes_are_named_for_ps_and_top(two_api_servers):
     assert {process_name(pid) for pid in api} == {"tessera-api-0", "tessera-api-1"}
 
 
+def test_the_log_says_once_where_the_server_listens(two_api_servers, server):
+    """uvicorn logs its address only when it binds the socket itself, which Tessera never
+    lets it do: a user's log never said where to send requests (fuzz60)."""
+    for handle in (two_api_servers, server):
+        said = re.findall(r"serving on (http://\S+)", handle.log_path.read_text())
+        assert said == [handle.base_url], said
+
+
 def test_metrics_add_up_both_processes(two_api_servers):
     base = two_api_servers.base_url
     success = (
