@@ -2,15 +2,24 @@
 # Creates a virtualenv (./.venv, or $TESSERA_VENV) and installs Tessera into it.
 #   scripts/install.sh           the server
 #   scripts/install.sh test      the server + what the tests need
+#   scripts/install.sh gpu       the server + FlashInfer (docs/gpu.md)
 # torch is installed first and pinned, so pip never swaps in a different build:
 # TESSERA_TORCH (default "torch==2.13.0") and TESSERA_TORCH_INDEX (e.g. the
 # PyTorch CPU wheel index, to avoid gigabytes of CUDA packages on a CPU box).
+# PYTHON picks the interpreter of a new virtualenv (default python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${TESSERA_VENV:-.venv}
 extras=${1:-}
 
-[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+# Before torch's gigabytes, and before a virtualenv of the wrong Python is kept.
+if [ ! -x "$venv/bin/python" ]; then
+    if ! "${PYTHON:-python3}" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+        echo "Tessera needs Python 3.11 or newer; set PYTHON=python3.11 (or newer)" >&2
+        exit 1
+    fi
+    "${PYTHON:-python3}" -m venv "$venv"
+fi
 if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
     "$venv/bin/pip" install -q ${TESSERA_TORCH_INDEX:+--index-url "$TESSERA_TORCH_INDEX"} \
         "${TESSERA_TORCH:-torch==2.13.0}"
