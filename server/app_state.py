@@ -73,4 +73,6 @@ def make_fetcher(settings: ServerSettings, metrics: ServerMetrics) -> MediaFetch
         ImageProcessorConfig.from_model_dir(model_dir),
         video_config,
         on_processed=metrics.on_media_preprocessed,
+        on_cache_lookup=metrics.on_image_cache_lookup,
+        on_cache_resize=metrics.on_image_cache_resize,
     )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import threading
+from collections.abc import Callable
 
 import blake3
 
@@ -25,25 +26,37 @@ def bytes_key(data: bytes) -> str:
 
 
 class ProcessedImageCache:
-    """Thread-safe (the decode pool calls it). `max_bytes == 0` turns it off."""
+    """Thread-safe (the decode pool calls it). `max_bytes == 0` turns it off.
+    `on_lookup(hit)` hears of every lookup, `on_resize(bytes held)` of every change (the
+    server's metrics: a cache filling up looks like a leak unless it is shown)."""
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(
+        self,
+        max_bytes: int,
+        *,
+        on_lookup: Callable[[bool], None] | None = None,
+        on_resize: Callable[[int], None] | None = None,
+    ) -> None:
         self.max_bytes = max_bytes
         self._entries: collections.OrderedDict[str, ProcessedImage] = collections.OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
+        self._on_lookup = on_lookup
+        self._on_resize = on_resize
 
     def get(self, key: str) -> ProcessedImage | None:
         with self._lock:
             image = self._entries.get(key)
             if image is None:
                 self.misses += 1
-                return None
-            self._entries.move_to_end(key)
-            self.hits += 1
-            return image
+            else:
+                self._entries.move_to_end(key)
+                self.hits += 1
+        if self._on_lookup is not None:
+            self._on_lookup(image is not None)
+        return image
 
     def put(self, key: str, image: ProcessedImage) -> None:
         size = image.pixel_levels.nbytes
@@ -57,6 +70,9 @@ class ProcessedImageCache:
             while self._bytes > self.max_bytes:
                 _, evicted = self._entries.popitem(last=False)
                 self._bytes -= evicted.pixel_levels.nbytes
+            held = self._bytes
+        if self._on_resize is not None:
+            self._on_resize(held)
 
     def __len__(self) -> int:
         return len(self._entries)

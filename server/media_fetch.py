@@ -112,8 +112,11 @@ class MediaFetcher:
         video_config: VideoConfig | None = None,
         *,
         on_processed: Callable[[MediaKind, float], None] | None = None,
+        on_cache_lookup: Callable[[bool], None] | None = None,
+        on_cache_resize: Callable[[int], None] | None = None,
     ):
-        """`on_processed(kind, seconds)` hears of every successful `load` (a metric)."""
+        """`on_processed(kind, seconds)` hears of every successful `load`, the other two of
+        the processed-image cache's lookups and size (metrics)."""
         self.config = config
         self.on_processed = on_processed
         self.image_config = image_config
@@ -133,7 +136,11 @@ class MediaFetcher:
                 max_workers=config.num_video_decode_threads, thread_name_prefix="video-decode"
             ),
         }
-        self.processed = ProcessedImageCache(config.processed_image_cache_bytes)
+        self.processed = ProcessedImageCache(
+            config.processed_image_cache_bytes,
+            on_lookup=on_cache_lookup,
+            on_resize=on_cache_resize,
+        )
         self.default_processing = MediaProcessing(image_config, self.video_config)
 
     def processing_for(self, options: MediaProcessingOptions | None) -> MediaProcessing:

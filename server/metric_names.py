@@ -50,6 +50,7 @@ class MetricSpec(NamedTuple):
     help: str
     labels: tuple[str, ...] = (MODEL_LABEL,)
     buckets: tuple[float, ...] = ()  # histograms only
+    per_process: bool = False  # a gauge each API process sets: summed over the live ones
 
     @property
     def client_name(self) -> str:
@@ -168,6 +169,16 @@ METRICS: tuple[MetricSpec, ...] = (
         "process, by modality (image, video); repeats served from its cache included.",
         LATENCY_BUCKETS,
         "modality",
+    ),
+    # The API processes' cache of processed images (--image-cache-mb each).
+    _counter("tessera:image_cache_queries_total", "Processed-image cache lookups (image_url and video_url parts with bytes)."),
+    _counter("tessera:image_cache_hits_total", "Processed-image cache lookups that hit."),
+    MetricSpec(
+        "tessera:image_cache_bytes",
+        "gauge",
+        "Bytes of processed images and videos the API processes hold in their caches (up to "
+        "--image-cache-mb each): it grows with new media until full, which is not a leak.",
+        per_process=True,
     ),
     # Vision encoder and encoder cache.
     _histogram(

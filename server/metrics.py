@@ -97,8 +97,8 @@ class ServerMetrics:
             extra = {}
             if spec.type == "histogram":
                 extra["buckets"] = spec.buckets
-            elif spec.type == "gauge":  # only engine gauges, set by one process
-                extra["multiprocess_mode"] = "mostrecent"
+            elif spec.type == "gauge":  # engine gauges are set by one process
+                extra["multiprocess_mode"] = "livesum" if spec.per_process else "mostrecent"
             self._metrics[spec.name] = _KINDS[spec.type](
                 spec.client_name, spec.help, list(spec.labels), registry=self.registry, **extra
             )
@@ -109,7 +109,7 @@ class ServerMetrics:
         # sample as its baseline, so the events that made a series appear were lost to
         # increase() and rate() (a fresh server's first burst of 503s raised no alert).
         for spec in METRICS:
-            if spec.type != "gauge" and spec.labels == (MODEL_LABEL,):
+            if (spec.type != "gauge" or spec.per_process) and spec.labels == (MODEL_LABEL,):
                 self._labelled(spec.name)
             for value in KNOWN_LABEL_VALUES.get(spec.name, ()):
                 self._labelled(spec.name, value)
@@ -148,6 +148,14 @@ class ServerMetrics:
     def on_media_preprocessed(self, modality: str, seconds: float) -> None:
         """One image_url / video_url part fetched, decoded and preprocessed."""
         self._labelled("tessera:media_preprocess_seconds", modality).observe(seconds)
+
+    def on_image_cache_lookup(self, hit: bool) -> None:
+        self._labelled("tessera:image_cache_queries_total").inc()
+        if hit:
+            self._labelled("tessera:image_cache_hits_total").inc()
+
+    def on_image_cache_resize(self, cached_bytes: int) -> None:
+        self._labelled("tessera:image_cache_bytes").set(cached_bytes)
 
     def on_http_request(self, route: str, status: int) -> None:
         self._labelled("tessera:http_requests_total", route, str(status)).inc()

@@ -1,5 +1,5 @@
-"""The encoder-cache, vision-encoder and prefix-cache counters on /metrics move as expected
-for a new image, the same request again, and the same image after other text."""
+"""The image-cache, encoder-cache, vision-encoder and prefix-cache counters on /metrics move
+as expected for a new image, the same request again, and the same image after other text."""
 
 from __future__ import annotations
 
@@ -16,6 +16,10 @@ COUNTERS = [
     "tessera:vision_encoder_batches_total",
     "tessera:prefix_cache_queries_total",
     "tessera:prefix_cache_hits_total",
+    # the API process's processed-image cache (fuzz58: its filling looked like a leak)
+    "tessera:image_cache_queries_total",
+    "tessera:image_cache_hits_total",
+    "tessera:image_cache_bytes",
 ]
 
 
@@ -76,6 +80,9 @@ def test_multimodal_counters_move(http):
     assert moved["tessera:vision_encoder_batches_total"] == 1
     assert moved["tessera:encoder_cache_queries_total"] == 1
     assert moved["tessera:encoder_cache_hits_total"] == 0
+    assert moved["tessera:image_cache_queries_total"] == 1
+    assert moved["tessera:image_cache_hits_total"] == 0
+    assert moved["tessera:image_cache_bytes"] >= 3 * 150 * 100  # its pixel levels, uint8
     assert moved["tessera:prefix_cache_queries_total"] == num_prompt
     assert moved["tessera:prefix_cache_hits_total"] < num_prompt - 20  # not past the image
 
@@ -83,6 +90,9 @@ def test_multimodal_counters_move(http):
     chat(http, [image, "What is in this picture, in a few words?"])  # same text, same image
     moved = delta(http, before, num_prompt)
     assert moved["tessera:vision_encoder_items_total"] == 0
+    assert moved["tessera:image_cache_queries_total"] == 1
+    assert moved["tessera:image_cache_hits_total"] == 1
+    assert moved["tessera:image_cache_bytes"] == 0
     assert moved["tessera:prefix_cache_queries_total"] == num_prompt
     assert moved["tessera:prefix_cache_hits_total"] >= num_prompt - 16  # all full blocks
 
