@@ -214,14 +214,13 @@ def renamed(exc: TesseraError, message_sources: tuple[MessageSource, ...]) -> Te
     chat_param = exc.param
     param = responses_param(chat_param, message_sources)
     if isinstance(exc, GrammarRefused):  # llguidance's detail quotes the client's schema
-        message = f"invalid {param}: {exc.detail}"
-    else:
-        message = exc.message
-        if chat_param is not None and param != chat_param:
-            message = _with_field_renamed(message, chat_param, param)
-        for chat_name, name in _RENAMED.items():
-            if "." not in chat_name:
-                message = _with_field_renamed(message, chat_name, name)
+        return GrammarRefused(param, exc.detail)
+    message = exc.message
+    if chat_param is not None and param != chat_param:
+        message = _with_field_renamed(message, chat_param, param)
+    for chat_name, name in _RENAMED.items():
+        if "." not in chat_name:
+            message = _with_field_renamed(message, chat_name, name)
     exc.param, exc.message, exc.args = param, message, (message,)
     return exc
 
