@@ -23,10 +23,10 @@ A stream is `event: <type>` / `data: {...}` pairs (no [DONE]), numbered by
 
 Items go out one after another, in the order the model wrote them (each item's `done`
 before the next one's `added`), and a non-streamed answer has the same items in the same
-order (`ResponseShaper.final` replays its tokens through the same `_Assembler`). Calls go
-out as server/tool_calls.py's stream gives them: a named function's arguments as they are
-generated, any other call whole as soon as its text closes. A text part's logprobs are
-those of its own tokens. An error after the stream started is an `error` event and then
+order (`ResponseShaper.final` replays its tokens through the same `Assembler`, in
+server/response_items.py). Calls go out as server/tool_calls.py's stream gives them: a
+named function's arguments as they are generated, any other call whole as soon as its
+text closes. A text part's logprobs are those of its own tokens. An error after the stream started is an `error` event and then
 `response.failed`, whose `error.code` is one of OpenAI's (`invalid_prompt` for a fault of
 the request, else `server_error`).
 """
@@ -34,12 +34,10 @@ the request, else `server_error`).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -51,9 +49,9 @@ from engine.protocol import TokenLogprob
 from server.generation import GenerationJob, GenerationTotals, generate_choices
 from server.logprobs import chat_logprobs
 from server.openai_replies import dump
+from server.response_items import Assembler, reasoning_part, response_status
 from server.responses import ResponsesRequest
 from server.streaming import ChoiceResult, OnFinished, counted_if_left
-from server.tool_calls import ToolCall
 
 logger = logging.getLogger(__name__)
 
@@ -146,10 +144,10 @@ class ResponseShaper:
 
     def final(self, result: ChoiceResult, totals: GenerationTotals) -> dict[str, Any]:
         """The Response of a finished, non-streamed choice: its tokens fed one by one
-        through the stream's assembly (`_Assembler`), so that both give the same items,
+        through the stream's assembly (server/response_items.py), so that both give the same items,
         in the same order, with the same logprobs."""
         self.count_reasoning(result.token_ids)
-        assembler = _Assembler(self, _no_event)
+        assembler = Assembler(self, _no_event)
         events = assembler.feed_tokens(result.text, result.text_offsets, result.logprobs,
                                        result.finish_reason)  # fmt: skip
         for _ in events:
@@ -159,47 +157,6 @@ class ResponseShaper:
 
 def _no_event(kind: str, **fields: Any) -> bytes:
     return b""
-
-
-def _token_pieces(
-    text: str,
-    offsets: Sequence[int],
-    entries: Sequence[TokenLogprob],
-    finish_reason: str | None,
-    start: int = 0,
-) -> Iterator[tuple[str, Sequence[TokenLogprob], str | None]]:
-    """`text` (at `start` in its choice's text) token by token, as a stream of one token
-    a delta brings it: each token's text (from its `offsets` in the choice's text) and
-    logprob entry, `finish_reason` with the last. Without offsets, one piece."""
-    if not offsets:
-        yield text, entries, finish_reason
-        return
-    cuts = [0, *(offset - start for offset in offsets[1:]), len(text)]
-    bounds = list(itertools.accumulate(cuts, max))  # the pieces make up the whole text
-    for i in range(len(offsets)):
-        last = i == len(offsets) - 1
-        yield text[bounds[i] : bounds[i + 1]], entries[i : i + 1], finish_reason if last else None
-
-
-def reasoning_part(text: str) -> dict[str, Any]:
-    return {"type": "reasoning_text", "text": text}
-
-
-def response_status(finish_reason: str | None) -> str:
-    return "incomplete" if finish_reason == "length" else "completed"
-
-
-def call_status(status: str, index: int, calls: list[ToolCall]) -> str:
-    """A response cut by max_output_tokens was cut in its last item: a last call's
-    arguments are incomplete (a named function's answer is nothing but them)."""
-    return "incomplete" if status == "incomplete" and index == len(calls) - 1 else "completed"
-
-
-def call_item(call: ToolCall, status: str, arguments: str | None = None) -> dict[str, Any]:
-    return {"type": "function_call", "id": item_id(call),
-            "call_id": call.id, "name": call.name,
-            "arguments": call.arguments if arguments is None else arguments,
-            "status": status}  # fmt: skip
 
 
 def usage(totals: GenerationTotals, reasoning_tokens: int = 0) -> dict[str, Any]:
@@ -227,231 +184,6 @@ class _EventWriter:
         return b"event: " + kind.encode() + b"\ndata: " + _JSON.encode(data) + b"\n\n"
 
 
-class _Assembler:
-    """One choice's output items as its text comes: the thinking (reasoning parser), then
-    text and tool calls (tool parser). A token's logprob entry goes with the text it
-    made, so that the text part's logprobs spell its text: the thinking's tokens and a
-    call's tokens are left out (OpenAI: the logprobs "of the output text")."""
-
-    def __init__(self, shaper: ResponseShaper, event: Callable[..., bytes]) -> None:
-        self.items = _StreamedOutput(shaper, event)
-        self.extractor = shaper.job.tools.extractor() if shaper.job.tools is not None else None
-        self.splitter = shaper.job.reasoning_splitter()
-
-    def feed_tokens(
-        self,
-        text: str,
-        offsets: Sequence[int],
-        entries: Sequence[TokenLogprob],
-        finish_reason: str | None,
-        start: int = 0,
-    ) -> Iterator[bytes]:
-        """`feed` token by token where `offsets` say where each token's text begins (in
-        the choice's text, where `text` begins at `start`): each entry then goes with its
-        own token's text. Without offsets, `text` in one piece."""
-        for piece in _token_pieces(text, offsets, entries, finish_reason, start):
-            yield from self.feed(*piece)
-
-    def feed(
-        self, text: str, entries: Sequence[TokenLogprob], finish_reason: str | None
-    ) -> Iterator[bytes]:
-        """A delta's text and its tokens' entries; `finish_reason` with the last."""
-        last = finish_reason is not None
-        if self.splitter is not None:  # the thinking first, then the answer
-            before_answer = not self.splitter.in_answer
-            reasoning, text = self.splitter.feed(text, last=last)
-            yield from self.items.add_reasoning(reasoning)
-            if before_answer and self.splitter.has_reasoning:
-                # the thinking's tokens, its tags and the blank lines after it included
-                self.items.pending = []
-                if not text:
-                    entries = ()
-        call_deltas: list[dict[str, Any]] = []
-        self.items.hold(entries, len(text))
-        if self.extractor is not None:
-            text, call_deltas = self.extractor.feed_stream(text)
-        yield from self.items.add_text(text)
-        for call_delta in call_deltas:
-            yield from self.items.add_call(call_delta)
-        if not last:
-            return
-        calls: list[ToolCall] = []
-        if self.extractor is not None:
-            rest, _, calls = self.extractor.finish_stream()
-            yield from self.items.add_text(rest)
-        yield from self.items.finish(calls, response_status(finish_reason))
-
-
-class _StreamedOutput:
-    """The output items of a stream as they open, grow and close, as events."""
-
-    def __init__(self, shaper: ResponseShaper, event: Callable[..., bytes]) -> None:
-        self.shaper = shaper
-        self.event = event
-        self.output: list[dict[str, Any]] = []  # items in output_index order
-        self.text = ""
-        self.entries: list[TokenLogprob] = []  # the open message's logprobs so far
-        # Entries not yet sent with a delta, each with how many characters of the answer's
-        # text it wrote: the tool parser may hold text back, then release only part of it.
-        self.pending: list[tuple[TokenLogprob, int]] = []
-        self.message_index: int | None = None  # output_index of the open message
-        self.message_id = shaper.message_id
-        self.call_items: dict[int, tuple[int, str]] = {}  # call index -> (output_index, id)
-        self.open_call: tuple[int, ToolCall] | None = None  # (call index, the call so far)
-        self.reasoning = ""
-        self.reasoning_index: int | None = None  # output_index of the open reasoning item
-        self.reasoning_id = f"rs_{uuid.uuid4().hex}"
-
-    def add_reasoning(self, text: str) -> Iterator[bytes]:
-        """Thinking: into the reasoning item, which opens first."""
-        if not text:
-            return
-        if self.reasoning_index is None:
-            self.reasoning_index = len(self.output)
-            item = self.shaper.reasoning("in_progress", None, self.reasoning_id)
-            self.output.append(item)
-            yield self.event("response.output_item.added", output_index=self.reasoning_index,
-                             item=item)  # fmt: skip
-            yield self.event("response.content_part.added", item_id=self.reasoning_id,
-                             output_index=self.reasoning_index, content_index=0,
-                             part=reasoning_part(""))  # fmt: skip
-        self.reasoning += text
-        yield self.event("response.reasoning_text.delta", item_id=self.reasoning_id,
-                         output_index=self.reasoning_index, content_index=0, delta=text)  # fmt: skip
-
-    def _close_reasoning(self, status: str = "completed") -> Iterator[bytes]:
-        index, self.reasoning_index = self.reasoning_index, None
-        if index is None:
-            return
-        common = {"item_id": self.reasoning_id, "output_index": index, "content_index": 0}
-        yield self.event("response.reasoning_text.done", **common, text=self.reasoning)
-        yield self.event("response.content_part.done", **common,
-                         part=reasoning_part(self.reasoning))  # fmt: skip
-        item = self.shaper.reasoning(status, self.reasoning, self.reasoning_id)
-        yield self.event("response.output_item.done", output_index=index, item=item)
-        self.output[index] = item
-
-    def hold(self, entries: Sequence[TokenLogprob], num_chars: int) -> None:
-        """A piece's entries, until the `num_chars` of text they wrote (counted on the
-        last) is sent as the message's."""
-        self.pending += [(entry, 0) for entry in entries[:-1]]
-        self.pending += [(entry, num_chars) for entry in entries[-1:]]
-
-    def add_text(self, text: str) -> Iterator[bytes]:
-        """Text for the message, with the held entries that wrote it: a tool parser that
-        held '<tool_c' and then saw '<' releases '<tool_c' alone, and that '<' token's
-        entry stays held (it went out with the text, a call's token in the message's
-        logprobs, fuzz54)."""
-        if not text:
-            return
-        yield from self._close_reasoning()
-        if self.message_index is None:
-            yield from self._open_message()
-        self.text += text
-        count, covered = 0, 0
-        for _, num_chars in self.pending:
-            if covered + num_chars > len(text):
-                break
-            count, covered = count + 1, covered + num_chars
-        sent = [entry for entry, _ in self.pending[:count]]
-        del self.pending[:count]
-        self.entries += sent
-        yield self.event("response.output_text.delta", item_id=self.message_id,
-                         output_index=self.message_index, content_index=0, delta=text,
-                         logprobs=self.shaper.logprobs(sent))  # fmt: skip
-
-    def add_call(self, delta: dict[str, Any]) -> Iterator[bytes]:
-        """A chat tool-call delta: the first of a call (with its id and name) opens its
-        item; its arguments, if any, go out as an arguments delta."""
-        self.pending = []  # held-back text that became this call: not the message's
-        index = delta["index"]
-        if index not in self.call_items:
-            yield from self._close_reasoning()
-            yield from self._close_message()
-            yield from self._close_call()
-            call = ToolCall(delta["function"]["name"], "", delta["id"])
-            output_index = len(self.output)
-            self.call_items[index] = (output_index, item_id(call))
-            self.open_call = (index, call)
-            item = call_item(call, "in_progress", arguments="")
-            self.output.append(item)
-            yield self.event("response.output_item.added", output_index=output_index, item=item)
-        output_index, call_item_id = self.call_items[index]
-        arguments = delta["function"].get("arguments")
-        if arguments:
-            if self.open_call is not None and self.open_call[0] == index:
-                call = self.open_call[1]
-                grown = dataclasses.replace(call, arguments=call.arguments + arguments)
-                self.open_call = (index, grown)
-            yield self.event("response.function_call_arguments.delta", item_id=call_item_id,
-                             output_index=output_index, delta=arguments)  # fmt: skip
-
-    def _close_call(
-        self, call: ToolCall | None = None, status: str = "completed"
-    ) -> Iterator[bytes]:
-        """Closes the open call item (OpenAI sends items one after another): when the next
-        item opens, as its arguments stand (a call other than a named function's comes
-        whole), or at the end as the parser finished it (`call`)."""
-        if self.open_call is None:
-            return
-        index, so_far = self.open_call
-        self.open_call = None
-        call = call or so_far
-        output_index, call_item_id = self.call_items[index]
-        yield self.event("response.function_call_arguments.done", item_id=call_item_id,
-                         output_index=output_index, name=call.name,
-                         arguments=call.arguments)  # fmt: skip
-        item = call_item(call, status)
-        yield self.event("response.output_item.done", output_index=output_index, item=item)
-        self.output[output_index] = item
-
-    def finish(self, calls: list[ToolCall], status: str) -> Iterator[bytes]:
-        yield from self._close_reasoning(status)
-        if not self.output and not calls:
-            # An empty answer is still a message; one that is all thinking is its reasoning
-            # item alone, as OpenAI's answer cut off while it reasons.
-            yield from self._open_message()
-        yield from self._close_message(status)
-        for index, call in enumerate(calls):
-            if index not in self.call_items:
-                yield from self.add_call(call.as_dict(index))
-            if self.open_call is not None and self.open_call[0] == index:
-                yield from self._close_call(call, call_status(status, index, calls))
-
-    def _open_message(self) -> Iterator[bytes]:
-        yield from self._close_call()
-        if any(item["type"] != "reasoning" for item in self.output):
-            # text after a call: a message item of its own
-            self.message_id = f"msg_{uuid.uuid4().hex}"
-        self.message_index = len(self.output)
-        self.text, self.entries = "", []
-        item = self.shaper.message("in_progress", [], self.message_id)
-        self.output.append(item)
-        yield self.event("response.output_item.added", output_index=self.message_index,
-                         item=item)  # fmt: skip
-        empty = self.shaper.text_part("", [])
-        yield self.event("response.content_part.added", item_id=self.message_id,
-                         output_index=self.message_index, content_index=0, part=empty)  # fmt: skip
-
-    def _close_message(self, status: str = "completed") -> Iterator[bytes]:
-        index, self.message_index = self.message_index, None
-        if index is None:
-            return
-        self.pending = []  # entries of text that never came: a call's, or held back
-        part = self.shaper.text_part(self.text, self.entries)
-        common = {"item_id": self.message_id, "output_index": index, "content_index": 0}
-        yield self.event("response.output_text.done", **common, text=self.text,
-                         logprobs=part.get("logprobs", []))  # fmt: skip
-        yield self.event("response.content_part.done", **common, part=part)
-        item = self.shaper.message(status, [part], self.message_id)
-        yield self.event("response.output_item.done", output_index=index, item=item)
-        self.output[index] = item
-
-
-def item_id(call: ToolCall) -> str:
-    return "fc_" + call.id.removeprefix("call_")
-
-
 async def stream_response(
     job: GenerationJob,
     engine: Any,
@@ -467,7 +199,7 @@ async def stream_response(
     with counted_if_left(totals, job.n, on_finished):
         yield event("response.created", response=shaper.response("in_progress", []))
         yield event("response.in_progress", response=shaper.response("in_progress", []))
-        assembler = _Assembler(shaper, event)
+        assembler = Assembler(shaper, event)
         token_ids: list[int] = []
         sent = 0  # characters of the answer's text fed so far
         try:

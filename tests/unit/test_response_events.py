@@ -15,7 +15,8 @@ from pydantic import TypeAdapter
 from engine.protocol import SamplingParams, TokenLogprob
 from engine.tiny_model import SIZES, train_tokenizer
 from server.generation import GenerationJob, GenerationTotals, PreparedPrompt
-from server.response_events import ResponseShaper, _Assembler, _EventWriter
+from server.response_events import ResponseShaper, _EventWriter
+from server.response_items import Assembler
 from server.responses import ResponsesRequest
 from server.streaming import ChoiceResult
 from server.tool_calls import ToolPlan
@@ -44,7 +45,7 @@ def entries_for(feeds: list[str]) -> list[TokenLogprob]:
 
 def events_of(feeds: list[str], shaper: ResponseShaper | None = None):
     shaper = shaper or shaper_for()
-    assembler = _Assembler(shaper, _EventWriter())
+    assembler = Assembler(shaper, _EventWriter())
     chunks = []
     for i, (text, entry) in enumerate(zip(feeds, entries_for(feeds), strict=True)):
         chunks += assembler.feed(text, [entry], "stop" if i == len(feeds) - 1 else None)
@@ -171,10 +172,10 @@ def test_a_delta_of_several_tokens_gives_each_entry_to_its_own_tokens_text(token
              '{"name": "get_time", "arguments": {}}\n</tool_call>']  # fmt: skip
     entries = entries_for(feeds)
     offsets = [sum(map(len, feeds[:i])) for i in range(len(feeds))]
-    one_by_one = _Assembler(shaper_for(tokenizer, thinking=False), _EventWriter())
+    one_by_one = Assembler(shaper_for(tokenizer, thinking=False), _EventWriter())
     for i, text in enumerate(feeds):
         list(one_by_one.feed(text, entries[i : i + 1], "stop" if i == len(feeds) - 1 else None))
-    in_fours = _Assembler(shaper_for(tokenizer, thinking=False), _EventWriter())
+    in_fours = Assembler(shaper_for(tokenizer, thinking=False), _EventWriter())
     for start in range(0, len(feeds), 4):
         chunk = slice(start, start + 4)
         last = start + 4 >= len(feeds)
