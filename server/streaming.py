@@ -90,7 +90,7 @@ class EventStreamResponse(StreamingResponse):
 def sse(data: dict[str, Any]) -> bytes:
     """One SSE event. Chunks are plain dicts encoded by msgspec (UTF-8, compact): a
     pydantic model per chunk cost ~30 us against ~1 us, on every token of every stream
-    (tests/unit/test_app_fake_engine.py validates chunks against the pydantic models)."""
+    (tests/unit/fake_engine.py validates chunks against the pydantic models)."""
     return b"data: " + _JSON.encode(data) + b"\n\n"
 
 

@@ -14,7 +14,7 @@ from server.errors import validation_error_to_invalid
 from server.field_limits import DEFAULT_FIELD_LIMITS, FieldLimits, applying, field_limits
 from server.openai_models import ChatCompletionRequest, CompletionRequest
 from server.settings import SettingsError, load_settings
-from tests.unit.test_app_fake_engine import _client
+from tests.unit.fake_engine import client_for
 
 USER = {"role": "user", "content": "hi"}
 CHAT = {"model": "m", "messages": [USER]}
@@ -132,7 +132,7 @@ def test_a_server_applies_its_own_limits_on_every_route(model_dir):
          "input"),
         ("/tokenize", {"model": "tiny", "messages": [USER] * 3}, "messages"),
     ]  # fmt: skip
-    client, _ = _client(model_dir, max_stop_strings=2, max_messages=2,
+    client, _ = client_for(model_dir, max_stop_strings=2, max_messages=2,
                         max_prompts_per_request=2)  # fmt: skip
     with client:
         for route, body, param in bodies:
@@ -140,7 +140,7 @@ def test_a_server_applies_its_own_limits_on_every_route(model_dir):
             assert response.status_code == 400, (route, response.text)
             error = response.json()["error"]
             assert error["param"] == param and "(the server's --max-" in error["message"], error
-    default_client, _ = _client(model_dir)
+    default_client, _ = client_for(model_dir)
     with default_client:
         for route, body, _ in bodies:
             response = default_client.post(route, json=body)
@@ -151,7 +151,7 @@ def test_responses_count_their_instructions_and_name_the_flag_whole(model_dir):
     """Instructions are one more message: the chat's own check refused them, and its error,
     renamed word by word for Responses, read "at most 2 input are allowed (the server's
     --max-input)" (fuzz49, fuzz51)."""
-    client, _ = _client(model_dir, max_messages=2)
+    client, _ = client_for(model_dir, max_messages=2)
     body = {"model": "tiny", "max_output_tokens": 1, "instructions": "be brief",
             "input": [USER, USER]}  # fmt: skip
     with client:

@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 
 from server.unicode_check import check_body, lone_surrogate_path
-from tests.unit.test_app_fake_engine import _client
+from tests.unit.fake_engine import client_for
 
 LONE = "\\ud800"  # as sent: the six characters of the JSON escape
 
 
 @pytest.fixture(scope="module")
 def client(model_dir):
-    client, _ = _client(model_dir)
+    client, _ = client_for(model_dir)
     with client:
         yield client
 
@@ -72,7 +72,7 @@ def test_pairs_and_escaped_backslashes_pass(client):
 
 
 def test_the_api_key_is_checked_first(model_dir):
-    client, _ = _client(model_dir, api_key="secret")
+    client, _ = client_for(model_dir, api_key="secret")
     with client:
         body = '{"model": "tiny", "prompt": "%s", "max_tokens": 2}'.replace("%s", LONE)
         assert post(client, "/v1/completions", body).status_code == 401

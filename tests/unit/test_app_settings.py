@@ -1,0 +1,251 @@
+"""The HTTP app against a scripted fake engine: its settings (API key, limits, templates),
+its own metrics, admission across API processes and the protocol of its errors."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from fastapi.testclient import TestClient
+
+from engine.config import EngineConfig
+from engine.tiny_model import make_tiny_model
+from server.app import build_app
+from server.settings import ServerSettings
+from tests.unit.fake_engine import FakeEngine, chat, client_for
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def app(model_dir):
+    client, engine = client_for(model_dir)
+    with client:
+        yield client, engine
+
+
+def test_api_key(model_dir):
+    client, _ = client_for(model_dir)
+    client.app  # noqa: B018
+    config_key = "sekrit"
+    client, _ = client_for(model_dir, api_key=config_key)
+    with client:
+        assert chat(client).status_code == 401
+        assert chat(client).json()["error"]["code"] == "invalid_api_key"
+        headers = {"Authorization": f"Bearer {config_key}"}
+        ok = client.post(
+            "/v1/chat/completions",
+            headers=headers,
+            json={
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 1,
+            },
+        )
+        assert ok.status_code == 200
+        assert client.get("/health").status_code == 200
+        assert client.get("/metrics").status_code == 200
+        assert client.post("/tokenize", json={"prompt": "x"}).status_code == 401
+        assert client.get("/openapi.json").status_code == 401  # like the routes it lists
+        assert client.get("/openapi.json", headers=headers).status_code == 200
+
+
+def _http_requests_total(client) -> dict[tuple[str, str], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counts = {}
+    for family in text_string_to_metric_families(client.get("/metrics").text):
+        for sample in family.samples:
+            if sample.name == "tessera:http_requests_total":
+                counts[sample.labels["route"], sample.labels["status"]] = sample.value
+    return counts
+
+
+def test_http_requests_are_counted_by_route_template_and_status(model_dir):
+    client, _ = client_for(model_dir, max_request_body_bytes=4096)
+    with client:
+        assert chat(client, max_tokens=2).status_code == 200
+        assert chat(client, max_tokens=3, stream=True).status_code == 200
+        assert chat(client, temperature=-1).status_code == 400
+        assert client.get("/v1/nope/secret-path").status_code == 404
+        declared = client.post(
+            "/v1/chat/completions",
+            content=b"x" * 5000,
+            headers={"content-type": "application/json"},
+        )
+        assert declared.status_code == 413
+        assert declared.json()["error"]["code"] == "request_too_large"
+
+        def chunks():
+            yield b"x" * 3000
+            yield b"x" * 3000
+
+        chunked = client.post(
+            "/v1/chat/completions", content=chunks(), headers={"content-type": "application/json"}
+        )
+        assert chunked.status_code == 413
+        huge_header = {"x-padding": "x" * (1 << 20)}
+        assert client.get("/v1/models", headers=huge_header).status_code == 431
+        counts = _http_requests_total(client)
+    assert counts[("/v1/chat/completions", "200")] == 2  # the streamed one included
+    assert counts[("/v1/chat/completions", "400")] == 1
+    assert counts[("unmatched", "404")] == 1  # the template, never the raw path
+    # one cut off while streaming in, one refused before routing (it was "unmatched")
+    assert counts[("/v1/chat/completions", "413")] == 2
+    assert ("unmatched", "413") not in counts
+    assert counts[("/v1/models", "431")] == 1
+
+
+def test_a_grammar_waits_for_the_thinking_a_template_opens(model_dir):
+    """With a template that leaves <think> open, a format's grammar holds only after the
+    model's </think> (engine: structured_output_after); otherwise from the first token."""
+    opening = ("{% for m in messages %}{{ m['content'] }}{% endfor %}<|im_start|>assistant\n"
+               "{% if think %}<think>\n{% endif %}")  # fmt: skip
+    client, engine = client_for(model_dir, trust_request_chat_template=True)
+    end = tuple(engine.tokenizer.encode("</think>", add_special_tokens=False).ids)
+    with client:
+        for think, expected in ((True, end), (False, ())):
+            response = chat(client, max_tokens=2, chat_template=opening,
+                            chat_template_kwargs={"think": think},
+                            response_format={"type": "json_object"})  # fmt: skip
+            assert response.status_code == 200, response.text
+            assert engine.requests[-1].sampling.structured_output_after == expected
+        assert chat(client, max_tokens=2, chat_template=opening,
+                    chat_template_kwargs={"think": True}).status_code == 200  # fmt: skip
+        assert engine.requests[-1].sampling.structured_output_after == ()  # no grammar
+
+
+def test_api_processes_admit_against_one_budget_together(model_dir):
+    """Each process admitted a fixed share of every budget: when the kernel handed most
+    connections to one of them (it often does), requests were refused at a fraction of the
+    capacity while the others sat idle. The launcher's shared counts make the budgets
+    bound the sum over all of them, whichever process a request reaches."""
+    import multiprocessing
+
+    from engine.errors import ServerOverloaded
+
+    settings = ServerSettings(
+        engine=EngineConfig(model=str(model_dir), max_num_seqs=3),
+        max_waiting_requests=2,
+        max_waiting_tokens=1000,
+        api_server_count=3,
+    )
+    engine = FakeEngine(str(model_dir / "tokenizer.json"))
+    counts = multiprocessing.get_context("spawn").Array("q", 2 * 3)
+    apps = [build_app(settings, engine, api_server_index=index, admission_counts=counts)
+            for index in range(3)]  # fmt: skip
+    first, second, third = (app.state.admission for app in apps)
+    tickets = [first.admit(num_sequences=1, num_tokens=10) for _ in range(5)]  # all at one
+    with pytest.raises(ServerOverloaded):
+        second.admit(num_sequences=1, num_tokens=10)  # 3 running + 2 waiting: full
+    tickets[0].release()
+    tickets.append(third.admit(num_sequences=1, num_tokens=10))
+    tickets[1].release()
+    with pytest.raises(ServerOverloaded, match="prompt tokens"):
+        second.admit(num_sequences=1, num_tokens=1000)
+    assert (first.num_sequences, third.num_sequences) == (3, 1)  # each drains its own
+    assert list(counts) == [3, 30, 0, 0, 1, 10]
+    for ticket in tickets:
+        ticket.release()
+    assert list(counts) == [0] * 6
+    big = second.admit(num_sequences=2, num_tokens=10000)  # idle everywhere: any one
+    with pytest.raises(ServerOverloaded):
+        first.admit(num_sequences=1, num_tokens=1)
+    big.release()
+
+
+def test_the_drains_stop_signal_lives_on_the_loop_that_asks_for_it():
+    """Requests race `stopping()` (server/app.py); a future of another loop (a test client
+    that runs each request on its own loop) could not be awaited there."""
+    from server.admission import AdmissionController
+
+    admission = AdmissionController(max_running=1, max_waiting_requests=0, max_waiting_tokens=1)
+
+    async def current() -> tuple[bool, bool]:
+        stopping = admission.stopping()
+        return stopping.get_loop() is asyncio.get_running_loop(), stopping.done()
+
+    assert asyncio.run(current()) == (True, False)
+    assert asyncio.run(current()) == (True, False)
+
+    async def stop() -> None:
+        admission.stop_all()
+
+    asyncio.run(stop())
+    assert asyncio.run(current()) == (True, True)  # stopped stays stopped on a new loop
+
+
+def test_protocol_details_of_errors(app):
+    """stream_options without stream was taken silently (vLLM and OpenAI refuse it); a 405
+    had no Allow header (RFC 9110 requires one); a trailing slash got a bare 307 to a URL
+    built from the client's Host header; chat_template_kwargs {"self": 1} blamed the
+    messages."""
+    client, _ = app
+    options = chat(client, stream_options={"include_usage": True})
+    assert options.status_code == 400 and options.json()["error"]["param"] == "stream_options"
+    wrong_method = client.get("/v1/chat/completions")
+    assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST"
+    slash = client.post("/v1/chat/completions/", json={}, headers={"host": "evil.example"},
+                        follow_redirects=False)  # fmt: skip
+    assert slash.status_code == 404 and slash.json()["error"]["code"] == "not_found"
+    kwargs = chat(client, chat_template_kwargs={"self": 1})
+    assert kwargs.status_code == 400
+    assert kwargs.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def test_max_logprobs_is_a_setting_checked_on_every_route(model_dir):
+    """--max-logprobs (vLLM's): 20 was fixed, as pydantic bounds, on every logprobs field."""
+    engine = FakeEngine(str(model_dir / "tokenizer.json"))
+    config = ServerSettings(engine=EngineConfig(model=str(model_dir), served_model_name="tiny",
+                                                max_logprobs=30))  # fmt: skip
+    with TestClient(build_app(config, engine)) as client:
+        body = chat(client, max_tokens=1, logprobs=True, top_logprobs=30).json()
+        assert len(body["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 30
+        assert engine.requests[-1].sampling.logprobs == 30
+        messages = [{"role": "user", "content": "hi"}]
+        for route, body, param in (
+            ("/v1/chat/completions",
+             {"messages": messages, "logprobs": True, "top_logprobs": 31}, "top_logprobs"),
+            ("/v1/completions", {"prompt": "hi", "logprobs": 31}, "logprobs"),
+            ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 31}, "prompt_logprobs"),
+            ("/v1/responses", {"input": "hi", "top_logprobs": 31}, "top_logprobs"),
+        ):  # fmt: skip
+            response = client.post(route, json={"model": "tiny", **body})
+            assert response.status_code == 400, (route, response.text)
+            error = response.json()["error"]
+            assert error["param"] == param and "--max-logprobs" in error["message"], error
+
+
+def test_max_n_is_a_setting(model_dir, app):
+    """n was at most 16 by a pydantic bound: OpenAI's API takes up to 128."""
+    default_client, _ = app
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 1}
+    refused = default_client.post("/v1/completions", json={**body, "n": 17})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "n"
+    client, _ = client_for(model_dir, max_n=20)
+    with client:
+        assert len(client.post("/v1/completions", json={**body, "n": 20}).json()["choices"]) == 20
+        error = client.post("/v1/chat/completions", json={
+            "model": "tiny", "max_tokens": 1, "n": 21,
+            "messages": [{"role": "user", "content": "hi"}]}).json()["error"]  # fmt: skip
+    assert error["param"] == "n" and "--max-n" in error["message"]
+
+
+def test_tokenize_renders_a_chat_through_the_requests_own_template(model_dir):
+    """/tokenize ignored `chat_template`: it counted the model's template's tokens for a
+    chat that would run on another (vLLM's /tokenize takes the field, as the chat does).
+    Untrusted, it is refused as the chat refuses it."""
+    plain = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    body = {"messages": [{"role": "user", "content": "hello world"}], "chat_template": plain}
+    client, engine = client_for(model_dir, trust_request_chat_template=True)
+    with client:
+        tokens = client.post("/tokenize", json=body).json()["tokens"]
+        assert tokens == engine.tokenizer.encode("hello world", add_special_tokens=False).ids
+    client, _ = client_for(model_dir)
+    with client:
+        refused = client.post("/tokenize", json=body)
+        assert refused.status_code == 400
+        assert refused.json()["error"]["param"] == "chat_template"
