@@ -7,13 +7,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
 from server.field_limits import bounded, check_count
 
 # Limits OpenAI's API or the model's shapes fix; the others are settings (field_limits.py).
 MAX_TOOL_NAME_CHARS = 64
 MAX_FRAME_SECONDS = 4096  # video_features.frame_seconds: temporal patches of one video
+
+# A token id is a JSON integer: pydantic's lax ints read `true` as token 1 and "6" as 6.
+TokenId = Annotated[int, Strict()]
 
 
 class RequestModel(BaseModel):
@@ -143,6 +146,15 @@ class FunctionDefinition(RequestModel):
 class Tool(RequestModel):
     type: Literal["function"]
     function: FunctionDefinition
+
+    @model_validator(mode="before")
+    @classmethod
+    def _function_tools_only(cls, data: Any) -> Any:
+        # Before the fields: a `custom` tool was refused as missing 'tools[0].function'.
+        kind = data.get("type") if isinstance(data, dict) else None
+        if isinstance(kind, str) and kind != "function":
+            raise ValueError(f"only function tools are supported, not {kind!r}")  # as /v1/responses
+        return data
 
 
 class NamedFunction(RequestModel):

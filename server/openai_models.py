@@ -20,6 +20,7 @@ from server.chat_messages import (
     ChatMessage,
     NamedToolChoice,
     RequestModel,
+    TokenId,
     Tool,
     few_enough_messages,
     few_enough_tools,
@@ -102,7 +103,7 @@ class SamplingFields(RequestModel):
     include_stop_str_in_output: bool = False  # vLLM's: the text ends with the stop string
     # vLLM's: words the answer never writes (server/sampling_params.py's bad_word_token_ids)
     bad_words: list[Annotated[str, Field(min_length=1)]] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     n: int = Field(default=1, ge=1)  # <= --max-n
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
@@ -114,7 +115,7 @@ class SamplingFields(RequestModel):
     # vLLM's: keep only the prompt's last k tokens (-1: as many as fit with max_tokens)
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     # vLLM's: only these tokens may be picked (with a grammar: those both allow)
-    allowed_token_ids: list[int] | None = Field(
+    allowed_token_ids: list[TokenId] | None = Field(
         default=None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS
     )
     # vLLM's: logprobs name their tokens "token_id:{id}" (a token may be part of a character)
@@ -338,7 +339,7 @@ def _as_dict(tool_choice: Any) -> Any:
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     # OpenAI's and vLLM's default; null: as many as the context has room for. 0: with
     # echo, the prompt only.
     max_tokens: int | None = Field(default=16, ge=0)
@@ -452,4 +453,4 @@ class TokenizeRequest(ChatTemplateFields):
 
 class DetokenizeRequest(RequestModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from engine.errors import ContextLengthExceeded, InvalidRequest
 from engine.protocol import StructuredOutput
 from server.errors import loc_to_param, validation_error_to_invalid
-from server.openai_models import ChatCompletionRequest, CompletionRequest
+from server.openai_models import ChatCompletionRequest, CompletionRequest, DetokenizeRequest
 from server.sampling_params import build_sampling_params
 
 BASE = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -343,3 +343,31 @@ def test_a_completion_writes_16_tokens_unless_asked_otherwise():
     assert build_sampling_params(completion, num_prompt_tokens=3, max_model_len=100).max_tokens == 16
     unbounded = CompletionRequest.model_validate({"model": "m", "prompt": "x", "max_tokens": None})
     assert build_sampling_params(unbounded, num_prompt_tokens=3, max_model_len=100).max_tokens == 97
+
+
+@pytest.mark.parametrize(
+    "model, fields, param",
+    [
+        (CompletionRequest, {"prompt": [True, 5]}, "prompt"),
+        (CompletionRequest, {"prompt": [5, False]}, "prompt"),
+        (CompletionRequest, {"prompt": [[5], [6, True]]}, "prompt"),
+        (CompletionRequest, {"prompt": [5, "6"]}, "prompt"),
+        (CompletionRequest, {"prompt": "hi", "stop_token_ids": [True]}, "stop_token_ids"),
+        (CompletionRequest, {"prompt": "hi", "allowed_token_ids": [7, False]}, "allowed_token_ids"),
+        (DetokenizeRequest, {"tokens": [3, True]}, "tokens"),
+    ],
+)
+def test_a_token_id_is_an_integer_never_a_boolean_or_a_string(model, fields, param):
+    """`prompt: [true]` was read as token 1 and `"6"` as token 6: pydantic's lax ints take
+    booleans and numeric strings. OpenAI refuses both."""
+    with pytest.raises(ValidationError) as info:
+        model.model_validate({"model": "m", **fields})
+    assert validation_error_to_invalid(info.value.errors()).param.startswith(param)
+
+
+def test_a_tool_of_another_type_is_refused_by_its_type():
+    """A `custom` tool was refused as "missing required field 'tools[0].function'", which
+    sends its writer looking for a field their tool type does not have."""
+    error = invalid({**BASE, "tools": [{"type": "custom", "custom": {"name": "grep"}}]})
+    assert error.status == 400 and error.param == "tools[0]"
+    assert error.message.endswith("only function tools are supported, not 'custom'")
