@@ -293,6 +293,7 @@ class EngineCore:
             num_waiting=len(self.scheduler.waiting) + self.grammars.num_compiling,
             num_fetching=self.features.num_fetching,
             kv_cache_usage=self.scheduler.kv.usage,
+            encoder_cache_usage=self.scheduler.encoder_cache.usage,
             num_preemptions_total=counters.num_preemptions,
             encoder_cache_queries_total=counters.encoder_cache_queries,
             encoder_cache_hits_total=counters.encoder_cache_hits,

@@ -39,6 +39,12 @@ class EncoderCacheManager:
     def has(self, content_hash: str) -> bool:
         return content_hash in self._num_tokens
 
+    @property
+    def usage(self) -> float:
+        """The fraction of the budget that entries hold, those kept only for reuse included
+        (they are evicted only to make room)."""
+        return self.num_used_tokens / self.budget_tokens if self.budget_tokens else 0.0
+
     def can_allocate(self, num_tokens: int, keep: Collection[str] = ()) -> bool:
         """Whether `num_tokens` new rows fit, evicting unreferenced entries not in `keep`."""
         evictable = sum(self._num_tokens[h] for h in self._unreferenced if h not in keep)

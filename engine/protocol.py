@@ -261,6 +261,7 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     num_waiting: int = 0  # not yet scheduled, including those whose grammar compiles
     num_fetching: int = 0
     kv_cache_usage: float = 0.0  # fraction of KV blocks in use, 0..1
+    encoder_cache_usage: float = 0.0  # fraction of --encoder-cache-tokens held, 0..1
     num_preemptions_total: int = 0
     num_scheduled_tokens: int = 0
     step_seconds: float = 0.0

@@ -89,6 +89,11 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
     _gauge("tessera:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1)."),
     _gauge(
+        "tessera:encoder_cache_usage_perc",
+        "Fraction of the encoder cache (--encoder-cache-tokens) that encoder outputs hold "
+        "(0..1), those kept only for reuse included: they are evicted to make room.",
+    ),
+    _gauge(
         "tessera:kv_cache_capacity_tokens",
         "Tokens the KV cache holds (blocks x block size), sized at start-up.",
     ),

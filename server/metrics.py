@@ -73,6 +73,7 @@ _STATS_GAUGES = {
     "num_waiting": "tessera:num_requests_waiting",
     "num_fetching": "tessera:num_requests_fetching",
     "kv_cache_usage": "tessera:kv_cache_usage_perc",
+    "encoder_cache_usage": "tessera:encoder_cache_usage_perc",
     "feature_fetch_in_flight": "tessera:feature_fetch_in_flight",
 }
 

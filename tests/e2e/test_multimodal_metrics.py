@@ -1,5 +1,6 @@
 """The image-cache, encoder-cache, vision-encoder and prefix-cache counters on /metrics move
-as expected for a new image, the same request again, and the same image after other text."""
+as expected for a new image, the same request again, and the same image after other text;
+the encoder cache's usage gauge shows the image held."""
 
 from __future__ import annotations
 
@@ -31,6 +32,13 @@ def counters(http) -> dict[str, float]:
         if name in values:
             values[name] += float(line.rsplit(" ", 1)[1])
     return values
+
+
+def gauge(http, name: str) -> float:
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} is not on /metrics")
 
 
 def chat(http, parts: list) -> dict:
@@ -85,6 +93,8 @@ def test_multimodal_counters_move(http):
     assert moved["tessera:image_cache_bytes"] >= 3 * 150 * 100  # its pixel levels, uint8
     assert moved["tessera:prefix_cache_queries_total"] == num_prompt
     assert moved["tessera:prefix_cache_hits_total"] < num_prompt - 20  # not past the image
+    # its encoding stays in the encoder cache for reuse (the engine publishes idle stats)
+    assert 0 < gauge(http, "tessera:encoder_cache_usage_perc") <= 1
 
     before = counters(http)
     chat(http, [image, "What is in this picture, in a few words?"])  # same text, same image

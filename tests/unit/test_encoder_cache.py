@@ -58,6 +58,19 @@ def test_lru_evicts_only_unreferenced_entries_oldest_first():
     assert manager.pop_evicted() == []
 
 
+def test_usage_is_the_share_of_the_budget_entries_hold_until_evicted_or_forgotten():
+    """tessera:encoder_cache_usage_perc: there was no way to see the cache fill."""
+    manager = EncoderCacheManager(10)
+    assert manager.usage == 0.0
+    manager.allocate("a", 4, "r1")
+    manager.release("a", "r1")
+    assert manager.usage == 0.4  # unreferenced, still held for reuse
+    manager.allocate("b", 8, "r2")  # evicts a
+    assert manager.usage == 0.8
+    manager.forget(["b"])
+    assert manager.usage == 0.0 and EncoderCacheManager(0).usage == 0.0
+
+
 def test_can_allocate_does_not_count_entries_the_chunk_keeps():
     manager = EncoderCacheManager(10)
     manager.allocate("x", 6, "r1")
