@@ -38,7 +38,8 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=
 
 
 GREEDY_BELOW_TEMPERATURE = 1e-5  # vLLM's _SAMPLING_EPS
-DEFAULT_MAX_LOGPROBS = 20  # alternatives per token (logprobs, prompt_logprobs): vLLM's --max-logprobs default
+# Alternatives per token (logprobs, prompt_logprobs): vLLM's --max-logprobs default.
+DEFAULT_MAX_LOGPROBS = 20
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

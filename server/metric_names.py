@@ -176,7 +176,10 @@ METRICS: tuple[MetricSpec, ...] = (
         "modality",
     ),
     # The API processes' cache of processed images (--image-cache-mb each).
-    _counter("tessera:image_cache_queries_total", "Processed-image cache lookups (image_url and video_url parts with bytes)."),
+    _counter(
+        "tessera:image_cache_queries_total",
+        "Processed-image cache lookups (image_url and video_url parts with bytes).",
+    ),
     _counter("tessera:image_cache_hits_total", "Processed-image cache lookups that hit."),
     MetricSpec(
         "tessera:image_cache_bytes",
@@ -196,7 +199,11 @@ METRICS: tuple[MetricSpec, ...] = (
     _counter("tessera:vision_encoder_items_total", "Media items run through the vision encoder."),
     _counter("tessera:vision_encoder_batches_total", "Batched vision-encoder calls."),
     # Prefix cache (in tokens).
-    _counter("tessera:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache (none with `--no-enable-prefix-caching`, nor for a request with `prompt_logprobs`, which never reads it: as vLLM counts)."),
+    _counter(
+        "tessera:prefix_cache_queries_total",
+        "Prompt tokens looked up in the prefix cache (none with `--no-enable-prefix-caching`, "
+        "nor for a request with `prompt_logprobs`, which never reads it: as vLLM counts).",
+    ),
     _counter("tessera:prefix_cache_hits_total", "Prompt tokens found in the prefix cache."),
     # Pre-encoded feature fetching (S3 / HTTP).
     _histogram(
