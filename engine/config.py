@@ -125,7 +125,10 @@ class EngineConfig:
 
     @property
     def max_graph_batch(self) -> int:
-        """The largest decode batch a CUDA graph captures (unless enforce_eager)."""
+        """The largest decode batch a CUDA graph captures: 0 under enforce_eager, which
+        captures none (FlashInfer's workspace then needs no room for graphs' tiles)."""
+        if self.enforce_eager:
+            return 0
         return self.cuda_graph_max_batch_size or self.max_num_seqs
 
     @property

@@ -109,7 +109,7 @@ class ModelRunner:
             ),
             config.kv_cache_scale,
             config.kv_cache_scale,
-            max_graph_batch=0 if config.enforce_eager else config.max_graph_batch,
+            max_graph_batch=config.max_graph_batch,
         )
         memory_probe = None
         if self.device.type == "cuda" and self._sizes_kv_cache_from_memory():

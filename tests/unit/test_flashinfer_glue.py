@@ -226,3 +226,15 @@ def test_no_graphs_and_older_gpus_size_their_own_plans():
     assert split_kv_workspace_bytes(moe, 132, max_graph_batch=1024) > 2 * eager
     turing = split_kv_workspace_bytes(geometry(28, 4), 40, max_graph_batch=256, compute_major=7)
     assert turing == 4 * 28 * (ceil_div(256 * 7, 64) + 255) * 64 * 129 + 32
+
+
+def test_an_eager_engine_sizes_every_ranks_workspace_without_graphs():
+    """The model runner passed 0 under --enforce-eager, but tensor-parallel shard workers
+    passed the graph batch (engine/shard_worker.py): the rule now lives in the config both
+    read."""
+    from engine.config import EngineConfig
+
+    assert EngineConfig(model="m", enforce_eager=True, max_num_seqs=64).max_graph_batch == 0
+    assert EngineConfig(model="m", max_num_seqs=64).max_graph_batch == 64
+    capped = EngineConfig(model="m", max_num_seqs=64, cuda_graph_max_batch_size=16)
+    assert capped.max_graph_batch == 16
