@@ -223,7 +223,8 @@ METRICS: tuple[MetricSpec, ...] = (
     # HTTP.
     _counter(
         "tessera:http_requests_total",
-        "HTTP requests by route template (never the raw path) and status code.",
+        "HTTP requests by route template (never the raw path) and status code; probes and "
+        "scrapes (/health, /metrics, /version) are left out.",
         "route",
         "status",
     ),

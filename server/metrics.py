@@ -10,7 +10,8 @@ prompt size, TTFT, end-to-end latency, token gaps) when its request finishes. Wi
 choice counts as one request, as vLLM's child requests do.
 
 `tessera:http_requests_total` is labelled by the route TEMPLATE (`/v1/chat/completions`),
-never the raw path, so a scan of random URLs cannot blow up the label set. The standard process and platform collectors
+never the raw path, so a scan of random URLs cannot blow up the label set; /health,
+/metrics and /version are not counted. The standard process and platform collectors
 (`process_cpu_seconds_total`, `process_resident_memory_bytes`, `python_info`, ...) live on
 the same registry.
 
@@ -68,6 +69,9 @@ _STATS_COUNTERS = {
     "prompt_tokens_total": "tessera:prompt_tokens_total",
     "generation_tokens_total": "tessera:generation_tokens_total",
 }
+# Probes and scrapes, not traffic: a Prometheus scrape and a liveness probe every few
+# seconds outnumbered the API's requests on a quiet server (vLLM leaves them out too).
+UNCOUNTED_ROUTES = frozenset({"/health", "/metrics", "/version"})
 _STATS_GAUGES = {
     "num_running": "tessera:num_requests_running",
     "num_waiting": "tessera:num_requests_waiting",
@@ -159,7 +163,8 @@ class ServerMetrics:
         self._labelled("tessera:image_cache_bytes").set(cached_bytes)
 
     def on_http_request(self, route: str, status: int) -> None:
-        self._labelled("tessera:http_requests_total", route, str(status)).inc()
+        if route not in UNCOUNTED_ROUTES:
+            self._labelled("tessera:http_requests_total", route, str(status)).inc()
 
     def on_stream_error(self, code: str) -> None:
         """A stream that failed after its 200; `code` is an error code of ours."""

@@ -89,8 +89,12 @@ def test_http_requests_are_counted_by_route_template_and_status(model_dir):
         assert chunked.status_code == 413
         huge_header = {"x-padding": "x" * (1 << 20)}
         assert client.get("/v1/models", headers=huge_header).status_code == 431
+        for probe in ("/health", "/metrics", "/version"):
+            assert client.get(probe).status_code == 200
         counts = _http_requests_total(client)
     assert counts[("/v1/chat/completions", "200")] == 2  # the streamed one included
+    # probes and scrapes are not traffic (they outnumbered it on a quiet server)
+    assert not {route for route, _ in counts} & {"/health", "/metrics", "/version"}
     assert counts[("/v1/chat/completions", "400")] == 1
     assert counts[("unmatched", "404")] == 1  # the template, never the raw path
     # one cut off while streaming in, one refused before routing (it was "unmatched")
