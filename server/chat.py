@@ -23,6 +23,7 @@ import asyncio
 import collections
 import functools
 import hashlib
+import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,6 +50,10 @@ from server.settings import ServerSettings
 from server.tool_calls import arguments_as_objects
 
 FEATURE_SCHEMES = ("s3://", "http://", "https://", "data:")
+
+
+# S3's rule for bucket names (an access point's alias is one too; its ARN is not).
+S3_BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 
 
 @dataclass(frozen=True)
@@ -148,9 +153,17 @@ class FeaturePolicy:
             raise InvalidRequest(
                 "a feature URL must be s3://, http(s):// or data:", param=part.param + ".url"
             )
-        if url.startswith("s3://") and self.buckets is not None:
+        if url.startswith("s3://"):
             bucket = url.removeprefix("s3://").split("/", 1)[0]
-            if bucket not in self.buckets:
+            if not S3_BUCKET_NAME.fullmatch(bucket):
+                # botocore routes an ARN to the host it names: the server's signed request
+                # would go where the client says (another account's access point, a lambda).
+                raise InvalidRequest(
+                    f"{bucket[:100]!r} is not an S3 bucket name (3-63 lowercase letters, "
+                    "digits, dots and hyphens)",
+                    param=part.param + ".url",
+                )
+            if self.buckets is not None and bucket not in self.buckets:
                 raise InvalidRequest(
                     f"bucket {bucket!r} is not in the allowed feature buckets",
                     param=part.param + ".url",

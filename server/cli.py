@@ -80,19 +80,36 @@ def serve_main(argv: Sequence[str]) -> int:
     except ModelLoadError as exc:
         print(f"tessera serve: error: {exc.message}", file=sys.stderr)
         return EXIT_ENGINE_FAILED
-    if settings.api_key is None and not _is_loopback(settings.host):
-        logger.warning(
-            "listening on %s without an API key: anyone who reaches port %d can use the "
-            "model (set --api-key or TESSERA_API_KEY)",
-            settings.host,
-            settings.port,
-        )
+    for warning in open_doors(settings):
+        logger.warning("%s", warning)
     if settings.api_server_count > 1:
         from server.api_servers import run_api_servers
 
         return run_api_servers(settings)
     _ignore_inherited_multiprocess_dir()
     return asyncio.run(run_server(settings))
+
+
+def open_doors(settings: ServerSettings) -> list[str]:
+    """What the settings leave open to every client, said once at start-up."""
+    doors = []
+    if settings.api_key is None and not _is_loopback(settings.host):
+        doors.append(
+            f"listening on {settings.host} without an API key: anyone who reaches port "
+            f"{settings.port} can use the model (set --api-key or TESSERA_API_KEY)"
+        )
+    if (
+        settings.enable_feature_inputs
+        and settings.allowed_feature_buckets is None
+        and settings.engine.allowed_feature_url_prefixes is None
+    ):
+        doors.append(
+            "feature inputs may name any S3 bucket: a client can read every object the "
+            "server's credentials can (its errors tell whether one exists, and its tensors' "
+            "names and shapes); set --allowed-feature-buckets or "
+            "--allowed-feature-url-prefixes"
+        )
+    return doors
 
 
 def _ignore_inherited_multiprocess_dir() -> None:

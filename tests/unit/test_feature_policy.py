@@ -3,6 +3,8 @@ prefixes as it will be fetched, so dot segments cannot climb out of an allowed f
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from engine.errors import InvalidRequest
@@ -97,3 +99,20 @@ def test_the_engine_fetcher_takes_the_fetch_limits_of_its_settings():
         admission.close()
     with pytest.raises(ValueError, match="feature_fetch_max_connections"):
         EngineConfig(model="unused", feature_fetch_max_connections=0)
+
+
+@pytest.mark.parametrize("bucket", [
+    "arn:aws:s3:us-east-1:123456789012:accesspoint:myap",
+    "arn:aws:s3-object-lambda:us-east-1:123456789012:accesspoint:fn", "Feat", "a", "x_y",
+])  # fmt: skip
+def test_an_s3_url_names_a_bucket_never_an_arn(bucket):
+    """With any bucket allowed (the default), an access-point ARN as the "bucket" was passed
+    to botocore, which sent the server's signed request to a host the client named part of
+    (fuzz61), or on AWS to another account's access point or an Object Lambda."""
+    policy = FeaturePolicy(True, None, None, 2)
+    part = MediaPart("messages[0].content[0]", Modality.IMAGE, f"s3://{bucket}/key", None,
+                     (1, 4, 4), True)  # fmt: skip
+    with pytest.raises(InvalidRequest, match="not an S3 bucket name") as refused:
+        policy.check(part)
+    assert refused.value.param == "messages[0].content[0].url"
+    policy.check(dataclasses.replace(part, url="s3://feat.store-1/key"))
