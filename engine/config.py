@@ -67,7 +67,7 @@ class EngineConfig:
     feature_known_versions: int = 16384  # feature URLs whose version (ETag / Last-Modified) is remembered, so that an unchanged file is not downloaded again (least recently used forgotten first)
     s3_endpoint_url: str | None = None  # None = the standard AWS environment / config
     allow_private_feature_urls: bool = False  # allow http(s) feature URLs on private networks
-    allowed_feature_url_prefixes: str | None = None  # comma-separated URL prefixes, each ending in '/' (else https://a.example also lets https://a.example.evil.net in); a URL, and every redirect it takes, is held to them as it will be fetched (dot segments resolved); None = any
+    allowed_feature_url_prefixes: str | None = None  # comma-separated URL prefixes (http://, https://, s3://, each ending in '/', else https://a.example would also let https://a.example.evil.net in; or data:); a URL, and every redirect it takes, is held to them as it will be fetched (dot segments resolved); None = any
     engine_step_timeout_s: float = 300.0  # a pass of the engine loop (one step) longer than this is a hang: the engine exits, and the server with it, for its supervisor to restart; 0 = never
     api_server_stall_timeout_s: float = 30.0  # with api_server_count > 1: an API process whose output queue stays full this long (it reads none of its outputs: stopped, wedged, dead) has its requests aborted; the others' are never held up by it
 
@@ -112,6 +112,8 @@ class EngineConfig:
                 f"small_batch_linear_rows must be in [0, {SMALL_BATCH_LINEAR_MAX_ROWS}], "
                 f"got {self.small_batch_linear_rows}"
             )
+        if self.allowed_feature_url_prefixes is not None:
+            check_url_prefixes(self.allowed_feature_url_prefixes)
         # An idle engine goes round its loop every IDLE_POLL_MS (500 ms): a shorter timeout
         # would end an engine that is only waiting.
         if not (self.engine_step_timeout_s == 0 or self.engine_step_timeout_s >= 1):
@@ -136,6 +138,27 @@ class EngineConfig:
         if self.served_model_name:
             return self.served_model_name
         return self.model.rstrip("/").rsplit("/", 1)[-1]
+
+
+def check_url_prefixes(setting: str) -> None:
+    """Each comma-separated entry of --allowed-feature-url-prefixes names a folder: an
+    http(s):// or s3:// prefix ends in '/' (else https://a.example also lets
+    https://a.example.evil.net in, and s3://feat the bucket feat-other), or is `data:`."""
+    for entry in (item.strip() for item in setting.split(",")):
+        if not entry:
+            raise ValueError(f"allowed_feature_url_prefixes has an empty entry: {setting!r}")
+        if entry.lower().startswith("data:"):
+            continue
+        if not entry.lower().startswith(("http://", "https://", "s3://")):
+            raise ValueError(
+                f"allowed_feature_url_prefixes entry {entry!r} must begin with http://, "
+                "https://, s3:// or data:"
+            )
+        if not entry.endswith("/"):
+            raise ValueError(
+                f"allowed_feature_url_prefixes entry {entry!r} must end in '/': without it, "
+                f"{entry}.evil.net and {entry}-other would be let in too"
+            )
 
 
 def check_ranges(

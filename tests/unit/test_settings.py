@@ -421,3 +421,20 @@ def test_flags_are_not_abbreviated():
     script's abbreviation ambiguous, or mean another flag."""
     with pytest.raises(SystemExit):
         load_settings(["--max-num-s", "3"], {})
+
+
+@pytest.mark.parametrize("prefixes, says", [
+    ("https://feat.example", "must end in '/'"),
+    ("s3://feat", "must end in '/'"),
+    ("http://a.example/ok/,https://b.example", "must end in '/'"),
+    ("feat.example/", "must begin with"),
+    ("https://feat.example/,", "empty"),
+])  # fmt: skip
+def test_an_allowed_feature_url_prefix_names_a_folder(prefixes, says):
+    """`https://feat.example` was taken, and let https://feat.example.evil.net through
+    (fuzz62); an entry of no known scheme was dropped without a word."""
+    with pytest.raises(SettingsError, match=says):
+        load_settings(["--allowed-feature-url-prefixes", prefixes], {})
+    good = "https://feat.example/,s3://feat/videos/,data:"
+    settings = load_settings(["--allowed-feature-url-prefixes", good], {})
+    assert settings.engine.allowed_feature_url_prefixes == good
