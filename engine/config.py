@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8")
 ATTENTION_BACKENDS = ("torch", "flashinfer")
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
+MAX_BLOCK_SIZE = 256  # tokens per KV block (vLLM's largest choice is 128)
 SMALL_BATCH_LINEAR_MAX_ROWS = 8  # the kernel's MAX_ROWS (kernels/triton/small_batch_linear.py)
 
 
@@ -37,7 +39,7 @@ class EngineConfig:
     max_num_seqs: int = 64  # most sequences running at once (continuous batching)
     max_num_batched_tokens: int = 2048  # token budget of one engine step (prefill chunks + decodes)
     scheduling_policy: str = "fcfs"  # fcfs = arrival order; priority = by each request's priority (lower first), and a more urgent arrival preempts a less urgent running request
-    block_size: int = 16  # tokens per KV-cache block
+    block_size: int = 16  # tokens per KV-cache block (at most 256)
     kv_cache_memory_gib: float | None = None  # KV cache size; None = sized from gpu_memory_utilization on CUDA, 2 GiB on CPU
     gpu_memory_utilization: float = 0.9  # CUDA: share of the device's memory for weights, activations and the KV cache
     kv_cache_dtype: str = "auto"  # auto = the model dtype; fp8 = float8_e4m3fn, 1 byte/element
@@ -72,6 +74,8 @@ class EngineConfig:
     api_server_stall_timeout_s: float = 30.0  # with api_server_count > 1: an API process whose output queue stays full this long (it reads none of its outputs: stopped, wedged, dead) has its requests aborted; the others' are never held up by it
 
     def __post_init__(self) -> None:
+        if self.model.startswith("~"):  # from YAML or an env file, where no shell expands it
+            object.__setattr__(self, "model", os.path.expanduser(self.model))
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
@@ -94,6 +98,8 @@ class EngineConfig:
                       "grammar_lexer_fuel", "api_server_stall_timeout_s"),
             non_negative=("feature_fetch_retries", "grammar_cache_size", "max_logprobs"),
         )  # fmt: skip
+        if self.block_size > MAX_BLOCK_SIZE:  # one block took the whole KV budget and more
+            raise ValueError(f"block_size must be at most {MAX_BLOCK_SIZE}, got {self.block_size}")
         if not DEVICE_PATTERN.fullmatch(self.device):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         for name, choices in (("scheduling_policy", SCHEDULING_POLICIES),

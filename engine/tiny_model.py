@@ -269,6 +269,10 @@ def _argument_problem(args: argparse.Namespace) -> str | None:
         return str(exc)
     if Path(args.out_dir).exists() and not Path(args.out_dir).is_dir():
         return f"OUT_DIR {args.out_dir} is a file, not a folder"
+    try:  # before the tokenizer is trained: /dev/null/x was a traceback after it (fuzz62)
+        Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"cannot create OUT_DIR {args.out_dir}: {exc.strerror}"
     return None
 
 

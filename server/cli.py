@@ -42,7 +42,12 @@ from server.preflight import check_model_folder
 
 if TYPE_CHECKING:
     from server.api_servers import ApiServerSlot
-from server.settings import ServerSettings, SettingsError, load_settings
+from server.settings import (
+    ServerSettings,
+    SettingsError,
+    load_settings,
+    unknown_environment_variables,
+)
 
 logger = logging.getLogger("tessera.cli")
 
@@ -80,7 +85,7 @@ def serve_main(argv: Sequence[str]) -> int:
     except ModelLoadError as exc:
         print(f"tessera serve: error: {exc.message}", file=sys.stderr)
         return EXIT_ENGINE_FAILED
-    for warning in open_doors(settings):
+    for warning in [*open_doors(settings), *unknown_environment_variables(os.environ)]:
         logger.warning("%s", warning)
     if settings.api_server_count > 1:
         from server.api_servers import run_api_servers

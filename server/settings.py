@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import inspect
 import io
 import math
@@ -47,6 +48,11 @@ from server.tool_calls import TOOL_CALL_PARSERS
 
 ENV_PREFIX = "TESSERA_"
 CONFIG_ENV = "TESSERA_CONFIG"
+# TESSERA_* variables that are not settings: the default model's cache, and the install
+# and launch scripts' own (scripts/install.sh, scripts/serve.sh, the Dockerfile).
+OTHER_ENV = frozenset({CONFIG_ENV, "TESSERA_CACHE_DIR", "TESSERA_VENV", "TESSERA_TORCH",
+                       "TESSERA_TORCH_INDEX"})  # fmt: skip
+MIN_HEADER_BYTES = 1024  # a request line and the headers of any ordinary client
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 _NONE = ("none", "null")
@@ -88,7 +94,7 @@ class ServerSettings:
     media_fetch_max_connections_per_host: int = 64  # so that one slow host cannot take them all
     allow_private_media_urls: bool = False  # allow image URLs on loopback / private networks
     allowed_media_domains: str | None = None  # comma-separated host allowlist; None = any
-    allowed_local_media_path: str | None = None  # file:// image URLs only under this folder
+    allowed_local_media_path: str | None = None  # file:// image URLs only under this folder (it must exist)
     max_waiting_requests: int = 256  # beyond max_num_seqs running; more -> 503 + Retry-After
     max_waiting_tokens: int = 1_000_000  # prompt tokens of all admitted unfinished requests
     trust_request_chat_template: bool = False  # accept a request's own `chat_template`
@@ -120,7 +126,7 @@ class ServerSettings:
     timeout_keep_alive_s: int = 5  # idle HTTP keep-alive
     request_read_timeout_s: float = 30.0  # a request's header block, and each wait for more of its body, must come within this (else the connection closes, or 408)
     write_timeout_s: float = 60.0  # a response whose client takes none of it for this long (every buffer between full) ends as a disconnect: its connection aborted, its requests' room given back; 0 = never
-    max_header_bytes: int = 64 * 1024  # request line + headers; over it: 431
+    max_header_bytes: int = 64 * 1024  # request line + headers; over it: 431 (at least 1024)
     enable_feature_inputs: bool = False  # accept image_features / video_features parts
     allowed_feature_buckets: str | None = None  # comma-separated S3 buckets; None = any
 
@@ -166,6 +172,20 @@ class ServerSettings:
             )  # fmt: skip
         except ValueError as exc:
             raise SettingsError(str(exc)) from None
+        if self.max_header_bytes < MIN_HEADER_BYTES:  # every request, /health too, was a 431
+            raise SettingsError(
+                f"max_header_bytes must be at least {MIN_HEADER_BYTES}, got {self.max_header_bytes}"
+            )
+        if self.allowed_local_media_path:  # empty: unset, as in vLLM
+            folder = Path(self.allowed_local_media_path).expanduser()
+            if not folder.exists():
+                raise SettingsError(
+                    f"allowed_local_media_path {self.allowed_local_media_path!r} does not exist"
+                )
+            if not folder.is_dir():
+                raise SettingsError(
+                    f"allowed_local_media_path {self.allowed_local_media_path!r} is not a folder"
+                )
         if 0 < self.write_timeout_s < 1:  # a check every quarter of it, per paused connection
             raise SettingsError(f"write_timeout_s must be 0 (never) or at least 1, got {self.write_timeout_s}")
         if (self.engine_inbox_address is None) != (self.engine_outbox_address is None):
@@ -407,9 +427,25 @@ def build_parser(prog: str = "tessera serve") -> argparse.ArgumentParser:
     return parser
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key written twice in one mapping (safe_load keeps
+    the last without a word)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, str) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"{key!r} is set twice", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def _from_yaml(path: str) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        data = yaml.load(Path(path).read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
     except OSError as exc:
         raise SettingsError(f"cannot read config file {path}: {exc.strerror}") from None
     except UnicodeDecodeError as exc:
@@ -436,6 +472,19 @@ def _from_yaml(path: str) -> dict[str, Any]:
             raise SettingsError(f"{path}: {key!r} is set twice")
         result[key] = _check_yaml_value(field, value, path)
     return result
+
+
+def unknown_environment_variables(environ: Mapping[str, str]) -> list[str]:
+    """A warning for each TESSERA_* variable that is no setting: a typo in YAML or on the
+    command line is an error, and one in the environment was ignored without a word."""
+    known = {field.env for field in FIELDS.values()} | OTHER_ENV
+    warnings = []
+    for name in sorted(environ):
+        if name.startswith(ENV_PREFIX) and name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            warnings.append(f"ignoring the environment variable {name}: it is no setting{hint}")
+    return warnings
 
 
 def load_settings(

@@ -18,6 +18,7 @@ from server.settings import (
     default_api_server_count,
     default_image_decode_threads,
     load_settings,
+    unknown_environment_variables,
     usable_cores,
 )
 
@@ -268,6 +269,17 @@ def test_cli_make_tiny_model(tmp_path: Path) -> None:
     assert (tmp_path / "m" / "config.json").is_file()
 
 
+def test_make_tiny_model_into_a_folder_it_cannot_create_is_one_line(tmp_path, capsys):
+    """/dev/null/x printed a NotADirectoryError traceback (fuzz62)."""
+    from server.cli import main
+
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(SystemExit) as exited:
+        main(["make-tiny-model", str(tmp_path / "afile" / "m")])
+    assert exited.value.code == 2
+    assert "cannot create OUT_DIR" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("value", ["0", "-1"])
 def test_the_video_decode_time_must_be_positive(value: str) -> None:
     with pytest.raises(SettingsError, match="max_video_decode_seconds must be positive"):
@@ -438,3 +450,56 @@ def test_an_allowed_feature_url_prefix_names_a_folder(prefixes, says):
     good = "https://feat.example/,s3://feat/videos/,data:"
     settings = load_settings(["--allowed-feature-url-prefixes", good], {})
     assert settings.engine.allowed_feature_url_prefixes == good
+
+
+def test_a_local_media_path_must_be_a_folder(tmp_path):
+    """A missing folder, or a file, was taken: every file:// image was then refused as the
+    client's fault, for the operator's typo (fuzz62; vLLM refuses both at start-up)."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for path, says in ((tmp_path / "missing", "does not exist"), (afile, "not a folder")):
+        with pytest.raises(SettingsError, match=says):
+            load_settings(["--allowed-local-media-path", str(path)], {})
+    assert load_settings(["--allowed-local-media-path", str(tmp_path)], {})
+    unset = load_settings(["--allowed-local-media-path", ""], {})
+    assert unset.allowed_local_media_path in ("", None)
+
+
+def test_a_model_path_under_the_home_folder_is_expanded(tmp_path):
+    """`~/models/x` (from YAML, an env file or a quoted flag) passed the pre-flight, which
+    expands it, and then the engine looked for a folder named '~' (fuzz62)."""
+    settings = load_settings(["--model", "~/models/x"], {})
+    assert settings.engine.model == str(Path.home() / "models" / "x")
+
+
+@pytest.mark.parametrize("flag, value, says", [
+    ("--block-size", "1000000", "block_size must be at most 256"),
+    ("--max-header-bytes", "1", "max_header_bytes must be at least 1024"),
+])  # fmt: skip
+def test_values_that_leave_the_server_unusable_are_refused(flag, value, says):
+    """A 1,000,000-token block took twice the KV budget and a slow start; a 1-byte header
+    limit answered every request, /health included, with 431 (fuzz62)."""
+    with pytest.raises(SettingsError, match=says):
+        load_settings([flag, value], {})
+
+
+def test_a_mistyped_environment_variable_is_named_with_its_likely_setting():
+    """TESSERA_MAX_NUM_SEQ=4 was ignored without a word, where the same typo in YAML or on
+    the command line is refused (fuzz62)."""
+    environ = {"TESSERA_MAX_NUM_SEQ": "4", "TESSERA_MAX_NUM_SEQS": "8", "TESSERA_CACHE_DIR": "/x",
+               "TESSERA_VENV": "/v", "TESSERA_TORCH": "torch", "TESSERA_CONFIG": "c.yaml",
+               "PATH": "/bin"}  # fmt: skip
+    (warning,) = unknown_environment_variables(environ)
+    assert "TESSERA_MAX_NUM_SEQ" in warning and "TESSERA_MAX_NUM_SEQS" in warning
+
+
+def test_a_setting_written_twice_in_one_yaml_mapping_is_refused(tmp_path):
+    """The last one won without a word, where the same key at the top and under `engine:`
+    is refused (fuzz62)."""
+    config = tmp_path / "c.yaml"
+    config.write_text("max_num_seqs: 4\nmax_num_seqs: 8\n")
+    with pytest.raises(SettingsError, match="'max_num_seqs' is set twice"):
+        load_settings(["--config", str(config)], {})
+    config.write_text("engine:\n  block_size: 8\n  block_size: 16\n")
+    with pytest.raises(SettingsError, match="'block_size' is set twice"):
+        load_settings(["--config", str(config)], {})
