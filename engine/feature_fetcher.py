@@ -17,12 +17,17 @@ re-checked, connections kept alive; `allow_private_urls` lets tests and private
 deployments reach loopback or private hosts), `data:` (base64, size-capped).
 Transient failures (timeouts, 5xx, throttling, connection errors) are retried with a
 bounded exponential backoff; the whole fetch of one URL has a total deadline and a byte cap.
+The deadline starts once the download holds one of `max_connections` slots (per storage
+kind), so a wait for a slot is not the store's slowness. Concurrent jobs of one URL and
+spec share one download. How a store's answers are read (errors, versions):
+engine/feature_store.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import queue
 import threading
@@ -36,8 +41,18 @@ import blake3
 import torch
 
 from engine.config import EngineConfig
+from engine.feature_store import (
+    Transient,
+    check_http_status,
+    decode_data_url,
+    failure,
+    http_version,
+    raise_s3,
+    s3_version,
+    split_s3,
+    too_large,
+)
 from engine.feature_validation import FeatureError, FeatureSpec, validate_features
-from engine.multimodal.media import DataUrlError, parse_data_url
 from engine.url_safety import (
     BodyTooLargeError,
     RedirectError,
@@ -50,21 +65,6 @@ from engine.url_safety import (
 )
 
 logger = logging.getLogger(__name__)
-
-_TRANSIENT_S3_CODES = {
-    "SlowDown",
-    "Throttling",
-    "ThrottlingException",
-    "RequestTimeout",
-    "InternalError",
-    "ServiceUnavailable",
-    "503",
-    "500",
-    "502",
-    "504",
-}
-_NOT_FOUND_CODES = {"NoSuchKey", "NoSuchBucket", "404", "NotFound"}
-_DENIED_CODES = {"AccessDenied", "403", "401", "InvalidAccessKeyId", "SignatureDoesNotMatch"}
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ class FetchConfig:
     # http(s) prefixes every hop must start with (`--allowed-feature-url-prefixes`, which the
     # server checks on the client's URL; a redirect is checked here); None = any
     allowed_url_prefixes: tuple[str, ...] | None = None
-    # URLs whose version (ETag / Last-Modified) is remembered to skip a download, newest
+    # URLs whose version (strong ETag / Last-Modified) is remembered to skip a download, newest
     # used kept: a forgotten one is downloaded again. Presigned URLs are all distinct.
     max_known_versions: int = EngineConfig.feature_known_versions
     # Connections of all requests' downloads together, per storage kind (each request takes
@@ -142,11 +142,12 @@ class FetchStats:
     num_in_flight: int = 0
 
 
-class _Transient(Exception):
-    def __init__(self, reason: str, detail: str):
-        super().__init__(detail)
-        self.reason = reason
-        self.detail = detail
+@dataclass
+class _Shared:
+    """One download that concurrent jobs of the same URL and spec wait on together."""
+
+    task: asyncio.Task
+    waiters: int = 0
 
 
 class FeatureFetcher:
@@ -167,6 +168,11 @@ class FeatureFetcher:
         )
         self._s3 = None
         self._s3_context = None
+        # Downloads of all requests together, per storage kind, taken before a URL's
+        # deadline starts: waiting for a connection is not the store being slow.
+        self._slots = {kind: asyncio.Semaphore(max(1, config.max_connections))
+                       for kind in ("s3", "http")}  # fmt: skip
+        self._shared: dict[tuple[str, FeatureSpec, bool], _Shared] = {}  # loop thread only
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="feature-fetcher", daemon=True
         )
@@ -232,6 +238,8 @@ class FeatureFetcher:
     async def _fetch_request(self, request_id: str, jobs: list[FeatureJob], force: bool):
         limit = asyncio.Semaphore(max(1, self.config.parallel))
         tasks = [asyncio.create_task(self._fetch_one(job, limit, force)) for job in jobs]
+        for task in tasks:
+            task.add_done_callback(_retrieve)
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         except asyncio.CancelledError:
@@ -258,7 +266,32 @@ class FeatureFetcher:
             self._count_failure("cancelled", num_cancelled)
 
     async def _fetch_one(self, job: FeatureJob, limit: asyncio.Semaphore, force: bool):
+        """The job's feature; concurrent jobs of one URL and spec share one download."""
         async with limit:
+            key = (job.url, job.spec, force)
+            shared = self._shared.get(key)
+            if shared is None or shared.task.done():
+                shared = _Shared(asyncio.create_task(self._fetch_bounded(job, force)))
+                self._shared[key] = shared
+                shared.task.add_done_callback(_retrieve)
+                shared.task.add_done_callback(functools.partial(self._forget, key, shared))
+            shared.waiters += 1
+            try:
+                return await asyncio.shield(shared.task)
+            finally:
+                shared.waiters -= 1
+                if not shared.waiters:  # every job that wanted it was cancelled
+                    shared.task.cancel()
+
+    def _forget(self, key: tuple[str, FeatureSpec, bool], shared: _Shared, _) -> None:
+        if self._shared.get(key) is shared:
+            del self._shared[key]
+
+    async def _fetch_bounded(self, job: FeatureJob, force: bool) -> FetchedFeature:
+        """One download under a connection slot and, once it holds one, the deadline."""
+        scheme = job.url.partition(":")[0]
+        slot = self._slots.get("http" if scheme in ("http", "https") else scheme)
+        async with slot or contextlib.nullcontext():
             started = time.perf_counter()
             self._add_in_flight(1)
             try:
@@ -266,10 +299,10 @@ class FeatureFetcher:
                     feature = await self._download_and_check(job, force)
             except TimeoutError:
                 self._count_failure("timeout")
-                raise _failure(job.url, "timed out", "timeout") from None
+                raise failure(job.url, "timed out", "timeout") from None
             except FeatureError as exc:
                 self._count_failure(exc.reason)
-                raise _failure(job.url, exc.message, exc.reason) from None
+                raise failure(job.url, exc.message, exc.reason, like=exc) from None
             finally:
                 self._add_in_flight(-1)
             with self._lock:
@@ -309,7 +342,7 @@ class FeatureFetcher:
         for attempt in range(self.config.max_retries + 1):
             try:
                 return await operation(url)
-            except _Transient as exc:
+            except Transient as exc:
                 if attempt == self.config.max_retries:
                     raise FeatureError(exc.detail, reason=exc.reason) from None
                 logger.info("retrying feature fetch (%s), attempt %d", exc.detail, attempt + 1)
@@ -321,7 +354,7 @@ class FeatureFetcher:
 
     async def _download(self, url: str) -> tuple[bytes, str | None]:
         if url.startswith("data:"):
-            return _decode_data_url(url, self.config.max_bytes), None
+            return decode_data_url(url, self.config.max_bytes), None
         if url.startswith(("http://", "https://")):
             return await self._http_get(url)
         if url.startswith("s3://"):
@@ -331,16 +364,16 @@ class FeatureFetcher:
     async def _version_of(self, url: str) -> str | None:
         if url.startswith(("http://", "https://")):
             async with self._open("HEAD", url) as response:
-                _check_http_status(response.status)
-                return _version_header(response.headers)
+                check_http_status(response.status)
+                return http_version(response.headers)
         if url.startswith("s3://"):
-            bucket, key = _split_s3(url)
+            bucket, key = split_s3(url)
             s3 = await self._s3_client()
             try:
                 head = await s3.head_object(Bucket=bucket, Key=key)
             except Exception as exc:  # noqa: BLE001 - botocore raises many types
-                _raise_s3(exc)
-            return head.get("ETag") or str(head.get("LastModified") or "") or None
+                raise_s3(exc)
+            return s3_version(head)
         return None
 
     @contextlib.asynccontextmanager
@@ -362,14 +395,14 @@ class FeatureFetcher:
         except RedirectError as exc:
             raise FeatureError(str(exc), reason="http_error") from None
         except (aiohttp.ClientError, ConnectionError) as exc:
-            raise _Transient("network", f"connection failed ({type(exc).__name__})") from None
+            raise Transient("network", f"connection failed ({type(exc).__name__})") from None
 
     async def _http_get(self, url: str) -> tuple[bytes, str | None]:
         async with self._open("GET", url) as response:
-            _check_http_status(response.status)
+            check_http_status(response.status)
             body = response.content.iter_any()
             data = await self._read_capped(body, response.content_length)
-            return data, _version_header(response.headers)
+            return data, http_version(response.headers)
 
     async def _read_capped(
         self, chunks: AsyncIterable[bytes], declared_length: int | None
@@ -377,7 +410,7 @@ class FeatureFetcher:
         try:
             return await read_capped(chunks, self.config.max_bytes, declared_length=declared_length)
         except BodyTooLargeError:
-            raise _too_large(self.config.max_bytes) from None
+            raise too_large(self.config.max_bytes) from None
 
     async def _s3_client(self):
         if self._s3 is None:
@@ -403,12 +436,12 @@ class FeatureFetcher:
         return self._s3
 
     async def _s3_get(self, url: str) -> tuple[bytes, str | None]:
-        bucket, key = _split_s3(url)
+        bucket, key = split_s3(url)
         s3 = await self._s3_client()
         try:
             response = await s3.get_object(Bucket=bucket, Key=key)
         except Exception as exc:  # noqa: BLE001 - botocore raises many types
-            _raise_s3(exc)
+            raise_s3(exc)
         stream = response["Body"]
         try:
             data = await self._read_capped(
@@ -417,11 +450,10 @@ class FeatureFetcher:
         except FeatureError:
             raise
         except Exception as exc:  # noqa: BLE001
-            raise _Transient("network", f"download interrupted ({type(exc).__name__})") from None
+            raise Transient("network", f"download interrupted ({type(exc).__name__})") from None
         finally:
             stream.close()
-        version = response.get("ETag") or str(response.get("LastModified") or "") or None
-        return data, version
+        return data, s3_version(response)
 
     # ---- bookkeeping --------------------------------------------------------------------
 
@@ -434,67 +466,8 @@ class FeatureFetcher:
             self._stats.failures[reason] = self._stats.failures.get(reason, 0) + count
 
 
-def display_url(url: str) -> str:
-    """The URL as error messages show it: data: URLs and long URLs shortened."""
-    if url.startswith("data:"):
-        return "data: URL"
-    return url if len(url) <= 200 else url[:200] + "..."
-
-
-def _failure(url: str, cause: str, reason: str) -> FeatureError:
-    return FeatureError(f"feature {display_url(url)}: {cause}", reason=reason)
-
-
-def _too_large(max_bytes: int) -> FeatureError:
-    return FeatureError(f"too large (over {max_bytes} bytes)", reason="too_large")
-
-
-def _check_http_status(status: int) -> None:
-    if status < 400:
-        return
-    if status == 404 or status == 410:
-        raise FeatureError("not found (HTTP 404)", reason="not_found")
-    if status in (401, 403):
-        raise FeatureError(f"access denied (HTTP {status})", reason="access_denied")
-    if status == 429 or status >= 500:
-        raise _Transient("server_error", f"the server answered HTTP {status}")
-    raise FeatureError(f"the server answered HTTP {status}", reason="http_error")
-
-
-def _version_header(headers) -> str | None:
-    return headers.get("etag") or headers.get("last-modified")
-
-
-def _split_s3(url: str) -> tuple[str, str]:
-    bucket, _, key = url.removeprefix("s3://").partition("/")
-    if not bucket or not key:
-        raise FeatureError("an s3:// URL needs a bucket and a key", reason="bad_format")
-    return bucket, key
-
-
-def _raise_s3(exc: Exception):
-    from botocore.exceptions import ParamValidationError  # with aioboto3, as the client is
-
-    if isinstance(exc, ParamValidationError):  # an invalid bucket name or key: not retried
-        raise FeatureError(f"not a valid S3 location ({exc})", reason="bad_format") from None
-    response = getattr(exc, "response", None)
-    if isinstance(response, dict):
-        code = str(response.get("Error", {}).get("Code", ""))
-        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        if code in _NOT_FOUND_CODES or status == 404:
-            raise FeatureError("not found", reason="not_found") from None
-        if code in _DENIED_CODES or status in (401, 403):
-            raise FeatureError("access denied", reason="access_denied") from None
-        if code in _TRANSIENT_S3_CODES or (status or 0) >= 500:
-            raise _Transient("server_error", f"the store answered {code or status}") from None
-        raise FeatureError(f"the store refused the request ({code})", reason="s3_error") from None
-    raise _Transient("network", f"connection failed ({type(exc).__name__})") from None
-
-
-def _decode_data_url(url: str, max_bytes: int) -> bytes:
-    try:
-        return parse_data_url(url, max_bytes)
-    except DataUrlError as exc:
-        if exc.too_large:
-            raise _too_large(max_bytes) from None
-        raise FeatureError(str(exc), reason="bad_format") from None
+def _retrieve(task: asyncio.Task) -> None:
+    """Marks a failed task's error as read: the caller reads the first failure only, and
+    asyncio logged "Task exception was never retrieved" for each of the others."""
+    if not task.cancelled():
+        task.exception()

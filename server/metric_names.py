@@ -215,11 +215,17 @@ METRICS: tuple[MetricSpec, ...] = (
     _counter(
         "tessera:feature_fetch_failures_total",
         "Failed feature fetches, by reason (not_found, access_denied, timeout, server_error, "
-        "network, bad_format, ...; `cancelled`: its request ended first, a client that left "
-        "or another feature that failed, no fault of the store: leave it out of alerts).",
+        "network, bad_format, ...; `store_auth`: the S3 store refused the server's own "
+        "credentials or it has none, the operator's to fix; `cancelled`: its request ended "
+        "first, a client that left or another feature that failed, no fault of the store: "
+        "leave it out of alerts).",
         "reason",
     ),
-    _gauge("tessera:feature_fetch_in_flight", "Feature downloads in progress."),
+    _gauge(
+        "tessera:feature_fetch_in_flight",
+        "Feature downloads in progress, each holding a connection (one waiting for a "
+        "connection, --feature-fetch-max-connections, is not counted).",
+    ),
     # HTTP.
     _counter(
         "tessera:http_requests_total",

@@ -3,6 +3,7 @@ transient statuses, redirect limits, and kept-alive connections."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -19,12 +20,15 @@ SPEC = FeatureSpec(TINY_HIDDEN, 4, FEATURE_GRID)
 
 class Origin:
     """A scripted HTTP/1.1 origin: per path, a list of (status, headers, body) answers
-    (the last one repeats); logs (method, path, client port) of every request."""
+    (the last one repeats) and a delay before a GET's answer; logs (method, path, client
+    port) of every request."""
 
     def __init__(self) -> None:
         self.answers: dict[str, list[tuple[int, dict[str, str], bytes]]] = {}
         self.log: list[tuple[str, str, int]] = []
         self.refuses_head: set[str] = set()  # paths whose HEAD is a 403 (presigned GETs)
+        self.delay_s: dict[str, float] = {}  # path -> seconds before a GET is answered
+        self.date: str | None = None  # the Date header of every answer; None: the clock's
         origin = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -50,7 +54,11 @@ class Origin:
                 elif with_body:
                     self.wfile.write(body)
 
+            def date_time_string(self, timestamp=None) -> str:
+                return origin.date or super().date_time_string(timestamp)
+
             def do_GET(self):  # noqa: N802
+                time.sleep(origin.delay_s.get(self.path, 0.0))
                 self._answer(True)
 
             def do_HEAD(self):  # noqa: N802
@@ -69,20 +77,38 @@ class Origin:
         self.base = f"http://127.0.0.1:{self.httpd.server_address[1]}"
 
 
-@pytest.fixture
-def origin() -> Iterator[Origin]:
+@contextlib.contextmanager
+def serving() -> Iterator[Origin]:
+    """An Origin serving on a thread (other test_feature_fetcher_* files use it too)."""
     server = Origin()
     threading.Thread(target=server.httpd.serve_forever, daemon=True).start()
-    yield server
-    server.httpd.shutdown()
-    server.httpd.server_close()
+    try:
+        yield server
+    finally:
+        server.httpd.shutdown()
+        server.httpd.server_close()
+
+
+@contextlib.contextmanager
+def private_fetcher(**limits) -> Iterator[FeatureFetcher]:
+    """A fetcher that may reach the local origin, with fast retries."""
+    fetcher = FeatureFetcher(FetchConfig(allow_private_urls=True, backoff_s=0.01, **limits))
+    try:
+        yield fetcher
+    finally:
+        fetcher.close()
+
+
+@pytest.fixture
+def origin() -> Iterator[Origin]:
+    with serving() as server:
+        yield server
 
 
 @pytest.fixture
 def fetcher() -> Iterator[FeatureFetcher]:
-    fetcher = FeatureFetcher(FetchConfig(allow_private_urls=True, backoff_s=0.01))
-    yield fetcher
-    fetcher.close()
+    with private_fetcher() as fetcher:
+        yield fetcher
 
 
 def fetch(fetcher: FeatureFetcher, urls: list[str], *, force: bool = False) -> FetchResult:
@@ -126,11 +152,11 @@ def test_a_server_that_refuses_head_is_read_with_get_every_time(origin, fetcher)
 def test_an_invalid_s3_location_is_refused_not_retried():
     from botocore.exceptions import ParamValidationError
 
-    from engine.feature_fetcher import _raise_s3
+    from engine.feature_store import raise_s3
     from engine.feature_validation import FeatureError
 
     with pytest.raises(FeatureError, match="not a valid S3 location") as caught:
-        _raise_s3(ParamValidationError(report="Invalid bucket name 'BAD_bucket!!'"))
+        raise_s3(ParamValidationError(report="Invalid bucket name 'BAD_bucket!!'"))
     assert caught.value.reason == "bad_format"  # a 400 at once; it was "connection failed"
 
 

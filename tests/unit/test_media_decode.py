@@ -211,24 +211,24 @@ def test_data_url_size_cap_checked_before_decoding():
     ],
 )
 def test_feature_data_url_errors_keep_their_reasons(url, reason, message):
-    from engine.feature_fetcher import _decode_data_url
+    from engine.feature_store import decode_data_url
     from engine.feature_validation import FeatureError
 
     with pytest.raises(FeatureError, match=message) as info:
-        _decode_data_url(url, max_bytes=100)
+        decode_data_url(url, max_bytes=100)
     assert info.value.reason == reason
 
 
 def test_feature_data_urls_take_what_image_data_urls_take():
     # One parser: a line-broken payload and an upper-case ";BASE64" header, accepted for
     # images, are accepted for features too (the feature path used to refuse both).
-    from engine.feature_fetcher import _decode_data_url
+    from engine.feature_store import decode_data_url
 
     data = bytes(range(256)) * 3
     encoded = base64.encodebytes(data).decode()  # a line break every 76 characters
     assert "\n" in encoded
-    assert _decode_data_url("data:application/octet-stream;base64," + encoded, 1000) == data
-    assert _decode_data_url("data:x;BASE64," + base64.b64encode(data).decode(), 1000) == data
+    assert decode_data_url("data:application/octet-stream;base64," + encoded, 1000) == data
+    assert decode_data_url("data:x;BASE64," + base64.b64encode(data).decode(), 1000) == data
 
 
 def test_the_max_pixels_setting_is_the_limit_above_pillows_own(monkeypatch):

@@ -1,0 +1,106 @@
+"""The fetcher's own limits on concurrent downloads (fuzz61 #4, #6): a wait for one of its
+connections does not use up a URL's deadline nor counts as in flight; concurrent jobs of
+one URL share one download; every failed job's error is read."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from bench.local_inputs import features
+from engine.feature_fetcher import FeatureFetcher, FeatureJob, FetchResult
+from tests.unit.test_feature_fetcher_http import SPEC, Origin, fetch, private_fetcher, serving
+
+
+@pytest.fixture
+def origin() -> Iterator[Origin]:
+    with serving() as server:
+        yield server
+
+
+@pytest.fixture
+def fetcher() -> Iterator[FeatureFetcher]:
+    with private_fetcher() as fetcher:
+        yield fetcher
+
+
+def _fetch_all(client: FeatureFetcher, requests: dict[str, list[str]], watch=None):
+    """Submits every request at once; their results by request id. `watch()` is called
+    while they run."""
+    for request_id, urls in requests.items():
+        client.submit(request_id, [FeatureJob(url, SPEC) for url in urls])
+    results: dict[str, FetchResult] = {}
+    deadline = time.monotonic() + 20
+    while len(results) < len(requests) and time.monotonic() < deadline:
+        results.update((result.request_id, result) for result in client.poll())
+        if watch is not None:
+            watch()
+        time.sleep(0.005)
+    assert len(results) == len(requests), "the fetches did not finish"
+    return results
+
+
+def test_waiting_for_a_connection_does_not_use_up_the_deadline(origin):
+    """Every object takes 0.5 s against a 1.2 s deadline, with one connection: the third
+    waited for it inside its deadline and timed out (504, reason timeout)."""
+    for name in "abc":
+        origin.answers[f"/{name}"] = [(200, {}, features(ord(name)))]
+        origin.delay_s[f"/{name}"] = 0.5
+    seen = []
+    with private_fetcher(max_connections=1, timeout_s=1.2, max_retries=0) as client:
+        urls = [f"{origin.base}/{name}" for name in "abc"]
+        result = _fetch_all(
+            client, {"r": urls}, watch=lambda: seen.append(client._stats.num_in_flight)
+        )["r"]
+        assert result.error is None, result.error
+        assert max(seen) == 1  # jobs waiting for a connection are not in flight
+        assert client.pop_stats().num_in_flight == 0
+
+
+def test_concurrent_jobs_of_one_url_share_one_download(origin, fetcher):
+    """Eight requests for one 100 MB object held eight copies of it (fuzz61 #4)."""
+    origin.answers["/big"] = [(200, {"ETag": '"v1"'}, features(1))]
+    origin.delay_s["/big"] = 0.3
+    url = f"{origin.base}/big"
+    results = _fetch_all(fetcher, {"a": [url, url], "b": [url], "c": [url]})
+    hashes = {feature.content_hash for r in results.values() for feature in r.features}
+    assert all(r.error is None for r in results.values()) and len(hashes) == 1
+    assert [method for method, _, _ in origin.log] == ["GET"]
+    assert fetcher.pop_stats().num_bytes == len(features(1))
+
+
+def test_a_shared_download_outlives_the_request_that_started_it(origin, fetcher):
+    origin.answers["/slow"] = [(200, {}, features(2))]
+    origin.delay_s["/slow"] = 0.3
+    url = f"{origin.base}/slow"
+    fetcher.submit("first", [FeatureJob(url, SPEC)])
+    fetcher.submit("second", [FeatureJob(url, SPEC)])
+    time.sleep(0.1)
+    fetcher.cancel("first")
+    deadline = time.monotonic() + 10
+    results = []
+    while not results and time.monotonic() < deadline:
+        results = fetcher.poll()
+        time.sleep(0.005)
+    assert [r.request_id for r in results] == ["second"] and results[0].error is None
+    assert [method for method, _, _ in origin.log] == ["GET"]
+
+
+def test_every_failed_jobs_error_is_read(fetcher, caplog):
+    """Jobs of one request that failed in the same loop turn: only the first error was
+    read, and asyncio logged "Task exception was never retrieved" for the others."""
+    caplog.set_level(logging.ERROR, logger="asyncio")
+    bad = [f"data:application/octet-stream;base64,{'!' * n}" for n in (1, 2, 3)]
+    result = fetch(fetcher, bad)
+    assert result.error is not None and result.error.reason == "bad_format"
+    done = threading.Event()
+    fetcher._loop.call_soon_threadsafe(lambda: (gc.collect(), done.set()))
+    assert done.wait(5)
+    time.sleep(0.1)
+    gc.collect()
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
