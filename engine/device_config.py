@@ -30,6 +30,10 @@ def usable_device(name: str) -> torch.device:
         raise ValueError(f"--device must be cpu or cuda, got {name!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {name}: no CUDA device is available")
+    if device.type == "cuda" and (device.index or 0) >= (count := torch.cuda.device_count()):
+        raise ValueError(
+            f"--device {name}: this machine has {count} CUDA device(s), cuda:0-{count - 1}"
+        )
     return device
 
 

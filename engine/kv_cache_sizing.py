@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -81,7 +82,45 @@ def allocate_kv_caches(
     the tail, and masked garbage (NaN/inf) would still poison the weighted sum."""
     mc = model_config
     shape = (num_blocks, 2, block_size, mc.num_key_value_heads, mc.head_dim)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(mc.num_hidden_layers)]
+    num_bytes = num_blocks * kv_block_bytes(mc, block_size, dtype)
+    check_kv_cache_fits(num_blocks - 1, num_bytes, device)
+    try:
+        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(mc.num_hidden_layers)]
+    except RuntimeError as exc:  # CUDA's OutOfMemoryError; the CPU allocator's plain one
+        if not isinstance(exc, torch.OutOfMemoryError) and "can't allocate" not in str(exc):
+            raise
+        raise MemoryBudgetError(
+            _too_big(num_blocks - 1, num_bytes, f"the {device} device has free")
+        ) from None
+
+
+def machine_memory_bytes() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_kv_cache_fits(num_kv_blocks: int, num_bytes: int, device: torch.device) -> None:
+    """Refuses a CPU KV cache of `num_kv_blocks` (plus the scratch block: `num_bytes` in all)
+    larger than the machine's memory before allocating it: the allocator's error was a
+    traceback. (A CUDA device's is caught as it allocates.)"""
+    if device.type == "cpu" and num_bytes > (memory := machine_memory_bytes()):
+        raise MemoryBudgetError(
+            _too_big(num_kv_blocks, num_bytes, f"this machine has ({_size(memory)})")
+        )
+
+
+def _too_big(num_kv_blocks: int, num_bytes: int, has: str) -> str:
+    return (
+        f"num_kv_blocks={num_kv_blocks} needs {num_bytes} bytes ({_size(num_bytes)}) of KV "
+        f"cache, more than {has}; lower --num-kv-blocks or --kv-cache-memory-gib"
+    )
+
+
+def _size(num_bytes: int) -> str:
+    return (
+        f"{num_bytes / GIB:.1f} GiB"
+        if num_bytes < 1024 * GIB
+        else f"{num_bytes / GIB / 1024:.1f} TiB"
+    )
 
 
 def blocks_in(num_bytes: int, block_bytes: int, useful_blocks: int) -> int:

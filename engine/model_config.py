@@ -206,7 +206,7 @@ class ModelConfig:
             _check_decoder_activation(text)
             eos = text.get("eos_token_id", raw.get("eos_token_id"))
             eos_ids = tuple(eos) if isinstance(eos, list) else (eos,) if eos is not None else ()
-            return cls(
+            config = cls(
                 architecture=architecture,
                 vocab_size=text["vocab_size"],
                 hidden_size=hidden,
@@ -242,6 +242,8 @@ class ModelConfig:
             )
         except (KeyError, TypeError) as exc:
             raise ModelLoadError(f"config.json lacks or mis-types field {exc}") from exc
+        _check_decoder_shape(config, explicit_head_dim=bool(text.get("head_dim")))
+        return config
 
     @property
     def encoder_width(self) -> int:
@@ -298,6 +300,27 @@ def _mrope_section(
             f"rope scaling {rope_type!r} is not supported; only the default rope and llama3"
         )
     return (head_dim // 2, 0, 0)
+
+
+def _check_decoder_shape(config: ModelConfig, *, explicit_head_dim: bool) -> None:
+    """Sizes the decoder cannot be built with, named here rather than by a ValueError deep
+    in the model's constructor after the engine process has started."""
+    heads, kv_heads, head_dim = (
+        config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    )  # fmt: skip
+    if config.max_position_embeddings <= 0:
+        problem = f"max_position_embeddings {config.max_position_embeddings} is not positive"
+    elif heads <= 0 or kv_heads <= 0 or heads % kv_heads:
+        problem = f"num_key_value_heads {kv_heads} does not divide num_attention_heads {heads}"
+    elif not explicit_head_dim and config.hidden_size % heads:
+        problem = f"num_attention_heads {heads} does not divide hidden_size {config.hidden_size}"
+    elif head_dim <= 0 or sum(config.mrope_section) != head_dim // 2:
+        problem = (
+            f"mrope_section {config.mrope_section} does not sum to head_dim // 2 ({head_dim // 2})"
+        )
+    else:
+        return
+    raise ModelLoadError(f"config.json is invalid: {problem}")
 
 
 def _check_decoder_activation(text: dict) -> None:

@@ -170,8 +170,8 @@ def _serve(config, inboxes, outboxes, parent_pid, core_factory) -> int:
         core = core_factory(config)
         ready = core.ready
     except Exception as exc:  # noqa: BLE001 - report why start-up failed, then exit
-        if isinstance(exc, TesseraError):  # expected (a bad checkpoint): the reason is enough
-            logger.error("engine start-up failed: %s", exc.message)
+        if _is_expected(exc):  # a bad checkpoint or setting: the reason is enough
+            logger.error("engine start-up failed: %s", _describe(exc))
         else:
             logger.exception("engine start-up failed")
         _send_to_all(outboxes, EngineFailed(f"engine start-up failed: {_describe(exc)}"))
@@ -478,7 +478,19 @@ def _send_to_all(outboxes: Sequence[zmq.Socket], message: Any) -> None:
         _send(outbox, message)
 
 
+def _is_expected(exc: BaseException) -> bool:
+    """A start-up failure that is no bug: a typed error, a KV cache too big for memory, or
+    damaged safetensors (`tessera serve` checks for most of them before it starts us)."""
+    from safetensors import SafetensorError
+
+    from engine.kv_cache_sizing import MemoryBudgetError
+
+    return isinstance(exc, (TesseraError, MemoryBudgetError, SafetensorError))
+
+
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, TesseraError):
         return exc.message
+    if _is_expected(exc):  # the message says what is wrong; the type name adds nothing
+        return str(exc)
     return type(exc).__name__ + (f": {exc}" if str(exc) else "")

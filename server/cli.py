@@ -82,6 +82,9 @@ def serve_main(argv: Sequence[str]) -> int:
         return EXIT_USAGE
     try:
         check_model_folder(settings)
+    except SettingsError as exc:  # a device, backend or KV cache this machine cannot run
+        print(f"tessera serve: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except ModelLoadError as exc:
         print(f"tessera serve: error: {exc.message}", file=sys.stderr)
         return EXIT_ENGINE_FAILED

@@ -6,7 +6,10 @@ server load its weights and then fail with tracebacks (uvicorn's exit 3), a miss
 preprocessor_config.json refused every image, and a chat template with a syntax error
 failed every chat with a 400 that blamed the client. `check_model_folder` reads all of it
 first, as the server will, and `tessera serve` turns what it finds into one line and
-exit 1.
+exit 1. It also opens each *.safetensors file's header (not its data), and checks the
+settings the engine would refuse only after it had started (a device this machine lacks,
+an attention backend it cannot run, a KV cache bigger than its memory): those are one line
+and exit 2, as other settings mistakes are.
 """
 
 from __future__ import annotations
@@ -14,22 +17,39 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from safetensors import SafetensorError, safe_open
+
+from engine.attention import check_attention_backend
+from engine.device_config import (
+    resolve_device,
+    resolve_dtype,
+    resolve_kv_cache_dtype,
+    usable_device,
+)
 from engine.errors import ModelLoadError
+from engine.kv_cache_sizing import check_kv_cache_fits, kv_block_bytes
 from engine.model_config import ModelConfig, check_max_model_len
 from engine.multimodal.chat_template import syntax_error
 from engine.multimodal.image_processor import ImageProcessorConfig
 from engine.multimodal.prompt import PromptProcessor
+from server.settings import SettingsError
 
 if TYPE_CHECKING:
+    import torch
+
+    from engine.config import EngineConfig
     from server.settings import ServerSettings
 
-
 def check_model_folder(settings: ServerSettings) -> None:
-    """Raises ModelLoadError naming what in the model folder the server cannot use."""
+    """Raises ModelLoadError naming what in the model folder the server cannot use, and
+    SettingsError for a setting this machine cannot run."""
+    device = _device(settings.engine)
     folder = Path(settings.engine.model).expanduser()
     model_config = ModelConfig.from_model_dir(folder)  # a missing folder is named here
     check_max_model_len(settings.engine.max_model_len, model_config)
     model_config.shard(settings.engine.tensor_parallel_size)  # a size it cannot split into
+    _check_engine_settings(settings.engine, device, model_config)
+    check_safetensors_headers(folder)
     template_setting = settings.chat_template_source()
     processor = PromptProcessor.from_model_dir(folder, template_setting)
     if template_setting is None:  # a --chat-template was checked as the settings were read
@@ -38,3 +58,41 @@ def check_model_folder(settings: ServerSettings) -> None:
                 raise ModelLoadError(f"the model folder's chat template has {error}")
     if model_config.vision is not None:
         ImageProcessorConfig.from_model_dir(folder)  # the server preprocesses images with it
+
+
+def check_safetensors_headers(folder: Path) -> None:
+    """ModelLoadError for an empty, truncated or garbled *.safetensors file: safe_open reads
+    the header alone, and checks that the file holds every byte its tensors' offsets name."""
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt"):
+                pass
+        except (SafetensorError, OSError) as exc:
+            raise ModelLoadError(
+                f"{path.name} is not a valid safetensors file ({exc}); the checkpoint is "
+                "damaged or incompletely downloaded"
+            ) from None
+
+
+def _device(engine: EngineConfig) -> torch.device:
+    if engine.device == "auto":
+        return resolve_device("auto")
+    try:
+        return usable_device(engine.device)  # --device cuda without CUDA, cuda:N past the last
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None
+
+
+def _check_engine_settings(engine: EngineConfig, device: torch.device, model: ModelConfig) -> None:
+    """The attention backend on this device and dtype; an exact --num-kv-blocks against the
+    machine's memory (on CUDA, the engine catches an allocation that fails)."""
+    dtype = resolve_dtype(engine.dtype, device, model.torch_dtype)
+    try:
+        check_attention_backend(engine.attention_backend, device, dtype)
+        if engine.num_kv_blocks is not None:
+            kv_dtype = resolve_kv_cache_dtype(engine.kv_cache_dtype, dtype, engine.kv_cache_scale)
+            block_bytes = kv_block_bytes(model, engine.block_size, kv_dtype)
+            num_bytes = (engine.num_kv_blocks + 1) * block_bytes  # + the scratch block
+            check_kv_cache_fits(engine.num_kv_blocks, num_bytes, device)
+    except ValueError as exc:  # MemoryBudgetError is one
+        raise SettingsError(str(exc)) from None

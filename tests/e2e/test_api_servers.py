@@ -312,10 +312,14 @@ def _serve_to_exit(model: Path, log_path: Path) -> int:
 
 
 def test_an_engine_that_cannot_start_fails_the_launcher(model_dir, tmp_path):
-    # Weights the model-folder check does not read: the engine fails loading them.
+    # Weights the model-folder check does not read (it reads headers): the engine fails
+    # loading them, for a tensor the model does not have.
+    import torch
+    from safetensors.torch import save_file
+
     model = tmp_path / "broken"
     shutil.copytree(model_dir, model)
-    (model / "model.safetensors").write_bytes(b"not safetensors")
+    save_file({"not.a.weight": torch.zeros(2)}, str(model / "model.safetensors"))
     log_path = tmp_path / "broken.log"
     assert _serve_to_exit(model, log_path) == 1, log_path.read_text()[-3000:]
     engine, api = _pids(log_path)

@@ -12,6 +12,7 @@ from engine.kv_cache_sizing import (
     GIB,
     DeviceMemoryUse,
     MemoryBudgetError,
+    allocate_kv_caches,
     blocks_in,
     check_free_at_start,
     encoder_cache_bytes,
@@ -231,3 +232,20 @@ def test_a_cache_shorter_than_the_context_is_a_start_up_warning(model_dir, caplo
         assert not caplog.records
         ModelRunner(EngineConfig(**options, num_kv_blocks=3))
     assert "holds 48 tokens, fewer than max_model_len=64" in caplog.text
+
+
+def test_a_kv_cache_too_big_for_memory_is_an_error_naming_num_kv_blocks(model_dir, monkeypatch):
+    """It was the allocator's traceback (fuzz62): refused before allocating on a CPU, and
+    caught as it allocates on a GPU (CUDA's OutOfMemoryError, imitated here)."""
+    mc = ModelConfig.from_model_dir(model_dir)
+    cpu = torch.device("cpu")
+    needs = (10**10 + 1) * kv_block_bytes(mc, 16, torch.float32)
+    with pytest.raises(MemoryBudgetError, match=f"num_kv_blocks=10000000000 needs {needs} bytes"):
+        allocate_kv_caches(mc, 10**10 + 1, 16, torch.float32, cpu)
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(torch, "zeros", out_of_memory)
+    with pytest.raises(MemoryBudgetError, match="num_kv_blocks=3 needs .* more than the cpu"):
+        allocate_kv_caches(mc, 4, 16, torch.float32, cpu)

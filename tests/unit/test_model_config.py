@@ -72,3 +72,24 @@ def test_a_decoder_activation_other_than_silu_is_refused(activation):
     """The decoder's MLP is always SiLU-gated: `relu` gave other tokens, silently."""
     with pytest.raises(ModelLoadError, match=f"hidden_act '{activation}'"):
         ModelConfig.from_dict(config_of("tiny-qwen3", hidden_act=activation))
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({"max_position_embeddings": 0}, "max_position_embeddings 0 is not positive"),
+    ({"num_attention_heads": 8}, r"mrope_section \(4, 6, 6\) does not sum to head_dim // 2 \(8\)"),
+    ({"num_attention_heads": 6}, "num_attention_heads 6 does not divide hidden_size 128"),
+    ({"num_key_value_heads": 3}, "num_key_value_heads 3 does not divide num_attention_heads 4"),
+])  # fmt: skip
+def test_a_decoder_that_cannot_be_built_is_refused_by_its_config(changes, words):
+    """Each passed here and failed in the model's constructor (or as a zero-length context)
+    with a traceback from the engine process, after it had started (fuzz62)."""
+    with pytest.raises(ModelLoadError, match=f"config.json is invalid: {words}"):
+        ModelConfig.from_dict(config_of("tiny", **changes))
+
+
+def test_an_explicit_head_dim_need_not_divide_the_hidden_size():
+    """Qwen3's q_proj maps hidden_size to heads x head_dim (0.6B: 1024 to 16 x 128)."""
+    model = ModelConfig.from_dict(
+        config_of("tiny-qwen3", num_attention_heads=6, num_key_value_heads=2)
+    )
+    assert model.num_attention_heads * model.head_dim != model.hidden_size

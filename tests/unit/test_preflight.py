@@ -11,6 +11,7 @@ import socket
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine.tiny_model import make_tiny_model
 from server.cli import main
@@ -51,6 +52,11 @@ def edit_config(**changes):
     return change
 
 
+def truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
 @pytest.mark.parametrize("change, words", [
     (write("tokenizer.json", "{not json"), "tokenizer.json"),
     (write("tokenizer_config.json", "{not json"), "tokenizer_config.json"),
@@ -63,8 +69,15 @@ def edit_config(**changes):
     (write("config.json", "[]"), "config.json"),
     (edit_config(num_attention_heads=0), "config.json"),
     (edit_config(text_config=[1]), "config.json"),
+    (write("model.safetensors", ""), "model.safetensors is not a valid safetensors file"),
+    (lambda folder: truncate(folder / "model.safetensors"), "model.safetensors is not a valid"),
+    (edit_config(max_position_embeddings=0), "max_position_embeddings 0 is not positive"),
+    (edit_config(num_attention_heads=8), "mrope_section (4, 6, 6) does not sum"),
+    (edit_config(num_attention_heads=6), "does not divide hidden_size"),
 ])  # fmt: skip
-def test_a_broken_model_folder_fails_before_the_engine_starts(tiny, tmp_path, capsys, change, words):
+def test_a_broken_model_folder_fails_before_the_engine_starts(
+    tiny, tmp_path, capsys, change, words
+):
     code, err = serve(capsys, broken_copy(tiny, tmp_path, change))
     assert code == 1 and words in err, err
     assert "Traceback" not in err and "engine" not in err.lower()
@@ -140,3 +153,73 @@ def test_an_engine_address_in_use_is_one_line(tiny, capsys):
         context.term()
     assert code == 1 and "cannot bind the engine sockets" in err, err
     assert "Traceback" not in err
+
+
+def refused_setting(capsys, folder: Path, *args: str) -> str:
+    """A setting this machine cannot run is a settings mistake: exit 2 and one line, before
+    the engine starts. Each started the engine, which failed ~10 s later with a traceback
+    and exit 1, the code that asks a supervisor to restart the server (fuzz62)."""
+    code, err = serve(capsys, folder, *args)
+    assert code == 2, err
+    assert err.startswith("tessera serve: error: ") and err.count("\n") == 1, err
+    return err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_a_cuda_device_without_cuda_is_refused(tiny, capsys, device):
+    assert f"--device {device}: no CUDA device is available" in refused_setting(
+        capsys, tiny, "--device", device
+    )
+
+
+def test_a_cuda_device_past_the_last_one_is_refused(tiny, capsys, monkeypatch):
+    if not torch.cuda.is_available():  # a machine with one GPU, as far as the check can tell
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    count = torch.cuda.device_count()
+    err = refused_setting(capsys, tiny, "--device", f"cuda:{count}")
+    assert f"--device cuda:{count}: this machine has {count} CUDA device(s)" in err
+
+
+def test_flashinfer_on_a_cpu_is_refused(tiny, capsys):
+    err = refused_setting(capsys, tiny, "--device", "cpu", "--attention-backend", "flashinfer")
+    assert "attention backend 'flashinfer' needs a CUDA device" in err
+
+
+def test_a_kv_cache_bigger_than_the_machines_memory_is_refused(tiny, capsys):
+    err = refused_setting(capsys, tiny, "--device", "cpu", "--num-kv-blocks", "10000000000")
+    assert "num_kv_blocks=10000000000 needs" in err and "more than this machine has" in err
+    # One that fits passes the check, and fails only at the taken port.
+    code, err = serve(capsys, tiny, "--device", "cpu", "--num-kv-blocks", "4")
+    assert code == 1 and "cannot listen" in err, err
+
+
+def test_a_kv_cache_too_big_or_damaged_weights_in_the_engine_are_one_line(caplog):
+    """What the pre-flight check does not see (an offline LLM, a GPU's free memory) still
+    reached the engine process's log with a traceback."""
+    import logging
+    import os
+
+    from safetensors import SafetensorError
+
+    from engine.config import EngineConfig
+    from engine.kv_cache_sizing import MemoryBudgetError
+    from engine.process import _serve
+
+    def too_big(config):
+        raise MemoryBudgetError("num_kv_blocks=9 needs 9 bytes of KV cache")
+
+    def damaged(config):
+        raise SafetensorError("Error while deserializing header: header too small")
+
+    config = EngineConfig(model="unused")
+    with caplog.at_level(logging.ERROR):
+        assert _serve(config, [], [], os.getpid(), too_big) != 0
+        assert _serve(config, [], [], os.getpid(), damaged) != 0
+    records = [r for r in caplog.records if "start-up failed" in r.getMessage()]
+    assert [r.getMessage() for r in records] == [
+        "engine start-up failed: num_kv_blocks=9 needs 9 bytes of KV cache",
+        "engine start-up failed: Error while deserializing header: header too small",
+    ]
+    assert all(r.exc_info is None for r in records)
