@@ -7,7 +7,13 @@ ALL its sequences fit — `n > 1` is all-or-nothing — under
     sequences:     running capacity (max_num_seqs) + max_waiting_requests
     prompt tokens: max_waiting_tokens
 
-An idle server admits any one request (so a single large one is never refused forever).
+A request with pre-encoded features to download (s3:// or http(s):// parts) counts apart,
+its sequences against `max_feature_requests` alone: the engine holds it while the store
+answers, for up to --feature-fetch-timeout-s, and a hung store filled the budget above
+until every request, text too, got 503 (fuzz61). Once its features are in it queues in
+the engine beside the others, uncounted there: at most `max_feature_requests` more.
+
+An idle budget admits any one request (so a single large one is never refused forever).
 With several API processes (server/api_servers.py) they count together: each process's
 admitted work sits in shared memory (`SharedCounts`, made by the launcher), and a request
 fits if the sum over all processes leaves room, whichever process it reached. (Each one
@@ -34,6 +40,16 @@ class ServerDraining(ServerOverloaded):
     code = "server_draining"
 
 
+# What each API process counts in the shared array: sequences, prompt tokens, and the
+# sequences of requests with features to download.
+COUNTS_PER_PROCESS = 3
+
+
+def shared_counts_array(context: Any, num_processes: int) -> Any:
+    """The zeroed, lock-guarded array the API processes admit against together."""
+    return context.Array("q", COUNTS_PER_PROCESS * num_processes)
+
+
 @dataclass
 class Ticket:
     """One admitted request's share of the budget; `release()` is idempotent."""
@@ -41,6 +57,7 @@ class Ticket:
     controller: AdmissionController
     num_sequences: int
     num_tokens: int
+    num_feature_sequences: int = 0
     is_released: bool = False
 
     def release(self) -> None:
@@ -52,22 +69,22 @@ class Ticket:
 @dataclass(frozen=True)
 class SharedCounts:
     """What every API process has admitted: `counts` is a lock-guarded shared array
-    (`multiprocessing.Array("q", 2 * processes)`) of [sequences, tokens] per process;
-    this process is `index`."""
+    (`shared_counts_array`) of [sequences, tokens, feature sequences] per process; this
+    process is `index`."""
 
     counts: Any
     index: int
 
-    def totals(self) -> tuple[int, int]:
-        """(sequences, tokens) over every process; call under `counts.get_lock()`."""
+    def totals(self) -> tuple[int, ...]:
+        """Each count summed over every process; call under `counts.get_lock()`."""
         raw = self.counts.get_obj()
-        return sum(raw[0::2]), sum(raw[1::2])
+        return tuple(sum(raw[i::COUNTS_PER_PROCESS]) for i in range(COUNTS_PER_PROCESS))
 
-    def add(self, num_sequences: int, num_tokens: int) -> None:
+    def add(self, *counts: int) -> None:
         """Adds to this process's counts; call under `counts.get_lock()`."""
         raw = self.counts.get_obj()
-        raw[2 * self.index] += num_sequences
-        raw[2 * self.index + 1] += num_tokens
+        for i, count in enumerate(counts):
+            raw[COUNTS_PER_PROCESS * self.index + i] += count
 
 
 @dataclass
@@ -79,8 +96,10 @@ class AdmissionController:
     max_running: int
     max_waiting_requests: int
     max_waiting_tokens: int
+    max_feature_requests: int = 256
     num_sequences: int = 0
     num_tokens: int = 0
+    num_feature_sequences: int = 0
     is_draining: bool = False
     num_rejected: dict[str, int] = field(default_factory=dict)
     shared: SharedCounts | None = None
@@ -96,7 +115,7 @@ class AdmissionController:
     @property
     def num_in_flight(self) -> int:
         """What a drain waits for: admitted sequences and requests still preparing."""
-        return self.num_sequences + self.num_preparing
+        return self.num_sequences + self.num_feature_sequences + self.num_preparing
 
     def stopping(self) -> asyncio.Future:
         """Done once the drain ends what is left (`stop_all`): requests still preparing
@@ -123,20 +142,36 @@ class AdmissionController:
     def max_sequences(self) -> int:
         return self.max_running + self.max_waiting_requests
 
-    def admit(self, *, num_sequences: int, num_tokens: int) -> Ticket:
+    def admit(self, *, num_sequences: int, num_tokens: int, fetches: bool = False) -> Ticket:
         """Reserve room for a request of `num_sequences` sequences holding `num_tokens`
-        prompt tokens in all, or raise ServerOverloaded / ServerDraining."""
+        prompt tokens in all (`fetches`: in the budget of requests with features to
+        download), or raise ServerOverloaded / ServerDraining."""
         if self.is_draining:
             self._count("draining")
             raise ServerDraining("the server is shutting down; retry on another replica")
+        ticket = (Ticket(self, 0, 0, num_sequences) if fetches
+                  else Ticket(self, num_sequences, num_tokens))  # fmt: skip
         with self._counting():
             if self.shared is None:
-                admitted = (self.num_sequences, self.num_tokens)
+                sequences, tokens, feature_sequences = self._own_counts()
             else:
-                admitted = self.shared.totals()
-            self._check_room(*admitted, num_sequences, num_tokens)
-            self._add(num_sequences, num_tokens)
-        return Ticket(self, num_sequences, num_tokens)
+                sequences, tokens, feature_sequences = self.shared.totals()
+            if fetches:
+                self._check_feature_room(feature_sequences, num_sequences)
+            else:
+                self._check_room(sequences, tokens, num_sequences, num_tokens)
+            self._add(ticket.num_sequences, ticket.num_tokens, ticket.num_feature_sequences)
+        return ticket
+
+    def _own_counts(self) -> tuple[int, int, int]:
+        return self.num_sequences, self.num_tokens, self.num_feature_sequences
+
+    def _check_feature_room(self, feature_sequences: int, num_sequences: int) -> None:
+        if feature_sequences and feature_sequences + num_sequences > self.max_feature_requests:
+            self._count("max_feature_requests")
+            raise ServerOverloaded(
+                "the server is at capacity (too many requests downloading features); retry later"
+            )
 
     def _check_room(self, sequences: int, tokens: int, num_sequences: int, num_tokens: int):
         if sequences == 0:
@@ -155,18 +190,19 @@ class AdmissionController:
     def _counting(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext() if self.shared is None else self.shared.counts.get_lock()
 
-    def _add(self, num_sequences: int, num_tokens: int) -> None:
+    def _add(self, num_sequences: int, num_tokens: int, num_feature_sequences: int) -> None:
         self.num_sequences += num_sequences
         self.num_tokens += num_tokens
+        self.num_feature_sequences += num_feature_sequences
         if self.shared is not None:
-            self.shared.add(num_sequences, num_tokens)
+            self.shared.add(num_sequences, num_tokens, num_feature_sequences)
 
     def start_draining(self) -> None:
         self.is_draining = True
 
     def _release(self, ticket: Ticket) -> None:
         with self._counting():
-            self._add(-ticket.num_sequences, -ticket.num_tokens)
+            self._add(-ticket.num_sequences, -ticket.num_tokens, -ticket.num_feature_sequences)
 
     def _count(self, reason: str) -> None:
         self.num_rejected[reason] = self.num_rejected.get(reason, 0) + 1

@@ -51,6 +51,7 @@ from typing import Any
 from engine.logging_utils import configure_logging, name_this_process
 from engine.process import STOP_SIGNAL, run_engine
 from engine.process_tree import kill_tree
+from server.admission import shared_counts_array
 from server.cli import API_PROCESS_DRAIN_SIGNAL, bind_port, run_server
 from server.metric_names import MULTIPROC_DIR_ENV
 from server.settings import ServerSettings
@@ -85,7 +86,7 @@ class ApiServerSlot:
     outbox_address: str
     engine_pid: int
     listener: socket.socket
-    # [sequences, tokens] admitted by each API process, shared (server/admission.py)
+    # what each API process admitted, shared (server/admission.py)
     admission_counts: Any = None
 
 
@@ -116,7 +117,7 @@ def run_api_servers(settings: ServerSettings) -> int:
         daemon=True,
     )
     api_servers: list[multiprocessing.process.BaseProcess] = []
-    admission_counts = spawn.Array("q", 2 * count)  # zeros, lock-guarded
+    admission_counts = shared_counts_array(spawn, count)
     launcher = _Launcher(settings.shutdown_timeout_s)
     try:
         with launcher.capturing_signals():

@@ -107,6 +107,7 @@ def build_app(
         max_running=settings.engine.max_num_seqs,
         max_waiting_requests=settings.max_waiting_requests,
         max_waiting_tokens=settings.max_waiting_tokens,
+        max_feature_requests=settings.max_feature_requests,
         shared=shared,
     )
 

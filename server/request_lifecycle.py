@@ -54,8 +54,11 @@ def admit(request: Request, state: AppState, *jobs: GenerationJob) -> Ticket:
             "--max-waiting-tokens); send it in smaller batches",
             param="prompt",
         )
+    # Features to download: a slow store holds the request in the engine, apart from the rest.
+    fetches = any(item.feature is not None and not item.feature.url.startswith("data:")
+                  for job in jobs for item in job.prompt.media)  # fmt: skip
     try:
-        return admission.admit(num_sequences=num_sequences, num_tokens=num_tokens)
+        return admission.admit(num_sequences=num_sequences, num_tokens=num_tokens, fetches=fetches)
     except ServerOverloaded as exc:
         count_rejected(state, exc.code or "server_overloaded")
         raise

@@ -130,6 +130,7 @@ def test_api_processes_admit_against_one_budget_together(model_dir):
     import multiprocessing
 
     from engine.errors import ServerOverloaded
+    from server.admission import shared_counts_array
 
     settings = ServerSettings(
         engine=EngineConfig(model=str(model_dir), max_num_seqs=3),
@@ -138,7 +139,7 @@ def test_api_processes_admit_against_one_budget_together(model_dir):
         api_server_count=3,
     )
     engine = FakeEngine(str(model_dir / "tokenizer.json"))
-    counts = multiprocessing.get_context("spawn").Array("q", 2 * 3)
+    counts = shared_counts_array(multiprocessing.get_context("spawn"), 3)
     apps = [build_app(settings, engine, api_server_index=index, admission_counts=counts)
             for index in range(3)]  # fmt: skip
     first, second, third = (app.state.admission for app in apps)
@@ -151,10 +152,10 @@ def test_api_processes_admit_against_one_budget_together(model_dir):
     with pytest.raises(ServerOverloaded, match="prompt tokens"):
         second.admit(num_sequences=1, num_tokens=1000)
     assert (first.num_sequences, third.num_sequences) == (3, 1)  # each drains its own
-    assert list(counts) == [3, 30, 0, 0, 1, 10]
+    assert list(counts) == [3, 30, 0, 0, 0, 0, 1, 10, 0]
     for ticket in tickets:
         ticket.release()
-    assert list(counts) == [0] * 6
+    assert list(counts) == [0] * 9
     big = second.admit(num_sequences=2, num_tokens=10000)  # idle everywhere: any one
     with pytest.raises(ServerOverloaded):
         first.admit(num_sequences=1, num_tokens=1)
@@ -253,3 +254,53 @@ def test_tokenize_renders_a_chat_through_the_requests_own_template(model_dir):
         refused = client.post("/tokenize", json=body)
         assert refused.status_code == 400
         assert refused.json()["error"]["param"] == "chat_template"
+
+
+def test_requests_downloading_features_never_hold_back_the_others(model_dir):
+    """Requests waiting on a store counted in the one budget: a hung store filled it, and
+    every request, text too, got 503 "too many requests waiting" while the engine's waiting
+    gauge read 0 (fuzz61). They now count in a budget of their own, in every API process."""
+    import multiprocessing
+    from types import SimpleNamespace
+
+    from engine.errors import ServerOverloaded
+    from engine.protocol import FeatureSource, MediaInput, Modality, SamplingParams
+    from server.admission import shared_counts_array
+    from server.generation import GenerationJob, PreparedPrompt
+    from server.request_lifecycle import admit
+
+    settings = ServerSettings(
+        engine=EngineConfig(model=str(model_dir), max_num_seqs=1),
+        max_waiting_requests=0,
+        max_feature_requests=2,
+        api_server_count=2,
+    )
+    engine = FakeEngine(str(model_dir / "tokenizer.json"))
+    counts = shared_counts_array(multiprocessing.get_context("spawn"), 2)
+    apps = [build_app(settings, engine, api_server_index=index, admission_counts=counts)
+            for index in range(2)]  # fmt: skip
+
+    def job(url: str | None) -> GenerationJob:
+        media = [] if url is None else [
+            MediaInput(modality=Modality.IMAGE, content_hash="h", offset=0, num_tokens=4,
+                       grid_thw=(1, 4, 4), feature=FeatureSource(url))]  # fmt: skip
+        return GenerationJob("r", "tiny", PreparedPrompt([1] * 4, media), SamplingParams(), 1, [])
+
+    rejected: list[str] = []
+    state = SimpleNamespace(metrics=SimpleNamespace(on_request_rejected=rejected.append))
+
+    def ask(app, url: str | None):
+        return admit(SimpleNamespace(app=app), state, job(url))
+
+    hung = [ask(apps[0], "s3://feat/a"), ask(apps[1], "https://store.test/b")]
+    with pytest.raises(ServerOverloaded, match="downloading features"):
+        ask(apps[1], "s3://feat/c")
+    text = ask(apps[1], None)  # the engine's one running slot: taken
+    with pytest.raises(ServerOverloaded, match="too many requests waiting"):
+        ask(apps[0], None)
+    inline = "data:application/octet-stream;base64,AAAA"  # nothing to download
+    with pytest.raises(ServerOverloaded, match="too many requests waiting"):
+        ask(apps[0], inline)
+    for ticket in [*hung, text]:
+        ticket.release()
+    assert list(counts) == [0] * 6 and rejected == ["server_overloaded"] * 3
