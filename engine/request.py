@@ -127,7 +127,6 @@ class Request:
         self.positions: torch.Tensor | None = None  # [3, num_prompt_tokens] int64 M-RoPE
         self.rope_delta = 0
         self._generator: torch.Generator | None = None  # a seeded request's: generator_on()
-        self.logprobs: list[TokenLogprob] | None = [] if sampling.logprobs is not None else None
         # Where the output stands in `sampling.structured_output`'s grammar (set at admission).
         self.grammar: GrammarMatcher | None = None
         # The grammar holds once the output has written `structured_output_after` (at once

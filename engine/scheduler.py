@@ -446,8 +446,6 @@ class Scheduler:
                 request.first_token_time = time.monotonic()
                 self.counters.prompt_tokens += request.num_prompt_tokens
             token_logprob = logprobs.get(request.request_id)
-            if request.logprobs is not None and token_logprob is not None:
-                request.logprobs.append(token_logprob)
             status = stop_status(request, token_id, self.max_model_len)
             if status is not None:
                 self._finish(request, status)
