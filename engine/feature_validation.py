@@ -143,10 +143,16 @@ def _check_entry(name: str, entry: dict, num_data_bytes: int) -> None:
         and isinstance(offsets, list)
         and len(offsets) == 2
         and all(isinstance(o, int) for o in offsets)
-        and 0 <= offsets[0] <= offsets[1] <= num_data_bytes
+        and 0 <= offsets[0] <= offsets[1]
     )
     if not is_ok:
         raise FeatureError(f"tensor {name!r} has a malformed header entry", reason="bad_format")
+    if offsets[1] > num_data_bytes:  # a cut download, most likely
+        raise FeatureError(
+            f"the file is shorter than its header says: tensor {name!r} ends at data byte "
+            f"{offsets[1]}, the file holds {num_data_bytes}",
+            reason="bad_format",
+        )
     item_size = {**EMBEDS_DTYPES, **GRID_DTYPES}.get(dtype)
     if item_size is None:
         if name == "embeds":

@@ -15,8 +15,10 @@ from server.field_limits import bounded, check_count
 MAX_TOOL_NAME_CHARS = 64
 MAX_FRAME_SECONDS = 4096  # video_features.frame_seconds: temporal patches of one video
 
-# A token id is a JSON integer: pydantic's lax ints read `true` as token 1 and "6" as 6.
-TokenId = Annotated[int, Strict()]
+# A JSON integer: pydantic's lax ints read `true` as 1, "6" as 6 and 6.0 as 6 (a token id,
+# a grid size).
+StrictInt = Annotated[int, Strict()]
+TokenId = StrictInt
 
 
 class RequestModel(BaseModel):
@@ -74,7 +76,7 @@ class VideoPart(_UrlPart):
 
 class FeatureRef(RequestModel):
     url: str
-    grid_thw: list[int]
+    grid_thw: list[StrictInt]
     # Videos: seconds of video one temporal patch spans (vLLM's second_per_grid_ts; what
     # `tessera encode-features` prints). Qwen2.5-VL spaces video positions by it; default
     # temporal_patch_size / --video-fps, as for a video_url sampled by this server.

@@ -42,6 +42,9 @@ def test_valid_file_loads(dtype):
         (save({"other": torch.zeros(4, 8)}), "bad_format", "other"),
         (b"", "bad_format", "too short"),
         (struct.pack("<Q", 60_000) + b"[" * 60_000, "bad_format", "bad header"),  # deep JSON
+        # cut in its data: it said "malformed header entry", which sent its writer to the
+        # header (fuzz61)
+        (feature_file(torch.randn(4, 8))[:-20], "bad_format", "shorter than its header says"),
     ],
 )
 def test_bad_files_are_refused(data, reason, words):

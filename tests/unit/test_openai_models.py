@@ -63,6 +63,13 @@ def test_max_completion_tokens_wins_and_logprobs():
           "video_features": {"url": "s3://b/k", "grid_thw": [2, 4, 4],
                              "frame_seconds": [0.5] * 5000}}]}]},
          "messages[0].content[0].video_features.frame_seconds"),
+        # true, "4" and 4.0 were read as 1, 4 and 4 (fuzz61)
+        ({**BASE, "messages": [{"role": "user", "content": [{"type": "image_features",
+          "image_features": {"url": "s3://b/k", "grid_thw": [True, 4, "4"]}}]}]},
+         "messages[0].content[0].image_features.grid_thw[0]"),
+        ({**BASE, "messages": [{"role": "user", "content": [{"type": "image_features",
+          "image_features": {"url": "s3://b/k", "grid_thw": [1, 4, 4.0]}}]}]},
+         "messages[0].content[0].image_features.grid_thw[2]"),
     ],
 )
 def test_validation_error_param_paths(body, param):
