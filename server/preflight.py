@@ -17,8 +17,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from safetensors import SafetensorError, safe_open
-
 from engine.attention import check_attention_backend
 from engine.device_config import (
     resolve_device,
@@ -29,6 +27,7 @@ from engine.device_config import (
 from engine.errors import ModelLoadError
 from engine.kv_cache_sizing import check_kv_cache_fits, kv_block_bytes
 from engine.model_config import ModelConfig, check_max_model_len
+from engine.models.loader import open_checkpoint
 from engine.multimodal.chat_template import syntax_error
 from engine.multimodal.image_processor import ImageProcessorConfig
 from engine.multimodal.prompt import PromptProcessor
@@ -39,6 +38,7 @@ if TYPE_CHECKING:
 
     from engine.config import EngineConfig
     from server.settings import ServerSettings
+
 
 def check_model_folder(settings: ServerSettings) -> None:
     """Raises ModelLoadError naming what in the model folder the server cannot use, and
@@ -64,14 +64,8 @@ def check_safetensors_headers(folder: Path) -> None:
     """ModelLoadError for an empty, truncated or garbled *.safetensors file: safe_open reads
     the header alone, and checks that the file holds every byte its tensors' offsets name."""
     for path in sorted(folder.glob("*.safetensors")):
-        try:
-            with safe_open(str(path), framework="pt"):
-                pass
-        except (SafetensorError, OSError) as exc:
-            raise ModelLoadError(
-                f"{path.name} is not a valid safetensors file ({exc}); the checkpoint is "
-                "damaged or incompletely downloaded"
-            ) from None
+        with open_checkpoint(path):
+            pass
 
 
 def _device(engine: EngineConfig) -> torch.device:

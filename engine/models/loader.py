@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from engine.attention.base import AttentionBackend
 from engine.errors import ModelLoadError
@@ -57,6 +57,19 @@ class _Target:
     shape: tuple[int, ...]  # the checkpoint tensor's expected shape
     expert: int | None = None  # an expert's slice of a [E, ...] experts parameter
     transpose: bool = False  # the checkpoint holds [E, in, out]: the parameter is [E, out, in]
+
+
+def open_checkpoint(file: Path):
+    """`safe_open` of one weights file (on CPU), a ModelLoadError naming the file when it is
+    empty, cut short or not safetensors at all (it reads the header, and checks that the
+    file holds every byte the header's offsets name)."""
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except (SafetensorError, OSError) as exc:
+        raise ModelLoadError(
+            f"{file.name} is not a valid safetensors file ({exc}); the checkpoint is damaged "
+            "or incompletely downloaded"
+        ) from None
 
 
 def load_model(
@@ -89,7 +102,7 @@ def load_model(
     seen: set[str] = set()
     with torch.no_grad():
         for file in checkpoint_files(Path(model_dir)):
-            with safe_open(str(file), framework="pt", device="cpu") as reader:
+            with open_checkpoint(file) as reader:
                 for raw_name in reader.keys():
                     name = normalize_name(raw_name)
                     if name.endswith(_IGNORED_SUFFIXES):

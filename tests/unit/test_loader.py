@@ -4,6 +4,7 @@ tied embeddings, and errors that name the offending tensor."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -276,3 +277,14 @@ def test_a_folder_without_a_tokenizer_fails_before_its_weights_load(tmp_path, mo
     with pytest.raises(ModelLoadError, match="no tokenizer.json in model folder 'm'"):
         EngineCore(EngineConfig(model=str(model_dir)))
     assert loads == []
+
+
+def test_damaged_weights_name_their_file(tmp_path):
+    """The offline LLM got safetensors' own error ("incomplete metadata, file not fully
+    covered"), which names no file (fuzz65); `tessera serve`'s pre-flight says the same as
+    this, through the same function."""
+    folder = Path(write_checkpoint(tmp_path / "m", hub_tensors()))
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(ModelLoadError, match=rf"{weights.name} is not a valid safetensors"):
+        load(folder)
