@@ -245,15 +245,18 @@ class FeatureFetcher:
         except asyncio.CancelledError:
             self._cancel_all(tasks)
             raise
-        failed = next((t for t in tasks if t.done() and t.exception() is not None), None)
+        failed = next((t for t in tasks if t.done() and (t.cancelled() or t.exception())), None)
         if failed is None:
             self._done.put(FetchResult(request_id, [t.result() for t in tasks]))
             return
         self._cancel_all(tasks)
-        error = failed.exception()
-        if not isinstance(error, FeatureError):
+        internal = FeatureError("feature fetch failed: internal error", reason="internal")
+        if failed.cancelled():  # a job is cancelled with its request: still answer this one
+            logger.error("a feature download was cancelled under a request waiting for it")
+            error = internal
+        elif not isinstance(error := failed.exception(), FeatureError):
             logger.exception("feature fetch failed", exc_info=error)
-            error = FeatureError("feature fetch failed: internal error", reason="internal")
+            error = internal
         self._done.put(FetchResult(request_id, error=error, failed_job=tasks.index(failed)))
 
     def _cancel_all(self, tasks: list[asyncio.Task]) -> None:
@@ -281,17 +284,40 @@ class FeatureFetcher:
             finally:
                 shared.waiters -= 1
                 if not shared.waiters:  # every job that wanted it was cancelled
+                    # Forgotten first: a job arriving now starts its own download rather
+                    # than join one being cancelled (a retry never got its result).
+                    self._forget(key, shared, None)
                     shared.task.cancel()
+
+    @contextlib.asynccontextmanager
+    async def _holding(self, slot: asyncio.Semaphore | None, url: str):
+        if slot is None:  # data: URLs take no connection
+            yield
+            return
+        try:
+            async with asyncio.timeout(self.config.timeout_s):
+                await slot.acquire()
+        except TimeoutError:
+            self._count_failure("saturated")
+            cause = (f"no connection to the store came free within {self.config.timeout_s:g} s "
+                     "(--feature-fetch-max-connections); retry later")  # fmt: skip
+            raise failure(url, cause, "saturated") from None
+        try:
+            yield
+        finally:
+            slot.release()
 
     def _forget(self, key: tuple[str, FeatureSpec, bool], shared: _Shared, _) -> None:
         if self._shared.get(key) is shared:
             del self._shared[key]
 
     async def _fetch_bounded(self, job: FeatureJob, force: bool) -> FetchedFeature:
-        """One download under a connection slot and, once it holds one, the deadline."""
+        """One download under a connection slot and, once it holds one, the deadline. The
+        wait for a slot has a deadline of the same length: a slow store's downloads hold
+        every slot, and requests behind them fail at 2x the timeout at most (503)."""
         scheme = job.url.partition(":")[0]
         slot = self._slots.get("http" if scheme in ("http", "https") else scheme)
-        async with slot or contextlib.nullcontext():
+        async with self._holding(slot, job.url):
             started = time.perf_counter()
             self._add_in_flight(1)
             try:
@@ -302,7 +328,7 @@ class FeatureFetcher:
                 raise failure(job.url, "timed out", "timeout") from None
             except FeatureError as exc:
                 self._count_failure(exc.reason)
-                raise failure(job.url, exc.message, exc.reason, like=exc) from None
+                raise failure(job.url, exc.message, exc.reason) from None
             finally:
                 self._add_in_flight(-1)
             with self._lock:

@@ -79,19 +79,9 @@ def display_url(url: str) -> str:
     return url if len(url) <= 200 else url[:200] + "..."
 
 
-def failure(url: str, cause: str, reason: str, *, like: FeatureError | None = None) -> FeatureError:
-    """The error a job ends with: `cause` for `url`, with the status of `like` if given."""
-    error = FeatureError(f"feature {display_url(url)}: {cause}", reason=reason)
-    if like is not None:
-        error.status, error.type = like.status, like.type
-    return error
-
-
-def store_auth_error(cause: str) -> FeatureError:
-    """The server's S3 credentials are missing or refused: a 502, not the client's fault."""
-    error = FeatureError(cause, reason="store_auth")
-    error.status, error.type = 502, "server_error"
-    return error
+def failure(url: str, cause: str, reason: str) -> FeatureError:
+    """The error a job ends with: `cause` for `url`."""
+    return FeatureError(f"feature {display_url(url)}: {cause}", reason=reason)
 
 
 def too_large(max_bytes: int) -> FeatureError:
@@ -158,7 +148,7 @@ def raise_s3(exc: Exception):
     if isinstance(exc, ParamValidationError):  # an invalid bucket name or key: not retried
         raise FeatureError(f"not a valid S3 location ({exc})", reason="bad_format") from None
     if isinstance(exc, (NoCredentialsError, PartialCredentialsError)):
-        raise store_auth_error("the server has no S3 credentials") from None
+        raise FeatureError("the server has no S3 credentials", reason="store_auth") from None
     response = getattr(exc, "response", None)
     if isinstance(response, dict):
         code = str(response.get("Error", {}).get("Code", ""))
@@ -166,7 +156,9 @@ def raise_s3(exc: Exception):
         if code in _NOT_FOUND_CODES or status == 404:
             raise FeatureError("not found", reason="not_found") from None
         if code in _CREDENTIAL_CODES:
-            raise store_auth_error(f"the store refused the server's credentials ({code})") from None
+            raise FeatureError(
+                f"the store refused the server's credentials ({code})", reason="store_auth"
+            ) from None
         if code in _DENIED_CODES or status in (401, 403):
             raise FeatureError("access denied", reason="access_denied") from None
         if code in _TRANSIENT_S3_CODES or status == 429 or status >= 500:

@@ -9,8 +9,9 @@ ALL its sequences fit — `n > 1` is all-or-nothing — under
 
 A request with pre-encoded features to download (s3:// or http(s):// parts) counts apart,
 its sequences against `max_feature_requests` alone: the engine holds it while the store
-answers, for up to --feature-fetch-timeout-s, and a hung store filled the budget above
-until every request, text too, got 503 (fuzz61). Once its features are in it queues in
+answers, for up to twice --feature-fetch-timeout-s (a wait for a connection, then the
+download), and a hung store filled the budget above until every request, text too, got
+503 (fuzz61). Once its features are in it queues in
 the engine beside the others, uncounted there: at most `max_feature_requests` more.
 
 An idle budget admits any one request (so a single large one is never refused forever).

@@ -104,3 +104,50 @@ def test_every_failed_jobs_error_is_read(fetcher, caplog):
     time.sleep(0.1)
     gc.collect()
     assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
+
+
+def test_a_request_that_joins_a_download_its_last_waiter_just_left_still_gets_its_result(
+    origin,
+):
+    """A client on a slow store left (its request cancelled, the shared download with it)
+    and retried at once: the retry joined the cancelled download, whose cancellation then
+    escaped its request's fetch, and the retry never got a result (fuzz66)."""
+    origin.answers["/slow"] = [(200, {}, features(5))]
+    origin.delay_s["/slow"] = 0.4
+    with private_fetcher() as client:
+        job = FeatureJob(f"{origin.base}/slow", SPEC)
+        client.submit("first", [job])
+        time.sleep(0.1)  # its download is in flight
+        client.cancel("first")
+        client.submit("retry", [job])
+        results: list[FetchResult] = []
+        deadline = time.monotonic() + 10
+        while not results and time.monotonic() < deadline:
+            results = client.poll()
+            time.sleep(0.01)
+    assert [result.request_id for result in results] == ["retry"]
+    assert results[0].error is None, results[0].error
+
+
+def test_a_wait_for_a_connection_has_a_deadline_of_its_own(monkeypatch):
+    """With every connection held by a hung store, the requests behind them waited for a
+    free one with no deadline: the k-th failed after ceil(k / connections) timeouts, 120 s
+    with the defaults, where the docs say --feature-fetch-timeout-s (fuzz66). They now
+    give up waiting after one timeout, as the server's fault (503)."""
+    import asyncio
+
+    async def hung(self, job, force):
+        await asyncio.sleep(3600)
+
+    monkeypatch.setattr(FeatureFetcher, "_download_and_check", hung)
+    with private_fetcher(max_connections=2, timeout_s=0.3, max_retries=0) as client:
+        urls = {f"r{i}": [f"https://hung.example/{i}"] for i in range(6)}
+        started = time.monotonic()
+        results = _fetch_all(client, urls)
+        elapsed = time.monotonic() - started
+    # Four waited; two may win the slots freed at the very end of their wait, and time out.
+    codes = [result.error.code for result in results.values()]
+    assert codes.count("feature_saturated") >= 2, codes
+    assert codes.count("feature_saturated") + codes.count("feature_timeout") == 6, codes
+    assert {result.error.status for result in results.values()} == {503, 504}
+    assert elapsed < 2 * 0.3 + 1.0  # two deadlines at most, with room for a loaded machine
