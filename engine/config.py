@@ -151,11 +151,10 @@ def check_url_prefixes(setting: str) -> None:
     http(s):// or s3:// prefix ends in '/' (else https://a.example also lets
     https://a.example.evil.net in, and s3://feat the bucket feat-other), or is `data:`."""
     for entry in (item.strip() for item in setting.split(",")):
-        if not entry:
-            raise ValueError(f"allowed_feature_url_prefixes has an empty entry: {setting!r}")
-        if entry.lower().startswith("data:"):
+        if not entry or entry.startswith("data:"):  # empty: skipped (a trailing comma)
             continue
-        if not entry.lower().startswith(("http://", "https://", "s3://")):
+        # s3:// as a feature URL spells it (an http(s) URL is compared in its normal form)
+        if not entry.lower().startswith(("http://", "https://")) and not entry.startswith("s3://"):
             raise ValueError(
                 f"allowed_feature_url_prefixes entry {entry!r} must begin with http://, "
                 "https://, s3:// or data:"

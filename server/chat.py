@@ -52,8 +52,9 @@ from server.tool_calls import arguments_as_objects
 FEATURE_SCHEMES = ("s3://", "http://", "https://", "data:")
 
 
-# S3's rule for bucket names (an access point's alias is one too; its ARN is not).
-S3_BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+# What botocore takes as a bucket name (older us-east-1 buckets may hold capitals and '_'; an
+# access point's alias is one too); an ARN, which it routes to the host it names, is not.
+S3_BUCKET_NAME = re.compile(r"[a-zA-Z0-9._-]{1,255}")
 
 
 @dataclass(frozen=True)
@@ -159,8 +160,8 @@ class FeaturePolicy:
                 # botocore routes an ARN to the host it names: the server's signed request
                 # would go where the client says (another account's access point, a lambda).
                 raise InvalidRequest(
-                    f"{bucket[:100]!r} is not an S3 bucket name (3-63 lowercase letters, "
-                    "digits, dots and hyphens)",
+                    f"{bucket[:100]!r} is not an S3 bucket name (letters, digits, '.', '_' "
+                    "and '-'; not an access point ARN)",
                     param=part.param + ".url",
                 )
             if self.buckets is not None and bucket not in self.buckets:

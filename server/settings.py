@@ -180,6 +180,8 @@ class ServerSettings:
             )
         if self.allowed_local_media_path:  # empty: unset, as in vLLM
             folder = Path(self.allowed_local_media_path).expanduser()
+            # kept expanded: the media fetcher resolves it as given (fuzz66)
+            object.__setattr__(self, "allowed_local_media_path", str(folder))
             if not folder.exists():
                 raise SettingsError(
                     f"allowed_local_media_path {self.allowed_local_media_path!r} does not exist"
@@ -436,6 +438,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults`, not a setting
+                continue
             key = self.construct_object(key_node, deep=deep)
             if isinstance(key, str) and key in seen:
                 raise yaml.constructor.ConstructorError(

@@ -440,14 +440,14 @@ def test_flags_are_not_abbreviated():
     ("s3://feat", "must end in '/'"),
     ("http://a.example/ok/,https://b.example", "must end in '/'"),
     ("feat.example/", "must begin with"),
-    ("https://feat.example/,", "empty"),
+    ("S3://feat/", "must begin with"),  # no s3 URL is spelt so: it would match none
 ])  # fmt: skip
 def test_an_allowed_feature_url_prefix_names_a_folder(prefixes, says):
     """`https://feat.example` was taken, and let https://feat.example.evil.net through
     (fuzz62); an entry of no known scheme was dropped without a word."""
     with pytest.raises(SettingsError, match=says):
         load_settings(["--allowed-feature-url-prefixes", prefixes], {})
-    good = "https://feat.example/,s3://feat/videos/,data:"
+    good = "https://feat.example/,s3://feat/videos/,data:,"  # a trailing comma is nothing
     settings = load_settings(["--allowed-feature-url-prefixes", good], {})
     assert settings.engine.allowed_feature_url_prefixes == good
 
@@ -463,6 +463,9 @@ def test_a_local_media_path_must_be_a_folder(tmp_path):
     assert load_settings(["--allowed-local-media-path", str(tmp_path)], {})
     unset = load_settings(["--allowed-local-media-path", ""], {})
     assert unset.allowed_local_media_path in ("", None)
+    # checked expanded, and kept so: the fetcher resolved '~' as a folder name (fuzz66)
+    home = load_settings(["--allowed-local-media-path", "~"], {})
+    assert home.allowed_local_media_path == str(Path.home())
 
 
 def test_a_model_path_under_the_home_folder_is_expanded(tmp_path):
@@ -502,4 +505,8 @@ def test_a_setting_written_twice_in_one_yaml_mapping_is_refused(tmp_path):
         load_settings(["--config", str(config)], {})
     config.write_text("engine:\n  block_size: 8\n  block_size: 16\n")
     with pytest.raises(SettingsError, match="'block_size' is set twice"):
+        load_settings(["--config", str(config)], {})
+    # a merge key is no setting written twice (fuzz66)
+    config.write_text("base: &base\n  block_size: 8\nengine:\n  <<: *base\n  max_num_seqs: 4\n")
+    with pytest.raises(SettingsError, match="unknown setting 'base'"):
         load_settings(["--config", str(config)], {})
