@@ -73,6 +73,13 @@ class _DecodeGuard:
         self.param = param
         self._deadline = time.monotonic() + limits.max_decode_seconds
 
+    def check_frame_count(self, num_frames: int) -> None:
+        if num_frames > self.limits.max_source_frames:
+            raise MediaError(
+                f"the video has {num_frames} frames; the limit is {self.limits.max_source_frames}",
+                param=self.param,
+            )
+
     def check_time(self) -> None:
         """Checked per decoded frame: fails a decode past `max_decode_seconds`."""
         if time.monotonic() > self._deadline:
@@ -149,18 +156,17 @@ def decode_video(
                 f"the limit is {limits.max_frame_pixels}",
                 param=param,
             )
+        # The clock runs from here: listing the packets of a file of a million one-byte
+        # packets took 50 s before the decode's own limit started (fuzz67).
+        guard = _DecodeGuard(limits, param)
+        guard.check_frame_count(declared_frames)
         index = None
         if not declared_frames or (seek and container_format in SEEKABLE_CONTAINERS):
-            index = _index_packets(data, container_format)
+            index = _index_packets(data, container_format, guard)
         total = declared_frames or len(index.pts)  # type: ignore[union-attr]
-        if total > limits.max_source_frames:
-            raise MediaError(
-                f"the video has {total} frames; the limit is {limits.max_source_frames}",
-                param=param,
-            )
+        guard.check_frame_count(total)
         video_fps = float(rate) if rate else None
         wanted = sample_frame_indices(total, video_fps, config)
-        guard = _DecodeGuard(limits, param)
         frames = None
         if seek and index is not None and index.can_seek(total):
             frames = _decode_by_seeking(data, container_format, index, wanted, config, guard)
@@ -196,8 +202,9 @@ class _PacketIndex:
         return all(a < b for a, b in itertools.pairwise(self.pts))  # type: ignore[operator]
 
 
-def _index_packets(data: bytes, container_format: str) -> _PacketIndex:
-    """Demux (no decoding) the first video stream's packets."""
+def _index_packets(data: bytes, container_format: str, guard: _DecodeGuard) -> _PacketIndex:
+    """Demux (no decoding) the first video stream's packets, within the decode's time and
+    frame limits."""
     pts: list[int | None] = []
     keyframes: list[int] = []
     with _open(data, container_format) as container:
@@ -206,6 +213,9 @@ def _index_packets(data: bytes, container_format: str) -> _PacketIndex:
                 pts.append(packet.pts)
                 if packet.is_keyframe and packet.pts is not None:
                     keyframes.append(packet.pts)
+                if len(pts) % 1024 == 0:
+                    guard.check_time()
+                    guard.check_frame_count(len(pts))
     if None not in pts:
         pts.sort()  # decode order -> presentation order (B-frames)
     return _PacketIndex(pts, sorted(keyframes))

@@ -135,12 +135,12 @@ def test_seeking_gives_the_frames_decoding_in_order_gives(container, codec, opti
     )
     config = VideoConfig(FRAME, fps=1.0, max_frames=8)
     container_format = sniff_container(data)
-    index = _index_packets(data, container_format)
+    guard = _DecodeGuard(VideoLimits(), None)
+    index = _index_packets(data, container_format, guard)
     assert index.can_seek(90) and len(index.keyframe_pts) >= 10
     wanted = sample_frame_indices(90, 10.0, config)
     assert len(wanted) == 8 and wanted[-1] - wanted[0] > 70
     # No seek missed its frame (a miss would fall back to decoding in order).
-    guard = _DecodeGuard(VideoLimits(), None)
     assert _decode_by_seeking(data, container_format, index, wanted, config, guard) is not None
     by_seeking = decode_video(data, config).frames
     in_order = decode_video(data, config, seek=False).frames
@@ -156,9 +156,9 @@ def test_a_seek_that_misses_its_frame_falls_back_to_decoding_in_order():
     from engine.multimodal.video_decode import _decode_by_seeking, _DecodeGuard, _index_packets
 
     data = video_bytes(moving_pictures(96, 64, 40, salt=4), fps=10, options={"g": "4"})
-    index = _index_packets(data, "mov")
-    wanted = [0, 1, 20, 21]
     guard = _DecodeGuard(VideoLimits(), None)
+    index = _index_packets(data, "mov", guard)
+    wanted = [0, 1, 20, 21]
     assert _decode_by_seeking(data, "mov", index, wanted, CONFIG, guard) is not None
     shifted = dataclasses.replace(index, pts=[pts + 1 for pts in index.pts])  # lands nowhere
     assert _decode_by_seeking(data, "mov", shifted, wanted, CONFIG, guard) is None
