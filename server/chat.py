@@ -82,7 +82,7 @@ def media_parts(messages: list[ChatMessage]) -> list[MediaPart]:
                 url = part.url
                 if not url and not part.uuid:
                     raise InvalidRequest(
-                        f"an {part.url_field} part needs a url or a uuid", param=param
+                        f"the {part.url_field} part needs a url or a uuid", param=param
                     )
                 modality = Modality.IMAGE if isinstance(part, ImagePart) else Modality.VIDEO
                 found.append(MediaPart(param, modality, url or None, part.uuid))
