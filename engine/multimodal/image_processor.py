@@ -137,15 +137,22 @@ def _three_floats(values) -> tuple[float, float, float]:
 
 
 def smart_resize(
-    height: int, width: int, *, factor: int, min_pixels: int, max_pixels: int
+    height: int,
+    width: int,
+    *,
+    factor: int,
+    min_pixels: int,
+    max_pixels: int,
+    what: str = "image",
 ) -> tuple[int, int]:
     """Qwen2-VL's target size: sides multiples of `factor`, area within
-    [min_pixels, max_pixels], aspect ratio kept as closely as possible."""
+    [min_pixels, max_pixels], aspect ratio kept as closely as possible. `what` the errors
+    name: a video's frames are resized here too."""
     if height < 1 or width < 1:
-        raise MediaError(f"image has an empty side ({width}x{height})")
+        raise MediaError(f"{what} has an empty side ({width}x{height})")
     if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
         raise MediaError(
-            f"image aspect ratio must be at most {MAX_ASPECT_RATIO}:1, got {width}x{height}"
+            f"{what} aspect ratio must be at most {MAX_ASPECT_RATIO}:1, got {width}x{height}"
         )
     resized_height = round(height / factor) * factor
     resized_width = round(width / factor) * factor

@@ -215,6 +215,7 @@ def frame_size(height: int, width: int, num_frames: int, config: VideoConfig) ->
         factor=frame.factor,
         min_pixels=frame.min_pixels,
         max_pixels=config.frame_max_pixels(num_frames),
+        what="video",
     )
 
 

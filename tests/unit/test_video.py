@@ -436,3 +436,11 @@ def test_matches_transformers_video_processor(tmp_path):
             expected = out["pixel_values_videos"]
             assert torch.allclose(ours.pixel_values, expected, rtol=0, atol=1e-6)
     assert "torchvision" in sys.modules
+
+
+def test_a_video_too_wide_is_named_a_video():
+    """Qwen2.5-VL's refusal of a 4000x16 video said "image aspect ratio" (fuzz67)."""
+    with pytest.raises(MediaError, match="^video aspect ratio must be at most 200:1"):
+        frame_size(16, 4000, 4, CONFIG)
+    with pytest.raises(MediaError, match="^image aspect ratio"):
+        process_image(picture(4000, 16, 1), FRAME)
