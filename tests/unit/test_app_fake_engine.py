@@ -9,20 +9,7 @@ import pytest
 from PIL import Image
 
 from engine.protocol import ErrorInfo
-from engine.tiny_model import make_tiny_model
-from tests.unit.fake_engine import chat, client_for, sse_events
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
-def app(model_dir):
-    client, engine = client_for(model_dir)
-    with client:
-        yield client, engine
+from tests.unit.fake_engine import chat, sse_events
 
 
 def test_chat_shape_and_usage(app):

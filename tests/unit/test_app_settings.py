@@ -9,22 +9,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from engine.config import EngineConfig
-from engine.tiny_model import make_tiny_model
 from server.app import build_app
 from server.settings import ServerSettings
 from tests.unit.fake_engine import FakeEngine, chat, client_for
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
-def app(model_dir):
-    client, engine = client_for(model_dir)
-    with client:
-        yield client, engine
 
 
 def test_api_key(model_dir):
@@ -122,15 +109,28 @@ def test_a_grammar_waits_for_the_thinking_a_template_opens(model_dir):
         assert engine.requests[-1].sampling.structured_output_after == ()  # no grammar
 
 
+def api_processes(settings: ServerSettings, model_dir):
+    """The apps of `settings.api_server_count` API processes over one fake engine, and the
+    shared admission counts they admit against, as the launcher gives them."""
+    import multiprocessing
+
+    from server.admission import shared_counts_array
+
+    engine = FakeEngine(str(model_dir / "tokenizer.json"))
+    count = settings.api_server_count
+    counts = shared_counts_array(multiprocessing.get_context("spawn"), count)
+    apps = [build_app(settings, engine, api_server_index=index, admission_counts=counts)
+            for index in range(count)]  # fmt: skip
+    return counts, apps
+
+
 def test_api_processes_admit_against_one_budget_together(model_dir):
     """Each process admitted a fixed share of every budget: when the kernel handed most
     connections to one of them (it often does), requests were refused at a fraction of the
     capacity while the others sat idle. The launcher's shared counts make the budgets
     bound the sum over all of them, whichever process a request reaches."""
-    import multiprocessing
 
     from engine.errors import ServerOverloaded
-    from server.admission import shared_counts_array
 
     settings = ServerSettings(
         engine=EngineConfig(model=str(model_dir), max_num_seqs=3),
@@ -138,10 +138,7 @@ def test_api_processes_admit_against_one_budget_together(model_dir):
         max_waiting_tokens=1000,
         api_server_count=3,
     )
-    engine = FakeEngine(str(model_dir / "tokenizer.json"))
-    counts = shared_counts_array(multiprocessing.get_context("spawn"), 3)
-    apps = [build_app(settings, engine, api_server_index=index, admission_counts=counts)
-            for index in range(3)]  # fmt: skip
+    counts, apps = api_processes(settings, model_dir)
     first, second, third = (app.state.admission for app in apps)
     tickets = [first.admit(num_sequences=1, num_tokens=10) for _ in range(5)]  # all at one
     with pytest.raises(ServerOverloaded):
@@ -260,12 +257,10 @@ def test_requests_downloading_features_never_hold_back_the_others(model_dir):
     """Requests waiting on a store counted in the one budget: a hung store filled it, and
     every request, text too, got 503 "too many requests waiting" while the engine's waiting
     gauge read 0 (fuzz61). They now count in a budget of their own, in every API process."""
-    import multiprocessing
     from types import SimpleNamespace
 
     from engine.errors import ServerOverloaded
     from engine.protocol import FeatureSource, MediaInput, Modality, SamplingParams
-    from server.admission import shared_counts_array
     from server.generation import GenerationJob, PreparedPrompt
     from server.request_lifecycle import admit
 
@@ -275,10 +270,7 @@ def test_requests_downloading_features_never_hold_back_the_others(model_dir):
         max_feature_requests=2,
         api_server_count=2,
     )
-    engine = FakeEngine(str(model_dir / "tokenizer.json"))
-    counts = shared_counts_array(multiprocessing.get_context("spawn"), 2)
-    apps = [build_app(settings, engine, api_server_index=index, admission_counts=counts)
-            for index in range(2)]  # fmt: skip
+    counts, apps = api_processes(settings, model_dir)
 
     def job(url: str | None) -> GenerationJob:
         media = [] if url is None else [

@@ -99,18 +99,6 @@ def private_fetcher(**limits) -> Iterator[FeatureFetcher]:
         fetcher.close()
 
 
-@pytest.fixture
-def origin() -> Iterator[Origin]:
-    with serving() as server:
-        yield server
-
-
-@pytest.fixture
-def fetcher() -> Iterator[FeatureFetcher]:
-    with private_fetcher() as fetcher:
-        yield fetcher
-
-
 def fetch(fetcher: FeatureFetcher, urls: list[str], *, force: bool = False) -> FetchResult:
     fetcher.submit("r", [FeatureJob(url, SPEC) for url in urls], force=force)
     deadline = time.monotonic() + 10

@@ -8,25 +8,10 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import Iterator
-
-import pytest
 
 from bench.local_inputs import features
 from engine.feature_fetcher import FeatureFetcher, FeatureJob, FetchResult
-from tests.unit.test_feature_fetcher_http import SPEC, Origin, fetch, private_fetcher, serving
-
-
-@pytest.fixture
-def origin() -> Iterator[Origin]:
-    with serving() as server:
-        yield server
-
-
-@pytest.fixture
-def fetcher() -> Iterator[FeatureFetcher]:
-    with private_fetcher() as fetcher:
-        yield fetcher
+from tests.unit.test_feature_fetcher_http import SPEC, fetch, private_fetcher
 
 
 def _fetch_all(client: FeatureFetcher, requests: dict[str, list[str]], watch=None):

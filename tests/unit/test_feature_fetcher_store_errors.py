@@ -7,20 +7,12 @@ default) cannot produce."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from engine.feature_fetcher import FeatureFetcher, FetchConfig
-from tests.unit.test_feature_fetcher_http import Origin, fetch, serving
+from tests.unit.test_feature_fetcher_http import Origin, fetch
 
 RETRIES = 2
-
-
-@pytest.fixture
-def origin() -> Iterator[Origin]:
-    with serving() as server:
-        yield server
 
 
 def _s3_error(code: str, status: int) -> tuple[int, dict[str, str], bytes]:

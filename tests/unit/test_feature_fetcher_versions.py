@@ -4,30 +4,16 @@ download: a strong ETag, or a Last-Modified at least a second older than the ans
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 from safetensors.torch import load
 
 from bench.local_inputs import features
 from engine.feature_fetcher import FeatureFetcher, FetchConfig
 from engine.feature_store import http_version
-from tests.unit.test_feature_fetcher_http import Origin, fetch, private_fetcher, serving
+from tests.unit.test_feature_fetcher_http import fetch
 
 NOW = "Sat, 28 Nov 2026 05:30:00 GMT"
 SECOND_BEFORE = "Sat, 28 Nov 2026 05:29:59 GMT"
-
-
-@pytest.fixture
-def origin() -> Iterator[Origin]:
-    with serving() as server:
-        yield server
-
-
-@pytest.fixture
-def fetcher() -> Iterator[FeatureFetcher]:
-    with private_fetcher() as fetcher:
-        yield fetcher
 
 
 def _rows_of(data: bytes):
