@@ -28,7 +28,8 @@ import httpx
 from bench.client import stream_times
 from bench.local_inputs import FEATURE_GRID, TINY_HIDDEN, ObjectServer, feature_part, features
 from bench.servers import TINY_SERVER_FLAGS, cpu_seconds, tiny_server
-from engine.feature_fetcher import FeatureFetcher, FeatureJob, FetchConfig
+from engine.feature_fetcher import FeatureFetcher
+from engine.feature_jobs import FeatureJob, FetchConfig
 from engine.feature_validation import FeatureSpec
 from engine.tiny_model import make_tiny_model
 

@@ -61,7 +61,7 @@ class EngineConfig:
     max_logprobs: int = DEFAULT_MAX_LOGPROBS  # the most alternatives a request may ask for per token (logprobs, top_logprobs, prompt_logprobs), as vLLM's --max-logprobs; each costs a top-k over the vocabulary and a detokenised entry in every chunk
     grammar_cache_size: int = 128  # structured outputs: compiled grammars kept, so a repeated schema is not compiled again; 0 = none
     grammar_lexer_fuel: int = 100_000  # structured outputs: regex work one grammar may cost (~50k per ms) before it fails its request; llguidance's default is 1,000,000
-    feature_fetch_parallel: int = 8  # concurrent feature downloads per request; 1 = serial
+    feature_fetch_parallel: int = 8  # concurrent feature downloads per request (at most feature_fetch_max_connections); 1 = serial
     feature_fetch_timeout_s: float = 30.0  # deadline per feature URL, retries included, once it holds a connection (feature_fetch_max_connections); the wait for one has a deadline as long
     max_feature_bytes: int = 256 * 1024 * 1024  # per feature file
     feature_fetch_retries: int = 3  # transient failures (timeouts, 5xx, throttling)

@@ -29,7 +29,8 @@ import torch
 from engine.config import EngineConfig
 from engine.encoder_cache import salted
 from engine.errors import error_info
-from engine.feature_fetcher import FeatureFetcher, FeatureJob, FetchConfig, FetchResult
+from engine.feature_fetcher import FeatureFetcher
+from engine.feature_jobs import FeatureJob, FetchConfig, FetchResult
 from engine.feature_validation import FeatureSpec
 from engine.protocol import FinishReason, MediaInput, RequestOutput
 from engine.request import Request

@@ -12,7 +12,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from bench.local_inputs import FEATURE_GRID, TINY_HIDDEN, features
-from engine.feature_fetcher import FeatureFetcher, FeatureJob, FetchConfig, FetchResult
+from engine.feature_fetcher import FeatureFetcher
+from engine.feature_jobs import FeatureJob, FetchConfig, FetchResult
 from engine.feature_validation import FeatureSpec
 
 SPEC = FeatureSpec(TINY_HIDDEN, 4, FEATURE_GRID)

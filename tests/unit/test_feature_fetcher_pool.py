@@ -10,7 +10,8 @@ import threading
 import time
 
 from bench.local_inputs import features
-from engine.feature_fetcher import FeatureFetcher, FeatureJob, FetchResult
+from engine.feature_fetcher import FeatureFetcher
+from engine.feature_jobs import FeatureJob, FetchResult
 from tests.unit.test_feature_fetcher_http import SPEC, fetch, private_fetcher
 
 
@@ -136,3 +137,39 @@ def test_a_wait_for_a_connection_has_a_deadline_of_its_own(monkeypatch):
     assert codes.count("feature_saturated") + codes.count("feature_timeout") == 6, codes
     assert {result.error.status for result in results.values()} == {503, 504}
     assert elapsed < 2 * 0.3 + 1.0  # two deadlines at most, with room for a loaded machine
+
+
+def test_a_request_of_more_parts_than_connections_waits_for_its_own(origin):
+    """Its later parts waited for connections its own earlier parts held, and that wait ran
+    out: 503 feature_saturated on every try with nothing else running (fuzz68). A request
+    now downloads at most as many parts at once as there are connections."""
+    for i in range(6):
+        origin.answers[f"/part{i}"] = [(200, {}, features(20 + i))]
+        origin.delay_s[f"/part{i}"] = 0.4
+    with private_fetcher(max_connections=2, parallel=8, timeout_s=0.7, max_retries=0) as client:
+        urls = [f"{origin.base}/part{i}" for i in range(6)]
+        result = _fetch_all(client, {"r": urls})["r"]
+    assert result.error is None, result.error
+
+
+def test_a_request_submitted_again_is_cancelled_by_its_id(origin):
+    """The engine submits a request again (force) while its first fetch is still running:
+    when the first ended, its clean-up forgot the second, and a cancel of the request then
+    left the second downloading (fuzz68)."""
+    origin.answers["/quick"] = [(200, {}, features(30))]
+    origin.delay_s["/quick"] = 0.2
+    origin.answers["/slow"] = [(200, {}, features(31))]
+    origin.delay_s["/slow"] = 2.0
+    with private_fetcher() as client:
+        client.submit("r", [FeatureJob(f"{origin.base}/quick", SPEC)])
+        client.submit("r", [FeatureJob(f"{origin.base}/slow", SPEC)], force=True)
+        first: list[FetchResult] = []
+        deadline = time.monotonic() + 5
+        while not first and time.monotonic() < deadline:
+            first = client.poll()
+            time.sleep(0.01)
+        assert [result.error for result in first] == [None]  # the first one, done
+        client.cancel("r")
+        time.sleep(2.5)  # past the second one's download
+        assert client.poll() == []  # cancelled: no result
+        assert client.pop_stats().failures.get("cancelled") == 1

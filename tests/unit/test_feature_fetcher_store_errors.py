@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.feature_fetcher import FeatureFetcher, FetchConfig
+from engine.feature_fetcher import FeatureFetcher
+from engine.feature_jobs import FetchConfig
 from tests.unit.test_feature_fetcher_http import Origin, fetch
 
 RETRIES = 2

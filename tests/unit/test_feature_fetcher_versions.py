@@ -8,7 +8,8 @@ import pytest
 from safetensors.torch import load
 
 from bench.local_inputs import features
-from engine.feature_fetcher import FeatureFetcher, FetchConfig
+from engine.feature_fetcher import FeatureFetcher
+from engine.feature_jobs import FetchConfig
 from engine.feature_store import http_version
 from tests.unit.test_feature_fetcher_http import fetch
 
