@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from server.settings import DESCRIPTIONS, FIELDS, build_parser, configuration_markdown
+from server.settings import DESCRIPTIONS, FIELDS, build_parser
+from server.settings_docs import configuration_markdown
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 

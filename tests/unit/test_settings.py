@@ -6,7 +6,6 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-import torch
 
 from engine.config import EngineConfig
 from server.default_model import default_model_dir
@@ -15,11 +14,8 @@ from server.settings import (
     ServerSettings,
     SettingsError,
     build_parser,
-    default_api_server_count,
-    default_image_decode_threads,
     load_settings,
     unknown_environment_variables,
-    usable_cores,
 )
 
 
@@ -94,34 +90,6 @@ def test_types_and_optional_values(tmp_path: Path) -> None:
         load_settings(["--log-format", "xml"], {})
 
 
-def test_api_server_count_defaults_to_a_quarter_of_the_cores_on_a_gpu_and_one_elsewhere() -> None:
-    assert [default_api_server_count("cuda", cores) for cores in (2, 4, 8, 16, 64)] == [
-        1, 1, 2, 4, 4,
-    ]  # fmt: skip
-    assert default_api_server_count("cuda:1", 16) == 4
-    assert default_api_server_count("cpu", 64) == 1
-    assert default_api_server_count("auto", 64) == (4 if torch.cuda.is_available() else 1)
-    assert load_settings(["--device", "cpu"], {}).api_server_count == 1
-    assert load_settings(["--api-server-count", "3"], {}).api_server_count == 3
-    addresses = ["--engine-inbox-address", "tcp://127.0.0.1:5001",
-                 "--engine-outbox-address", "tcp://127.0.0.1:5002"]  # fmt: skip
-    assert load_settings([*addresses, "--device", "cuda"], {}).api_server_count == 1
-
-
-def test_usable_cores_honour_a_cgroup_cpu_quota(tmp_path: Path) -> None:
-    cpu_max = tmp_path / "cpu.max"
-    affinity = usable_cores(tmp_path / "absent")
-    cpu_max.write_text("max 100000\n")  # no quota
-    assert usable_cores(cpu_max) == affinity
-    cpu_max.write_text("150000 100000\n")  # docker run --cpus 1.5
-    assert usable_cores(cpu_max) == min(affinity, 2)
-    cpu_max.write_text("10000 100000\n")  # a tenth of a core is still one
-    assert usable_cores(cpu_max) == 1
-    for garbled in ("garbled\n", "100000 0\n"):
-        cpu_max.write_text(garbled)
-        assert usable_cores(cpu_max) == affinity
-
-
 def test_api_server_count_is_checked() -> None:
     assert load_settings(["--api-server-count", "4"], {}).api_server_count == 4
     with pytest.raises(SettingsError, match="api_server_count must be in 1..64"):
@@ -172,25 +140,6 @@ def test_small_batch_linear_rows_stay_within_the_kernels_rows() -> None:
     for rows in ("9", "-1"):
         with pytest.raises(SettingsError, match=r"small_batch_linear_rows must be in \[0, 8\]"):
             load_settings(["--small-batch-linear-rows", rows], {})
-
-
-def test_image_decode_threads_default_to_half_the_cores_shared_by_the_api_processes(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    assert [default_image_decode_threads(cores, 1) for cores in (1, 2, 4, 12, 16, 64)] == [
-        2, 2, 2, 6, 8, 8
-    ]  # fmt: skip
-    assert default_image_decode_threads(16, 4) == 2 and default_image_decode_threads(64, 2) == 8
-    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
-    assert load_settings(["--model", "m"], {}).image_decode_thread_count() == 8
-    two = load_settings(["--model", "m", "--api-server-count", "2"], {})
-    assert two.image_decode_thread_count() == 4
-    assert load_settings(["--image-decode-threads", "3"], {}).image_decode_thread_count() == 3
-    with pytest.raises(SettingsError, match="image_decode_threads must be positive"):
-        load_settings(["--image-decode-threads", "0"], {})
-    monkeypatch.delattr("os.sched_getaffinity")  # not on every platform
-    monkeypatch.setattr("os.cpu_count", lambda: 12)
-    assert load_settings(["--model", "m"], {}).image_decode_thread_count() == 6
 
 
 def test_yaml_errors_and_nested_engine_section(tmp_path: Path) -> None:
