@@ -154,10 +154,7 @@ class AdmissionController:
         ticket = (Ticket(self, 0, 0, num_sequences) if fetches
                   else Ticket(self, num_sequences, num_tokens))  # fmt: skip
         with self._counting():
-            if self.shared is None:
-                sequences, tokens, feature_sequences = self._own_counts()
-            else:
-                sequences, tokens, feature_sequences = self.shared.totals()
+            sequences, tokens, feature_sequences = self._totals()
             if fetches:
                 self._check_feature_room(feature_sequences, num_sequences)
             else:
@@ -165,8 +162,12 @@ class AdmissionController:
             self._add(ticket.num_sequences, ticket.num_tokens, ticket.num_feature_sequences)
         return ticket
 
-    def _own_counts(self) -> tuple[int, int, int]:
-        return self.num_sequences, self.num_tokens, self.num_feature_sequences
+    def _totals(self) -> tuple[int, ...]:
+        """What every API process admitted (this one's alone without `shared`); call under
+        `_counting()`."""
+        if self.shared is None:
+            return self.num_sequences, self.num_tokens, self.num_feature_sequences
+        return self.shared.totals()
 
     def _check_feature_room(self, feature_sequences: int, num_sequences: int) -> None:
         if feature_sequences and feature_sequences + num_sequences > self.max_feature_requests:

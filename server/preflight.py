@@ -44,7 +44,7 @@ def check_model_folder(settings: ServerSettings) -> None:
     """Raises ModelLoadError naming what in the model folder the server cannot use, and
     SettingsError for a setting this machine cannot run."""
     device = _device(settings.engine)
-    folder = Path(settings.engine.model).expanduser()
+    folder = Path(settings.engine.model)  # "~" expanded as the settings were read
     model_config = ModelConfig.from_model_dir(folder)  # a missing folder is named here
     check_max_model_len(settings.engine.max_model_len, model_config)
     model_config.shard(settings.engine.tensor_parallel_size)  # a size it cannot split into
