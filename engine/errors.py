@@ -101,6 +101,8 @@ class ServerOverloaded(TesseraError):
     status = 503
     type = "server_error"
     code = "server_overloaded"
+    # The `reason` label of tessera:requests_rejected_total: which budget refused it.
+    reason = "server_overloaded"
 
 
 def error_info(exc: Exception) -> ErrorInfo:

@@ -21,7 +21,7 @@ admitted work sits in shared memory (`SharedCounts`, made by the launcher), and 
 fits if the sum over all processes leaves room, whichever process it reached. (Each one
 admitting a fixed share refused requests at half the capacity when the kernel handed
 most connections to one process.) A refused request gets 503 `server_overloaded` with
-`Retry-After`. While draining (SIGTERM) every new request gets 503 `server_draining`.
+`Retry-After` (counted by budget: `feature_overloaded` for the feature one). While draining (SIGTERM) every new request gets 503 `server_draining`.
 Within a process counting happens on the event loop thread; across processes under the
 shared array's lock.
 """
@@ -39,7 +39,15 @@ from engine.errors import ServerOverloaded, TesseraError
 class ServerDraining(ServerOverloaded):
     """The server is shutting down and takes no new requests (HTTP 503)."""
 
-    code = "server_draining"
+    code = reason = "server_draining"
+
+
+class FeatureRequestsOverloaded(ServerOverloaded):
+    """The budget of requests downloading features is full. The client sees the same 503
+    `server_overloaded`; the metric tells it apart, since a slow store fills this budget
+    and not the other."""
+
+    reason = "feature_overloaded"
 
 
 # What each API process counts in the shared array: sequences, prompt tokens, and the
@@ -172,7 +180,7 @@ class AdmissionController:
     def _check_feature_room(self, feature_sequences: int, num_sequences: int) -> None:
         if feature_sequences and feature_sequences + num_sequences > self.max_feature_requests:
             self._count("max_feature_requests")
-            raise ServerOverloaded(
+            raise FeatureRequestsOverloaded(
                 "the server is at capacity (too many requests downloading features); retry later"
             )
 

@@ -243,7 +243,9 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
     _counter(
         "tessera:requests_rejected_total",
-        "Requests refused with 503 before reaching the engine (overloaded, draining).",
+        "Requests refused with 503 before reaching the engine, by reason: server_overloaded "
+        "(the request budget is full), feature_overloaded (the budget of requests "
+        "downloading features), server_draining.",
         "reason",
     ),
 )
@@ -254,7 +256,11 @@ METRICS_BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in METRICS}
 # exported from start-up at 0, as every series with the model label alone is.
 KNOWN_LABEL_VALUES: dict[str, tuple[str, ...]] = {
     "tessera:request_success_total": ("stop", "length", "abort"),
-    "tessera:requests_rejected_total": ("server_overloaded", "server_draining"),
+    "tessera:requests_rejected_total": (
+        "server_overloaded",
+        "feature_overloaded",
+        "server_draining",
+    ),
     "tessera:media_preprocess_seconds": ("image", "video"),
 }
 

@@ -28,7 +28,7 @@ def check_alive(state: AppState, request: Request) -> None:
     if not getattr(state.engine, "is_alive", True):
         raise EngineDeadError("the engine is not running")
     if request.app.state.admission.is_draining:
-        count_rejected(state, ServerDraining.code)
+        count_rejected(state, ServerDraining.reason)
         raise ServerDraining("the server is shutting down; retry on another replica")
 
 
@@ -60,7 +60,7 @@ def admit(request: Request, state: AppState, *jobs: GenerationJob) -> Ticket:
     try:
         return admission.admit(num_sequences=num_sequences, num_tokens=num_tokens, fetches=fetches)
     except ServerOverloaded as exc:
-        count_rejected(state, exc.code or "server_overloaded")
+        count_rejected(state, exc.reason)
         raise
 
 

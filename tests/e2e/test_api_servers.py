@@ -150,7 +150,7 @@ def test_metrics_add_up_both_processes(two_api_servers):
     before = samples[success]
     # Series with known labels exist before their first event, summed over the processes
     # like the others (a series that appears with its first event hides it from rate()).
-    for reason in ("server_overloaded", "server_draining"):
+    for reason in ("server_overloaded", "feature_overloaded", "server_draining"):
         rejected = (("model_name", MODEL_NAME), ("reason", reason))
         assert samples[("tessera:requests_rejected_total", rejected)] == 0
     with concurrent.futures.ThreadPoolExecutor(8) as pool:

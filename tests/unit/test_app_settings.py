@@ -295,4 +295,6 @@ def test_requests_downloading_features_never_hold_back_the_others(model_dir):
         ask(apps[0], inline)
     for ticket in [*hung, text]:
         ticket.release()
-    assert list(counts) == [0] * 6 and rejected == ["server_overloaded"] * 3
+    assert list(counts) == [0] * 6
+    # The client sees one 503 code; the metric tells the budgets apart.
+    assert rejected == ["feature_overloaded", "server_overloaded", "server_overloaded"]

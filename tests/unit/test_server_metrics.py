@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.errors import ServerOverloaded
 from engine.protocol import FinishReason
-from server.admission import ServerDraining
+from server.admission import FeatureRequestsOverloaded, ServerDraining
 from server.metric_names import KNOWN_LABEL_VALUES, METRICS, MODEL_LABEL
 from server.metrics import ServerMetrics
 
@@ -43,4 +43,4 @@ def test_the_known_label_values_are_the_ones_the_server_counts():
     finish_reasons = {reason.value for reason in FinishReason} - {"error"}  # errors: a 5xx
     assert set(KNOWN_LABEL_VALUES["tessera:request_success_total"]) == finish_reasons
     assert set(KNOWN_LABEL_VALUES["tessera:requests_rejected_total"]) == {
-        ServerOverloaded.code, ServerDraining.code}  # fmt: skip
+        ServerOverloaded.reason, FeatureRequestsOverloaded.reason, ServerDraining.reason}  # fmt: skip
