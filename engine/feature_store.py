@@ -6,8 +6,9 @@ Failures fall into four kinds:
   retried;
 * the store's, for now: a timeout, a 5xx, a throttle (429, SlowDown), a dropped
   connection. `Transient`: retried, then a 502 (FeatureError `server_error` / `network`);
-* the server's own set-up: the store refused the server's credentials, or it has none.
-  A 502 `feature_store_auth` at once (retrying cannot help). It is never the client's
+* the server's own set-up: the store refused the server's credentials, or it has none
+  (502 `feature_store_auth`), or the bucket is in another region than the server signs
+  for (a 301, 502 `feature_store_region`). At once: retrying cannot help. It is never the client's
   400: alerts on 5xx must see it, and clients retry elsewhere;
 * a URL the server will not fetch (unsafe, bad format): a 400.
 
@@ -45,6 +46,10 @@ _TRANSIENT_S3_CODES = {
 }
 _NOT_FOUND_CODES = {"NoSuchKey", "NoSuchBucket", "404", "NotFound"}
 _DENIED_CODES = {"AccessDenied", "AllAccessDisabled", "403", "401"}
+# The bucket lives in another region than the server's S3 settings say. botocore's own
+# redirect only helps on AWS endpoints; with --feature-s3-endpoint-url it asks the same
+# endpoint again and gets the 301 back.
+_REGION_CODES = {"PermanentRedirect", "AuthorizationHeaderMalformed", "301"}
 # The store refused the credentials the SERVER signs with: the operator's to fix.
 _CREDENTIAL_CODES = {
     "InvalidAccessKeyId",
@@ -155,6 +160,8 @@ def raise_s3(exc: Exception):
         status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
         if code in _NOT_FOUND_CODES or status == 404:
             raise FeatureError("not found", reason="not_found") from None
+        if code in _REGION_CODES or status == 301:
+            raise _wrong_region(response) from None
         if code in _CREDENTIAL_CODES:
             raise FeatureError(
                 f"the store refused the server's credentials ({code})", reason="store_auth"
@@ -165,6 +172,19 @@ def raise_s3(exc: Exception):
             raise Transient("server_error", f"the store answered {code or status}") from None
         raise FeatureError(f"the store refused the request ({code})", reason="s3_error") from None
     raise Transient("network", f"connection failed ({type(exc).__name__})") from None
+
+
+def _wrong_region(response: dict) -> FeatureError:
+    error = response.get("Error", {})
+    headers = response.get("ResponseMetadata", {}).get("HTTPHeaders") or {}
+    region = headers.get("x-amz-bucket-region") or error.get("Region")
+    where = f"in region {region}" if region else f"at {error['Endpoint']}" if error.get(
+        "Endpoint") else "elsewhere"  # fmt: skip
+    return FeatureError(
+        f"the bucket is in another region than the server's S3 settings ({where}; "
+        f"{error.get('Code') or 301}): set AWS_REGION or --s3-endpoint-url",
+        reason="store_region",
+    )
 
 
 def decode_data_url(url: str, max_bytes: int) -> bytes:

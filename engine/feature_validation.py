@@ -30,11 +30,11 @@ MAX_HEADER_BYTES = 1 << 20
 class FeatureError(MediaError):
     """A pre-encoded feature could not be fetched or is unusable. `reason` is a short
     machine-readable cause (not_found, access_denied, timeout, too_large, bad_format,
-    wrong_shape, bad_dtype, non_finite, network, server_error, store_auth, saturated,
-    cancelled) used as a metric label.
+    wrong_shape, bad_dtype, non_finite, network, server_error, store_auth, store_region,
+    saturated, cancelled) used as a metric label.
 
     A store that failed (5xx or no connection after the retries: 502; no answer in time:
-    504), refused the server's own credentials (502), or a server whose connections to it
+    504), refused the server's own credentials or region (502), or a server whose connections to it
     stayed busy (503) is the server's side, not the request's: a 5xx, which clients and
     load balancers retry, where a 400 would tell them the request itself is wrong."""
 
@@ -49,6 +49,7 @@ _STORE_FAILURE_STATUS = {
     "server_error": 502,
     "network": 502,
     "store_auth": 502,
+    "store_region": 502,
     "saturated": 503,
     "timeout": 504,
 }

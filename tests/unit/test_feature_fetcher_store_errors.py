@@ -110,3 +110,20 @@ def test_no_credentials_say_so_and_are_not_retried(origin, monkeypatch, tmp_path
     assert (error.status, error.type, error.code) == (502, "server_error", "feature_store_auth")
     assert "the server has no S3 credentials" in error.message
     assert origin.log == []
+
+
+@pytest.mark.parametrize("region_header", [{}, {"x-amz-bucket-region": "eu-west-1"}])
+def test_a_store_in_another_region_says_so(origin, aws_env, region_header):
+    """A bucket in another region answers 301 PermanentRedirect. It was `502 connection
+    failed (HTTPClientError)` after every retry (fuzz61): botocore's region redirect went
+    on from the configured endpoint. It is the operator's to fix (the endpoint or region
+    setting): a 502 that names the region, not retried."""
+    status, headers, body = _s3_error("PermanentRedirect", 301)
+    origin.answers["/feat/k"] = [(status, {**headers, **region_header}, body)]
+    error = _fetch_s3(origin, "k").error
+    assert error is not None
+    assert (error.status, error.type, error.reason) == (502, "server_error", "store_region")
+    assert "another region" in error.message
+    if region_header:
+        assert "eu-west-1" in error.message
+    assert len(origin.log) <= 2, origin.log  # not retried (at most botocore's own redirect)
