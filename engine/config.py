@@ -26,6 +26,9 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 ATTENTION_BACKENDS = ("torch", "flashinfer")
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 MAX_BLOCK_SIZE = 256  # tokens per KV block (vLLM's largest choice is 128)
+# torch intra-op threads: more than any host's cores, and far below the thousands at which
+# thread creation fails and aborts the engine without naming the setting.
+MAX_NUM_THREADS = 1024
 SMALL_BATCH_LINEAR_MAX_ROWS = 8  # the kernel's MAX_ROWS (kernels/triton/small_batch_linear.py)
 
 
@@ -55,7 +58,7 @@ class EngineConfig:
     cuda_graph_max_batch_size: int | None = None  # largest captured decode batch; None = max_num_seqs
     small_batch_linear_rows: int = 0  # CUDA: the decoder's linear layers take the Triton matrix-vector kernel for up to this many rows (at most 8), cuBLAS above; 0 = cuBLAS always (docs/gpu.md)
     cuda_graph_max_seq_len: int | None = None  # decode steps with a longer history run eagerly; None = the whole context with flashinfer (its cost does not grow with the bound), 8192 with torch (which pads keys to it)
-    num_threads: int | None = None  # torch intra-op threads of the engine (per rank); None = torch's default on a CPU, 1 in the server's engine process with a GPU (its host tensor work is small, and parallel regions stall while the API processes and image decoding keep the cores busy); an in-process LLM keeps its caller's setting
+    num_threads: int | None = None  # torch intra-op threads of the engine (per rank, at most 1024); None = torch's default on a CPU, 1 in the server's engine process with a GPU (its host tensor work is small, and parallel regions stall while the API processes and image decoding keep the cores busy); an in-process LLM keeps its caller's setting
     tensor_parallel_size: int = 1  # ranks the decoder layers are split over (CPU, gloo); each rank is a process
     seed: int = 0  # engine-wide sampling seed for requests without their own
     max_logprobs: int = DEFAULT_MAX_LOGPROBS  # the most alternatives a request may ask for per token (logprobs, top_logprobs, prompt_logprobs), as vLLM's --max-logprobs; each costs a top-k over the vocabulary and a detokenised entry in every chunk
@@ -100,6 +103,10 @@ class EngineConfig:
         )  # fmt: skip
         if self.block_size > MAX_BLOCK_SIZE:  # one block took the whole KV budget and more
             raise ValueError(f"block_size must be at most {MAX_BLOCK_SIZE}, got {self.block_size}")
+        if (self.num_threads or 0) > MAX_NUM_THREADS:
+            raise ValueError(
+                f"num_threads must be at most {MAX_NUM_THREADS}, got {self.num_threads}"
+            )
         if not DEVICE_PATTERN.fullmatch(self.device):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         for name, choices in (("scheduling_policy", SCHEDULING_POLICIES),

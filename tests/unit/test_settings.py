@@ -427,10 +427,13 @@ def test_a_model_path_under_the_home_folder_is_expanded(tmp_path):
 @pytest.mark.parametrize("flag, value, says", [
     ("--block-size", "1000000", "block_size must be at most 256"),
     ("--max-header-bytes", "1", "max_header_bytes must be at least 1024"),
+    ("--num-threads", "100000", "num_threads must be at most 1024"),
 ])  # fmt: skip
 def test_values_that_leave_the_server_unusable_are_refused(flag, value, says):
     """A 1,000,000-token block took twice the KV budget and a slow start; a 1-byte header
-    limit answered every request, /health included, with 431 (fuzz62)."""
+    limit answered every request, /health included, with 431; 100,000 threads aborted the
+    engine with "Resource temporarily unavailable (src/thread.cpp:241)", which named no
+    setting (fuzz62)."""
     with pytest.raises(SettingsError, match=says):
         load_settings([flag, value], {})
 
