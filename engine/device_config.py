@@ -20,19 +20,21 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def usable_device(name: str) -> torch.device:
-    """A CLI's --device (cpu, cuda, cuda:N), or ValueError saying why it cannot be used."""
+def usable_device(name: str, setting: str = "--device") -> torch.device:
+    """A device name (cpu, cuda, cuda:N), or ValueError saying why it cannot be used, and
+    naming it as `setting` (a command's flag; the server's setting name, which its error
+    follows with the flag, variable or YAML file that set it)."""
     try:
         device = torch.device(name)
     except RuntimeError:
         device = None
     if device is None or device.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device must be cpu or cuda, got {name!r}")
+        raise ValueError(f"{setting} must be cpu or cuda, got {name!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: no CUDA device is available")
+        raise ValueError(f"{setting} {name}: no CUDA device is available")
     if device.type == "cuda" and (device.index or 0) >= (count := torch.cuda.device_count()):
         raise ValueError(
-            f"--device {name}: this machine has {count} CUDA device(s), cuda:0-{count - 1}"
+            f"{setting} {name}: this machine has {count} CUDA device(s), cuda:0-{count - 1}"
         )
     return device
 

@@ -46,6 +46,8 @@ from server.settings import (
     ServerSettings,
     SettingsError,
     load_settings,
+    naming_sources,
+    setting_sources,
     unknown_environment_variables,
 )
 
@@ -83,7 +85,8 @@ def serve_main(argv: Sequence[str]) -> int:
     try:
         check_model_folder(settings)
     except SettingsError as exc:  # a device, backend or KV cache this machine cannot run
-        print(f"tessera serve: error: {exc}", file=sys.stderr)
+        message = naming_sources(str(exc), setting_sources(argv, os.environ))
+        print(f"tessera serve: error: {message}", file=sys.stderr)
         return EXIT_USAGE
     except ModelLoadError as exc:
         print(f"tessera serve: error: {exc.message}", file=sys.stderr)

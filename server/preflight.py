@@ -72,7 +72,7 @@ def _device(engine: EngineConfig) -> torch.device:
     if engine.device == "auto":
         return resolve_device("auto")
     try:
-        return usable_device(engine.device)  # --device cuda without CUDA, cuda:N past the last
+        return usable_device(engine.device, "device")  # cuda without CUDA, cuda:N past the last
     except ValueError as exc:
         raise SettingsError(str(exc)) from None
 

@@ -431,11 +431,34 @@ def load_settings(
 ) -> ServerSettings:
     """Settings from CLI flags > TESSERA_* env vars > YAML (--config) > defaults.
     Raises SettingsError (argparse exits on a malformed command line)."""
-    argv = list(argv if argv is not None else [])
     environ = os.environ if environ is None else environ
-    flags = vars(build_parser().parse_args(argv))
+    values, sources = _read_values(argv, environ)
+    if "model" not in values:
+        from server.default_model import default_model_dir
+
+        values["model"] = str(default_model_dir(environ))
+    engine_values = {k: v for k, v in values.items() if FIELDS[k].is_engine}
+    server_values = {k: v for k, v in values.items() if not FIELDS[k].is_engine}
+    try:
+        return ServerSettings(engine=EngineConfig(**engine_values), **server_values)
+    except (TypeError, ValueError) as exc:
+        message = str(exc) if isinstance(exc, SettingsError) else f"invalid settings: {exc}"
+        raise SettingsError(naming_sources(message, sources)) from None
+
+
+def setting_sources(argv: Sequence[str] | None, environ: Mapping[str, str]) -> dict[str, str]:
+    """Where each setting given came from (its flag, variable or YAML file), for errors
+    found after `load_settings`, such as the pre-flight's."""
+    return _read_values(argv, environ)[1]
+
+
+def _read_values(
+    argv: Sequence[str] | None, environ: Mapping[str, str]
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The settings given, parsed, and where each came from."""
+    flags = vars(build_parser().parse_args(list(argv if argv is not None else [])))
     values: dict[str, Any] = {}
-    sources: dict[str, str] = {}  # setting -> where its value came from, for errors
+    sources: dict[str, str] = {}
     config_path = flags.pop("config", None) or environ.get(CONFIG_ENV)
     if config_path:
         values.update(_from_yaml(config_path))
@@ -448,20 +471,10 @@ def load_settings(
         field = FIELDS[name]
         values[name] = value if field.type is bool else _parse_text(field, value, field.flag)
         sources[name] = field.flag
-    if "model" not in values:
-        from server.default_model import default_model_dir
-
-        values["model"] = str(default_model_dir(environ))
-    engine_values = {k: v for k, v in values.items() if FIELDS[k].is_engine}
-    server_values = {k: v for k, v in values.items() if not FIELDS[k].is_engine}
-    try:
-        return ServerSettings(engine=EngineConfig(**engine_values), **server_values)
-    except (TypeError, ValueError) as exc:
-        message = str(exc) if isinstance(exc, SettingsError) else f"invalid settings: {exc}"
-        raise SettingsError(_naming_sources(message, sources)) from None
+    return values, sources
 
 
-def _naming_sources(message: str, sources: Mapping[str, str]) -> str:
+def naming_sources(message: str, sources: Mapping[str, str]) -> str:
     """`message` with where each setting it names came from: a range error named the
     setting alone, and left the user to find whether a flag, an environment variable or
     the YAML file had set it (fuzz51)."""

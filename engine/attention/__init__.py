@@ -18,12 +18,12 @@ def check_attention_backend(name: str, device: torch.device, dtype: torch.dtype)
         return
     if device.type != "cuda":
         raise ValueError(
-            f"attention backend 'flashinfer' needs a CUDA device, not {device.type!r}; "
+            f"attention_backend 'flashinfer' needs a CUDA device, not {device.type!r}; "
             "use --attention-backend torch"
         )
     if dtype not in FLASHINFER_DTYPES:
         raise ValueError(
-            f"attention backend 'flashinfer' has float16 and bfloat16 kernels only, not "
+            f"attention_backend 'flashinfer' has float16 and bfloat16 kernels only, not "
             f"{str(dtype).removeprefix('torch.')}; use --dtype bfloat16 or "
             "--attention-backend torch"
         )

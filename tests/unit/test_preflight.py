@@ -168,9 +168,21 @@ def refused_setting(capsys, folder: Path, *args: str) -> str:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
 @pytest.mark.parametrize("device", ["cuda", "cuda:1"])
 def test_a_cuda_device_without_cuda_is_refused(tiny, capsys, device):
-    assert f"--device {device}: no CUDA device is available" in refused_setting(
-        capsys, tiny, "--device", device
-    )
+    err = refused_setting(capsys, tiny, "--device", device)
+    assert f"device {device}: no CUDA device is available (set by --device)" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_a_refused_device_names_where_it_was_set(tiny, capsys, monkeypatch, tmp_path):
+    """It said `--device cuda` when the environment or a YAML file had set it, and the user
+    looked for a flag they never gave (fuzz62)."""
+    monkeypatch.setenv("TESSERA_DEVICE", "cuda")
+    err = refused_setting(capsys, tiny)
+    assert "device cuda: no CUDA device is available (set by TESSERA_DEVICE)" in err
+    monkeypatch.delenv("TESSERA_DEVICE")
+    (config := tmp_path / "c.yaml").write_text("num_kv_blocks: 10000000000\n")
+    err = refused_setting(capsys, tiny, "--device", "cpu", "--config", str(config))
+    assert "more than this machine has" in err and f"(set by {config})" in err
 
 
 def test_a_cuda_device_past_the_last_one_is_refused(tiny, capsys, monkeypatch):
@@ -179,12 +191,12 @@ def test_a_cuda_device_past_the_last_one_is_refused(tiny, capsys, monkeypatch):
         monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     count = torch.cuda.device_count()
     err = refused_setting(capsys, tiny, "--device", f"cuda:{count}")
-    assert f"--device cuda:{count}: this machine has {count} CUDA device(s)" in err
+    assert f"device cuda:{count}: this machine has {count} CUDA device(s)" in err
 
 
 def test_flashinfer_on_a_cpu_is_refused(tiny, capsys):
     err = refused_setting(capsys, tiny, "--device", "cpu", "--attention-backend", "flashinfer")
-    assert "attention backend 'flashinfer' needs a CUDA device" in err
+    assert "attention_backend 'flashinfer' needs a CUDA device" in err
 
 
 def test_a_kv_cache_bigger_than_the_machines_memory_is_refused(tiny, capsys):
