@@ -35,6 +35,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -94,18 +95,39 @@ def allocate_kv_caches(
         ) from None
 
 
-def machine_memory_bytes() -> int:
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+# A container's memory limit: cgroup v2's file, then v1's ("max", or v1's huge number, when
+# there is none).
+CGROUP_MEMORY_LIMIT_FILES = (
+    "/sys/fs/cgroup/memory.max",
+    "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+)
+
+
+def machine_memory_bytes() -> tuple[int, str]:
+    """The memory this process may use, and what bounds it: the machine's, or its
+    container's limit where that is lower (the kernel kills a process past it, where the
+    machine's figure let a KV cache through that could never be filled)."""
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for path in CGROUP_MEMORY_LIMIT_FILES:
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:  # not this cgroup version
+            continue
+        if text.isdigit() and int(text) < physical:
+            return int(text), "this container's memory limit is"
+        break  # "max": no limit
+    return physical, "this machine has"
 
 
 def check_kv_cache_fits(num_kv_blocks: int, num_bytes: int, device: torch.device) -> None:
     """Refuses a CPU KV cache of `num_kv_blocks` (plus the scratch block: `num_bytes` in all)
-    larger than the machine's memory before allocating it: the allocator's error was a
-    traceback. (A CUDA device's is caught as it allocates.)"""
-    if device.type == "cpu" and num_bytes > (memory := machine_memory_bytes()):
-        raise MemoryBudgetError(
-            _too_big(num_kv_blocks, num_bytes, f"this machine has ({_size(memory)})")
-        )
+    larger than the memory this process may use before allocating it: the allocator's
+    error was a traceback. (A CUDA device's is caught as it allocates.)"""
+    if device.type != "cpu":
+        return
+    memory, bound = machine_memory_bytes()
+    if num_bytes > memory:
+        raise MemoryBudgetError(_too_big(num_kv_blocks, num_bytes, f"{bound} ({_size(memory)})"))
 
 
 def _too_big(num_kv_blocks: int, num_bytes: int, has: str) -> str:
@@ -116,6 +138,8 @@ def _too_big(num_kv_blocks: int, num_bytes: int, has: str) -> str:
 
 
 def _size(num_bytes: int) -> str:
+    if num_bytes < GIB:
+        return f"{num_bytes / (1 << 20):.1f} MiB"
     return (
         f"{num_bytes / GIB:.1f} GiB"
         if num_bytes < 1024 * GIB

@@ -207,6 +207,24 @@ def test_a_kv_cache_bigger_than_the_machines_memory_is_refused(tiny, capsys):
     assert code == 1 and "cannot listen" in err, err
 
 
+@pytest.mark.parametrize("unlimited", ["max\n", "9223372036854771712\n"])  # v2, v1
+def test_a_kv_cache_bigger_than_the_containers_memory_limit_is_refused(
+    tiny, capsys, monkeypatch, tmp_path, unlimited
+):
+    """The check read the machine's memory: in a container limited to less, a KV cache
+    between the two passed, and the kernel killed the engine as the cache filled."""
+    from engine import kv_cache_sizing
+
+    (limit := tmp_path / "memory.max").write_text(f"{1 << 20}\n")  # 1 MiB
+    (none := tmp_path / "limit_in_bytes").write_text(unlimited)
+    monkeypatch.setattr(kv_cache_sizing, "CGROUP_MEMORY_LIMIT_FILES", (str(limit),))
+    err = refused_setting(capsys, tiny, "--device", "cpu", "--num-kv-blocks", "1000")
+    assert "more than this container's memory limit is (1.0 MiB)" in err, err
+    monkeypatch.setattr(kv_cache_sizing, "CGROUP_MEMORY_LIMIT_FILES", (str(none), str(limit)))
+    code, err = serve(capsys, tiny, "--device", "cpu", "--num-kv-blocks", "1000")
+    assert code == 1 and "cannot listen" in err, err  # no limit: the machine's memory
+
+
 def test_a_kv_cache_too_big_or_damaged_weights_in_the_engine_are_one_line(caplog):
     """What the pre-flight check does not see (an offline LLM, a GPU's free memory) still
     reached the engine process's log with a traceback."""
