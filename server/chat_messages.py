@@ -14,6 +14,8 @@ from server.field_limits import bounded, check_count
 # Limits OpenAI's API or the model's shapes fix; the others are settings (field_limits.py).
 MAX_TOOL_NAME_CHARS = 64
 MAX_FRAME_SECONDS = 4096  # video_features.frame_seconds: temporal patches of one video
+# ... and each one's time: a week of video. 1e300 wrote a 300-digit number into the prompt.
+MAX_VIDEO_TIME_S = 7 * 24 * 3600.0
 
 # A JSON integer: pydantic's lax ints read `true` as 1, "6" as 6 and 6.0 as 6 (a token id,
 # a grid size).
@@ -84,9 +86,9 @@ class FeatureRef(RequestModel):
     # Videos of models that write each temporal patch's time into the prompt (Qwen3-VL):
     # those times in seconds, one per temporal patch (what `tessera encode-features`
     # prints). Other models leave them out.
-    frame_seconds: list[Annotated[float, Field(ge=0.0, allow_inf_nan=False)]] | None = Field(
-        default=None, max_length=MAX_FRAME_SECONDS
-    )
+    frame_seconds: (
+        list[Annotated[float, Field(ge=0.0, le=MAX_VIDEO_TIME_S, allow_inf_nan=False)]] | None
+    ) = Field(default=None, max_length=MAX_FRAME_SECONDS)
 
 
 class ImageFeaturesPart(RequestModel):

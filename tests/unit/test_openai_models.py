@@ -61,6 +61,10 @@ def test_max_completion_tokens_wins_and_logprobs():
          "messages[0].content[0].video_features.frame_seconds[0]"),
         ({**BASE, "messages": [{"role": "user", "content": [{"type": "video_features",
           "video_features": {"url": "s3://b/k", "grid_thw": [2, 4, 4],
+                             "frame_seconds": [0.0, 1e300]}}]}]},  # a 300-digit time
+         "messages[0].content[0].video_features.frame_seconds[1]"),
+        ({**BASE, "messages": [{"role": "user", "content": [{"type": "video_features",
+          "video_features": {"url": "s3://b/k", "grid_thw": [2, 4, 4],
                              "frame_seconds": [0.5] * 5000}}]}]},
          "messages[0].content[0].video_features.frame_seconds"),
         # true, "4" and 4.0 were read as 1, 4 and 4 (fuzz61)
