@@ -69,6 +69,7 @@ class EngineConfig:
     max_feature_bytes: int = 256 * 1024 * 1024  # per feature file
     feature_fetch_retries: int = 3  # transient failures (timeouts, 5xx, throttling)
     feature_fetch_max_connections: int = 64  # open feature downloads of all requests together, per storage kind (S3, http(s)); each request takes up to feature_fetch_parallel
+    feature_fetch_max_bytes_in_flight: int = 2 * 1024**3  # bytes of feature downloads held at once, all requests together, from the body's first byte until the file is checked (host memory peaks near twice this: the bytes and their tensors); a download waits for room with its deadline paused, up to feature_fetch_timeout_s (then 503 feature_saturated); a file over it takes it whole
     feature_known_versions: int = 16384  # feature URLs whose version (ETag / Last-Modified) is remembered, so that an unchanged file is not downloaded again (least recently used forgotten first)
     s3_endpoint_url: str | None = None  # None = the standard AWS environment / config
     allow_private_feature_urls: bool = False  # allow http(s) feature URLs on private networks
@@ -97,7 +98,8 @@ class EngineConfig:
                       "encoder_cache_tokens", "max_encoder_tokens_per_step",
                       "cuda_graph_max_batch_size", "cuda_graph_max_seq_len", "num_threads",
                       "feature_fetch_parallel", "feature_fetch_timeout_s", "max_feature_bytes",
-                      "feature_fetch_max_connections", "feature_known_versions",
+                      "feature_fetch_max_connections", "feature_fetch_max_bytes_in_flight",
+                      "feature_known_versions",
                       "grammar_lexer_fuel", "api_server_stall_timeout_s"),
             non_negative=("feature_fetch_retries", "grammar_cache_size", "max_logprobs"),
         )  # fmt: skip

@@ -18,8 +18,10 @@ deployments reach loopback or private hosts), `data:` (base64, size-capped).
 Transient failures (timeouts, 5xx, throttling, connection errors) are retried with a
 bounded exponential backoff; the whole fetch of one URL has a total deadline and a byte cap.
 The deadline starts once the download holds one of `max_connections` slots (per storage
-kind), so a wait for a slot is not the store's slowness. Concurrent jobs of one URL and
-spec share one download. How a store's answers are read (errors, versions):
+kind), so a wait for a slot is not the store's slowness. Before reading a body, a download
+reserves its declared length in `max_bytes_in_flight` (engine/byte_budget.py), given back
+once the file is checked; that wait pauses the deadline too. Concurrent jobs of one URL
+and spec share one download. How a store's answers are read (errors, versions):
 engine/feature_store.py.
 """
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import logging
 import queue
@@ -39,6 +42,7 @@ from dataclasses import dataclass
 import aiohttp
 import blake3
 
+from engine.byte_budget import ByteBudget
 from engine.feature_jobs import FeatureJob, FetchConfig, FetchedFeature, FetchResult, FetchStats
 from engine.feature_store import (
     Transient,
@@ -63,6 +67,18 @@ from engine.url_safety import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Held:
+    """What one download task holds: its deadline, paused while it waits for room in the
+    byte budget, and the bytes it reserved there."""
+
+    deadline: asyncio.Timeout | None = None
+    num_bytes: int = 0
+
+
+_HELD: contextvars.ContextVar[_Held] = contextvars.ContextVar("feature_download")
 
 
 @dataclass
@@ -96,6 +112,7 @@ class FeatureFetcher:
         self._slots = {kind: asyncio.Semaphore(max(1, config.max_connections))
                        for kind in ("s3", "http")}  # fmt: skip
         self._shared: dict[tuple[str, FeatureSpec, bool], _Shared] = {}  # loop thread only
+        self._budget = ByteBudget(config.max_bytes_in_flight)  # loop thread only
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="feature-fetcher", daemon=True
         )
@@ -249,8 +266,9 @@ class FeatureFetcher:
         async with self._holding(slot, job.url):
             started = time.perf_counter()
             self._add_in_flight(1)
+            _HELD.set(held := _Held())  # this task's own context
             try:
-                async with asyncio.timeout(self.config.timeout_s):
+                async with asyncio.timeout(self.config.timeout_s) as held.deadline:
                     feature = await self._download_and_check(job, force)
             except TimeoutError:
                 self._count_failure("timeout")
@@ -260,6 +278,7 @@ class FeatureFetcher:
                 raise failure(job.url, exc.message, exc.reason) from None
             finally:
                 self._add_in_flight(-1)
+                self._give_back(held)  # its bytes are checked, or dropped
             with self._lock:
                 self._stats.seconds.append(time.perf_counter() - started)
             return feature
@@ -362,10 +381,46 @@ class FeatureFetcher:
     async def _read_capped(
         self, chunks: AsyncIterable[bytes], declared_length: int | None
     ) -> bytes:
+        """The body, its declared length (else the file cap) reserved in the byte budget
+        first; a failed attempt gives it back, a read one keeps it until it is checked."""
+        max_bytes = self.config.max_bytes
+        if declared_length is not None and declared_length > max_bytes:
+            raise too_large(max_bytes)
+        await self._reserve(max_bytes if declared_length is None else declared_length)
         try:
-            return await read_capped(chunks, self.config.max_bytes, declared_length=declared_length)
+            return await read_capped(chunks, max_bytes, declared_length=declared_length)
         except BodyTooLargeError:
-            raise too_large(self.config.max_bytes) from None
+            self._give_back(_HELD.get())
+            raise too_large(max_bytes) from None
+        except BaseException:
+            self._give_back(_HELD.get())
+            raise
+
+    async def _reserve(self, num_bytes: int) -> None:
+        """Waits for room for `num_bytes` in the byte budget, with the download's deadline
+        paused (others' bytes are not this store's slowness) and a deadline of its own."""
+        held = _HELD.get()
+        deadline, loop = held.deadline, asyncio.get_running_loop()
+        resume_at, waiting_since = (deadline.when() if deadline else None), loop.time()
+        if deadline is not None:
+            deadline.reschedule(None)
+        try:
+            async with asyncio.timeout(self.config.timeout_s):
+                held.num_bytes += await self._budget.acquire(num_bytes)
+        except TimeoutError:
+            raise FeatureError(
+                f"no room for its bytes came free within {self.config.timeout_s:g} s "
+                "(--feature-fetch-max-bytes-in-flight); retry later",
+                reason="saturated",
+            ) from None
+        finally:
+            if deadline is not None and resume_at is not None:
+                deadline.reschedule(resume_at + loop.time() - waiting_since)
+
+    def _give_back(self, held: _Held) -> None:
+        if held.num_bytes:
+            self._budget.release(held.num_bytes)
+            held.num_bytes = 0
 
     async def _s3_client(self):
         if self._s3 is None:

@@ -35,6 +35,8 @@ class FetchConfig:
     # Connections of all requests' downloads together, per storage kind (each request takes
     # up to `parallel` of them).
     max_connections: int = EngineConfig.feature_fetch_max_connections
+    # Bytes of all downloads together, from the body's first byte until the file is checked.
+    max_bytes_in_flight: int = EngineConfig.feature_fetch_max_bytes_in_flight
 
     @classmethod
     def of(cls, config: EngineConfig) -> FetchConfig:
@@ -48,6 +50,7 @@ class FetchConfig:
             allowed_url_prefixes=http_prefixes(config.allowed_feature_url_prefixes),
             max_known_versions=config.feature_known_versions,
             max_connections=config.feature_fetch_max_connections,
+            max_bytes_in_flight=config.feature_fetch_max_bytes_in_flight,
         )
 
 

@@ -217,8 +217,9 @@ METRICS: tuple[MetricSpec, ...] = (
         "Failed feature fetches, by reason (not_found, access_denied, timeout, server_error, "
         "network, bad_format, ...; `store_auth`: the S3 store refused the server's own "
         "credentials or it has none, and `store_region`: the bucket is in another region, the "
-        "operator's to fix; `saturated`: no connection came "
-        "free in time (--feature-fetch-max-connections); `cancelled`: its request ended "
+        "operator's to fix; `saturated`: no connection, or no room "
+        "for its bytes, came free in time (--feature-fetch-max-connections, "
+        "--feature-fetch-max-bytes-in-flight); `cancelled`: its request ended "
         "first, a client that left or another feature that failed, no fault of the store: "
         "leave it out of alerts).",
         "reason",

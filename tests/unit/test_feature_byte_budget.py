@@ -1,0 +1,114 @@
+"""The bytes of feature downloads held at once (--feature-fetch-max-bytes-in-flight).
+
+Each file had a cap, and nothing bounded them together: 64 connections per storage kind
+could hold 64 x 256 MiB, twice over while each was checked (fuzz61)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from bench.local_inputs import features
+from engine.byte_budget import ByteBudget
+from tests.unit.test_feature_fetcher_http import private_fetcher
+from tests.unit.test_feature_fetcher_pool import _fetch_all
+
+
+def test_reservations_wait_their_turn_in_order():
+    async def scenario():
+        budget = ByteBudget(10)
+        assert await budget.acquire(6) == 6
+        big = asyncio.create_task(budget.acquire(8))
+        small = asyncio.create_task(budget.acquire(1))  # fits now, but queues behind
+        await asyncio.sleep(0.01)
+        assert not big.done() and not small.done() and budget.used == 6
+        budget.release(6)
+        assert await big == 8 and await small == 1 and budget.used == 9
+        budget.release(9)
+        assert await budget.acquire(100) == 10  # more than the capacity: all of it
+
+    asyncio.run(scenario())
+
+
+def test_a_reservation_cancelled_while_waiting_holds_nothing():
+    async def scenario():
+        budget = ByteBudget(10)
+        await budget.acquire(10)
+        first = asyncio.create_task(budget.acquire(5))
+        second = asyncio.create_task(budget.acquire(5))
+        await asyncio.sleep(0.01)
+        first.cancel()
+        budget.release(10)  # before the cancelled task has run its handler
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        assert await second == 5 and budget.used == 5
+
+    asyncio.run(scenario())
+
+
+def _peak_budget(client) -> list[int]:
+    """Records the budget's use after every reservation, on the fetcher's loop."""
+    peaks: list[int] = []
+    budget, acquire = client._budget, client._budget.acquire
+
+    async def recording(num_bytes: int) -> int:
+        reserved = await acquire(num_bytes)
+        peaks.append(budget.used)
+        return reserved
+
+    budget.acquire = recording
+    return peaks
+
+
+def test_downloads_hold_at_most_the_budget_together(origin):
+    """Three concurrent downloads, room for one: each reads its body alone."""
+    size = len(features(0))
+    for name in "abc":
+        origin.answers[f"/{name}"] = [(200, {}, features(ord(name)))]
+        origin.delay_s[f"/{name}"] = 0.2
+    with private_fetcher(max_bytes_in_flight=size) as client:
+        peaks = _peak_budget(client)
+        urls = {name: [f"{origin.base}/{name}"] for name in "abc"}
+        results = _fetch_all(client, urls)
+        assert all(result.error is None for result in results.values())
+        assert peaks == [size] * 3
+        assert client._budget.used == 0  # every download gave its bytes back
+
+
+def test_a_failed_download_gives_its_bytes_back(origin):
+    origin.answers["/cut"] = [(200, {}, b"\x00" * 64)]  # not a safetensors file
+    origin.answers["/ok"] = [(200, {}, features(1))]
+    with private_fetcher(max_bytes_in_flight=len(features(1))) as client:
+        results = _fetch_all(client, {"cut": [f"{origin.base}/cut"]})
+        assert results["cut"].error is not None and client._budget.used == 0
+        assert _fetch_all(client, {"ok": [f"{origin.base}/ok"]})["ok"].error is None
+
+
+def test_the_wait_for_room_pauses_the_download_deadline(origin):
+    """The store answers in 0.5 s, and room comes free 0.7 s later: 1.2 s in all against a
+    1 s deadline, of which the store took half. Others' bytes are not its slowness."""
+    origin.answers["/f"] = [(200, {}, features(1))]
+    origin.delay_s["/f"] = 0.5
+    with private_fetcher(timeout_s=1.0, max_retries=0,
+                         max_bytes_in_flight=len(features(1))) as client:  # fmt: skip
+        taken = asyncio.run_coroutine_threadsafe(
+            client._budget.acquire(len(features(1))), client._loop
+        ).result()
+        client._loop.call_soon_threadsafe(client._loop.call_later, 1.2,
+                                          client._budget.release, taken)  # fmt: skip
+        started = time.monotonic()
+        result = _fetch_all(client, {"r": [f"{origin.base}/f"]})["r"]
+        assert result.error is None, result.error
+        assert time.monotonic() - started > 1.1
+
+
+def test_no_room_in_time_is_a_503_that_names_the_setting(origin):
+    origin.answers["/f"] = [(200, {}, features(1))]
+    with private_fetcher(timeout_s=0.3, max_bytes_in_flight=len(features(1))) as client:
+        asyncio.run_coroutine_threadsafe(client._budget.acquire(1), client._loop).result()
+        error = _fetch_all(client, {"r": [f"{origin.base}/f"]})["r"].error
+        assert error is not None and (error.status, error.reason) == (503, "saturated")
+        assert "--feature-fetch-max-bytes-in-flight" in error.message
+        assert client.pop_stats().failures == {"saturated": 1}
