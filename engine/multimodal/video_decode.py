@@ -142,8 +142,13 @@ def decode_video(
             f"the data is not a supported video; supported containers are {SUPPORTED_CONTAINERS}",
             param=param,
         )
+    # The clock runs from here: FFmpeg's probe as a file opens reads up to 5 MB of its
+    # packets (~2.6 s for a million one-byte ones), and a decode opens the file up to three
+    # times; listing a file's packets took 50 s before the decode's own limit started
+    # (fuzz67).
+    guard = _DecodeGuard(limits, param)
     try:
-        with _open(data, container_format) as container:
+        with _open(data, container_format, guard) as container:
             if not container.streams.video:
                 raise MediaError("the video has no video stream", param=param)
             stream = container.streams.video[0]
@@ -156,9 +161,6 @@ def decode_video(
                 f"the limit is {limits.max_frame_pixels}",
                 param=param,
             )
-        # The clock runs from here: listing the packets of a file of a million one-byte
-        # packets took 50 s before the decode's own limit started (fuzz67).
-        guard = _DecodeGuard(limits, param)
         guard.check_frame_count(declared_frames)
         index = None
         if not declared_frames or (seek and container_format in SEEKABLE_CONTAINERS):
@@ -181,10 +183,18 @@ def decode_video(
     return DecodedVideo(frames, video_fps, total)
 
 
-def _open(data: bytes, container_format: str):
+def _open(data: bytes, container_format: str, guard: _DecodeGuard):
+    """The container, once FFmpeg has probed it (which cannot be stopped midway: its time
+    counts against the decode's, checked once it returns)."""
     import av  # PyAV: imported here so that an image-only process does not load FFmpeg
 
-    return av.open(io.BytesIO(data), mode="r", format=container_format)
+    container = av.open(io.BytesIO(data), mode="r", format=container_format)
+    try:
+        guard.check_time()
+    except MediaError:
+        container.close()
+        raise
+    return container
 
 
 @dataclass(frozen=True)
@@ -207,7 +217,7 @@ def _index_packets(data: bytes, container_format: str, guard: _DecodeGuard) -> _
     frame limits."""
     pts: list[int | None] = []
     keyframes: list[int] = []
-    with _open(data, container_format) as container:
+    with _open(data, container_format, guard) as container:
         for packet in container.demux(container.streams.video[0]):
             if packet.size:  # the demuxer's final empty packet is not a frame
                 pts.append(packet.pts)
@@ -237,7 +247,7 @@ def _decode_in_order(
             if index >= last:
                 break
 
-    with _open(data, container_format) as container:
+    with _open(data, container_format, guard) as container:
         return _resized_frames(picked(container), len(wanted), config, guard)
 
 
@@ -275,7 +285,7 @@ def _decode_by_seeking(
             yield frame
 
     try:
-        with _open(data, container_format) as container:
+        with _open(data, container_format, guard) as container:
             return _resized_frames(picked(container), len(wanted), config, guard)
     except _MissedFrame:
         return None

@@ -90,3 +90,27 @@ def test_listing_packets_is_held_to_the_decode_time(monkeypatch):
     monkeypatch.setattr(video_decode, "_decode_by_seeking", decoded)
     with pytest.raises(MediaError, match="decoding the video took over"):
         decode_video(laced_mkv(20), CONFIG, VideoLimits(max_decode_seconds=1e-6))
+
+
+def test_the_probe_as_a_file_opens_counts_against_the_decode_time(monkeypatch):
+    """FFmpeg probes a file as it opens it, reading up to 5 MB of packets (~2.6 s for a
+    million one-byte ones), and the clock started after the first open (fuzz67). A probe
+    that outlasts the limit now fails the decode however quick the rest is."""
+    import time
+
+    opened = video_decode._open
+
+    def slow_first_probe(data, container_format, guard):
+        monkeypatch.setattr(video_decode, "_open", opened)  # the later opens are quick
+        time.sleep(0.3)
+        return opened(data, container_format, guard)
+
+    from bench.local_inputs import moving_pictures, video_bytes
+
+    data = video_bytes(moving_pictures(32, 32, 4, salt=1), fps=4, container="mp4",
+                       codec="libx264")  # fmt: skip
+    limits = VideoLimits(max_decode_seconds=0.2)
+    monkeypatch.setattr(video_decode, "_open", slow_first_probe)
+    with pytest.raises(MediaError, match="decoding the video took over 0.2 s"):
+        decode_video(data, CONFIG, limits)
+    assert len(decode_video(data, CONFIG, limits).frames) == 4  # quick probes: decoded
