@@ -115,6 +115,32 @@ def test_sixteen_bit_png_scaled_not_clipped():
     assert np.asarray(decoded)[0, :, 0].tolist() == [0, 1, 128, 255]
 
 
+@pytest.mark.parametrize("mode", ["I;16", "I;16B", "I"])
+def test_sixteen_bit_levels_are_scaled_in_their_own_width(mode):
+    """Each 16-bit level keeps its top 8 bits, in every layout Pillow opens them in, and
+    the conversion holds a few bytes a pixel: it made three int64 copies (24 bytes a
+    pixel; an 8000x8000 PNG of 135 KB took 1.2 GB, fuzz69)."""
+    import tracemalloc
+
+    from engine.multimodal.media import convert_rgb
+
+    levels = np.random.default_rng(0).integers(0, 65536, (1000, 1000), dtype=np.uint16)
+    if mode == "I":
+        image = Image.fromarray(levels.astype(np.int32), mode="I")
+    else:
+        image = Image.frombytes(mode, (1000, 1000), levels.astype(
+            ">u2" if mode == "I;16B" else "<u2").tobytes())  # fmt: skip
+    tracemalloc.start()
+    try:
+        rgb = convert_rgb(image)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert np.array_equal(np.asarray(rgb)[:, :, 0], (levels >> 8).astype(np.uint8))
+    if mode != "I":  # older Pillow's layout: int32, clipped
+        assert peak < 6 * levels.size, peak
+
+
 def test_animated_gif_gives_first_frame():
     frames = [Image.new("RGB", (12, 12), color) for color in ((255, 0, 0), (0, 0, 255))]
     data = _encode(frames[0], "GIF", save_all=True, append_images=frames[1:], duration=50)
