@@ -247,7 +247,9 @@ class Scheduler:
         if holding and not chunks and not sits_out and not preempted:
             # No running request moves, and none will free encoder room: each holds entries
             # (uuid-only items) another needs the room of. Preempting one lets the others
-            # go on; its own uuid-only entries stay, evicted last (fuzz49). Only then: a
+            # go on (fuzz49). Its own uuid-only entries are evicted last, but they are the
+            # only room that can come free here, so it most likely fails with
+            # unknown_media_uuid when it runs again (fuzz71's test shows it). Only then: a
             # request waiting on a part-way span of another, which a KV preemption had
             # just freed, was preempted too, and the two took turns for ever (fuzz50).
             victim = self._victim(holding)
