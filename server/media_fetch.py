@@ -187,8 +187,17 @@ class MediaFetcher:
             )
         if url[:7].lower() == "file://":
             data = await asyncio.to_thread(self._read_local, url, kind, param)
-        else:
+        elif url.partition(":")[0].lower() in ("http", "https"):
             data = await self.fetch_url_bytes(url, param=param, kind=kind)
+        else:  # bare base64 or a relative path: "only http and https" misled (fuzz69)
+            local = (
+                ", or file:// under --allowed-local-media-path"
+                if self.policy.allowed_local_path
+                else ""
+            )
+            raise MediaError(
+                f"the {kind} URL must be an http(s):// or data: URL{local}", param=param
+            )
         return await loop.run_in_executor(
             pool, self._decode_and_process, data, kind, param, processing
         )

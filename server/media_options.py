@@ -3,9 +3,15 @@ request may carry (server/openai_models.py)."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
+
+from server.chat_messages import StrictInt
+
+# JSON numbers only: pydantic's lax types read `true` as 1 and "5_000" as 5000 (fuzz69),
+# which transformers' processors refuse.
+StrictNumber = Annotated[float, Strict()]
 
 
 class MediaProcessingOptions(BaseModel):
@@ -19,10 +25,10 @@ class MediaProcessingOptions(BaseModel):
     # = engine/multimodal/processing.py's SUPPORTED_KWARGS (not imported: that loads torch)
     SUPPORTED: ClassVar[tuple[str, ...]] = ("fps", "max_frames", "min_pixels", "max_pixels")
 
-    fps: float | None = Field(default=None, gt=0.0)  # video frames sampled per second
-    max_frames: int | None = Field(default=None, ge=1)  # sampled frames per video
-    min_pixels: int | None = Field(default=None, ge=1)  # resized image / frame area bounds
-    max_pixels: int | None = Field(default=None, ge=1)
+    fps: StrictNumber | None = Field(default=None, gt=0.0)  # video frames sampled per second
+    max_frames: StrictInt | None = Field(default=None, ge=1)  # sampled frames per video
+    min_pixels: StrictInt | None = Field(default=None, ge=1)  # resized image / frame area bounds
+    max_pixels: StrictInt | None = Field(default=None, ge=1)
 
     @model_validator(mode="before")
     @classmethod

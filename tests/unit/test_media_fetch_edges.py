@@ -153,3 +153,15 @@ def test_a_file_url_scheme_in_capitals_reads_the_local_file(tmp_path):
     (tmp_path / "a.png").write_bytes(png_bytes(picture(56, 56, 1)))
     config = MediaFetchConfig(allowed_local_path=str(tmp_path))
     assert run(config, lambda f: f.load(f"FILE://{tmp_path}/a.png", "image", param="p"))
+
+
+@pytest.mark.parametrize("local", [False, True])
+def test_a_url_of_no_supported_scheme_says_which_are(tmp_path, local):
+    """Bare base64 or a relative path got "only http and https URLs can be fetched", though
+    data: and file:// URLs work too (fuzz69)."""
+    config = MediaFetchConfig(allowed_local_path=str(tmp_path) if local else None)
+    for url in ("iVBORw0KGgoAAAANSUhEUgAA", "images/cat.png"):
+        with pytest.raises(MediaError) as error:
+            run(config, lambda f, url=url: f.load(url, "image", param="p"))
+        assert str(error.value).startswith("the image URL must be an http(s):// or data: URL")
+        assert ("file://" in str(error.value)) is local and error.value.param == "p"

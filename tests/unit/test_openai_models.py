@@ -67,6 +67,10 @@ def test_max_completion_tokens_wins_and_logprobs():
           "video_features": {"url": "s3://b/k", "grid_thw": [2, 4, 4],
                              "frame_seconds": [0.5] * 5000}}]}]},
          "messages[0].content[0].video_features.frame_seconds"),
+        # true and "50000" were read as 1 and 50000 (fuzz69)
+        ({**BASE, "mm_processor_kwargs": {"max_pixels": True}}, "mm_processor_kwargs.max_pixels"),
+        ({**BASE, "mm_processor_kwargs": {"min_pixels": "5000"}}, "mm_processor_kwargs.min_pixels"),
+        ({**BASE, "mm_processor_kwargs": {"fps": "2"}}, "mm_processor_kwargs.fps"),
         # true, "4" and 4.0 were read as 1, 4 and 4 (fuzz61)
         ({**BASE, "messages": [{"role": "user", "content": [{"type": "image_features",
           "image_features": {"url": "s3://b/k", "grid_thw": [True, 4, "4"]}}]}]},
