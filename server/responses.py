@@ -410,7 +410,12 @@ def _part(part: Any, param: str) -> Any:
         return {"type": "text", "text": part.get("text")}
     if kind == "input_image":
         url = part.get("image_url")
-        if not isinstance(url, str) or not url:
+        if url is not None and not isinstance(url, str):  # chat's {"url": ...} form
+            raise InvalidRequest(
+                "an input_image's image_url is a string (an http(s)://, data: or file:// URL)",
+                param=param + ".image_url",
+            )
+        if not url:
             if part.get("file_id") is not None:
                 raise InvalidRequest(
                     "file_id images are not supported: send image_url (http(s) or data: URL)",

@@ -88,3 +88,12 @@ def test_a_grammar_error_keeps_the_clients_own_text():
     detail = "unknown $ref '#/definitions/max_tokens' near response_format"
     error = translation.renamed(GrammarRefused("response_format", detail))
     assert error.param == "text.format" and error.message == f"invalid text.format: {detail}"
+
+
+def test_an_input_image_with_chats_url_object_is_told_the_string_form():
+    """{"image_url": {"url": ...}} (chat's form) got "an input_image needs an image_url",
+    though it had one (fuzz69)."""
+    items = [{"role": "user", "content": [{"type": "input_image", "image_url": {"url": "u"}}]}]
+    with pytest.raises(InvalidRequest, match="image_url is a string") as error:
+        chat_request(ResponsesRequest(model="m", input=items))
+    assert error.value.param == "input[0].content[0].image_url"
