@@ -207,6 +207,7 @@ class MediaUuid(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     second_per_grid_t: float = 1.0
     frame_seconds: tuple[float, ...] = ()
     cache_salt: str | None = None  # known only to requests of this salt
+    processing: str = ""  # ... and sent under these preprocessing settings (a digest)
 
 
 class FinishReason(str, enum.Enum):

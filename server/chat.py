@@ -222,8 +222,11 @@ def _policy(enabled: bool, buckets: str | None, prefixes: str | None, model: str
 
 
 class UuidRegistry:
-    """(cache_salt, uuid) -> (modality, the latest ProcessedImage's facts) of media sent
-    with a client uuid: a uuid is known only to requests of its salt. At most `capacity`
+    """(cache_salt, uuid, processing) -> (modality, the latest ProcessedImage's facts) of
+    media sent with a client uuid: a uuid is known only to requests of its salt, and under
+    the preprocessing it was sent with (`processing`: a digest of the request's settings
+    after its mm_processor_kwargs; a uuid-only part under other kwargs was answered at the
+    size another request had asked for, where vLLM's lookup misses; fuzz69). At most `capacity`
     of them (`--max-remembered-media-uuids`); the one least recently sent or named goes
     first (before 2026-11-27, the one least recently sent: a uuid named by every request
     but sent once was forgotten behind a stream of new ones)."""
@@ -231,7 +234,7 @@ class UuidRegistry:
     def __init__(self, capacity: int = ServerSettings.max_remembered_media_uuids) -> None:
         self.capacity = capacity
         self._items: collections.OrderedDict[
-            tuple[str | None, str], tuple[Modality, RememberedMedia]
+            tuple[str | None, str, str], tuple[Modality, RememberedMedia]
         ] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._share: Callable[[MediaUuid], Any] | None = None
@@ -242,21 +245,32 @@ class UuidRegistry:
         self._share = send
 
     def remember(
-        self, uuid: str, modality: Modality, salt: str | None, image: ProcessedImage
+        self,
+        uuid: str,
+        modality: Modality,
+        salt: str | None,
+        image: ProcessedImage,
+        processing: str = "",
     ) -> None:
         facts = RememberedMedia(
             tuple(image.grid_thw), image.num_tokens, image.second_per_grid_t, image.frame_seconds
         )  # fmt: skip
-        self._store((salt, uuid), modality, facts)
-        self._tell_the_others(uuid, salt, modality, facts)
+        self._store((salt, uuid, processing), modality, facts)
+        self._tell_the_others(uuid, salt, processing, modality, facts)
 
     def _tell_the_others(
-        self, uuid: str, salt: str | None, modality: Modality, facts: RememberedMedia
+        self,
+        uuid: str,
+        salt: str | None,
+        processing: str,
+        modality: Modality,
+        facts: RememberedMedia,
     ) -> None:
         """The other API processes remember the uuid too, as last used now."""
         if self._share is not None:
-            self._share(MediaUuid(uuid=uuid, cache_salt=salt, modality=modality,
-                                  grid_thw=facts.grid_thw, num_tokens=facts.num_tokens,
+            self._share(MediaUuid(uuid=uuid, cache_salt=salt, processing=processing,
+                                  modality=modality, grid_thw=facts.grid_thw,
+                                  num_tokens=facts.num_tokens,
                                   second_per_grid_t=facts.second_per_grid_t,
                                   frame_seconds=facts.frame_seconds))  # fmt: skip
 
@@ -264,10 +278,11 @@ class UuidRegistry:
         """What another API process remembered (never shared again)."""
         facts = RememberedMedia(tuple(message.grid_thw), message.num_tokens,
                                 message.second_per_grid_t, tuple(message.frame_seconds))  # fmt: skip
-        self._store((message.cache_salt, message.uuid), message.modality, facts)
+        key = (message.cache_salt, message.uuid, message.processing)
+        self._store(key, message.modality, facts)
 
     def _store(
-        self, key: tuple[str | None, str], modality: Modality, facts: RememberedMedia
+        self, key: tuple[str | None, str, str], modality: Modality, facts: RememberedMedia
     ) -> None:
         with self._lock:
             self._items[key] = (modality, facts)
@@ -276,14 +291,16 @@ class UuidRegistry:
                 self._items.popitem(last=False)
 
     def lookup(
-        self, uuid: str, modality: Modality, salt: str | None, *, param: str
+        self, uuid: str, modality: Modality, salt: str | None, *, param: str, processing: str = ""
     ) -> RememberedMedia:
+        key = (salt, uuid, processing)
         with self._lock:
-            entry = self._items.get((salt, uuid))
+            entry = self._items.get(key)
             if entry is not None:
-                self._items.move_to_end((salt, uuid))
+                self._items.move_to_end(key)
         if entry is None:
-            why = f"send the {modality.value} with its uuid first"
+            kind = modality.value
+            why = f"send the {kind} with its uuid first, under the same mm_processor_kwargs"
             raise unknown_media_uuid(uuid, why, param=param)
         known_modality, facts = entry
         if known_modality is not modality:
@@ -293,7 +310,7 @@ class UuidRegistry:
             )
         # Named here, used everywhere: with several API processes the others kept it as
         # least recently used, and forgot it first (fuzz51).
-        self._tell_the_others(uuid, salt, modality, facts)
+        self._tell_the_others(uuid, salt, processing, modality, facts)
         return facts
 
 
@@ -349,6 +366,7 @@ async def prepare_chat_prompt(
             _check_frame_seconds(part)
     processing = fetcher.processing_for(request.mm_processor_kwargs) if pixel_parts else None
     processed = await _load_media(pixel_parts, fetcher, processing)
+    scope = _uuid_scope(processing) if processing is not None else ""
     media, tensors, counts = [], [], []  # counts: (modality, tokens[, frame times])
     for part in parts:
         frame_seconds: tuple[float, ...] = ()
@@ -367,9 +385,8 @@ async def prepare_chat_prompt(
             if processor.timestamped_video_frames:
                 frame_seconds = part.frame_seconds
         else:
-            item, frame_seconds = _pixel_input(
-                part, processed.get(part.param), tensors, request.cache_salt, remember_uuids
-            )
+            item, frame_seconds = _pixel_input(part, processed.get(part.param), tensors,
+                                               request.cache_salt, scope, remember_uuids)  # fmt: skip
         media.append(item)
         count = (item.modality.value, item.num_tokens)
         counts.append((*count, frame_seconds) if frame_seconds else count)
@@ -423,18 +440,27 @@ async def _load_media(
     return {p.param: image for p, image in zip(with_url, results, strict=True)}
 
 
+def _uuid_scope(processing: MediaProcessing) -> str:
+    """What a uuid is remembered under besides its salt: the preprocessing settings, of
+    both kinds (a uuid sent as a video and named as an image is told so), as a digest
+    (it travels to the other API processes)."""
+    tag = processing.cache_tag("image") + processing.cache_tag("video")
+    return hashlib.blake2b(tag.encode(), digest_size=8).hexdigest()
+
+
 def _pixel_input(
     part: MediaPart,
     image: ProcessedImage | None,
     tensors: list[Any],
     salt: str | None,
+    scope: str,
     remember_uuid: bool = True,
 ) -> tuple[MediaInput, tuple[float, ...]]:
     """MediaInput of a processed image or video (`image`), or of a uuid-only part (None),
     and for a video when each temporal patch was shot. A uuid is known only to requests
     of the same `cache_salt`."""
     if image is None:  # uuid only: the engine must hold the encoding already
-        known = UUIDS.lookup(part.uuid, part.modality, salt, param=part.param)  # type: ignore[arg-type]
+        known = UUIDS.lookup(part.uuid, part.modality, salt, param=part.param, processing=scope)  # type: ignore[arg-type]
         return MediaInput(
             modality=part.modality,
             content_hash="uuid:" + part.uuid,  # type: ignore[operator]
@@ -447,7 +473,7 @@ def _pixel_input(
     if part.uuid is not None:
         content_hash = "uuid:" + part.uuid
         if remember_uuid:
-            UUIDS.remember(part.uuid, part.modality, salt, image)
+            UUIDS.remember(part.uuid, part.modality, salt, image, scope)
     item = media_input(part.modality, image, len(tensors), content_hash)
     tensors.append(image.pixel_levels)  # [num_patches, C * T * P * P] uint8
     return item, image.frame_seconds

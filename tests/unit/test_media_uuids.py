@@ -62,3 +62,49 @@ def test_naming_a_uuid_refreshes_it_in_the_other_api_processes():
     here.lookup("a", Modality.IMAGE, None, param="p")
     here.remember("c", Modality.IMAGE, None, _Image())
     assert [_known(there, uuid) for uuid in "abc"] == [True, False, True]
+
+
+def test_a_uuid_only_part_is_answered_under_its_own_requests_mm_processor_kwargs(tmp_path):
+    """A uuid-only part under `max_pixels` was answered at the size another request had
+    sent the image at, and one without kwargs at the size a kwargs request had made: the
+    uuid was remembered without the preprocessing (fuzz69). It is now remembered under
+    it, as vLLM hashes a uuid with the processor's kwargs: other kwargs are unknown."""
+    import asyncio
+    import base64
+
+    from bench.local_inputs import picture, png_bytes
+    from engine.errors import InvalidRequest
+    from engine.multimodal.image_processor import ImageProcessorConfig
+    from engine.multimodal.prompt import PromptProcessor
+    from engine.tiny_model import make_tiny_model
+    from server.chat import prepare_chat_prompt
+    from server.media_fetch import MediaFetchConfig, MediaFetcher
+    from server.openai_models import ChatCompletionRequest
+
+    model = make_tiny_model(tmp_path / "m", seed=0)
+    processor = PromptProcessor.from_model_dir(model)
+    url = "data:image/png;base64," + base64.b64encode(png_bytes(picture(224, 224, 3))).decode()
+    small = {"max_pixels": 56 * 56}
+
+    async def tokens(part: dict, kwargs: dict | None = None) -> int:
+        request = ChatCompletionRequest(model="m", mm_processor_kwargs=kwargs, messages=[
+            {"role": "user", "content": [{"type": "image_url", **part}]}])  # fmt: skip
+        fetcher = MediaFetcher(MediaFetchConfig(), ImageProcessorConfig.from_model_dir(model))
+        try:
+            prompt = await prepare_chat_prompt(request, processor, fetcher, max_images=4)
+        finally:
+            await fetcher.aclose()
+        return prompt.media[0].num_tokens
+
+    async def scenario():
+        sent = {"image_url": {"url": url}, "uuid": "kwargs-scope"}
+        named = {"uuid": "kwargs-scope"}
+        default_size = await tokens(sent)
+        with pytest.raises(InvalidRequest, match="under the same mm_processor_kwargs"):
+            await tokens(named, small)
+        small_size = await tokens(sent, small)
+        assert small_size < default_size
+        assert await tokens(named, small) == small_size
+        assert await tokens(named) == default_size  # not the latest one sent
+
+    asyncio.run(scenario())
