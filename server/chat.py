@@ -426,9 +426,10 @@ async def _load_media(
     with_url = [p for p in parts if p.url is not None]
     if not with_url:
         return {}
+    turns = fetcher.decode_turns()  # type: ignore[union-attr]
     tasks = [
         asyncio.create_task(
-            fetcher.load(p.url, p.modality.value, param=p.param, processing=processing)  # type: ignore[union-attr, arg-type]
+            fetcher.load(p.url, p.modality.value, param=p.param, processing=processing, turns=turns)  # type: ignore[union-attr, arg-type]
         )
         for p in with_url
     ]
