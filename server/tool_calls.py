@@ -172,6 +172,10 @@ class ToolCallExtractor:
         # A stream in "auto" (Hermes): the calls sent so far, and where their blocks end.
         self._sent_calls: list[ToolCall] = []
         self._sent_end = 0
+        # JSON calls (required, llama3_json): how far `_held` was looked at for one that
+        # closed. A call closes only with a '}': without one since, there is none to find
+        # (decoding the open call again at every token cost O(N^2), fuzz70).
+        self._looked_to = 0
 
     def feed(self, text: str) -> str:
         self._held += text
@@ -257,6 +261,10 @@ class ToolCallExtractor:
         function's, which streams its arguments)."""
         if not self._in_calls or self._named_call is not None:
             return []
+        if self._plan.mode == "required" or self._plan.format == "llama3_json":
+            if "}" not in self._held[self._looked_to :]:
+                return []
+            self._looked_to = len(self._held)
         deltas = []
         while self._plan.parallel or not self._sent_calls:
             found = self._next_closed_call()
@@ -271,7 +279,9 @@ class ToolCallExtractor:
         """The call whose text closes first after the calls sent, and where it ends."""
         text, start = self._held, self._sent_end
         if self._plan.mode == "required":  # [{"name": ..., "parameters": ...}, ...]
-            return _next_object_call(text, start, " \t\r\n[,")
+            if not text.lstrip().startswith("["):  # a grammar that did not hold: not calls
+                return None
+            return _next_object_call(text, start, " \t\r\n[,", as_value=True)
         if self._plan.format == "llama3_json":  # [<|python_tag|>]{...}; {...}
             if start == 0:
                 start = len(text) - len(text.lstrip())
@@ -393,10 +403,13 @@ def _llama3_calls(text: str) -> list[ToolCall]:
 _DECODER = json.JSONDecoder()
 
 
-def _next_object_call(text: str, position: int, separators: str) -> tuple[ToolCall, int] | None:
+def _next_object_call(
+    text: str, position: int, separators: str, *, as_value: bool = False
+) -> tuple[ToolCall, int] | None:
     """The call written as a whole JSON object {"name", "parameters" (or "arguments")}
     after `separators` from `position` on, and where it ends; None when there is none (yet):
-    the text is cut short or is not such an object."""
+    the text is cut short or is not such an object. `as_value`: the "required" grammar's
+    {"name", "parameters"}, whose parameters are a value, never JSON text in a string."""
     while position < len(text) and text[position] in separators:
         position += 1
     try:
@@ -405,7 +418,10 @@ def _next_object_call(text: str, position: int, separators: str) -> tuple[ToolCa
         return None
     if not isinstance(call, dict):
         return None
-    made = _tool_call(call, _arguments(call))
+    if as_value:
+        made = _tool_call(call, call["parameters"], as_value=True) if "parameters" in call else None
+    else:
+        made = _tool_call(call, _arguments(call))
     return None if made is None else (made, end)
 
 
@@ -417,29 +433,39 @@ def _arguments(call: dict[str, Any]) -> Any:
 
 
 def _array_calls(text: str) -> list[ToolCall]:
-    """The "required" grammar's [{"name", "parameters"}, ...]; [] if cut short."""
+    """The "required" grammar's [{"name", "parameters"}, ...]; [] if cut short or not that
+    shape. The grammar starts once the token ids spell </think>, and the reasoning ends
+    at </think> in the text: a model that spelled it with other tokens answered
+    unconstrained, and `5` or `[{"name": "f"}]` here was a 500 (fuzz70)."""
     try:
         items = json.loads(text)
     except _NOT_JSON:
         return []
-    calls = [_tool_call(item, item["parameters"]) for item in items]
+    if not isinstance(items, list) or not all(
+        isinstance(item, dict) and "parameters" in item for item in items
+    ):
+        return []
+    calls = [_tool_call(item, item["parameters"], as_value=True) for item in items]
     return [] if any(call is None for call in calls) else calls  # type: ignore[return-value]
 
 
-def _tool_call(call: dict[str, Any], arguments: Any) -> ToolCall | None:
+def _tool_call(call: dict[str, Any], arguments: Any, *, as_value: bool = False) -> ToolCall | None:
     """The call, or None where its name is no text a response can carry: not a string, or
     one holding a lone surrogate (the model may write any \\u escape)."""
     name = call.get("name")
     if not isinstance(name, str) or not is_valid_unicode(name):
         return None
-    return ToolCall(name, _json_text(arguments))
+    return ToolCall(name, _json_text(arguments, as_value=as_value))
 
 
-def _json_text(arguments: Any) -> str:
-    """The arguments as JSON text, non-ASCII as is. A lone surrogate that the model wrote
+def _json_text(arguments: Any, *, as_value: bool = False) -> str:
+    """The arguments as JSON text, non-ASCII as is: a string is JSON text already (Hermes'
+    "arguments"), unless `as_value` (the "required" grammar's parameters: a string there
+    is the value, and went out as bare text; fuzz70). A lone surrogate that the model wrote
     as an escape cannot go out as UTF-8, so it goes back to its six-character escape,
     which inside a JSON string is the same value."""
-    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    is_text = isinstance(arguments, str) and not as_value
+    text = arguments if is_text else json.dumps(arguments, ensure_ascii=False)
     if is_valid_unicode(text):
         return text
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
