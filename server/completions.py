@@ -156,6 +156,8 @@ def _message(job: GenerationJob, result: ChoiceResult) -> tuple[ResponseMessage,
     splitter = job.reasoning_splitter()
     if splitter is not None:
         reasoning, content = splitter.split(content)
+        # none when empty, as a stream sends none (fuzz70), or when the client declined it
+        reasoning = reasoning if reasoning and job.include_reasoning else None
     calls = []
     if job.tools is not None:
         content, calls = job.tools.split(content)

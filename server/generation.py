@@ -106,6 +106,7 @@ class GenerationJob:
     # chat with a reasoning parser: None (plain answers), or whether the prompt opened the
     # thinking already (server/reasoning.py)
     thinking_opened: bool | None = None
+    include_reasoning: bool = True  # vLLM's include_reasoning: false drops the thinking
     priority: int = 0  # --scheduling-policy priority: lower runs first
     # Tokens a delta waits for after the first (--stream-interval); None: the answer is
     # read only once it has ended (not streamed, no stop strings to look for).

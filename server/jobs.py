@@ -96,6 +96,7 @@ def build_job(state: AppState, body: Any, prompt: Any, *, prefix: str) -> Genera
         text_offsets=getattr(body, "wants_text_offsets", False),
         tools=_tool_plan(state, body),
         thinking_opened=thinking_opened,
+        include_reasoning=getattr(body, "include_reasoning", True),
         priority=body.priority,
         tokens_per_wake=state.settings.stream_interval if body.stream or body.stop_list else None,
         eos_token_ids=state.eos_token_ids,

@@ -231,6 +231,7 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0)  # <= --max-logprobs
     mm_processor_kwargs: MediaProcessingOptions | None = None
+    include_reasoning: bool = True  # vLLM's: false leaves the thinking out of the answer
     # OpenAI's fields that would change the answer and that Tessera does not serve: refused
     # rather than ignored (an ignored function_call answered in text, not with the call).
     functions: Any = None

@@ -61,13 +61,18 @@ class ResponseToolCall(_Response):
 class ResponseMessage(_Response):
     role: str = "assistant"
     content: str | None = None
-    # vLLM's / DeepSeek's: the thinking before the answer (server/reasoning.py)
+    # The thinking before the answer (server/reasoning.py), under both names clients read:
+    # `reasoning_content` (DeepSeek's, SGLang's, vLLM's before 0.11) and `reasoning` (what
+    # vLLM renamed it to, after OpenAI's guidance for gpt-oss). Set reasoning_content.
     reasoning_content: str | None = None
     tool_calls: list[ResponseToolCall] | None = None  # left out of the JSON when None
 
     @model_serializer(mode="wrap")
     def _no_null_tool_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _without_null(handler(self), "tool_calls", "reasoning_content")
+        message = _without_null(handler(self), "tool_calls", "reasoning_content")
+        if "reasoning_content" in message:
+            message["reasoning"] = message["reasoning_content"]
+        return message
 
 
 class ChatChoice(_Response):
@@ -111,6 +116,7 @@ class DeltaMessage(_Response):
     role: str | None = None
     content: str | None = None
     reasoning_content: str | None = None
+    reasoning: str | None = None  # the same text: vLLM's newer name
     tool_calls: list[DeltaToolCall] | None = None
 
 

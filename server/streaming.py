@@ -228,8 +228,8 @@ async def stream_chat(
                     entries = chat_logprobs(tokenizer, piece.logprobs, as_ids=job.tokens_as_ids)
                     logprobs = dump(entries)
                 delta: dict[str, Any] = {"content": text or (None if call_deltas else "")}
-                if reasoning:
-                    delta["reasoning_content"] = reasoning
+                if reasoning and job.include_reasoning:
+                    delta["reasoning"] = delta["reasoning_content"] = reasoning
                 if call_deltas:
                     delta["tool_calls"] = call_deltas
                 if call_deltas and finish is not None:

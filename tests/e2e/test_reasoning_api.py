@@ -75,6 +75,26 @@ def test_thinking_and_answer_come_apart(client):
                                                             message.content)  # fmt: skip
 
 
+def test_the_thinking_is_under_both_names_and_left_out_when_declined(client):
+    """vLLM renamed `reasoning_content` to `reasoning`: clients written for either find it
+    (only the first was sent). `include_reasoning: false` (vLLM's) was ignored; an empty
+    thinking was "" whole and absent streamed (fuzz70)."""
+    regex = r"<think>\nfirst [a-z]{2,6}\n</think>\n\nthe answer [a-z]{2,6}"
+    message = ask(client, regex).choices[0].message
+    assert message.reasoning == message.reasoning_content and message.reasoning
+    streamed = list(ask(client, regex, stream=True))
+    assert "".join(getattr(c.choices[0].delta, "reasoning", None) or "" for c in streamed) == (
+        message.reasoning)  # fmt: skip
+    declined = {"include_reasoning": False}
+    quiet = ask(client, regex, extra_fields=declined).choices[0].message
+    assert quiet.content == message.content
+    assert getattr(quiet, "reasoning_content", None) is getattr(quiet, "reasoning", None) is None
+    assert collect(ask(client, regex, stream=True, extra_fields=declined))[:2] == (
+        "", message.content)  # fmt: skip
+    empty = ask(client, r"<think></think>\n\nhello").choices[0].message
+    assert empty.content == "hello" and getattr(empty, "reasoning_content", None) is None
+
+
 def test_a_template_that_opens_the_thinking(client):
     """The answer starts as reasoning, and a grammar waits for its </think>: this random
     model never writes one, so the whole answer is free reasoning cut short by
