@@ -158,6 +158,7 @@ class FeatureAdmission:
             "feature_fetch_bytes_total": stats.num_bytes,
             "feature_fetch_failures": stats.failures,
             "feature_fetch_in_flight": stats.num_in_flight,
+            "feature_fetch_bytes_reserved": stats.num_bytes_reserved,
         }
 
     def close(self) -> None:

@@ -141,7 +141,9 @@ class FeatureFetcher:
 
     def pop_stats(self) -> FetchStats:
         with self._lock:
-            stats, self._stats = self._stats, FetchStats(num_in_flight=self._stats.num_in_flight)
+            gauges = {"num_in_flight": self._stats.num_in_flight,
+                      "num_bytes_reserved": self._stats.num_bytes_reserved}  # fmt: skip
+            stats, self._stats = self._stats, FetchStats(**gauges)
         return stats
 
     def close(self) -> None:
@@ -407,6 +409,7 @@ class FeatureFetcher:
         try:
             async with asyncio.timeout(self.config.timeout_s):
                 held.num_bytes += await self._budget.acquire(num_bytes)
+            self._note_reserved()
         except TimeoutError:
             raise FeatureError(
                 f"no room for its bytes came free within {self.config.timeout_s:g} s "
@@ -421,6 +424,11 @@ class FeatureFetcher:
         if held.num_bytes:
             self._budget.release(held.num_bytes)
             held.num_bytes = 0
+            self._note_reserved()
+
+    def _note_reserved(self) -> None:
+        with self._lock:
+            self._stats.num_bytes_reserved = self._budget.used
 
     async def _s3_client(self):
         if self._s3 is None:

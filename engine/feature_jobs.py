@@ -83,9 +83,10 @@ class FetchResult:
 
 @dataclass
 class FetchStats:
-    """Figures since the last `pop_stats()`, plus the current in-flight gauge."""
+    """Figures since the last `pop_stats()`, plus the current gauges."""
 
     seconds: list[float] = field(default_factory=list)  # one per finished download
     num_bytes: int = 0
     failures: dict[str, int] = field(default_factory=dict)  # reason -> count
     num_in_flight: int = 0
+    num_bytes_reserved: int = 0  # held in the byte budget now

@@ -283,6 +283,7 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     feature_fetch_bytes_total: int = 0
     feature_fetch_failures: dict[str, int] = {}  # reason -> count since the last message
     feature_fetch_in_flight: int = 0
+    feature_fetch_bytes_reserved: int = 0  # held in --feature-fetch-max-bytes-in-flight
 
 
 class EngineOutputs(msgspec.Struct, frozen=True, tag=True):

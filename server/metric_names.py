@@ -229,6 +229,11 @@ METRICS: tuple[MetricSpec, ...] = (
         "Feature downloads in progress, each holding a connection (one waiting for a "
         "connection, --feature-fetch-max-connections, is not counted).",
     ),
+    _gauge(
+        "tessera:feature_fetch_bytes_reserved",
+        "Bytes of feature downloads held now, from the body's first byte until the file is "
+        "checked (at most --feature-fetch-max-bytes-in-flight; near it, downloads wait).",
+    ),
     # HTTP.
     _counter(
         "tessera:http_requests_total",

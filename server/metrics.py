@@ -79,6 +79,7 @@ _STATS_GAUGES = {
     "kv_cache_usage": "tessera:kv_cache_usage_perc",
     "encoder_cache_usage": "tessera:encoder_cache_usage_perc",
     "feature_fetch_in_flight": "tessera:feature_fetch_in_flight",
+    "feature_fetch_bytes_reserved": "tessera:feature_fetch_bytes_reserved",
 }
 
 

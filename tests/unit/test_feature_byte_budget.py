@@ -12,7 +12,8 @@ import pytest
 
 from bench.local_inputs import features
 from engine.byte_budget import ByteBudget
-from tests.unit.test_feature_fetcher_http import private_fetcher
+from engine.feature_jobs import FeatureJob
+from tests.unit.test_feature_fetcher_http import SPEC, private_fetcher
 from tests.unit.test_feature_fetcher_pool import _fetch_all
 
 
@@ -112,3 +113,31 @@ def test_no_room_in_time_is_a_503_that_names_the_setting(origin):
         assert error is not None and (error.status, error.reason) == (503, "saturated")
         assert "--feature-fetch-max-bytes-in-flight" in error.message
         assert client.pop_stats().failures == {"saturated": 1}
+
+
+def test_the_bytes_held_are_a_gauge_until_the_file_is_checked(origin, monkeypatch):
+    """tessera:feature_fetch_bytes_reserved: what an operator sizes the budget by."""
+    import threading
+
+    from engine import feature_fetcher
+
+    checking, release = threading.Event(), threading.Event()
+    validate = feature_fetcher.validate_features
+
+    def slow_validate(data, spec):
+        checking.set()
+        release.wait(5)
+        return validate(data, spec)
+
+    monkeypatch.setattr(feature_fetcher, "validate_features", slow_validate)
+    origin.answers["/f"] = [(200, {}, features(1))]
+    with private_fetcher() as client:
+        client.submit("r", [FeatureJob(f"{origin.base}/f", SPEC)])
+        assert checking.wait(5)
+        assert client.pop_stats().num_bytes_reserved == len(features(1))
+        assert client.pop_stats().num_bytes_reserved == len(features(1))  # a gauge: kept
+        release.set()
+        deadline = time.monotonic() + 5
+        while not client.poll() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert client.pop_stats().num_bytes_reserved == 0
