@@ -357,10 +357,14 @@ class FeatureFetcher:
         """`open_checked` with the fetcher's errors: unsafe URLs and redirect loops fail at
         once; network errors are transient (retried)."""
         if self._http is None:
-            # No limit a host: features usually come from one storage host.
+            # No limit a host: features usually come from one storage host. The deadline
+            # is the fetcher's (paused while a download waits for room in the byte
+            # budget), and a body comes as stored, so that its length is what it reserves:
+            # a gzip body reserved its compressed size (fuzz73).
             self._http = guarded_session(self._policy, timeout_s=self.config.timeout_s,
                                          max_connections=self.config.max_connections,
-                                         max_connections_per_host=0)  # fmt: skip
+                                         max_connections_per_host=0, total_timeout=False,
+                                         identity_encoding=True)  # fmt: skip
         try:
             async with open_checked(
                 self._http, self._policy, method, url, max_redirects=self.config.max_redirects
@@ -377,14 +381,16 @@ class FeatureFetcher:
         async with self._open("GET", url) as response:
             check_http_status(response.status)
             body = response.content.iter_any()
-            data = await self._read_capped(body, response.content_length)
+            encoded = response.headers.get("Content-Encoding", "identity").lower() != "identity"
+            data = await self._read_capped(body, None if encoded else response.content_length)
             return data, http_version(response.headers)
 
     async def _read_capped(
         self, chunks: AsyncIterable[bytes], declared_length: int | None
     ) -> bytes:
         """The body, its declared length (else the file cap) reserved in the byte budget
-        first; a failed attempt gives it back, a read one keeps it until it is checked."""
+        first, and kept until the URL is done: its retries wait for no room again (each
+        waited anew, and a URL failed after several times its deadline; fuzz73)."""
         max_bytes = self.config.max_bytes
         if declared_length is not None and declared_length > max_bytes:
             raise too_large(max_bytes)
@@ -392,16 +398,16 @@ class FeatureFetcher:
         try:
             return await read_capped(chunks, max_bytes, declared_length=declared_length)
         except BodyTooLargeError:
-            self._give_back(_HELD.get())
             raise too_large(max_bytes) from None
-        except BaseException:
-            self._give_back(_HELD.get())
-            raise
 
     async def _reserve(self, num_bytes: int) -> None:
-        """Waits for room for `num_bytes` in the byte budget, with the download's deadline
-        paused (others' bytes are not this store's slowness) and a deadline of its own."""
+        """Waits for room for `num_bytes` in the byte budget (less what this download holds
+        already), with the download's deadline paused (others' bytes are not this store's
+        slowness) and a deadline of its own."""
         held = _HELD.get()
+        num_bytes = min(num_bytes, self._budget.capacity) - held.num_bytes
+        if num_bytes <= 0:
+            return
         deadline, loop = held.deadline, asyncio.get_running_loop()
         resume_at, waiting_since = (deadline.when() if deadline else None), loop.time()
         if deadline is not None:

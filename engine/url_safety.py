@@ -223,6 +223,8 @@ def guarded_session(
     timeout_s: float,
     max_connections: int = 256,
     max_connections_per_host: int = 64,
+    total_timeout: bool = True,
+    identity_encoding: bool = False,
 ) -> aiohttp.ClientSession:
     """A session whose every connection is SSRF-checked, with no cookie jar and no proxies
     from the environment (a proxy would dial for us, unchecked). Create it on the event
@@ -230,17 +232,25 @@ def guarded_session(
 
     `max_connections_per_host` keeps one host that hangs from taking every connection: with
     one shared limit alone, four requests of 16 URLs on such a host made every other
-    host's media wait for their timeouts."""
+    host's media wait for their timeouts. `total_timeout` False: `timeout_s` bounds each
+    connect and read, and the caller bounds the whole (the feature fetcher pauses its
+    deadline while a download waits for room; aiohttp's own total ran on). `identity_encoding`:
+    bodies as stored, never compressed (a body's declared length is then its size)."""
     connector = aiohttp.TCPConnector(
         resolver=GuardedResolver(allow_private=policy.allow_private),
         limit=max_connections,
         limit_per_host=max_connections_per_host,
     )
+    if total_timeout:
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+    else:
+        timeout = aiohttp.ClientTimeout(sock_connect=timeout_s, sock_read=timeout_s)
     return aiohttp.ClientSession(
         connector=connector,
         cookie_jar=aiohttp.DummyCookieJar(),
-        timeout=aiohttp.ClientTimeout(total=timeout_s),
+        timeout=timeout,
         trust_env=False,
+        headers={"Accept-Encoding": "identity"} if identity_encoding else None,
     )
 
 

@@ -299,8 +299,9 @@ class UuidRegistry:
             if entry is not None:
                 self._items.move_to_end(key)
         if entry is None:
-            kind = modality.value
-            why = f"send the {kind} with its uuid first, under the same mm_processor_kwargs"
+            # the salt or the kwargs may be what differs (fuzz73): both are named
+            why = (f"send the {modality.value} with its uuid first, under the same "
+                   "cache_salt and mm_processor_kwargs")  # fmt: skip
             raise unknown_media_uuid(uuid, why, param=param)
         known_modality, facts = entry
         if known_modality is not modality:

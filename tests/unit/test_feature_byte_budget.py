@@ -13,7 +13,7 @@ import pytest
 from bench.local_inputs import features
 from engine.byte_budget import ByteBudget
 from engine.feature_jobs import FeatureJob
-from tests.unit.test_feature_fetcher_http import SPEC, private_fetcher
+from tests.unit.test_feature_fetcher_http import SPEC, private_fetcher, serving
 from tests.unit.test_feature_fetcher_pool import _fetch_all
 
 
@@ -141,3 +141,63 @@ def test_the_bytes_held_are_a_gauge_until_the_file_is_checked(origin, monkeypatc
         while not client.poll() and time.monotonic() < deadline:
             time.sleep(0.01)
         assert client.pop_stats().num_bytes_reserved == 0
+
+
+def test_the_wait_for_room_pauses_the_deadline_of_a_body_still_arriving(origin):
+    """aiohttp's own total timeout ran on while the download waited for room: a body
+    arriving over 1.4 s, of which 0.8 s were a wait for room, failed at 1 s, though the
+    store had taken 0.6 s of the 1 s deadline (fuzz73)."""
+    body = features(1)
+    origin.answers["/f"] = [(200, {"X-Test-Trickle": f"{len(body) // 7 + 1},0.2"}, body)]
+    with private_fetcher(timeout_s=1.0, max_retries=0, max_bytes_in_flight=len(body)) as client:
+        taken = asyncio.run_coroutine_threadsafe(
+            client._budget.acquire(len(body)), client._loop
+        ).result()
+        client._loop.call_soon_threadsafe(client._loop.call_later, 0.8,
+                                          client._budget.release, taken)  # fmt: skip
+        result = _fetch_all(client, {"r": [f"{origin.base}/f"]})["r"]
+        assert result.error is None, result.error
+
+
+def test_a_retry_keeps_the_room_its_first_try_reserved(origin):
+    """Each retry waited for room again: with others' downloads queued, one URL failed
+    after several times its deadline (fuzz73)."""
+    body = features(1)
+    origin.answers["/f"] = [(200, {"X-Test-Cut": "100"}, body), (200, {}, body)]
+    with private_fetcher(max_bytes_in_flight=len(body)) as client:
+        peaks = _peak_budget(client)
+        result = _fetch_all(client, {"r": [f"{origin.base}/f"]})["r"]
+        assert result.error is None, result.error
+        assert [method for method, _, _ in origin.log] == ["GET", "GET"]
+        assert peaks == [len(body)]  # one reservation for both tries
+        assert client._budget.used == 0
+
+
+def test_a_body_is_asked_for_as_stored_so_its_length_is_what_it_reserves(origin):
+    """aiohttp asked for gzip and unpacked it: a body reserved its compressed length (8
+    downloads held 14.3 MB under an 800 KB budget; fuzz73). The fetcher asks for the
+    body as stored, and a store that compresses anyway reserves the file cap."""
+    import gzip
+
+    body = features(1)
+    origin.answers["/plain"] = [(200, {}, body)]
+    origin.answers["/gz"] = [(200, {"Content-Encoding": "gzip"}, gzip.compress(body))]
+    with private_fetcher(max_bytes=4 * len(body), max_bytes_in_flight=8 * len(body)) as client:
+        peaks = _peak_budget(client)
+        results = _fetch_all(client, {"plain": [f"{origin.base}/plain"]})
+        results |= _fetch_all(client, {"gz": [f"{origin.base}/gz"]})
+        assert all(result.error is None for result in results.values())
+        assert peaks == [len(body), 4 * len(body)]
+    with serving() as echo:
+        seen = []
+        echo.answers["/h"] = [(200, {}, body)]
+        original = echo.httpd.RequestHandlerClass.do_GET
+
+        def recording(handler):
+            seen.append(handler.headers.get("Accept-Encoding"))
+            original(handler)
+
+        echo.httpd.RequestHandlerClass.do_GET = recording
+        with private_fetcher() as client:
+            assert _fetch_all(client, {"r": [f"{echo.base}/h"]})["r"].error is None
+        assert seen == ["identity"]

@@ -22,7 +22,9 @@ SPEC = FeatureSpec(TINY_HIDDEN, 4, FEATURE_GRID)
 class Origin:
     """A scripted HTTP/1.1 origin: per path, a list of (status, headers, body) answers
     (the last one repeats) and a delay before a GET's answer; logs (method, path, client
-    port) of every request."""
+    port) of every request. Two headers of an answer script its body: `X-Test-Cut: N`
+    sends N bytes of it and closes the connection, `X-Test-Trickle: N,S` sends it N bytes
+    at a time, S seconds apart."""
 
     def __init__(self) -> None:
         self.answers: dict[str, list[tuple[int, dict[str, str], bytes]]] = {}
@@ -52,6 +54,16 @@ class Origin:
                         piece = body[start : start + 1024]
                         self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
                     self.wfile.write(b"0\r\n\r\n")
+                elif with_body and "X-Test-Cut" in headers:
+                    self.wfile.write(body[: int(headers["X-Test-Cut"])])
+                    self.wfile.flush()
+                    self.close_connection = True
+                elif with_body and "X-Test-Trickle" in headers:
+                    size, pause = headers["X-Test-Trickle"].split(",")
+                    for start in range(0, len(body), int(size)):
+                        time.sleep(float(pause))
+                        self.wfile.write(body[start : start + int(size)])
+                        self.wfile.flush()
                 elif with_body:
                     self.wfile.write(body)
 

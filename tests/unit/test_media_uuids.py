@@ -100,7 +100,7 @@ def test_a_uuid_only_part_is_answered_under_its_own_requests_mm_processor_kwargs
         sent = {"image_url": {"url": url}, "uuid": "kwargs-scope"}
         named = {"uuid": "kwargs-scope"}
         default_size = await tokens(sent)
-        with pytest.raises(InvalidRequest, match="under the same mm_processor_kwargs"):
+        with pytest.raises(InvalidRequest, match="under the same cache_salt and mm_processor_kwargs"):
             await tokens(named, small)
         small_size = await tokens(sent, small)
         assert small_size < default_size
