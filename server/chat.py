@@ -427,13 +427,12 @@ async def _load_media(
     with_url = [p for p in parts if p.url is not None]
     if not with_url:
         return {}
-    turns = fetcher.decode_turns()  # type: ignore[union-attr]
-    tasks = [
-        asyncio.create_task(
-            fetcher.load(p.url, p.modality.value, param=p.param, processing=processing, turns=turns)  # type: ignore[union-attr, arg-type]
-        )
-        for p in with_url
-    ]
+    load = functools.partial(
+        fetcher.load,  # type: ignore[union-attr]
+        processing=processing,
+        owner=object(),  # this request's parts take turns with others' for decode threads
+    )
+    tasks = [asyncio.create_task(load(p.url, p.modality.value, param=p.param)) for p in with_url]  # type: ignore[arg-type]
     try:
         results = await asyncio.gather(*tasks)
     finally:

@@ -19,10 +19,8 @@ the cache keys by the settings used.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -48,6 +46,7 @@ from engine.url_safety import (
     open_checked,
     read_capped,
 )
+from server.fair_pool import FairPool
 from server.image_cache import ProcessedImageCache, bytes_key
 from server.settings import ServerSettings
 
@@ -66,7 +65,6 @@ class MediaFetchConfig:
     max_redirects: int = ServerSettings.media_fetch_max_redirects
     num_image_decode_threads: int = 2
     num_video_decode_threads: int = ServerSettings.video_decode_threads
-    decodes_per_request: int | None = None  # per kind; None = half its threads, at least 1
     processed_image_cache_bytes: int = ServerSettings.image_cache_mb * 1024 * 1024  # 0 = off
     allowed_domains: str | None = None  # comma-separated host allowlist; None = any
     allowed_local_path: str | None = None  # file:// only under this folder; None = off
@@ -92,7 +90,6 @@ class MediaFetchConfig:
             max_video_decode_seconds=settings.max_video_decode_seconds,
             num_image_decode_threads=settings.image_decode_thread_count(),
             num_video_decode_threads=settings.video_decode_threads,
-            decodes_per_request=settings.media_decodes_per_request,
         )
 
     @property
@@ -131,13 +128,11 @@ class MediaFetcher:
         )
         self.policy = config.url_policy
         self._session: aiohttp.ClientSession | None = None
+        # Requests take turns on them (server/fair_pool.py): a request of many large
+        # images no longer holds every thread while another's small one waits (fuzz69).
         self._pools = {
-            "image": ThreadPoolExecutor(
-                max_workers=config.num_image_decode_threads, thread_name_prefix="image-decode"
-            ),
-            "video": ThreadPoolExecutor(
-                max_workers=config.num_video_decode_threads, thread_name_prefix="video-decode"
-            ),
+            "image": FairPool(config.num_image_decode_threads, "image-decode"),
+            "video": FairPool(config.num_video_decode_threads, "video-decode"),
         }
         self.processed = ProcessedImageCache(
             config.processed_image_cache_bytes,
@@ -145,15 +140,6 @@ class MediaFetcher:
             on_resize=on_cache_resize,
         )
         self.default_processing = MediaProcessing(image_config, self.video_config)
-
-    def decode_turns(self) -> dict[MediaKind, asyncio.Semaphore]:
-        """One request's share of each decode pool, to pass to its `load`s: the pools are
-        first come, first served, and a request of many large images held every thread
-        while another request's small one waited behind all of them (fuzz69)."""
-        threads = {"image": self.config.num_image_decode_threads,
-                   "video": self.config.num_video_decode_threads}  # fmt: skip
-        return {kind: asyncio.Semaphore(self.config.decodes_per_request or max(1, count // 2))
-                for kind, count in threads.items()}  # fmt: skip
 
     def processing_for(self, options: MediaProcessingOptions | None) -> MediaProcessing:
         """The preprocessing a request's `mm_processor_kwargs` ask for (they may narrow the
@@ -166,7 +152,7 @@ class MediaFetcher:
         if self._session is not None:
             await self._session.close()
         for pool in self._pools.values():
-            pool.shutdown(wait=False, cancel_futures=True)
+            pool.shutdown()
 
     async def load_image(self, url: str, *, param: str) -> ProcessedImage:
         """Fetch (or decode a data: URL), decode and preprocess one image."""
@@ -179,29 +165,27 @@ class MediaFetcher:
         *,
         param: str,
         processing: MediaProcessing | None = None,
-        turns: dict[MediaKind, asyncio.Semaphore] | None = None,
+        owner: Hashable | None = None,
     ) -> ProcessedImage:
         """Fetch (or decode a data: URL), decode and preprocess one image or video (its
-        frames sampled) under `processing` (default: the server's settings), its decode
-        in one of its request's `turns` (`decode_turns`; default: no bound)."""
+        frames sampled) under `processing` (default: the server's settings). The loads of
+        one `owner` (a request) take turns with other owners' for the decode threads;
+        None: a turn of its own."""
         started = time.perf_counter()
-        turn = turns[kind] if turns is not None else contextlib.nullcontext()
         processing = processing or self.default_processing
-        processed = await self._load(url, kind, param, processing, turn)
+        owner = object() if owner is None else owner
+        processed = await self._load(url, kind, param, processing, owner)
         if self.on_processed is not None:
             self.on_processed(kind, time.perf_counter() - started)
         return processed
 
     async def _load(
-        self, url: str, kind: MediaKind, param: str, processing: MediaProcessing, turn
+        self, url: str, kind: MediaKind, param: str, processing: MediaProcessing, owner: Hashable
     ) -> ProcessedImage:
-        loop, pool = asyncio.get_running_loop(), self._pools[kind]
+        pool = self._pools[kind]
         if is_data_url(url):
             # base64 of a large image is milliseconds of CPU: off the event loop too.
-            async with turn:
-                return await loop.run_in_executor(
-                    pool, self._process_data_url, url, kind, param, processing
-                )
+            return await pool.run(owner, self._process_data_url, url, kind, param, processing)
         if url[:7].lower() == "file://":
             data = await asyncio.to_thread(self._read_local, url, kind, param)
         elif url.partition(":")[0].lower() in ("http", "https"):
@@ -215,10 +199,7 @@ class MediaFetcher:
             raise MediaError(
                 f"the {kind} URL must be an http(s):// or data: URL{local}", param=param
             )
-        async with turn:  # the download above takes no turn: only the pool is shared
-            return await loop.run_in_executor(
-                pool, self._decode_and_process, data, kind, param, processing
-            )
+        return await pool.run(owner, self._decode_and_process, data, kind, param, processing)
 
     def _max_bytes(self, kind: MediaKind) -> int:
         return self.config.max_image_bytes if kind == "image" else self.config.max_video_bytes

@@ -92,7 +92,6 @@ class ServerSettings:
     image_cache_mb: int = 256  # processed images kept for repeats of the same bytes; 0 = off
     image_decode_threads: int | None = None  # threads that decode and preprocess images, per API process; None = half the cores shared among the API processes, 2 to 8 (a burst of image requests queues on them)
     video_decode_threads: int = 2  # their own threads for videos: an image never waits behind one
-    media_decodes_per_request: int | None = None  # images (and, apart, videos) one request decodes at once; None = half the decode threads, at least 1 (a request of many large images held them all, and another's small image waited behind every one)
     media_fetch_timeout_s: float = 10.0  # total deadline per media URL
     media_fetch_max_redirects: int = 3  # each hop re-checked by the URL guard
     media_fetch_max_connections: int = 256  # open media downloads per API process
@@ -167,7 +166,6 @@ class ServerSettings:
                 positive=("max_request_body_bytes", "max_request_json_containers", "max_image_bytes", "max_video_bytes",
                           "max_header_bytes", "max_video_frames", "max_video_tokens",
                           "image_decode_threads", "video_decode_threads", "stream_interval",
-                          "media_decodes_per_request",
                           "media_fetch_max_connections", "media_fetch_max_connections_per_host",
                           "video_fps", "media_fetch_timeout_s", "request_read_timeout_s",
                           "timeout_keep_alive_s", "shutdown_timeout_s", "max_waiting_tokens",

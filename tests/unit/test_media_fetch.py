@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import threading
-import time
 
 import pytest
 
@@ -92,34 +91,37 @@ def test_a_data_url_scheme_in_capitals_is_a_data_url():
     assert len({processed.content_hash for processed in asyncio.run(scenario())}) == 1
 
 
-@pytest.mark.parametrize("per_request", [None, 1])
-def test_another_requests_image_does_not_wait_behind_a_whole_request(per_request):
+def test_another_requests_image_does_not_wait_behind_a_whole_request():
     """Two decode threads. Request a sends three slow images, request b one image just
-    after: b's decode starts on the thread a's second image would have taken, where it
-    waited behind all three (an 8000x8000 16-bit PNG decodes in seconds; fuzz69)."""
+    after: b's decode starts on the first thread to come free, where it waited behind all
+    three (an 8000x8000 16-bit PNG decodes in seconds; fuzz69); a alone used both threads
+    (capping a request at half of them slowed a lone request; fuzz73)."""
     started: list[str] = []
+    gate = threading.Event()
 
     class Slow(MediaFetcher):
         def _decode_and_process(self, data, kind, param, processing):
             started.append(param)
-            time.sleep(0.3)
+            gate.wait(5)
             return super()._decode_and_process(data, kind, param, processing)
 
     url = "data:image/png;base64," + base64.b64encode(png_bytes(picture(56, 56, 1))).decode()
 
     async def scenario():
-        config = MediaFetchConfig(num_image_decode_threads=2, decodes_per_request=per_request)
-        fetcher = Slow(config, ImageProcessorConfig())
+        fetcher = Slow(MediaFetchConfig(num_image_decode_threads=2), ImageProcessorConfig())
+        a, b = object(), object()
         try:
-            a_turns, b_turns = fetcher.decode_turns(), fetcher.decode_turns()
-            a = [asyncio.create_task(fetcher.load(url, "image", param=f"a{i}", turns=a_turns))
-                 for i in range(3)]  # fmt: skip
+            loads = [asyncio.create_task(fetcher.load(url, "image", param=f"a{i}", owner=a))
+                     for i in range(3)]  # fmt: skip
+            await asyncio.sleep(0.1)
+            assert started == ["a0", "a1"]  # alone: both threads
+            loads.append(asyncio.create_task(fetcher.load(url, "image", param="b0", owner=b)))
             await asyncio.sleep(0.05)
-            b = await fetcher.load(url, "image", param="b0", turns=b_turns)
-            await asyncio.gather(*a)
-            return b
+            gate.set()
+            await asyncio.gather(*loads)
         finally:
+            gate.set()
             await fetcher.aclose()
 
-    assert asyncio.run(scenario()) is not None
-    assert started[:2] == ["a0", "b0"]  # half the two threads each (the default), or 1
+    asyncio.run(scenario())
+    assert started == ["a0", "a1", "b0", "a2"]

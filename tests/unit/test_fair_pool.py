@@ -1,0 +1,81 @@
+"""server/fair_pool.py: owners take turns on the threads, an owner alone uses them all,
+a job cancelled while queued never runs, and errors reach their caller."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from server.fair_pool import FairPool
+
+
+def test_a_free_thread_goes_to_the_owner_with_the_fewest_jobs_running():
+    order: list[str] = []
+    gate = threading.Event()
+
+    def job(name: str) -> str:
+        order.append(name)
+        gate.wait(5)
+        return name
+
+    async def scenario():
+        pool = FairPool(2, "test")
+        try:
+            tasks = [asyncio.create_task(pool.run("a", job, f"a{i}")) for i in range(4)]
+            await asyncio.sleep(0.05)
+            tasks += [asyncio.create_task(pool.run("b", job, f"b{i}")) for i in range(2)]
+            tasks.append(asyncio.create_task(pool.run("c", job, "c0")))
+            await asyncio.sleep(0.05)
+            assert order == ["a0", "a1"]  # alone, a took both threads
+            gate.set()
+            return await asyncio.gather(*tasks)
+        finally:
+            pool.shutdown()
+
+    results = asyncio.run(scenario())
+    assert results == ["a0", "a1", "a2", "a3", "b0", "b1", "c0"]
+    # As a's two jobs end, b and c (none running) go before a's third.
+    assert set(order[2:4]) == {"b0", "c0"}
+
+
+def test_a_job_cancelled_while_queued_never_runs():
+    ran: list[str] = []
+    gate = threading.Event()
+
+    def job(name: str) -> None:
+        ran.append(name)
+        gate.wait(5)
+
+    async def scenario():
+        pool = FairPool(1, "test")
+        try:
+            first = asyncio.create_task(pool.run("a", job, "first"))
+            queued = asyncio.create_task(pool.run("b", job, "queued"))
+            await asyncio.sleep(0.05)
+            queued.cancel()
+            gate.set()
+            await first
+            await pool.run("c", job, "after")
+        finally:
+            pool.shutdown()
+
+    asyncio.run(scenario())
+    assert ran == ["first", "after"]
+
+
+def test_an_error_reaches_its_caller_and_frees_the_thread():
+    def fail() -> None:
+        raise ValueError("bad image")
+
+    async def scenario():
+        pool = FairPool(1, "test")
+        try:
+            with pytest.raises(ValueError, match="bad image"):
+                await pool.run("a", fail)
+            return await pool.run("a", lambda: 7)
+        finally:
+            pool.shutdown()
+
+    assert asyncio.run(scenario()) == 7
