@@ -95,28 +95,48 @@ def allocate_kv_caches(
         ) from None
 
 
-# A container's memory limit: cgroup v2's file, then v1's ("max", or v1's huge number, when
-# there is none).
-CGROUP_MEMORY_LIMIT_FILES = (
-    "/sys/fs/cgroup/memory.max",
-    "/sys/fs/cgroup/memory/memory.limit_in_bytes",
-)
+# Where the process's cgroups are listed, and where their files are (module attributes:
+# tests point them at a folder of their own).
+PROC_SELF_CGROUP = "/proc/self/cgroup"
+CGROUP_ROOT = "/sys/fs/cgroup"
 
 
 def machine_memory_bytes() -> tuple[int, str]:
     """The memory this process may use, and what bounds it: the machine's, or its
-    container's limit where that is lower (the kernel kills a process past it, where the
+    cgroup's limit where that is lower (the kernel kills a process past it, where the
     machine's figure let a KV cache through that could never be filled)."""
     physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    for path in CGROUP_MEMORY_LIMIT_FILES:
-        try:
-            text = Path(path).read_text().strip()
-        except OSError:  # not this cgroup version
-            continue
-        if text.isdigit() and int(text) < physical:
-            return int(text), "this container's memory limit is"
-        break  # "max": no limit
+    limit = cgroup_memory_limit()
+    if limit is not None and limit < physical:
+        return limit, "this container's memory limit is"
     return physical, "this machine has"
+
+
+def cgroup_memory_limit() -> int | None:
+    """The lowest memory limit of this process's cgroup and its ancestors (a systemd
+    unit's MemoryMax=, a container's, one nested in either), v2 or v1; None: none set."""
+    try:
+        lines = Path(PROC_SELF_CGROUP).read_text().splitlines()
+    except OSError:
+        return None
+    limits = []
+    for line in lines:  # "0::/path" (v2) or "4:memory:/path" (v1)
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            folder, name = Path(CGROUP_ROOT), "memory.max"
+        elif "memory" in controllers.split(","):
+            folder, name = Path(CGROUP_ROOT) / "memory", "memory.limit_in_bytes"
+        else:
+            continue
+        parts = [part for part in path.split("/") if part]
+        for depth in range(len(parts), -1, -1):  # the process's own cgroup up to the root
+            try:
+                text = (folder.joinpath(*parts[:depth]) / name).read_text().strip()
+            except OSError:  # not mounted here (a private namespace shows "/")
+                continue
+            if text.isdigit():  # else "max": no limit at this level
+                limits.append(int(text))
+    return min(limits, default=None)
 
 
 def check_kv_cache_fits(num_kv_blocks: int, num_bytes: int, device: torch.device) -> None:

@@ -79,7 +79,8 @@ def _device(engine: EngineConfig) -> torch.device:
 
 def _check_engine_settings(engine: EngineConfig, device: torch.device, model: ModelConfig) -> None:
     """The attention backend on this device and dtype; an exact --num-kv-blocks against the
-    machine's memory (on CUDA, the engine catches an allocation that fails)."""
+    memory this process may use, its cgroup's limit included (on CUDA, the engine catches an
+    allocation that fails)."""
     dtype = resolve_dtype(engine.dtype, device, model.torch_dtype)
     try:
         check_attention_backend(engine.attention_backend, device, dtype)

@@ -207,22 +207,45 @@ def test_a_kv_cache_bigger_than_the_machines_memory_is_refused(tiny, capsys):
     assert code == 1 and "cannot listen" in err, err
 
 
-@pytest.mark.parametrize("unlimited", ["max\n", "9223372036854771712\n"])  # v2, v1
-def test_a_kv_cache_bigger_than_the_containers_memory_limit_is_refused(
-    tiny, capsys, monkeypatch, tmp_path, unlimited
-):
-    """The check read the machine's memory: in a container limited to less, a KV cache
-    between the two passed, and the kernel killed the engine as the cache filled."""
+def cgroups(monkeypatch, root: Path, listing: str, files: dict[str, str]) -> None:
+    """A /proc/self/cgroup of `listing` over a cgroup mount at `root` holding `files`."""
     from engine import kv_cache_sizing
 
-    (limit := tmp_path / "memory.max").write_text(f"{1 << 20}\n")  # 1 MiB
-    (none := tmp_path / "limit_in_bytes").write_text(unlimited)
-    monkeypatch.setattr(kv_cache_sizing, "CGROUP_MEMORY_LIMIT_FILES", (str(limit),))
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    (root / "self_cgroup").write_text(listing)
+    monkeypatch.setattr(kv_cache_sizing, "PROC_SELF_CGROUP", str(root / "self_cgroup"))
+    monkeypatch.setattr(kv_cache_sizing, "CGROUP_ROOT", str(root / "cgroup"))
+
+
+@pytest.mark.parametrize("listing, files", [
+    # v2, the limit on a parent of the process's own cgroup (a systemd slice)
+    ("0::/app.slice/tessera.service\n", {"cgroup/app.slice/memory.max": f"{1 << 20}\n",
+                                         "cgroup/app.slice/tessera.service/memory.max": "max\n",
+                                         "cgroup/memory.max": "max\n"}),
+    # v1, nested as on this project's development machine
+    ("4:memory:/process_api/x\n0::/\n", {
+        "cgroup/memory/process_api/x/memory.limit_in_bytes": f"{1 << 20}\n",
+        "cgroup/memory/memory.limit_in_bytes": "9223372036854771712\n"}),
+])  # fmt: skip
+def test_a_kv_cache_bigger_than_the_cgroups_memory_limit_is_refused(
+    tiny, capsys, monkeypatch, tmp_path, listing, files
+):
+    """The check read the machine's memory: in a container or unit limited to less, a KV
+    cache between the two passed, and the kernel killed the engine as the cache filled.
+    Then it read only the mount's top files, not the process's own cgroup (fuzz74)."""
+    cgroups(monkeypatch, tmp_path, listing, files)
     err = refused_setting(capsys, tiny, "--device", "cpu", "--num-kv-blocks", "1000")
     assert "more than this container's memory limit is (1.0 MiB)" in err, err
-    monkeypatch.setattr(kv_cache_sizing, "CGROUP_MEMORY_LIMIT_FILES", (str(none), str(limit)))
+
+
+def test_no_cgroup_limit_leaves_the_machines_memory(tiny, capsys, monkeypatch, tmp_path):
+    cgroups(monkeypatch, tmp_path, "4:memory:/x\n0::/\n", {
+        "cgroup/memory/x/memory.limit_in_bytes": "9223372036854771712\n",
+        "cgroup/memory.max": "max\n"})  # fmt: skip
     code, err = serve(capsys, tiny, "--device", "cpu", "--num-kv-blocks", "1000")
-    assert code == 1 and "cannot listen" in err, err  # no limit: the machine's memory
+    assert code == 1 and "cannot listen" in err, err
 
 
 def test_a_kv_cache_too_big_or_damaged_weights_in_the_engine_are_one_line(caplog):
