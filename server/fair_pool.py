@@ -35,26 +35,37 @@ class FairPool:
         self._running: collections.Counter[Hashable] = collections.Counter()
         self._served: dict[Hashable, int] = {}  # owner -> when its last job started
         self._starts = 0
+        self._is_shut = False
 
     async def run(self, owner: Hashable, fn: Callable[..., Any], *args: Any) -> Any:
         """The result of `fn(*args)`. Cancelled while queued, the job never runs; while
         running, it finishes on its thread and its result is dropped."""
+        if self._is_shut:
+            raise RuntimeError("the pool is shut down")
         future = asyncio.get_running_loop().create_future()
         self._queues.setdefault(owner, collections.deque()).append((fn, args, future))
         self._start_jobs()
         return await future
 
     def shutdown(self) -> None:
+        """Queued jobs are cancelled (their callers get CancelledError); running ones finish
+        on their threads, their results dropped."""
+        self._is_shut = True
+        for queue in self._queues.values():
+            for _, _, future in queue:
+                future.cancel()
+        self._queues.clear()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     def _start_jobs(self) -> None:
-        while self._queues and self._running.total() < self.workers:
+        while not self._is_shut and self._queues and self._running.total() < self.workers:
             owner = min(self._queues, key=self._turn)
             queue = self._queues[owner]
             fn, args, future = queue.popleft()
             if not queue:
                 del self._queues[owner]
             if future.cancelled():  # its request left while it queued
+                self._forget_if_idle(owner)
                 continue
             self._running[owner] += 1
             self._starts += 1
@@ -65,6 +76,12 @@ class FairPool:
     def _turn(self, owner: Hashable) -> tuple[int, int]:
         return self._running[owner], self._served.get(owner, 0)
 
+    def _forget_if_idle(self, owner: Hashable) -> None:
+        """An owner with nothing queued or running is forgotten (the bookkeeping of a
+        request that left or failed stayed for the life of the process; fuzz74)."""
+        if owner not in self._running and owner not in self._queues:
+            self._served.pop(owner, None)
+
     def _report(self, owner: Hashable, future: asyncio.Future, done: Future) -> None:
         """On the worker thread: hands the job's end to the event loop."""
         future.get_loop().call_soon_threadsafe(self._finished, owner, future, done)
@@ -73,13 +90,23 @@ class FairPool:
         self._running[owner] -= 1
         if not self._running[owner]:
             del self._running[owner]
-            if owner not in self._queues:  # done with the pool: forgotten
-                del self._served[owner]
-        if done.cancelled():  # shut down before it ran
-            future.cancel()
-        elif not future.cancelled():
-            if (error := done.exception()) is not None:
-                future.set_exception(error)
-            else:
-                future.set_result(done.result())
-        self._start_jobs()
+        self._forget_if_idle(owner)
+        try:
+            _settle(future, done)
+        finally:  # whatever the job raised, the others' jobs go on
+            self._start_jobs()
+
+
+def _settle(future: asyncio.Future, done: Future) -> None:
+    """`future` as the thread's `done` ended."""
+    if done.cancelled():  # shut down before it ran
+        future.cancel()
+    elif future.cancelled():  # its caller left: the result is dropped
+        return
+    elif (error := done.exception()) is None:
+        future.set_result(done.result())
+    else:
+        try:
+            future.set_exception(error)
+        except TypeError:  # StopIteration, which a future refuses
+            future.set_exception(RuntimeError(f"the job raised {error!r}"))

@@ -79,3 +79,66 @@ def test_an_error_reaches_its_caller_and_frees_the_thread():
             pool.shutdown()
 
     assert asyncio.run(scenario()) == 7
+
+
+def test_owners_are_forgotten_once_they_have_nothing_left():
+    """An owner whose queued job was cancelled (a request that left or failed) stayed in
+    the pool's bookkeeping for the life of the process (fuzz74)."""
+    gate = threading.Event()
+
+    async def scenario():
+        pool = FairPool(1, "test")
+        try:
+            first = asyncio.create_task(pool.run("a", gate.wait, 5))  # a runs one job...
+            left = asyncio.create_task(pool.run("a", lambda: None))  # ... and queues one
+            await asyncio.sleep(0.05)
+            left.cancel()  # its request left
+            gate.set()
+            await first
+            await pool.run("c", lambda: None)
+            return pool._served, pool._running, pool._queues
+        finally:
+            pool.shutdown()
+
+    assert asyncio.run(scenario()) == ({}, {}, {})
+
+
+def test_shutdown_cancels_the_queued_jobs():
+    """They never finished, and their callers waited for ever (fuzz74)."""
+    gate = threading.Event()
+
+    async def scenario():
+        pool = FairPool(1, "test")
+        running = asyncio.create_task(pool.run("a", gate.wait, 5))
+        queued = asyncio.create_task(pool.run("b", lambda: "never"))
+        await asyncio.sleep(0.05)
+        pool.shutdown()
+        gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(queued, 2)
+        assert await running is True
+        with pytest.raises(RuntimeError, match="shut down"):
+            await pool.run("c", lambda: None)
+
+    asyncio.run(scenario())
+
+
+def test_a_job_raising_what_a_future_refuses_does_not_stop_the_pool():
+    """A StopIteration (which an asyncio future refuses) ended the callback before the
+    next job started: every other request's decode waited for ever (fuzz74)."""
+
+    def stop() -> None:
+        raise StopIteration
+
+    async def scenario():
+        pool = FairPool(1, "test")
+        try:
+            failing = asyncio.create_task(pool.run("a", stop))
+            after = asyncio.create_task(pool.run("b", lambda: "ran"))
+            with pytest.raises(RuntimeError, match="StopIteration"):
+                await asyncio.wait_for(failing, 2)
+            return await asyncio.wait_for(after, 2)
+        finally:
+            pool.shutdown()
+
+    assert asyncio.run(scenario()) == "ran"
