@@ -261,8 +261,8 @@ class FeatureFetcher:
 
     async def _fetch_bounded(self, job: FeatureJob, force: bool) -> FetchedFeature:
         """One download under a connection slot and, once it holds one, the deadline. The
-        wait for a slot has a deadline of the same length: a slow store's downloads hold
-        every slot, and requests behind them fail at 2x the timeout at most (503)."""
+        waits for a slot and for room in the byte budget each have a deadline of the same
+        length: requests behind a slow store's downloads fail at 3x the timeout at most."""
         scheme = job.url.partition(":")[0]
         slot = self._slots.get("http" if scheme in ("http", "https") else scheme)
         async with self._holding(slot, job.url):

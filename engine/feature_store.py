@@ -182,7 +182,7 @@ def _wrong_region(response: dict) -> FeatureError:
         "Endpoint") else "elsewhere"  # fmt: skip
     return FeatureError(
         f"the bucket is in another region than the server's S3 settings ({where}; "
-        f"{error.get('Code') or 301}): set AWS_REGION or --s3-endpoint-url",
+        f"{error.get('Code') or 301}): set AWS_DEFAULT_REGION or --s3-endpoint-url",
         reason="store_region",
     )
 

@@ -29,8 +29,9 @@ fi
 # Once per pyproject.toml and extras: the editable install follows the source by itself,
 # and pip's build step fetches setuptools from the index, which took ~5 s on every
 # scripts/serve.sh and failed on a host without network.
+# The stamp names the checkout too: another one sharing the virtualenv installs its own.
 stamp="$venv/.tessera-installed${extras:+-$extras}"
-wanted=$(sha256sum pyproject.toml | cut -d' ' -f1)
+wanted="$(pwd) $(sha256sum pyproject.toml | cut -d' ' -f1)"
 if [ ! -x "$venv/bin/tessera" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]; then
     "$venv/bin/pip" install -q -e ".${extras:+[$extras]}"
     echo "$wanted" > "$stamp"

@@ -9,8 +9,9 @@ ALL its sequences fit — `n > 1` is all-or-nothing — under
 
 A request with pre-encoded features to download (s3:// or http(s):// parts) counts apart,
 its sequences against `max_feature_requests` alone: the engine holds it while the store
-answers (each download up to twice --feature-fetch-timeout-s: a wait for a connection,
-then the download; a request's parts --feature-fetch-parallel at a time), and a hung
+answers (each download up to three times --feature-fetch-timeout-s: waits for a
+connection and for room in the byte budget, then the download; a request's parts
+--feature-fetch-parallel at a time), and a hung
 store filled the budget above until every request, text too, got 503 (fuzz61). Once its
 features are in it queues in the engine beside the others, uncounted there: at most
 `max_feature_requests` more.

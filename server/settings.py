@@ -101,7 +101,7 @@ class ServerSettings:
     allowed_local_media_path: str | None = None  # file:// image URLs only under this folder (it must exist)
     max_waiting_requests: int = 256  # beyond max_num_seqs running; more -> 503 + Retry-After
     max_waiting_tokens: int = 1_000_000  # prompt tokens of all admitted unfinished requests
-    max_feature_requests: int = 256  # requests with s3:// or http(s):// features to download, admitted apart from the two above (a slow store holds each of their downloads up to twice feature_fetch_timeout_s, and must not refuse the requests that need none); more -> 503
+    max_feature_requests: int = 256  # requests with s3:// or http(s):// features to download, admitted apart from the two above (a slow store holds each of their downloads up to three times feature_fetch_timeout_s: waits for a connection and for room, then the download; they must not refuse the requests that need none); more -> 503
     trust_request_chat_template: bool = False  # accept a request's own `chat_template`
     chat_template: str | None = None  # a Jinja chat template over the model's: a file, or the template itself (vLLM's --chat-template)
     tool_call_parser: str = "auto"  # "auto" (from the chat template) | "hermes" (<tool_call> blocks: Qwen2.5) | "llama3_json" ({"name", "parameters"}: Llama 3.1)

@@ -202,6 +202,8 @@ async def stream_chat(
                 splitter = splitters[piece.index]
                 if splitter is not None:  # the thinking first, then the answer
                     reasoning, text = splitter.feed(text, last=finish is not None)
+                    if not job.include_reasoning:  # dropped: no empty chunk in its place
+                        reasoning = ""
                 if extractors is not None:  # content up to a tool call now, the calls at the end
                     extractor = extractors[piece.index]
                     text, call_deltas = extractor.feed_stream(text)
@@ -228,7 +230,7 @@ async def stream_chat(
                     entries = chat_logprobs(tokenizer, piece.logprobs, as_ids=job.tokens_as_ids)
                     logprobs = dump(entries)
                 delta: dict[str, Any] = {"content": text or (None if call_deltas else "")}
-                if reasoning and job.include_reasoning:
+                if reasoning:
                     delta["reasoning"] = delta["reasoning_content"] = reasoning
                 if call_deltas:
                     delta["tool_calls"] = call_deltas

@@ -89,8 +89,11 @@ def test_the_thinking_is_under_both_names_and_left_out_when_declined(client):
     quiet = ask(client, regex, extra_fields=declined).choices[0].message
     assert quiet.content == message.content
     assert getattr(quiet, "reasoning_content", None) is getattr(quiet, "reasoning", None) is None
-    assert collect(ask(client, regex, stream=True, extra_fields=declined))[:2] == (
-        "", message.content)  # fmt: skip
+    chunks = list(ask(client, regex, stream=True, extra_fields=declined))
+    assert collect(chunks)[:2] == ("", message.content)
+    empty = [c for c in chunks if not c.choices[0].delta.content and not c.choices[0].delta.role
+             and c.choices[0].finish_reason is None]  # fmt: skip
+    assert empty == []  # an empty chunk for every thinking piece (fuzz74)
     empty = ask(client, r"<think></think>\n\nhello").choices[0].message
     assert empty.content == "hello" and getattr(empty, "reasoning_content", None) is None
 
