@@ -85,7 +85,7 @@ def serve_main(argv: Sequence[str]) -> int:
     try:
         check_model_folder(settings)
     except SettingsError as exc:  # a device, backend or KV cache this machine cannot run
-        message = naming_sources(str(exc), setting_sources(argv, os.environ))
+        message = naming_sources(str(exc), setting_sources(argv, os.environ), exc.settings)
         print(f"tessera serve: error: {message}", file=sys.stderr)
         return EXIT_USAGE
     except ModelLoadError as exc:

@@ -46,8 +46,15 @@ def check_model_folder(settings: ServerSettings) -> None:
     device = _device(settings.engine)
     folder = Path(settings.engine.model)  # "~" expanded as the settings were read
     model_config = ModelConfig.from_model_dir(folder)  # a missing folder is named here
-    check_max_model_len(settings.engine.max_model_len, model_config)
-    model_config.shard(settings.engine.tensor_parallel_size)  # a size it cannot split into
+    # Settings this model cannot take: a settings mistake (exit 2), named where it was set.
+    try:
+        check_max_model_len(settings.engine.max_model_len, model_config)
+    except ModelLoadError as exc:
+        raise SettingsError(exc.message, ("max_model_len",)) from None
+    try:
+        model_config.shard(settings.engine.tensor_parallel_size)  # a size it cannot split into
+    except ModelLoadError as exc:
+        raise SettingsError(exc.message, ("tensor_parallel_size",)) from None
     _check_engine_settings(settings.engine, device, model_config)
     check_safetensors_headers(folder)
     template_setting = settings.chat_template_source()
@@ -74,7 +81,7 @@ def _device(engine: EngineConfig) -> torch.device:
     try:
         return usable_device(engine.device, "device")  # cuda without CUDA, cuda:N past the last
     except ValueError as exc:
-        raise SettingsError(str(exc)) from None
+        raise SettingsError(str(exc), ("device",)) from None
 
 
 def _check_engine_settings(engine: EngineConfig, device: torch.device, model: ModelConfig) -> None:
@@ -84,10 +91,13 @@ def _check_engine_settings(engine: EngineConfig, device: torch.device, model: Mo
     dtype = resolve_dtype(engine.dtype, device, model.torch_dtype)
     try:
         check_attention_backend(engine.attention_backend, device, dtype)
-        if engine.num_kv_blocks is not None:
-            kv_dtype = resolve_kv_cache_dtype(engine.kv_cache_dtype, dtype, engine.kv_cache_scale)
-            block_bytes = kv_block_bytes(model, engine.block_size, kv_dtype)
-            num_bytes = (engine.num_kv_blocks + 1) * block_bytes  # + the scratch block
-            check_kv_cache_fits(engine.num_kv_blocks, num_bytes, device)
-    except ValueError as exc:  # MemoryBudgetError is one
-        raise SettingsError(str(exc)) from None
+    except ValueError as exc:
+        raise SettingsError(str(exc), ("attention_backend", "device", "dtype")) from None
+    if engine.num_kv_blocks is None:
+        return
+    kv_dtype = resolve_kv_cache_dtype(engine.kv_cache_dtype, dtype, engine.kv_cache_scale)
+    num_bytes = (engine.num_kv_blocks + 1) * kv_block_bytes(model, engine.block_size, kv_dtype)
+    try:  # + 1: the scratch block
+        check_kv_cache_fits(engine.num_kv_blocks, num_bytes, device)
+    except ValueError as exc:  # MemoryBudgetError
+        raise SettingsError(str(exc), ("num_kv_blocks",)) from None

@@ -66,7 +66,12 @@ _LIMITS = DEFAULT_FIELD_LIMITS  # the request field limits (server/field_limits.
 
 class SettingsError(ValueError):
     """A setting is unknown, mistyped or out of range. The message names the setting and
-    where it came from (flag, env var or YAML file)."""
+    where it came from (flag, env var or YAML file). `settings`: the ones at fault, where
+    the message's words would name others too ("the model's ...")."""
+
+    def __init__(self, message: str, settings: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.settings = settings
 
 
 @dataclass(frozen=True)
@@ -474,11 +479,14 @@ def _read_values(
     return values, sources
 
 
-def naming_sources(message: str, sources: Mapping[str, str]) -> str:
+def naming_sources(
+    message: str, sources: Mapping[str, str], settings: Sequence[str] = ()
+) -> str:
     """`message` with where each setting it names came from: a range error named the
     setting alone, and left the user to find whether a flag, an environment variable or
     the YAML file had set it (fuzz51)."""
-    named = [name for name in sources if re.search(rf"\b{name}\b", message)]
+    named = [name for name in sources
+             if name in settings or not settings and re.search(rf"\b{name}\b", message)]  # fmt: skip
     if not named:
         return message
     return f"{message} (set by {', '.join(sources[name] for name in named)})"

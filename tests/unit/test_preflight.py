@@ -93,14 +93,14 @@ def test_a_context_longer_than_the_model_was_trained_for_is_refused(tiny, capsys
     """vLLM refuses it too: positions past the trained ones give wrong answers."""
     trained = json.loads((tiny / "config.json").read_text()).get("max_position_embeddings")
     code, err = serve(capsys, tiny, "--max-model-len", str(trained + 1))
-    assert code == 1 and "max_position_embeddings" in err
+    assert code == 2 and "max_position_embeddings" in err
 
 
 def test_a_tensor_parallel_size_the_model_cannot_split_into_is_refused_at_once(tiny, capsys):
     """It was refused in the engine process, after it had started."""
     heads = json.loads((tiny / "config.json").read_text())["num_attention_heads"]
     code, err = serve(capsys, tiny, "--tensor-parallel-size", str(heads + 1))
-    assert code == 1 and "num_attention_heads" in err, err
+    assert code == 2 and "num_attention_heads" in err, err
     assert "Traceback" not in err and "engine" not in err.lower()
 
 
@@ -276,3 +276,13 @@ def test_a_kv_cache_too_big_or_damaged_weights_in_the_engine_are_one_line(caplog
         "engine start-up failed: Error while deserializing header: header too small",
     ]
     assert all(r.exc_info is None for r in records)
+
+
+def test_a_context_or_split_this_model_cannot_take_is_a_settings_mistake(tiny, capsys, monkeypatch):
+    """They were exit 1, the code that asks a supervisor to restart, and named no flag,
+    variable or file (fuzz74)."""
+    err = refused_setting(capsys, tiny, "--max-model-len", "10000000")
+    assert "max_model_len 10000000 is longer than" in err and "(set by --max-model-len)" in err
+    monkeypatch.setenv("TESSERA_TENSOR_PARALLEL_SIZE", "3")
+    err = refused_setting(capsys, tiny)
+    assert "does not divide" in err and "(set by TESSERA_TENSOR_PARALLEL_SIZE)" in err
