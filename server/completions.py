@@ -122,6 +122,8 @@ def chat_response(
     *,
     with_logprobs: bool,
 ) -> ChatCompletionResponse:
+    for result in results:
+        totals.add_reasoning(job.count_reasoning(processor.tokenizer, result.token_ids))
     choices = [
         ChatChoice(
             index=i,

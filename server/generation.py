@@ -120,6 +120,16 @@ class GenerationJob:
             return None
         return ReasoningSplitter(opened=self.thinking_opened)
 
+    def count_reasoning(self, tokenizer: Tokenizer, token_ids: Sequence[int]) -> int | None:
+        """How many of one choice's tokens are its thinking (usage's `reasoning_tokens`),
+        read one by one as the reasoning parser reads their text; None without a parser."""
+        splitter = self.reasoning_splitter()
+        if splitter is None:
+            return None
+        detokenizer = SequenceDetokenizer(tokenizer, self.prompt.token_ids,
+                                          skip_special_tokens=self.skip_special_tokens)  # fmt: skip
+        return splitter.count_reasoning_tokens(detokenizer.step((t,)) for t in token_ids)
+
 
 @dataclass
 class GenerationTotals:
@@ -136,6 +146,13 @@ class GenerationTotals:
     prompt_logprobs: list[TokenLogprob] | None = None
     # A stream that failed after its 200: the error's code (server/streaming.py `guarded`).
     error_code: str | None = None
+    # Chat with a reasoning parser: the choices' thinking tokens (vLLM's and OpenAI's
+    # usage.completion_tokens_details.reasoning_tokens); None without one.
+    num_reasoning_tokens: int | None = None
+
+    def add_reasoning(self, count: int | None) -> None:
+        if count is not None:
+            self.num_reasoning_tokens = (self.num_reasoning_tokens or 0) + count
 
     def choice(self, index: int) -> ChoiceFigures:
         if (figures := self.choices.get(index)) is None:

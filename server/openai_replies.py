@@ -23,11 +23,21 @@ class PromptTokensDetails(_Response):
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
+class CompletionTokensDetails(_Response):
+    reasoning_tokens: int = 0  # completion tokens that were thinking (a reasoning parser's)
+
+
 class UsageInfo(_Response):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
+    # with a reasoning parser only, as vLLM: left out of the JSON otherwise
+    completion_tokens_details: CompletionTokensDetails | None = None
+
+    @model_serializer(mode="wrap")
+    def _no_null_details(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_null(handler(self), "completion_tokens_details")
 
 
 class TopLogprob(_Response):

@@ -126,12 +126,14 @@ class ReasoningSplitter:
     def count_reasoning_tokens(self, token_texts: Iterable[str]) -> int:
         """How many of an answer's tokens (given by their texts, in order) are its
         reasoning: those up to and including the one that ends </think>, all of them if
-        it never comes; 0 for an answer that does not open with the thinking."""
+        it never comes; 0 for an answer that does not open with the thinking. A token
+        that is a marker alone (Qwen3's <think> and </think> are one token each) is not
+        thinking, as vLLM counts between them: `<think></think>` is 0, not 2."""
         count = 0
         for text in token_texts:
             if not self.in_thinking:
                 break
-            count += 1
+            count += text.strip() not in (THINK_START, THINK_END)
             self._feed(text)
         return count if self.has_reasoning else 0
 

@@ -43,7 +43,6 @@ from typing import Any
 import msgspec
 from tokenizers import Tokenizer
 
-from engine.detokenizer import SequenceDetokenizer
 from engine.errors import TesseraError
 from engine.protocol import TokenLogprob
 from server.generation import GenerationJob, GenerationTotals, generate_choices
@@ -75,13 +74,7 @@ class ResponseShaper:
     def count_reasoning(self, token_ids: Sequence[int]) -> None:
         """`usage.output_tokens_details.reasoning_tokens`: the answer's tokens, read one
         by one as the reasoning parser reads their text, up to the end of its thinking."""
-        splitter = self.job.reasoning_splitter()
-        if splitter is None:
-            return
-        detokenizer = SequenceDetokenizer(self.tokenizer, self.job.prompt.token_ids,
-                                          skip_special_tokens=self.job.skip_special_tokens)  # fmt: skip
-        texts = (detokenizer.step((token_id,)) for token_id in token_ids)
-        self.reasoning_tokens = splitter.count_reasoning_tokens(texts)
+        self.reasoning_tokens = self.job.count_reasoning(self.tokenizer, token_ids) or 0
 
     def response(
         self,

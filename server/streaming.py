@@ -31,7 +31,7 @@ from server.logprobs import (
     prompt_logprobs,
     prompt_logprobs_json,
 )
-from server.openai_replies import PromptTokensDetails, UsageInfo, dump
+from server.openai_replies import CompletionTokensDetails, PromptTokensDetails, UsageInfo, dump
 from server.prompt_echo import PromptEcho
 
 logger = logging.getLogger(__name__)
@@ -130,11 +130,15 @@ def usage_of(*totals: GenerationTotals) -> UsageInfo:
     prompt = sum(figures.num_prompt_tokens for figures in totals)
     generated = sum(figures.num_generated_tokens for figures in totals)
     cached = sum(figures.num_cached_tokens for figures in totals)
+    reasoning = [f.num_reasoning_tokens for f in totals if f.num_reasoning_tokens is not None]
     return UsageInfo(
         prompt_tokens=prompt,
         completion_tokens=generated,
         total_tokens=prompt + generated,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        completion_tokens_details=(
+            CompletionTokensDetails(reasoning_tokens=sum(reasoning)) if reasoning else None
+        ),
     )
 
 
@@ -190,6 +194,7 @@ async def stream_chat(
             yield chunk([choice(index, {"role": "assistant", "content": ""})])
         extractors = [job.tools.extractor() for _ in range(job.n)] if job.tools else None
         splitters = [job.reasoning_splitter() for _ in range(job.n)]
+        token_ids: list[list[int]] = [[] for _ in range(job.n)]  # for the reasoning count
         wants_prompt_logprobs = job.sampling.prompt_logprobs is not None
         deltas = guarded(generate_choices(engine, tokenizer, job, totals), totals)
         async with contextlib.aclosing(deltas) as pieces:
@@ -202,6 +207,9 @@ async def stream_chat(
                 splitter = splitters[piece.index]
                 if splitter is not None:  # the thinking first, then the answer
                     reasoning, text = splitter.feed(text, last=finish is not None)
+                    token_ids[piece.index] += piece.token_ids
+                    if finish is not None:
+                        totals.add_reasoning(job.count_reasoning(tokenizer, token_ids[piece.index]))
                     if not job.include_reasoning:  # dropped: no empty chunk in its place
                         reasoning = ""
                 if extractors is not None:  # content up to a tool call now, the calls at the end

@@ -98,6 +98,20 @@ def test_the_thinking_is_under_both_names_and_left_out_when_declined(client):
     assert empty.content == "hello" and getattr(empty, "reasoning_content", None) is None
 
 
+def test_chat_usage_counts_the_thinking_tokens(client):
+    """usage.completion_tokens_details.reasoning_tokens (OpenAI's field, which vLLM fills
+    with a reasoning parser): the /v1/responses usage had it, chat's did not (fuzz70)."""
+    regex = r"<think>\nfirst [a-z]{2,6}\n</think>\n\nthe answer [a-z]{2,6}"
+    response = ask(client, regex, n=2)
+    reasoning = response.usage.completion_tokens_details.reasoning_tokens
+    assert 0 < reasoning < response.usage.completion_tokens
+    chunks = list(ask(client, regex, n=2, stream=True,
+                      stream_options={"include_usage": True}))  # fmt: skip
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == reasoning
+    plain = ask(client, r"plain [a-z]{2,6}", template=False)  # no <think>: no parser
+    assert plain.usage.completion_tokens_details is None
+
+
 def test_a_template_that_opens_the_thinking(client):
     """The answer starts as reasoning, and a grammar waits for its </think>: this random
     model never writes one, so the whole answer is free reasoning cut short by

@@ -58,3 +58,15 @@ def test_the_parser_in_effect():
     assert reasoning_format("qwen3", None) == "qwen3"
     assert prompt_opens_thinking("<|im_start|>assistant\n<think>\n")
     assert not prompt_opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+@pytest.mark.parametrize("opened, texts, expected", [
+    (False, ["<think>", "a", " b", "</think>", "\n\n", "ans"], 2),
+    (False, ["<think>", "</think>", "ans"], 0),  # an empty thinking is none (it was 2)
+    (True, ["a", "</think>", "ans"], 1),  # the template opened it
+    (False, ["<th", "ink>", "a", "</think>x"], 4),  # markers split over tokens count
+    (False, ["plain", " answer"], 0),
+    (True, ["cut", " short"], 2),
+])  # fmt: skip
+def test_reasoning_tokens_are_the_thinking_without_its_marker_tokens(opened, texts, expected):
+    assert ReasoningSplitter(opened=opened).count_reasoning_tokens(texts) == expected
