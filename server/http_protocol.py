@@ -31,8 +31,11 @@ import logging
 import socket
 import struct
 import sys
+from types import SimpleNamespace
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from server.request_log import record_of
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +110,11 @@ def timed_h11_protocol(read_timeout_s: float, write_timeout_s: float = 0) -> typ
                 self._write_check = self.loop.call_later(write_timeout_s / 4, self._check_writes)
                 return
             client = "{}:{}".format(*self.client) if self.client else "a client"
+            # The request's id too: its own log line (a disconnect) carries that, not the
+            # client's address.
+            record = record_of(SimpleNamespace(scope=getattr(self, "scope", None) or {}))
+            if record is not None:
+                client += f" (request_id={record.request_id})"
             logger.warning("%s took none of its response for %.0f s (%d bytes waiting): "
                            "connection aborted (write_timeout_s)", client, write_timeout_s,
                            unsent)  # fmt: skip

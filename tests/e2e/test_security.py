@@ -458,4 +458,9 @@ def test_a_stream_its_client_stops_reading_gives_back_its_room(impatient_server)
         with pytest.raises(ConnectionResetError):
             while stalled.recv(1 << 16):
                 pass
-    assert "took none of its response for 2 s" in impatient_server.log_tail(20000)
+    log = impatient_server.log_tail(20000)
+    assert "took none of its response for 2 s" in log
+    # named by its request id too, which its request log line carries
+    line = next(line for line in log.splitlines() if "took none of its response" in line)
+    request_id = line.split("(request_id=")[1].split(")")[0]
+    assert f"request_id={request_id}" in log.replace(line, "")
