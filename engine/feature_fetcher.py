@@ -374,6 +374,8 @@ class FeatureFetcher:
             raise FeatureError(str(exc), reason="unsafe_url") from None
         except RedirectError as exc:
             raise FeatureError(str(exc), reason="http_error") from None
+        except aiohttp.ServerTimeoutError:  # the store went silent: 504, not a network fault
+            raise Transient("timeout", f"no answer within {self.config.timeout_s:g} s") from None
         except (aiohttp.ClientError, ConnectionError) as exc:
             raise Transient("network", f"connection failed ({type(exc).__name__})") from None
 

@@ -208,10 +208,14 @@ METRICS: tuple[MetricSpec, ...] = (
     # Pre-encoded feature fetching (S3 / HTTP).
     _histogram(
         "tessera:feature_fetch_seconds",
-        "Time to download and validate one pre-encoded feature tensor.",
+        "Time to fetch (download, or decode a data: URL) and validate one pre-encoded "
+        "feature tensor.",
         LATENCY_BUCKETS,
     ),
-    _counter("tessera:feature_fetch_bytes_total", "Bytes of pre-encoded features downloaded."),
+    _counter(
+        "tessera:feature_fetch_bytes_total",
+        "Bytes of pre-encoded features fetched (data: URLs included, which the request carried).",
+    ),
     _counter(
         "tessera:feature_fetch_failures_total",
         "Failed feature fetches, by reason (not_found, access_denied, timeout, server_error, "

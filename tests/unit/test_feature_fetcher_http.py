@@ -281,3 +281,22 @@ def test_a_redirect_out_of_the_allowed_prefixes_is_not_followed(origin):
         assert fetch(fetcher, [f"{origin.base}/allowed/b"]).error is None
     finally:
         fetcher.close()
+
+
+def test_a_store_that_goes_silent_mid_answer_is_a_timeout(origin):
+    """Headers, then no body for longer than the timeout, while the download waited for
+    room in the byte budget (its own deadline paused): aiohttp's read timer fired, and the
+    download failed as a network fault (502 feature_network), where a store that does not
+    answer in time is a 504 feature_timeout (fuzz75)."""
+    import asyncio
+
+    body = features(1)
+    origin.answers["/slow"] = [(200, {"X-Test-Trickle": f"{len(body)},1.5"}, body)]
+    with private_fetcher(timeout_s=1.0, max_retries=0, max_bytes_in_flight=len(body)) as client:
+        taken = asyncio.run_coroutine_threadsafe(
+            client._budget.acquire(len(body)), client._loop
+        ).result()
+        client._loop.call_soon_threadsafe(client._loop.call_later, 0.8,
+                                          client._budget.release, taken)  # fmt: skip
+        error = fetch(client, [f"{origin.base}/slow"]).error
+    assert error is not None and (error.status, error.reason) == (504, "timeout"), error
