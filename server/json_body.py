@@ -70,6 +70,19 @@ class BoundedJsonRoute(APIRoute):
         async def with_bounded_json(request: Request) -> Response:
             limits = getattr(request.app.state, "field_limits", DEFAULT_FIELD_LIMITS)
             with applying(limits):
-                return await handler(BoundedJsonRequest(request.scope, request.receive))
+                scope = _read_as_json(request.scope)
+                return await handler(BoundedJsonRequest(scope, request.receive))
 
         return with_bounded_json
+
+
+def _read_as_json(scope: dict) -> dict:
+    """The scope with its Content-Type read as JSON's, whatever it said: FastAPI reads only
+    a JSON body as JSON. `curl -d` sends form-urlencoded, and such a body got "Input should
+    be a valid dictionary or object" (fuzz75); every route here takes JSON."""
+    headers = scope.get("headers", [])
+    kinds = [value for name, value in headers if name == b"content-type"]
+    if kinds and all(b"json" in kind.lower() for kind in kinds):
+        return scope
+    others = [(name, value) for name, value in headers if name != b"content-type"]
+    return {**scope, "headers": [*others, (b"content-type", b"application/json")]}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 
 import pytest
 from PIL import Image
@@ -213,6 +214,19 @@ def test_unknown_route_and_bad_json(app):
         "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
     )
     assert response.status_code == 400 and "error" in response.json()
+
+
+@pytest.mark.parametrize("kind", ["application/x-www-form-urlencoded", "text/plain"])
+def test_a_json_body_sent_as_another_content_type_is_read_as_json(app, kind):
+    """`curl -d` sends form-urlencoded: the body got "Input should be a valid dictionary
+    or object to extract fields from" (fuzz75)."""
+    client, _ = app
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    response = client.post("/v1/chat/completions", content=json.dumps(body).encode(),
+                           headers={"content-type": kind})  # fmt: skip
+    assert response.status_code == 200, response.text
+    bad = client.post("/v1/chat/completions", content=b"model=tiny", headers={"content-type": kind})
+    assert bad.status_code == 400 and "JSON" in bad.json()["error"]["message"], bad.text
 
 
 def test_engine_death_mid_stream(app):
