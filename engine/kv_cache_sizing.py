@@ -121,7 +121,10 @@ def cgroup_memory_limit() -> int | None:
         return None
     limits = []
     for line in lines:  # "0::/path" (v2) or "4:memory:/path" (v1)
-        _, controllers, path = line.split(":", 2)
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        _, controllers, path = fields
         if controllers == "":
             folder, name = Path(CGROUP_ROOT), "memory.max"
         elif "memory" in controllers.split(","):

@@ -31,11 +31,10 @@ import logging
 import socket
 import struct
 import sys
-from types import SimpleNamespace
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from server.request_log import record_of
+from server.request_log import record_in
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +111,7 @@ def timed_h11_protocol(read_timeout_s: float, write_timeout_s: float = 0) -> typ
             client = "{}:{}".format(*self.client) if self.client else "a client"
             # The request's id too: its own log line (a disconnect) carries that, not the
             # client's address.
-            record = record_of(SimpleNamespace(scope=getattr(self, "scope", None) or {}))
+            record = record_in(getattr(self, "scope", None) or {})
             if record is not None:
                 client += f" (request_id={record.request_id})"
             logger.warning("%s took none of its response for %.0f s (%d bytes waiting): "

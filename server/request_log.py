@@ -65,7 +65,12 @@ def valid_request_id(value: str | None) -> str | None:
 
 def record_of(request: Any) -> RequestLogRecord | None:
     """The log record of a Starlette request (None outside the middleware, e.g. in tests)."""
-    return request.scope.get(_SCOPE_KEY)
+    return record_in(request.scope)
+
+
+def record_in(scope: Scope) -> RequestLogRecord | None:
+    """The log record of a request's ASGI scope."""
+    return scope.get(_SCOPE_KEY)
 
 
 def arrival_of(request: Any) -> float:

@@ -286,3 +286,10 @@ def test_a_context_or_split_this_model_cannot_take_is_a_settings_mistake(tiny, c
     monkeypatch.setenv("TESSERA_TENSOR_PARALLEL_SIZE", "3")
     err = refused_setting(capsys, tiny)
     assert "does not divide" in err and "(set by TESSERA_TENSOR_PARALLEL_SIZE)" in err
+
+
+def test_a_cgroup_listing_line_of_another_shape_is_skipped(monkeypatch, tmp_path):
+    from engine.kv_cache_sizing import cgroup_memory_limit
+
+    cgroups(monkeypatch, tmp_path, "not a cgroup line\n0::/\n", {"cgroup/memory.max": "4096\n"})
+    assert cgroup_memory_limit() == 4096
