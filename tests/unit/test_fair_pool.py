@@ -13,31 +13,43 @@ from server.fair_pool import FairPool
 
 def test_a_free_thread_goes_to_the_owner_with_the_fewest_jobs_running():
     order: list[str] = []
-    gate = threading.Event()
+    gates = {name: threading.Event() for name in ("a0", "a1", "a2", "a3", "b0", "b1", "c0")}
 
     def job(name: str) -> str:
         order.append(name)
-        gate.wait(5)
+        gates[name].wait(5)
         return name
+
+    async def until(count: int) -> None:
+        for _ in range(500):
+            if len(order) >= count:
+                return
+            await asyncio.sleep(0.01)
 
     async def scenario():
         pool = FairPool(2, "test")
         try:
             tasks = [asyncio.create_task(pool.run("a", job, f"a{i}")) for i in range(4)]
-            await asyncio.sleep(0.05)
+            await until(2)
             tasks += [asyncio.create_task(pool.run("b", job, f"b{i}")) for i in range(2)]
             tasks.append(asyncio.create_task(pool.run("c", job, "c0")))
             await asyncio.sleep(0.05)
             assert order == ["a0", "a1"]  # alone, a took both threads
-            gate.set()
+            # One thread free at a time: b and c (none running) go before a's third ...
+            for finished, count in (("a0", 3), ("a1", 4), ("b0", 5)):
+                gates[finished].set()
+                await until(count)
+            assert order == ["a0", "a1", "b0", "c0", "a2"]  # ... then the least served
+            for gate in gates.values():
+                gate.set()
             return await asyncio.gather(*tasks)
         finally:
+            for gate in gates.values():
+                gate.set()
             pool.shutdown()
 
     results = asyncio.run(scenario())
     assert results == ["a0", "a1", "a2", "a3", "b0", "b1", "c0"]
-    # As a's two jobs end, b and c (none running) go before a's third.
-    assert set(order[2:4]) == {"b0", "c0"}
 
 
 def test_a_job_cancelled_while_queued_never_runs():

@@ -93,19 +93,25 @@ def test_a_data_url_scheme_in_capitals_is_a_data_url():
 
 def test_another_requests_image_does_not_wait_behind_a_whole_request():
     """Two decode threads. Request a sends three slow images, request b one image just
-    after: b's decode starts on the first thread to come free, where it waited behind all
-    three (an 8000x8000 16-bit PNG decodes in seconds; fuzz69); a alone used both threads
-    (capping a request at half of them slowed a lone request; fuzz73)."""
+    after: the first thread to come free takes b's, where b waited behind all three (an
+    8000x8000 16-bit PNG decodes in seconds; fuzz69); a alone used both threads (capping a
+    request at half of them slowed a lone request; fuzz73)."""
     started: list[str] = []
-    gate = threading.Event()
+    gates = {name: threading.Event() for name in ("a0", "a1", "a2", "b0")}
 
     class Slow(MediaFetcher):
         def _decode_and_process(self, data, kind, param, processing):
             started.append(param)
-            gate.wait(5)
+            gates[param].wait(5)
             return super()._decode_and_process(data, kind, param, processing)
 
     url = "data:image/png;base64," + base64.b64encode(png_bytes(picture(56, 56, 1))).decode()
+
+    async def until(count: int) -> None:
+        for _ in range(500):
+            if len(started) >= count:
+                return
+            await asyncio.sleep(0.01)
 
     async def scenario():
         fetcher = Slow(MediaFetchConfig(num_image_decode_threads=2), ImageProcessorConfig())
@@ -113,14 +119,19 @@ def test_another_requests_image_does_not_wait_behind_a_whole_request():
         try:
             loads = [asyncio.create_task(fetcher.load(url, "image", param=f"a{i}", owner=a))
                      for i in range(3)]  # fmt: skip
-            await asyncio.sleep(0.1)
+            await until(2)
             assert started == ["a0", "a1"]  # alone: both threads
             loads.append(asyncio.create_task(fetcher.load(url, "image", param="b0", owner=b)))
             await asyncio.sleep(0.05)
-            gate.set()
+            gates["a0"].set()  # one thread comes free: b's turn, not a's third
+            await until(3)
+            assert started == ["a0", "a1", "b0"]
+            for gate in gates.values():
+                gate.set()
             await asyncio.gather(*loads)
         finally:
-            gate.set()
+            for gate in gates.values():
+                gate.set()
             await fetcher.aclose()
 
     asyncio.run(scenario())
