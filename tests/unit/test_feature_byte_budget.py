@@ -13,7 +13,7 @@ import pytest
 from bench.local_inputs import features
 from engine.byte_budget import ByteBudget
 from engine.feature_jobs import FeatureJob
-from tests.unit.test_feature_fetcher_http import SPEC, private_fetcher, serving
+from tests.unit.test_feature_fetcher_http import SPEC, hold_budget, private_fetcher, serving
 from tests.unit.test_feature_fetcher_pool import _fetch_all
 
 
@@ -94,11 +94,7 @@ def test_the_wait_for_room_pauses_the_download_deadline(origin):
     origin.delay_s["/f"] = 0.5
     with private_fetcher(timeout_s=1.0, max_retries=0,
                          max_bytes_in_flight=len(features(1))) as client:  # fmt: skip
-        taken = asyncio.run_coroutine_threadsafe(
-            client._budget.acquire(len(features(1))), client._loop
-        ).result()
-        client._loop.call_soon_threadsafe(client._loop.call_later, 1.2,
-                                          client._budget.release, taken)  # fmt: skip
+        hold_budget(client, len(features(1)), 1.2)
         started = time.monotonic()
         result = _fetch_all(client, {"r": [f"{origin.base}/f"]})["r"]
         assert result.error is None, result.error
@@ -108,7 +104,7 @@ def test_the_wait_for_room_pauses_the_download_deadline(origin):
 def test_no_room_in_time_is_a_503_that_names_the_setting(origin):
     origin.answers["/f"] = [(200, {}, features(1))]
     with private_fetcher(timeout_s=0.3, max_bytes_in_flight=len(features(1))) as client:
-        asyncio.run_coroutine_threadsafe(client._budget.acquire(1), client._loop).result()
+        hold_budget(client, 1)
         error = _fetch_all(client, {"r": [f"{origin.base}/f"]})["r"].error
         assert error is not None and (error.status, error.reason) == (503, "saturated")
         assert "--feature-fetch-max-bytes-in-flight" in error.message
@@ -150,11 +146,7 @@ def test_the_wait_for_room_pauses_the_deadline_of_a_body_still_arriving(origin):
     body = features(1)
     origin.answers["/f"] = [(200, {"X-Test-Trickle": f"{len(body) // 7 + 1},0.2"}, body)]
     with private_fetcher(timeout_s=1.0, max_retries=0, max_bytes_in_flight=len(body)) as client:
-        taken = asyncio.run_coroutine_threadsafe(
-            client._budget.acquire(len(body)), client._loop
-        ).result()
-        client._loop.call_soon_threadsafe(client._loop.call_later, 0.8,
-                                          client._budget.release, taken)  # fmt: skip
+        hold_budget(client, len(body), 0.8)
         result = _fetch_all(client, {"r": [f"{origin.base}/f"]})["r"]
         assert result.error is None, result.error
 

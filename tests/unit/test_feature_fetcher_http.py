@@ -112,6 +112,20 @@ def private_fetcher(**limits) -> Iterator[FeatureFetcher]:
         fetcher.close()
 
 
+def hold_budget(fetcher: FeatureFetcher, num_bytes: int, seconds: float | None = None) -> None:
+    """Takes `num_bytes` of the fetcher's byte budget, as other downloads would, and gives
+    them back after `seconds` (None: never)."""
+    import asyncio
+
+    taken = asyncio.run_coroutine_threadsafe(
+        fetcher._budget.acquire(num_bytes), fetcher._loop
+    ).result()
+    if seconds is not None:
+        fetcher._loop.call_soon_threadsafe(
+            fetcher._loop.call_later, seconds, fetcher._budget.release, taken
+        )
+
+
 def fetch(fetcher: FeatureFetcher, urls: list[str], *, force: bool = False) -> FetchResult:
     fetcher.submit("r", [FeatureJob(url, SPEC) for url in urls], force=force)
     deadline = time.monotonic() + 10
@@ -288,15 +302,9 @@ def test_a_store_that_goes_silent_mid_answer_is_a_timeout(origin):
     room in the byte budget (its own deadline paused): aiohttp's read timer fired, and the
     download failed as a network fault (502 feature_network), where a store that does not
     answer in time is a 504 feature_timeout (fuzz75)."""
-    import asyncio
-
     body = features(1)
     origin.answers["/slow"] = [(200, {"X-Test-Trickle": f"{len(body)},1.5"}, body)]
     with private_fetcher(timeout_s=1.0, max_retries=0, max_bytes_in_flight=len(body)) as client:
-        taken = asyncio.run_coroutine_threadsafe(
-            client._budget.acquire(len(body)), client._loop
-        ).result()
-        client._loop.call_soon_threadsafe(client._loop.call_later, 0.8,
-                                          client._budget.release, taken)  # fmt: skip
+        hold_budget(client, len(body), 0.8)
         error = fetch(client, [f"{origin.base}/slow"]).error
     assert error is not None and (error.status, error.reason) == (504, "timeout"), error
