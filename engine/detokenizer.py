@@ -102,6 +102,17 @@ class IncrementalDetokenizer:
         """One token's text decoded by itself."""
         return self._decode((token_id,))
 
+    def mark(self) -> tuple[int, int, int, str]:
+        """Where the detokenizer stands now, for `rewind`."""
+        return (len(self._token_ids), self._prefix_offset, self._read_offset,
+                self._unfinished_prompt_text)  # fmt: skip
+
+    def rewind(self, mark: tuple[int, int, int, str]) -> None:
+        """Back to where `mark` was taken: the tokens stepped since are forgotten, and
+        stepping them again gives their text again."""
+        length, self._prefix_offset, self._read_offset, self._unfinished_prompt_text = mark
+        del self._token_ids[length:]
+
     def finish(self) -> str:
         """Flush held-back text at the end of the sequence (may contain U+FFFD if the
         model really produced invalid UTF-8)."""

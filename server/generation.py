@@ -21,7 +21,7 @@ import msgspec
 from tokenizers import Tokenizer
 
 from engine.choices import answer_step, fan_out
-from engine.detokenizer import SequenceDetokenizer
+from engine.detokenizer import IncrementalDetokenizer, SequenceDetokenizer
 from engine.errors import EngineDeadError, InvalidRequest, TesseraError
 from engine.protocol import (
     EngineRequest,
@@ -31,7 +31,7 @@ from engine.protocol import (
     TokenLogprob,
 )
 from server.errors import error_info_to_exception
-from server.reasoning import ReasoningSplitter
+from server.reasoning import ReasoningSplitter, count_reasoning_tokens
 from server.tool_calls import ToolPlan
 
 logger = logging.getLogger(__name__)
@@ -123,12 +123,12 @@ class GenerationJob:
     def count_reasoning(self, tokenizer: Tokenizer, token_ids: Sequence[int]) -> int | None:
         """How many of one choice's tokens are its thinking (usage's `reasoning_tokens`),
         read one by one as the reasoning parser reads their text; None without a parser."""
-        splitter = self.reasoning_splitter()
-        if splitter is None:
+        if self.thinking_opened is None:
             return None
-        detokenizer = SequenceDetokenizer(tokenizer, self.prompt.token_ids,
-                                          skip_special_tokens=self.skip_special_tokens)  # fmt: skip
-        return splitter.count_reasoning_tokens(detokenizer.step((t,)) for t in token_ids)
+        detokenizer = IncrementalDetokenizer(tokenizer, self.prompt.token_ids,
+                                             skip_special_tokens=self.skip_special_tokens)  # fmt: skip
+        return count_reasoning_tokens(tokenizer, detokenizer, token_ids,
+                                      opened=self.thinking_opened)  # fmt: skip
 
 
 @dataclass

@@ -19,14 +19,21 @@ out now (a tail that could begin a tag is held back until it cannot), `finish` t
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import copy
+from collections.abc import Sequence
 from typing import Literal
 
+from tokenizers import Tokenizer
+
+from engine.detokenizer import IncrementalDetokenizer
 from server.tool_calls import partial_prefix_length
 
 REASONING_PARSERS = ("auto", "none", "qwen3")
 THINK_START = "<think>"
 THINK_END = "</think>"
+# Tokens `count_reasoning_tokens` decodes together; only the stretch where the thinking
+# ends is decoded again a token at a time.
+_COUNT_CHUNK = 256
 
 
 def reasoning_format(parser: str, chat_template: str | None) -> str | None:
@@ -123,21 +130,52 @@ class ReasoningSplitter:
             return held, ""
         return "", held if self._state in ("start", "content") else ""
 
-    def count_reasoning_tokens(self, token_texts: Iterable[str]) -> int:
-        """How many of an answer's tokens (given by their texts, in order) are its
-        reasoning: those up to and including the one that ends </think>, all of them if
-        it never comes; 0 for an answer that does not open with the thinking. A token
-        that is a marker alone (Qwen3's <think> and </think> are one token each) is not
-        thinking, as vLLM counts between them: `<think></think>` is 0, not 2."""
-        count = 0
-        for text in token_texts:
-            if not self.in_thinking:
-                break
-            count += text.strip() not in (THINK_START, THINK_END)
-            self._feed(text)
-        return count if self.has_reasoning else 0
-
     def split(self, text: str) -> tuple[str | None, str]:
         """A whole answer's (reasoning or None, content)."""
         reasoning, content = self.feed(text, last=True)
         return (reasoning if self.has_reasoning else None), content
+
+
+def count_reasoning_tokens(
+    tokenizer: Tokenizer,
+    detokenizer: IncrementalDetokenizer,
+    token_ids: Sequence[int],
+    *,
+    opened: bool,
+) -> int:
+    """How many of an answer's tokens are its reasoning: those up to and including the one
+    whose text ends </think>, all of them if it never comes; 0 for an answer that does not
+    open with the thinking. A token that is a marker itself (Qwen3's <think> and </think>
+    are one token each) is not thinking, as vLLM counts between them: `<think></think>` is
+    0, not 2. `detokenizer` stands where the answer begins.
+
+    The text is decoded a chunk of tokens at a time, and only the chunk in which the
+    thinking ends is decoded again token by token, from where it began: decoding every
+    token alone held the event loop ~3-4 us a token (0.19-0.24 s for 57,500 thinking
+    tokens, against 26-34 ms in chunks).
+    """
+    splitter = ReasoningSplitter(opened=opened)
+    length = 0  # tokens read while the thinking was still open
+    # Where to read again from: a place where no token's text was held back (a character
+    # begun, not finished), as the thinking may end in the text held.
+    again = (detokenizer.mark(), copy.copy(splitter), 0)
+    while length < len(token_ids):
+        if not detokenizer.is_holding:
+            again = (detokenizer.mark(), copy.copy(splitter), length)
+        chunk = token_ids[length : length + _COUNT_CHUNK]
+        splitter.feed(detokenizer.step(chunk))
+        if splitter.in_thinking:
+            length += len(chunk)
+            continue
+        mark, splitter, length = again
+        detokenizer.rewind(mark)
+        for token_id in token_ids[length:]:
+            if not splitter.in_thinking:
+                break
+            length += 1
+            splitter.feed(detokenizer.step((token_id,)))
+        break
+    if not splitter.has_reasoning:
+        return 0
+    markers = {tokenizer.token_to_id(marker) for marker in (THINK_START, THINK_END)}
+    return length - sum(token_id in markers for token_id in token_ids[:length])

@@ -3,10 +3,18 @@ stream: the same reasoning and content as the whole answer gives."""
 
 from __future__ import annotations
 
-import pytest
+import random
 
+import pytest
+from tokenizers import AddedToken, Tokenizer
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.tiny_model import SIZES, train_tokenizer
 from server.reasoning import (
+    THINK_END,
+    THINK_START,
     ReasoningSplitter,
+    count_reasoning_tokens,
     prompt_opens_thinking,
     reasoning_format,
 )
@@ -60,13 +68,92 @@ def test_the_parser_in_effect():
     assert not prompt_opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
-@pytest.mark.parametrize("opened, texts, expected", [
+@pytest.fixture(scope="module")
+def marker_tokenizer() -> Tokenizer:
+    """The tiny tokenizer with <think> and </think> as tokens of their own, as Qwen3's."""
+    tokenizer = train_tokenizer(SIZES["tiny"].bpe_vocab_size)
+    tokenizer.add_tokens([AddedToken(THINK_START), AddedToken(THINK_END)])
+    return tokenizer
+
+
+def counted(tokenizer: Tokenizer, pieces: list[str], *, opened: bool) -> int:
+    ids = [i for piece in pieces for i in tokenizer.encode(piece, add_special_tokens=False).ids]
+    return count_reasoning_tokens(tokenizer, IncrementalDetokenizer(tokenizer), ids, opened=opened)
+
+
+def one_by_one(tokenizer: Tokenizer, ids: list[int], *, opened: bool) -> int:
+    """The count read from each token's own text, as the reasoning parser reads a stream
+    (the definition `count_reasoning_tokens` keeps while decoding in chunks)."""
+    splitter, detokenizer, count = (
+        ReasoningSplitter(opened=opened),
+        IncrementalDetokenizer(tokenizer),
+        0,
+    )
+    for token_id in ids:
+        if not splitter.in_thinking:
+            break
+        text = detokenizer.step((token_id,))
+        count += text not in (THINK_START, THINK_END)
+        splitter.feed(text)
+    return count if splitter.has_reasoning else 0
+
+
+@pytest.mark.parametrize("opened, pieces, expected", [
     (False, ["<think>", "a", " b", "</think>", "\n\n", "ans"], 2),
     (False, ["<think>", "</think>", "ans"], 0),  # an empty thinking is none (it was 2)
     (True, ["a", "</think>", "ans"], 1),  # the template opened it
-    (False, ["<th", "ink>", "a", "</think>x"], 4),  # markers split over tokens count
     (False, ["plain", " answer"], 0),
-    (True, ["cut", " short"], 2),
+    (True, ["a", " b"], 2),  # cut short inside the thinking
 ])  # fmt: skip
-def test_reasoning_tokens_are_the_thinking_without_its_marker_tokens(opened, texts, expected):
-    assert ReasoningSplitter(opened=opened).count_reasoning_tokens(texts) == expected
+def test_reasoning_tokens_are_the_thinking_without_its_marker_tokens(
+    marker_tokenizer, opened, pieces, expected
+):
+    assert counted(marker_tokenizer, pieces, opened=opened) == expected
+
+
+def test_markers_spelled_by_several_tokens_are_thinking(marker_tokenizer):
+    tokenizer = train_tokenizer(SIZES["tiny"].bpe_vocab_size)  # no marker tokens
+    ids = tokenizer.encode("<think>a</think>x", add_special_tokens=False).ids
+    closing = len(tokenizer.encode("</think>", add_special_tokens=False).ids)
+    assert closing > 1
+    expected = len(ids) - len(tokenizer.encode("x", add_special_tokens=False).ids)
+    assert (
+        count_reasoning_tokens(tokenizer, IncrementalDetokenizer(tokenizer), ids, opened=False)
+        == expected
+    )
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_counting_in_chunks_gives_each_tokens_own_count(marker_tokenizer, seed):
+    """Long thinkings whose end falls anywhere around the chunk edges (a marker token, a
+    </think> spelled over the edge, a character split between tokens), and answers that
+    never close it, count as reading each token's text alone does."""
+    rng = random.Random(seed)
+    words = ["so", " the", " 7", "<", "/", "think", ">", "é", "🎉", "\n", "</thi", "nk>"]
+    words += [THINK_START, THINK_END] * 2
+    ids = marker_tokenizer.encode(
+        "".join(rng.choice(words) for _ in range(rng.randrange(50, 700))), add_special_tokens=False
+    ).ids
+    opened = rng.random() < 0.5
+    if not opened:
+        ids = [marker_tokenizer.token_to_id(THINK_START), *ids]
+    expected = one_by_one(marker_tokenizer, ids, opened=opened)
+    count = count_reasoning_tokens(
+        marker_tokenizer, IncrementalDetokenizer(marker_tokenizer), ids, opened=opened
+    )
+    assert count == expected
+
+
+def test_chunk_edges_are_read_exactly(marker_tokenizer):
+    """The thinking closing on each token around the first chunk edge."""
+    word = marker_tokenizer.encode(" so", add_special_tokens=False).ids
+    end = marker_tokenizer.encode("</think>", add_special_tokens=False).ids
+    for before in range(250, 262):
+        ids = word * before + end + word * 5
+        assert (
+            count_reasoning_tokens(
+                marker_tokenizer, IncrementalDetokenizer(marker_tokenizer), ids, opened=True
+            )
+            == one_by_one(marker_tokenizer, ids, opened=True)
+            == before * len(word)
+        )
