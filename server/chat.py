@@ -25,7 +25,7 @@ import functools
 import hashlib
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -221,15 +221,18 @@ def _policy(enabled: bool, buckets: str | None, prefixes: str | None, model: str
     )
 
 
+_NO_SCOPES: Mapping[Modality, str] = {}
+
+
 class UuidRegistry:
     """(cache_salt, uuid, processing) -> (modality, the latest ProcessedImage's facts) of
     media sent with a client uuid: a uuid is known only to requests of its salt, and under
-    the preprocessing it was sent with (`processing`: a digest of the request's settings
-    after its mm_processor_kwargs; a uuid-only part under other kwargs was answered at the
-    size another request had asked for, where vLLM's lookup misses; fuzz69). At most `capacity`
-    of them (`--max-remembered-media-uuids`); the one least recently sent or named goes
-    first (before 2026-11-27, the one least recently sent: a uuid named by every request
-    but sent once was forgotten behind a stream of new ones)."""
+    the preprocessing of its kind it was sent with (`processing`: a digest of the settings
+    after the request's mm_processor_kwargs; a uuid-only part under other kwargs was
+    answered at the size another request had asked for, where vLLM's lookup misses;
+    fuzz69). At most `capacity` of them (`--max-remembered-media-uuids`); the one least
+    recently sent or named goes first (a uuid named by every request but sent once was
+    forgotten behind a stream of new ones)."""
 
     def __init__(self, capacity: int = ServerSettings.max_remembered_media_uuids) -> None:
         self.capacity = capacity
@@ -291,13 +294,26 @@ class UuidRegistry:
                 self._items.popitem(last=False)
 
     def lookup(
-        self, uuid: str, modality: Modality, salt: str | None, *, param: str, processing: str = ""
+        self,
+        uuid: str,
+        modality: Modality,
+        salt: str | None,
+        *,
+        param: str,
+        scopes: Mapping[Modality, str] = _NO_SCOPES,
     ) -> RememberedMedia:
+        """The facts of `uuid` sent as `modality` under its kind's preprocessing digest in
+        `scopes`; a uuid sent as another kind (under that kind's digest) is told so."""
+        processing = scopes.get(modality, "")
         key = (salt, uuid, processing)
         with self._lock:
             entry = self._items.get(key)
             if entry is not None:
                 self._items.move_to_end(key)
+            else:  # sent as the other kind, perhaps: remembered under that kind's digest
+                others = (self._items.get((salt, uuid, scope)) for kind, scope in scopes.items()
+                          if kind is not modality)  # fmt: skip
+                entry = next((found for found in others if found is not None), None)
         if entry is None:
             # the salt or the kwargs may be what differs (fuzz73): both are named
             why = (f"send the {modality.value} with its uuid first, under the same "
@@ -367,7 +383,7 @@ async def prepare_chat_prompt(
             _check_frame_seconds(part)
     processing = fetcher.processing_for(request.mm_processor_kwargs) if pixel_parts else None
     processed = await _load_media(pixel_parts, fetcher, processing)
-    scope = _uuid_scope(processing) if processing is not None else ""
+    scopes = _uuid_scopes(processing) if processing is not None else {}
     media, tensors, counts = [], [], []  # counts: (modality, tokens[, frame times])
     for part in parts:
         frame_seconds: tuple[float, ...] = ()
@@ -387,7 +403,7 @@ async def prepare_chat_prompt(
                 frame_seconds = part.frame_seconds
         else:
             item, frame_seconds = _pixel_input(part, processed.get(part.param), tensors,
-                                               request.cache_salt, scope, remember_uuids)  # fmt: skip
+                                               request.cache_salt, scopes, remember_uuids)  # fmt: skip
         media.append(item)
         count = (item.modality.value, item.num_tokens)
         counts.append((*count, frame_seconds) if frame_seconds else count)
@@ -441,12 +457,16 @@ async def _load_media(
     return {p.param: image for p, image in zip(with_url, results, strict=True)}
 
 
-def _uuid_scope(processing: MediaProcessing) -> str:
-    """What a uuid is remembered under besides its salt: the preprocessing settings, of
-    both kinds (a uuid sent as a video and named as an image is told so), as a digest
-    (it travels to the other API processes)."""
-    tag = processing.cache_tag("image") + processing.cache_tag("video")
-    return hashlib.blake2b(tag.encode(), digest_size=8).hexdigest()
+def _uuid_scopes(processing: MediaProcessing) -> dict[Modality, str]:
+    """What a uuid of each kind is remembered under besides its salt: the preprocessing
+    settings of its own kind, as a digest (it travels to the other API processes). Both
+    kinds' together made an image uuid unknown when only a request's `fps` changed."""
+    return {
+        modality: hashlib.blake2b(
+            f"{modality.value}:{processing.cache_tag(modality.value)}".encode(), digest_size=8
+        ).hexdigest()
+        for modality in (Modality.IMAGE, Modality.VIDEO)
+    }
 
 
 def _pixel_input(
@@ -454,14 +474,14 @@ def _pixel_input(
     image: ProcessedImage | None,
     tensors: list[Any],
     salt: str | None,
-    scope: str,
+    scopes: Mapping[Modality, str],
     remember_uuid: bool = True,
 ) -> tuple[MediaInput, tuple[float, ...]]:
     """MediaInput of a processed image or video (`image`), or of a uuid-only part (None),
     and for a video when each temporal patch was shot. A uuid is known only to requests
     of the same `cache_salt`."""
     if image is None:  # uuid only: the engine must hold the encoding already
-        known = UUIDS.lookup(part.uuid, part.modality, salt, param=part.param, processing=scope)  # type: ignore[arg-type]
+        known = UUIDS.lookup(part.uuid, part.modality, salt, param=part.param, scopes=scopes)  # type: ignore[arg-type]
         return MediaInput(
             modality=part.modality,
             content_hash="uuid:" + part.uuid,  # type: ignore[operator]
@@ -474,7 +494,7 @@ def _pixel_input(
     if part.uuid is not None:
         content_hash = "uuid:" + part.uuid
         if remember_uuid:
-            UUIDS.remember(part.uuid, part.modality, salt, image, scope)
+            UUIDS.remember(part.uuid, part.modality, salt, image, scopes.get(part.modality, ""))
     item = media_input(part.modality, image, len(tensors), content_hash)
     tensors.append(image.pixel_levels)  # [num_patches, C * T * P * P] uint8
     return item, image.frame_seconds
