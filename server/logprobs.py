@@ -95,15 +95,15 @@ def echoed_text_offsets(tokenizer: Tokenizer, token_ids: Sequence[int], echoed: 
 
 
 def prompt_logprobs(
-    tokenizer: Tokenizer, scores: Sequence[TokenLogprob]
+    tokenizer: Tokenizer, scores: Sequence[TokenLogprob], num_top: int | None = None
 ) -> list[dict[str, PromptLogprob] | None]:
     """vLLM's `prompt_logprobs`: None for the first prompt token, then per token
     {token id: {logprob, rank, decoded_token}} for the prompt's token and its alternatives
-    (ranked 1.. by likelihood)."""
+    (ranked 1.. by likelihood; the first `num_top` of the scores' own, if given)."""
     result: list[dict[str, PromptLogprob] | None] = [None]
     for score in scores:
         entry = {}
-        for rank, (token_id, logprob) in enumerate(score.top, start=1):
+        for rank, (token_id, logprob) in enumerate(score.top[:num_top], start=1):
             text = _token_text(tokenizer, token_id)[0]
             entry[str(token_id)] = PromptLogprob(logprob=logprob, rank=rank, decoded_token=text)
         text = _token_text(tokenizer, score.token_id)[0]

@@ -22,7 +22,9 @@ class PromptEcho:
 
     text: str | None  # echo: the prompt as given (token ids: decoded)
     num_logprobs: int | None  # the request's `logprobs`
-    with_prompt_logprobs: bool
+    # The request's vLLM `prompt_logprobs`: the engine scored the prompt with as many
+    # alternatives as the echo's `logprobs` asked for, if more (fuzz77: all went out).
+    num_prompt_logprobs: int | None
     tokens_as_ids: bool = False  # return_tokens_as_token_ids
 
     @classmethod
@@ -38,7 +40,7 @@ class PromptEcho:
             text = prompt if isinstance(prompt, str) and not truncated else processor.decode(
                 prompt_token_ids, skip_special_tokens=False
             )  # fmt: skip
-        return cls(text, request.logprobs, request.prompt_logprobs is not None,
+        return cls(text, request.logprobs, request.prompt_logprobs,
                    request.return_tokens_as_token_ids)  # fmt: skip
 
     def logprobs(
@@ -75,6 +77,6 @@ class PromptEcho:
                     text_offset=prompt.text_offset + logprobs.text_offset,
                 )
         vllm_scores = None
-        if self.with_prompt_logprobs:
-            vllm_scores = prompt_logprobs(tokenizer, scores or [])
+        if self.num_prompt_logprobs is not None:
+            vllm_scores = prompt_logprobs(tokenizer, scores or [], self.num_prompt_logprobs)
         return echoed, logprobs, vllm_scores

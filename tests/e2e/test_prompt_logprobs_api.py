@@ -5,6 +5,8 @@ which tests/parity/test_prompt_logprobs.py holds to transformers."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from tokenizers import Tokenizer
 
@@ -177,3 +179,21 @@ def test_every_choice_shows_the_prompt_scores_once_computed(http, offline):
             "max_tokens": 2, "prompt_logprobs": 0}  # fmt: skip
     single = http.post("/v1/chat/completions", json={**chat, "n": 1}).json()["prompt_logprobs"]
     assert http.post("/v1/chat/completions", json=chat).json()["prompt_logprobs"] == single
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_prompt_logprobs_keep_their_own_count_beside_the_echos_logprobs(http, stream):
+    """With `echo` and `logprobs: 4` the engine scores the prompt with 4 alternatives, and
+    `prompt_logprobs: 1` went out with all 4 too (fuzz77); vLLM's field gives what it asks."""
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 1, "temperature": 0,
+            "echo": True, "logprobs": 4, "prompt_logprobs": 1, "stream": stream}  # fmt: skip
+    response = http.post("/v1/completions", json=body)
+    if stream:
+        chunks = [json.loads(line[6:]) for line in response.text.splitlines()
+                  if line.startswith("data: {")]  # fmt: skip
+        choice = next(c["choices"][0] for c in chunks if c["choices"][0].get("prompt_logprobs"))
+    else:
+        choice = response.json()["choices"][0]
+    entries = choice["prompt_logprobs"][1:]
+    assert entries and all(1 <= len(entry) <= 2 for entry in entries)  # the token, its best
+    assert all(len(top) >= 4 for top in choice["logprobs"]["top_logprobs"][1:])
