@@ -12,7 +12,15 @@ from __future__ import annotations
 import functools
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    Field,
+    StrictBool,
+    StrictInt,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from engine.errors import InvalidRequest
 from engine.protocol import StructuredOutput
@@ -119,10 +127,12 @@ class SamplingFields(RequestModel):
         default=None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS
     )
     # vLLM's: logprobs name their tokens "token_id:{id}" (a token may be part of a character)
-    return_tokens_as_token_ids: bool = False
+    # The logprob fields are strict: `logprobs: false` was read as 0, the chosen token's
+    # logprob, and turned them on (fuzz77).
+    return_tokens_as_token_ids: StrictBool = False
     # vLLM's: score every prompt token, with this many alternatives (the answer's
     # `prompt_logprobs`: null for the first token, then {token id: {logprob, rank, ...}}).
-    prompt_logprobs: int | None = Field(default=None, ge=0)  # <= --max-logprobs
+    prompt_logprobs: StrictInt | None = Field(default=None, ge=0)  # <= --max-logprobs
     # vLLM's: with --scheduling-policy priority, lower runs first (else only 0 is allowed).
     priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
     # vLLM's: the prompt shares prefix-cache blocks only with requests of the same salt
@@ -228,8 +238,8 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0)  # <= --max-logprobs
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(default=None, ge=0)  # <= --max-logprobs
     mm_processor_kwargs: MediaProcessingOptions | None = None
     include_reasoning: bool = True  # vLLM's: false leaves the thinking out of the answer
     # OpenAI's fields that would change the answer and that Tessera does not serve: refused
@@ -344,7 +354,7 @@ class CompletionRequest(SamplingFields):
     # OpenAI's and vLLM's default; null: as many as the context has room for. 0: with
     # echo, the prompt only.
     max_tokens: int | None = Field(default=16, ge=0)
-    logprobs: int | None = Field(default=None, ge=0)  # <= --max-logprobs
+    logprobs: StrictInt | None = Field(default=None, ge=0)  # <= --max-logprobs
     echo: bool = False
 
     _null_echo = field_validator("echo", mode="before")(null_is_the_default)

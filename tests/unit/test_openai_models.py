@@ -386,3 +386,26 @@ def test_a_tool_of_another_type_is_refused_by_its_type():
     error = invalid({**BASE, "tools": [{"type": "custom", "custom": {"name": "grep"}}]})
     assert error.status == 400 and error.param == "tools[0]"
     assert error.message.endswith("only function tools are supported, not 'custom'")
+
+
+@pytest.mark.parametrize(
+    "model, fields, param",
+    [
+        (CompletionRequest, {"prompt": "hi", "logprobs": False}, "logprobs"),
+        (CompletionRequest, {"prompt": "hi", "logprobs": True}, "logprobs"),
+        (CompletionRequest, {"prompt": "hi", "logprobs": "3"}, "logprobs"),
+        (CompletionRequest, {"prompt": "hi", "prompt_logprobs": False}, "prompt_logprobs"),
+        (ChatCompletionRequest, {"logprobs": True, "top_logprobs": True}, "top_logprobs"),
+        (ChatCompletionRequest, {"logprobs": 1}, "logprobs"),
+        (ChatCompletionRequest, {"return_tokens_as_token_ids": "yes"}, "return_tokens_as_token_ids"),
+    ],
+)
+def test_the_logprob_fields_take_their_own_types_only(model, fields, param):
+    """`logprobs: false` on a completion was read as 0 (the chosen token's logprob) and
+    turned logprobs on; `true` and `"3"` were 1 and 3 (fuzz77). OpenAI refuses them."""
+    body = {"model": "m", **fields}
+    if model is ChatCompletionRequest:
+        body["messages"] = BASE["messages"]
+    with pytest.raises(ValidationError) as info:
+        model.model_validate(body)
+    assert validation_error_to_invalid(info.value.errors()).param == param
