@@ -28,6 +28,14 @@ if TYPE_CHECKING:
     from engine.structured_output import GrammarMatcher
 
 
+def cpu_seed(seed: int) -> int:
+    """A request's seed for torch's CPU generator, which keeps only the low 32 bits (seeds
+    2**32 apart sampled alike, vLLM's too): the high half is mixed into the low one. A
+    seed in [0, 2**32) is itself, as torch.manual_seed takes it."""
+    bits = seed & (2**64 - 1)  # torch's reading of a negative seed
+    return (bits ^ ((bits >> 32) * 0x9E3779B9)) & (2**32 - 1)
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -151,7 +159,10 @@ class Request:
         if self.sampling.seed is None:
             return None
         if self._generator is None:
-            self._generator = torch.Generator(device=device).manual_seed(self.sampling.seed)
+            seed = self.sampling.seed
+            if device.type == "cpu":
+                seed = cpu_seed(seed)
+            self._generator = torch.Generator(device=device).manual_seed(seed)
         return self._generator
 
     def allowed_tokens(self) -> torch.Tensor | None:

@@ -185,6 +185,23 @@ def test_a_seeded_request_draws_on_the_device_that_samples_it():
     assert Request("s", [1], SamplingParams()).generator_on(torch.device("cpu")) is None
 
 
+@pytest.mark.parametrize("seed", [5, 2**31, -1, -(2**63), 2**63 - 1])
+def test_cpu_seeds_2_to_the_32_apart_draw_differently(seed):
+    """torch's CPU generator keeps a seed's low 32 bits: seeds 2**32 apart drew alike
+    (fuzz78). The high half is mixed in; a seed below 2**32 draws as torch's own."""
+
+    def draws(seed: int) -> torch.Tensor:
+        request = Request("r", [1], SamplingParams(seed=seed, temperature=1.0))
+        return torch.rand(8, generator=request.generator_on(torch.device("cpu")))
+
+    others = [s for s in (seed + 2**32, seed - 2**32, seed + 2**33) if -(2**63) <= s < 2**63]
+    assert all(not torch.equal(draws(seed), draws(other)) for other in others)
+    if 0 <= seed < 2**32:
+        assert torch.equal(
+            draws(seed), torch.rand(8, generator=torch.Generator().manual_seed(seed))
+        )
+
+
 def dense_presence_and_frequency(logits, rows, newest=None):
     """OpenAI's penalties through a dense [S, V] count of the outputs, as the sampler
     computed them before it touched only the tokens a row has output: the reference."""
