@@ -228,11 +228,15 @@ class PromptProcessor:
             join_text=not takes_content_parts(template_source),
             developer_as_system="developer" not in template_source,
         )
+        if continue_final_message:
+            normalized = _tag_final_message(normalized)
         context.update(
             messages=normalized, tools=tools, add_generation_prompt=add_generation_prompt
         )
         text = render_template(template, context, request_template=chat_template is not None)
-        return _cut_after_final_message(text, normalized) if continue_final_message else text
+        if not continue_final_message:
+            return text
+        return _cut_at_tag(text, final_message_text(messages), len(normalized) - 1)
 
     # ------------------------------------------------------------------ tokens
 
@@ -415,23 +419,40 @@ def final_message_text(messages: list[dict]) -> str:
     return content
 
 
-def _cut_after_final_message(text: str, messages: list[dict]) -> str:
-    """`text` (a rendered chat) up to the end of the last message's text, where the
-    template would close the turn. Templates may strip a message's surrounding blanks, so
-    the stripped text is looked for, and its trailing blanks are kept only where the
-    template kept them (as transformers' `continue_final_message` does)."""
-    content = final_message_text(messages)
-    start = text.rfind(content.strip())
-    if start < 0:
+# Marks where the final message's text ends in the rendering (transformers' tag, so that
+# a template that trims it trims it alike).
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _tag_final_message(messages: list[dict]) -> list[dict]:
+    """`messages` with CONTINUE_TAG after the last message's text (its last part's)."""
+    final_message_text(messages)  # there is text to continue
+    last = dict(messages[-1])
+    content = last["content"]
+    if isinstance(content, list):
+        content = [*content[:-1], {**content[-1], "text": content[-1]["text"] + CONTINUE_TAG}]
+    else:
+        content = content + CONTINUE_TAG
+    last["content"] = content
+    return [*messages[:-1], last]
+
+
+def _cut_at_tag(text: str, final_text: str, index: int) -> str:
+    """`text` (a chat rendered with the final message tagged) up to the end of that
+    message's text, where the template would close the turn, as transformers'
+    `continue_final_message` cuts it: where the tag kept its blank, the text kept its
+    trailing blanks; else the template trimmed them. (The text itself was looked for: a
+    prefill that also occurs in the turn's end, "e" in `<|im_end|>`, was cut after that.)"""
+    at = text.rfind(CONTINUE_TAG.strip())
+    if at < 0 or final_text.strip() not in text:
         raise InvalidRequest(
             "continue_final_message: the chat template does not write the last message's "
             "text as it was given, so it cannot be continued",
-            param=f"messages[{len(messages) - 1}].content",
+            param=f"messages[{index}].content",
         )
-    unpadded = content.lstrip()
-    if text[start : start + len(unpadded)] == unpadded:
-        return text[: start + len(unpadded)]
-    return text[: start + len(content.strip())]
+    if text.startswith(CONTINUE_TAG, at):
+        return text[:at]
+    return text[:at].rstrip()
 
 
 def _normalize_part(part: Any, param: str) -> dict:

@@ -104,6 +104,13 @@ PREFILLED = [
         {"role": "assistant", "content": [{"type": "text", "text": "It shows  "}]},
     ],
     [{"role": "user", "content": "Count: one, two,"}],  # any role can be continued
+    # Prefills the turn's end also holds: the cut was after their last place in the text,
+    # inside `<|im_end|>` (fuzz79)
+    *(
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": prefill}]
+        for prefill in ("e", "end", "<", "|>", "im")
+    ),
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "  so  "}],
 ]
 
 
