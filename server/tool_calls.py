@@ -360,8 +360,9 @@ def _with_object_arguments(call: dict[str, Any]) -> dict[str, Any]:
     function = call.get("function") or {}
     arguments = function.get("arguments")
     if isinstance(arguments, str):
-        try:
-            parsed = json.loads(arguments)
+        try:  # empty or null: no arguments, as vLLM reads them ("" wrote `"arguments": }`)
+            parsed = json.loads(arguments) if arguments.strip() else {}
+            parsed = {} if parsed is None else parsed
         except _NOT_JSON:
             parsed = arguments  # not JSON: the template writes the string as it came
         # A "\ud800" escape in the JSON text decodes to a lone surrogate, which no tokenizer

@@ -122,6 +122,15 @@ def test_arguments_become_objects_for_the_template():
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == '{"x": 1}'  # untouched
 
 
+@pytest.mark.parametrize("arguments", ["", "  ", "null"])
+def test_empty_arguments_are_no_arguments(arguments):
+    """An earlier call with `arguments: ""` reached the template as "", and Qwen3's wrote
+    `"arguments": }` (fuzz79); vLLM reads empty and null arguments as {}."""
+    messages = [{"role": "assistant", "tool_calls": [
+        {"id": "1", "function": {"name": "f", "arguments": arguments}}]}]  # fmt: skip
+    assert arguments_as_objects(messages)[0]["tool_calls"][0]["function"]["arguments"] == {}
+
+
 def test_arguments_whose_json_escapes_a_lone_surrogate_stay_text():
     """'{"city": "\\ud800"}' decodes to a lone surrogate, which the tokenizer refused: a
     500 for a conversation that replays such a call. The template gets the text instead."""
