@@ -26,7 +26,7 @@ from engine.multimodal.prompt import PromptProcessor
 from server.admission import AdmissionController, ServerDraining, SharedCounts
 from server.app_state import AppState, load_sampling_defaults, make_fetcher
 from server.auth import check_api_key
-from server.chat import UUIDS, media_parts, messages_as_dicts, prepare_chat_prompt
+from server.chat import UUIDS, prepare_chat_prompt
 from server.completions import (
     chat_response,
     completion_response,
@@ -62,7 +62,6 @@ from server.responses import ResponsesRequest, chat_request
 from server.sampling_params import check_structured_output, check_token_ids
 from server.settings import ServerSettings
 from server.streaming import stream_chat, stream_completion
-from server.tool_calls import arguments_as_objects
 from server.unicode_check import check_request_text
 
 logger = logging.getLogger(__name__)
@@ -336,24 +335,15 @@ def _add_api_routes(api: APIRouter) -> None:
         state = _state(request)
         state.check_model(body.model)
         _check_chat_template_trusted(state, body)
-        if body.messages is not None and media_parts(body.messages):
-            tokens = await unless_client_leaves(request, _chat_tokens_with_media(state, body))
-            return _tokenized(state, body, tokens)
         if body.messages is not None:
-            # As a chat renders them: earlier calls' arguments as objects, and the tools
-            tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()]
-            text = state.processor.render_chat(
-                arguments_as_objects(messages_as_dicts(body.messages)),
-                tools=tools or None,
-                **body.template_options,
-            )
-        elif body.prompt is not None:
-            text = body.prompt
-        else:
+            tokens = await unless_client_leaves(request, _chat_tokens(state, body))
+            return _tokenized(state, body, tokens)
+        if body.prompt is None:
             raise InvalidRequest("give either 'prompt' or 'messages'", param="prompt")
+        text = body.prompt
         # A raw prompt gets the tokenizer's BOS as /v1/completions does, unless asked not to.
-        raw_prompt = body.messages is None and body.add_special_tokens
-        encode = state.processor.encode_prompt if raw_prompt else state.processor.encode
+        processor = state.processor
+        encode = processor.encode_prompt if body.add_special_tokens else processor.encode
         # No bound here: counting a text longer than the context is what /tokenize is for.
         tokens = await tokenised_off_the_loop_if_long(functools.partial(encode, text), text)
         return _tokenized(state, body, tokens)
@@ -374,11 +364,13 @@ def _tokenized(state: AppState, body: TokenizeRequest, tokens: list[int]) -> dic
     return answer
 
 
-async def _chat_tokens_with_media(state: AppState, body: TokenizeRequest) -> list[int]:
-    """The tokens a chat with images or videos feeds the model: each item's placeholders
-    expanded to its size, its media fetched and preprocessed as the chat's are (vLLM's
-    /tokenize does the same; one placeholder an item counted 32 tokens for a 35-token
-    chat). No bound on the length: counting is what /tokenize is for."""
+async def _chat_tokens(state: AppState, body: TokenizeRequest) -> list[int]:
+    """The tokens a chat feeds the model, prepared as /v1/chat/completions prepares them:
+    rendered and tokenized off the event loop (a slow request template held /health for
+    12 s, fuzz79), with the same checks, and each image's or video's placeholders expanded
+    to its size, its media fetched and preprocessed (vLLM's /tokenize does the same; one
+    placeholder an item counted 32 tokens for a 35-token chat). No bound on the length:
+    counting is what /tokenize is for."""
     fields = body.model_dump(exclude_none=True, include={
         "messages", "tools", "add_generation_prompt", "continue_final_message",
         "chat_template_kwargs", "chat_template", "mm_processor_kwargs", "cache_salt"})  # fmt: skip

@@ -109,6 +109,39 @@ def test_a_grammar_waits_for_the_thinking_a_template_opens(model_dir):
         assert engine.requests[-1].sampling.structured_output_after == ()  # no grammar
 
 
+def test_tokenize_renders_a_chat_off_the_event_loop(model_dir):
+    """/tokenize rendered a text chat on the event loop: a slow (trusted) request template
+    held /health for 12 s (fuzz79). It renders as a chat does, in a thread, with a chat's
+    checks: a chat's literal image placeholder is refused there too."""
+    import threading
+    import time
+
+    slow = ("{% for i in range(100000) %}{% for j in range(40) %}{% endfor %}{% endfor %}"
+            "{% for m in messages %}{{ m['content'] }}{% endfor %}")  # fmt: skip
+    client, _ = client_for(model_dir, trust_request_chat_template=True)
+    body = {"messages": [{"role": "user", "content": "hi"}], "chat_template": slow}
+    finished: list[float] = []
+    with client:
+        worker = threading.Thread(
+            target=lambda: finished.append(
+                (client.post("/tokenize", json=body).status_code, time.monotonic())
+            )
+        )
+        worker.start()
+        time.sleep(0.3)  # the render is under way
+        assert client.get("/health").status_code == 200
+        answered = time.monotonic()
+        worker.join()
+        ((status, tokenized),) = finished
+        assert status == 200 and answered < tokenized
+        placeholder = {"messages": [{"role": "user", "content": "a <|image_pad|> b"}]}
+        assert (
+            client.post("/tokenize", json=placeholder).status_code
+            == chat(client, messages=placeholder["messages"]).status_code
+            == 400
+        )
+
+
 def api_processes(settings: ServerSettings, model_dir):
     """The apps of `settings.api_server_count` API processes over one fake engine, and the
     shared admission counts they admit against, as the launcher gives them."""
