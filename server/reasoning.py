@@ -164,7 +164,10 @@ def count_reasoning_tokens(
             again = (detokenizer.mark(), copy.copy(splitter), length)
         chunk = token_ids[length : length + _COUNT_CHUNK]
         splitter.feed(detokenizer.step(chunk))
-        if splitter.in_thinking:
+        # The last chunk's text may stay held (an answer cut inside a character), and a
+        # </think> in it with it (fuzz80): that chunk is read token by token too.
+        held_at_the_end = length + len(chunk) == len(token_ids) and detokenizer.is_holding
+        if splitter.in_thinking and not held_at_the_end:
             length += len(chunk)
             continue
         mark, splitter, length = again

@@ -3,6 +3,7 @@ stream: the same reasoning and content as the whole answer gives."""
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -137,11 +138,26 @@ def test_counting_in_chunks_gives_each_tokens_own_count(marker_tokenizer, seed):
     opened = rng.random() < 0.5
     if not opened:
         ids = [marker_tokenizer.token_to_id(THINK_START), *ids]
+    if seed % 3 == 0:  # cut inside a character: the text of the last chunk stays held
+        ids += marker_tokenizer.encode("🎉", add_special_tokens=False).ids[:-1]
     expected = one_by_one(marker_tokenizer, ids, opened=opened)
     count = count_reasoning_tokens(
         marker_tokenizer, IncrementalDetokenizer(marker_tokenizer), ids, opened=opened
     )
     assert count == expected
+
+
+@pytest.mark.parametrize("opened", [False, True])
+def test_an_answer_cut_inside_a_character_is_counted_to_its_end(marker_tokenizer, opened):
+    """The last chunk's text stayed held when the answer ended inside a character, and the
+    </think> in it was never read: every token counted, or none (fuzz80)."""
+    encode = functools.partial(marker_tokenizer.encode, add_special_tokens=False)
+    ids = ([] if opened else encode(THINK_START).ids) + encode(" so" * 300).ids
+    ids += encode(THINK_END + "ok 🎉").ids[:-1]
+    count = count_reasoning_tokens(
+        marker_tokenizer, IncrementalDetokenizer(marker_tokenizer), ids, opened=opened
+    )
+    assert count == one_by_one(marker_tokenizer, ids, opened=opened) == len(encode(" so" * 300).ids)
 
 
 def test_chunk_edges_are_read_exactly(marker_tokenizer):
