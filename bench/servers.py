@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -129,12 +129,14 @@ def tiny_server(
     *extra: str,
     engine_threads: int | None = None,
     repo: Path = REPO_ROOT,
+    env: Mapping[str, str] | None = None,
 ) -> Iterator[tuple[str, subprocess.Popen]]:
     """`python -m server.cli serve` from `repo` (this checkout by default; another one for
     a baseline) on `model_dir` (served as TINY_MODEL_NAME) on a free port with `extra`
     flags, logging to `log` (a `.log` file); yields (base URL, process). `engine_threads`
     sets OMP_NUM_THREADS (one leaves the other core to the client). It takes no API key
-    from the caller's environment (its clients send none); pass `--api-key` for one."""
+    from the caller's environment (its clients send none); pass `--api-key` for one.
+    `env`: more environment variables for the server."""
     if log.suffix != ".log":
         raise ValueError(f"the server log must be a .log file, got {log}")
     port = free_port()
@@ -142,10 +144,10 @@ def tiny_server(
         sys.executable, "-m", "server.cli", "serve", "--model", str(model_dir),
         "--host", HOST, "--port", str(port), "--served-model-name", TINY_MODEL_NAME, *extra,
     ]  # fmt: skip
-    env = {"PYTHONPATH": repo_pythonpath(repo), "TESSERA_API_KEY": "none"}
+    variables = {"PYTHONPATH": repo_pythonpath(repo), "TESSERA_API_KEY": "none", **(env or {})}
     if engine_threads is not None:
-        env["OMP_NUM_THREADS"] = str(engine_threads)
-    spec = ServerSpec(log.stem, command, env, cwd=repo)
+        variables["OMP_NUM_THREADS"] = str(engine_threads)
+    spec = ServerSpec(log.stem, command, variables, cwd=repo)
     with started(spec, port, log.parent, 180.0) as server:
         yield server
 

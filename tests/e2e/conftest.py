@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import shutil
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -41,17 +43,33 @@ def _tail(log_path: Path, num_chars: int = 4000) -> str:
 
 
 @contextlib.contextmanager
-def run_server(model_dir: Path, log_path: Path, *extra: str) -> Iterator[ServerHandle]:
-    """`bench.servers.tiny_server` with the e2e flags and one engine thread; a server that
-    does not come up fails the test with the tail of its log."""
+def run_server(
+    model_dir: Path, log_path: Path, *extra: str, env: dict[str, str] | None = None
+) -> Iterator[ServerHandle]:
+    """`bench.servers.tiny_server` with the e2e flags and one engine thread (and `env`);
+    a server that does not come up fails the test with the tail of its log."""
     with contextlib.ExitStack() as stack:
         try:
             base_url, process = stack.enter_context(
-                tiny_server(model_dir, log_path, *TINY_SERVER_FLAGS, *extra, engine_threads=1)
+                tiny_server(
+                    model_dir, log_path, *TINY_SERVER_FLAGS, *extra, engine_threads=1, env=env
+                )
             )
         except RuntimeError as exc:  # exited or never healthy
             pytest.fail(f"{exc}:\n{_tail(log_path)}")
         yield ServerHandle(base_url, process, model_dir, log_path)
+
+
+@pytest.fixture
+def private_tmpdir() -> Iterator[Path]:
+    """A temporary folder of the test's own, for a server's TMPDIR: the folders its
+    processes make there are its alone, whatever other test workers' servers make in
+    /tmp meanwhile. Short, as a unix socket's path must be (108 bytes)."""
+    folder = Path(tempfile.mkdtemp(prefix="t-"))
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def is_gone(pid: int) -> bool:

@@ -14,10 +14,10 @@ import socket
 import struct
 import subprocess
 import sys
-import tempfile
 import time
 import zlib
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -139,19 +139,19 @@ def test_a_stopped_engine_fails_its_requests_instead_of_holding_them(model_dir, 
                 os.kill(engine, signal.SIGKILL)
 
 
-def _run_dirs() -> set[str]:
-    """The servers' private folders (ipc sockets; metrics files with several API processes)."""
-    return set(glob.glob(f"{tempfile.gettempdir()}/tessera-*")) - set(
-        glob.glob(f"{tempfile.gettempdir()}/tessera-tp-*"))  # fmt: skip
+def _run_dirs(tmpdir: Path) -> set[str]:
+    """A server's private folders in its `tmpdir` (ipc sockets; metrics files with several
+    API processes)."""
+    return set(glob.glob(f"{tmpdir}/tessera-*")) - set(glob.glob(f"{tmpdir}/tessera-tp-*"))
 
 
-def test_server_sigkill_engine_exits(model_dir, tmp_path):
+def test_server_sigkill_engine_exits(model_dir, tmp_path, private_tmpdir):
     """The engine notices its parent is gone, exits, and removes the folder of the server's
     sockets, which a server killed with SIGKILL could not (it stayed behind: fuzz47)."""
-    before = _run_dirs()
-    with run_server(model_dir, tmp_path / "server_killed.log") as handle:
+    with run_server(model_dir, tmp_path / "server_killed.log",
+                    env={"TMPDIR": str(private_tmpdir)}) as handle:  # fmt: skip
         children = child_pids(handle.process.pid)
-        run_dirs = _run_dirs() - before
+        run_dirs = _run_dirs(private_tmpdir)
         assert run_dirs  # this server's
         body = _long(max_tokens=1900, stream=True)
         stream, _, started = stream_in_background(handle.base_url, body)
@@ -160,7 +160,7 @@ def test_server_sigkill_engine_exits(model_dir, tmp_path):
         handle.process.wait(10)
         stream.join(30)
         wait_all_gone(children, timeout=5)  # the engine noticed its parent is gone
-    assert not run_dirs & _run_dirs()
+    assert not _run_dirs(private_tmpdir)
 
 
 def test_many_clients_disconnect_after_the_first_chunk(busy_server):

@@ -11,7 +11,6 @@ import contextlib
 import glob
 import os
 import signal
-import tempfile
 import time
 
 import httpx
@@ -124,14 +123,14 @@ def test_a_hung_worker_is_not_left_behind_by_a_shutdown(model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("busy", [False, True], ids=["idle", "mid-forward"])
-def test_a_dead_engine_process_takes_its_worker_along(model_dir, tmp_path, busy):
+def test_a_dead_engine_process_takes_its_worker_along(model_dir, tmp_path, busy, private_tmpdir):
     """Mid-forward, the worker's collective fails (exit 1), and it left the engine's
     private folder behind too (fuzz38)."""
-    before = set(glob.glob(f"{tempfile.gettempdir()}/tessera-tp-*"))
-    with run_server(model_dir, tmp_path / "tp.log", "--tensor-parallel-size", "2") as handle:
+    with run_server(model_dir, tmp_path / "tp.log", "--tensor-parallel-size", "2",
+                    env={"TMPDIR": str(private_tmpdir)}) as handle:  # fmt: skip
         engine = engine_pid(handle.process.pid)
         [worker] = _shard_workers(engine)
-        tp_dirs = set(glob.glob(f"{tempfile.gettempdir()}/tessera-tp-*")) - before
+        tp_dirs = set(glob.glob(f"{private_tmpdir}/tessera-tp-*"))
         assert tp_dirs  # this engine's
         if busy:
             body = {**_question(max_tokens=2000), "ignore_eos": True, "stream": True}
@@ -143,7 +142,7 @@ def test_a_dead_engine_process_takes_its_worker_along(model_dir, tmp_path, busy)
             thread.join(30)
     _wait_gone(worker, "the tensor-parallel worker")  # its parent is gone
     # and it removed the engine's private folder, which the engine could not (fuzz33)
-    assert not tp_dirs & set(glob.glob(f"{tempfile.gettempdir()}/tessera-tp-*"))
+    assert not glob.glob(f"{private_tmpdir}/tessera-tp-*")
 
 
 def test_a_size_the_model_cannot_split_stops_the_server_with_the_reason(model_dir, tmp_path):
