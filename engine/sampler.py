@@ -31,6 +31,7 @@ from engine.device_io import HostCopy, copy_to_host, to_device
 from engine.held_tokens import HeldRows, HeldTokens
 from engine.penalties import InFlightOutputs, apply_penalties
 from engine.protocol import SamplingParams, TokenLogprob
+from engine.request import cpu_seed
 
 if TYPE_CHECKING:
     from engine.request import Request
@@ -113,7 +114,8 @@ class Sampler:
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
-            self._generators[device] = torch.Generator(device=device).manual_seed(self._seed)
+            seed = cpu_seed(self._seed) if device.type == "cpu" else self._seed
+            self._generators[device] = torch.Generator(device=device).manual_seed(seed)
         return self._generators[device]
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:

@@ -202,6 +202,14 @@ def test_cpu_seeds_2_to_the_32_apart_draw_differently(seed):
         )
 
 
+def test_engine_seeds_2_to_the_32_apart_draw_differently_on_cpu():
+    """The engine-wide --seed (unseeded requests) had the same 32-bit cut (fuzz80)."""
+    cpu = torch.device("cpu")
+    draws = [torch.rand(8, generator=Sampler(seed)._generator(cpu)) for seed in (7, 7 + 2**32)]
+    assert not torch.equal(*draws)
+    assert torch.equal(draws[0], torch.rand(8, generator=torch.Generator().manual_seed(7)))
+
+
 def dense_presence_and_frequency(logits, rows, newest=None):
     """OpenAI's penalties through a dense [S, V] count of the outputs, as the sampler
     computed them before it touched only the tokens a row has output: the reference."""
