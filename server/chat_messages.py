@@ -113,7 +113,8 @@ ContentPart = Annotated[
 
 class FunctionCall(RequestModel):
     name: str = Field(max_length=MAX_TOOL_NAME_CHARS)
-    arguments: str | dict[str, Any] = "{}"  # OpenAI sends JSON text
+    # OpenAI sends JSON text; null is no arguments, as vLLM reads it (server/tool_calls.py)
+    arguments: str | dict[str, Any] | None = "{}"
 
 
 class ToolCallMessagePart(RequestModel):

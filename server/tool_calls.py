@@ -359,7 +359,9 @@ def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
 def _with_object_arguments(call: dict[str, Any]) -> dict[str, Any]:
     function = call.get("function") or {}
     arguments = function.get("arguments")
-    if isinstance(arguments, str):
+    if arguments is None:  # null (or left out): no arguments
+        arguments = {}
+    elif isinstance(arguments, str):
         try:  # empty or null: no arguments, as vLLM reads them ("" wrote `"arguments": }`)
             parsed = json.loads(arguments) if arguments.strip() else {}
             parsed = {} if parsed is None else parsed

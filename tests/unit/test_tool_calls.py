@@ -122,7 +122,7 @@ def test_arguments_become_objects_for_the_template():
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == '{"x": 1}'  # untouched
 
 
-@pytest.mark.parametrize("arguments", ["", "  ", "null"])
+@pytest.mark.parametrize("arguments", ["", "  ", "null", None])
 def test_empty_arguments_are_no_arguments(arguments):
     """An earlier call with `arguments: ""` reached the template as "", and Qwen3's wrote
     `"arguments": }` (fuzz79); vLLM reads empty and null arguments as {}."""
@@ -418,3 +418,15 @@ def test_a_whole_answer_splits_as_its_stream_does(plan, text):
     whole = (content, [(call.name, call.arguments) for call in calls])
     for chunk in (1, 5, len(text)):
         assert streamed_message(plan, text, chunk) == whole, chunk
+
+
+def test_a_replayed_call_may_have_null_arguments():
+    """`arguments: null` was a 400 ("Input should be a valid string"); vLLM reads it as {}
+    (fuzz80)."""
+    from server.openai_models import ChatCompletionRequest
+
+    request = ChatCompletionRequest.model_validate({"model": "m", "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "tool_calls": [
+            {"id": "1", "type": "function", "function": {"name": "f", "arguments": None}}]}]})  # fmt: skip
+    assert request.messages[1].tool_calls[0].function.arguments is None
