@@ -29,9 +29,9 @@ if TYPE_CHECKING:
 
 
 def cpu_seed(seed: int) -> int:
-    """A request's seed for torch's CPU generator, which keeps only the low 32 bits (seeds
-    2**32 apart sampled alike, vLLM's too): the high half is mixed into the low one. A
-    seed in [0, 2**32) is itself, as torch.manual_seed takes it."""
+    """A seed (a request's, or the engine's --seed) for torch's CPU generator, which keeps
+    only the low 32 bits (seeds 2**32 apart sampled alike, vLLM's too): the high half is
+    mixed into the low one. A seed in [0, 2**32) is itself, as torch.manual_seed takes it."""
     bits = seed & (2**64 - 1)  # torch's reading of a negative seed
     return (bits ^ ((bits >> 32) * 0x9E3779B9)) & (2**32 - 1)
 

@@ -122,7 +122,8 @@ class GenerationJob:
 
     def count_reasoning(self, tokenizer: Tokenizer, token_ids: Sequence[int]) -> int | None:
         """How many of one choice's tokens are its thinking (usage's `reasoning_tokens`),
-        read one by one as the reasoning parser reads their text; None without a parser."""
+        as the reasoning parser reads their text (server/reasoning.py
+        `count_reasoning_tokens`); None without a parser."""
         if self.thinking_opened is None:
             return None
         detokenizer = IncrementalDetokenizer(tokenizer, self.prompt.token_ids,
