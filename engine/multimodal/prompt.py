@@ -412,7 +412,7 @@ def final_message_text(messages: list[dict]) -> str:
                 param=param,
             )
         content = content[-1].get("text")
-    if not isinstance(content, str) or not content.strip():
+    if not isinstance(content, str):  # empty or blank text continues, as in transformers
         raise InvalidRequest(
             "continue_final_message needs text in the last message to continue", param=param
         )

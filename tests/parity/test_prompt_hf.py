@@ -111,6 +111,9 @@ PREFILLED = [
         for prefill in ("e", "end", "<", "|>", "im")
     ),
     [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "  so  "}],
+    # blank prefills continue (they were refused: the text itself was looked for; fuzz79)
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": " \n "}],
 ]
 
 

@@ -272,7 +272,6 @@ def test_continue_final_message_leaves_the_last_turn_open(processor):
     [
         ("Go on", {"add_generation_prompt": True}, "continue_final_message", "cannot be combined"),
         ([{"type": "text", "text": "A"}, IMAGE_URL], {}, "messages[1].content", "text part"),
-        ("   ", {}, "messages[1].content", "needs text"),
         (None, {}, "messages[1].content", "needs text"),
     ],
 )
