@@ -72,8 +72,9 @@ class ResponseShaper:
         self.reasoning_tokens = 0  # of the answer's, once `count_reasoning` has its tokens
 
     def count_reasoning(self, token_ids: Sequence[int]) -> None:
-        """`usage.output_tokens_details.reasoning_tokens`: the answer's tokens, read one
-        by one as the reasoning parser reads their text, up to the end of its thinking."""
+        """`usage.output_tokens_details.reasoning_tokens`: the answer's tokens up to the end
+        of its thinking, as the reasoning parser reads their text
+        (`GenerationJob.count_reasoning`)."""
         self.reasoning_tokens = self.job.count_reasoning(self.tokenizer, token_ids) or 0
 
     def response(
