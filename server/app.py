@@ -25,7 +25,6 @@ from engine.errors import EngineDeadError, InvalidRequest
 from engine.multimodal.prompt import PromptProcessor
 from server.admission import AdmissionController, ServerDraining, SharedCounts
 from server.app_state import AppState, load_sampling_defaults, make_fetcher
-from server.auth import check_api_key
 from server.chat import UUIDS, prepare_chat_prompt
 from server.completions import (
     chat_response,
@@ -169,13 +168,11 @@ def build_app(
         max_body_bytes=settings.max_request_body_bytes,
         read_timeout_s=settings.request_read_timeout_s,
     )
-    async def require_api_key(request: Request) -> None:
-        check_api_key(request, settings.api_key)
-
+    app.state.api_key = settings.api_key  # checked before the body is read (json_body.py)
     app.state.max_json_containers = settings.max_request_json_containers  # server/json_body.py
     app.state.field_limits = FieldLimits.of(settings)  # server/json_body.py
     api = APIRouter(
-        dependencies=[Depends(require_api_key), Depends(check_request_text)],
+        dependencies=[Depends(check_request_text)],
         route_class=BoundedJsonRoute,
     )
     # Outermost: logs, ids and counts every request, refusals included.

@@ -12,8 +12,12 @@ refused. The parser's other failures (a 10^5-digit number, nesting past the recu
 limit) become the JSON error every malformed body gets; they were a bare "There was an
 error parsing the body".
 
-The route also applies the app's request field limits (`app.state.field_limits`,
-server/field_limits.py) while it validates the body and runs the handler.
+The route also checks the API key (`app.state.api_key`, server/auth.py) before it reads
+the body: as a FastAPI dependency it ran after the parse, so a client without the key had
+the server parse a body of up to --max-request-body-bytes and got its 400 or 413 instead
+of the 401 (fuzz84). It then applies the app's request field limits
+(`app.state.field_limits`, server/field_limits.py) while it validates the body and runs the
+handler.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from fastapi import HTTPException, Request, Response
 from fastapi.routing import APIRoute
 from starlette.requests import ClientDisconnect
 
+from server.auth import check_api_key
 from server.field_limits import DEFAULT_FIELD_LIMITS, applying
 
 DEFAULT_MAX_CONTAINERS = 500_000
@@ -68,6 +73,7 @@ class BoundedJsonRoute(APIRoute):
         handler = super().get_route_handler()
 
         async def with_bounded_json(request: Request) -> Response:
+            check_api_key(request, getattr(request.app.state, "api_key", None))
             limits = getattr(request.app.state, "field_limits", DEFAULT_FIELD_LIMITS)
             with applying(limits):
                 scope = _read_as_json(request.scope)

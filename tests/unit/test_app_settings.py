@@ -40,6 +40,24 @@ def test_api_key(model_dir):
         assert client.get("/openapi.json", headers=headers).status_code == 200
 
 
+@pytest.mark.parametrize(
+    "body",
+    [b"{not json", b"[" * 600_001, b'{"messages": [{"role": "user", "content": "\\ud800"}]}'],
+    ids=["malformed", "too-many-containers", "lone-surrogate"],
+)
+def test_api_key_is_checked_before_the_body_is_parsed(model_dir, body):
+    """Without the key, the answer is the 401 whatever the body: the server must not
+    parse (nor refuse on its contents) a body from a client it will not serve (fuzz84:
+    the key was a dependency, run after FastAPI's parse, so this got a 400 or 413)."""
+    client, _ = client_for(model_dir, api_key="sekrit")
+    with client:
+        response = client.post(
+            "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+        )
+        assert response.status_code == 401, response.text
+        assert response.json()["error"]["code"] == "invalid_api_key"
+
+
 def _http_requests_total(client) -> dict[tuple[str, str], float]:
     from prometheus_client.parser import text_string_to_metric_families
 
