@@ -1,5 +1,5 @@
 """The torch device and dtypes that an EngineConfig's names (`--device`, `--dtype`,
-`--kv-cache-dtype`) resolve to on this machine."""
+`--kv-cache-dtype`) resolve to on this machine, and what a device cannot run."""
 
 from __future__ import annotations
 
@@ -37,6 +37,16 @@ def usable_device(name: str, setting: str = "--device") -> torch.device:
             f"{setting} {name}: this machine has {count} CUDA device(s), cuda:0-{count - 1}"
         )
     return device
+
+
+def check_tensor_parallel_device(tensor_parallel_size: int, device: torch.device) -> None:
+    """ValueError unless `device` can run `tensor_parallel_size` ranks: the shard workers
+    talk over gloo (engine/shard_worker.py), so more than one runs on CPU only."""
+    if tensor_parallel_size > 1 and device.type != "cpu":
+        raise ValueError(
+            "tensor_parallel_size > 1 runs on CPU (gloo) only: the NCCL path is not built "
+            "yet; use --tensor-parallel-size 1 on a GPU"
+        )
 
 
 def resolve_dtype(

@@ -32,7 +32,12 @@ from engine.attention import check_attention_backend, get_attention_backend
 from engine.attention.base import AttentionMetadata, AttentionShape
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphRunner, DecodeInputs, graph_max_seq_len
-from engine.device_config import resolve_device, resolve_dtype, resolve_kv_cache_dtype
+from engine.device_config import (
+    check_tensor_parallel_device,
+    resolve_device,
+    resolve_dtype,
+    resolve_kv_cache_dtype,
+)
 from engine.device_io import DeviceTimer, to_device
 from engine.encoder_cache import EncoderCache
 from engine.errors import ModelLoadError
@@ -171,11 +176,7 @@ class ModelRunner:
 
     def _start_shard_workers(self) -> ShardWorkers:
         """Starts tensor-parallel ranks 1..N-1 and joins the group with them (rank 0)."""
-        if self.device.type != "cpu":
-            raise ValueError(
-                "tensor_parallel_size > 1 runs on CPU (gloo) only: the NCCL path is not "
-                "built yet; use --tensor-parallel-size 1 on a GPU"
-            )
+        check_tensor_parallel_device(self.config.tensor_parallel_size, self.device)
         return ShardWorkers(self.config, self.dtype, self.kv_cache_dtype, self.device)
 
     def close(self) -> None:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from engine.attention import check_attention_backend
 from engine.device_config import (
+    check_tensor_parallel_device,
     resolve_device,
     resolve_dtype,
     resolve_kv_cache_dtype,
@@ -85,9 +86,14 @@ def _device(engine: EngineConfig) -> torch.device:
 
 
 def _check_engine_settings(engine: EngineConfig, device: torch.device, model: ModelConfig) -> None:
-    """The attention backend on this device and dtype; an exact --num-kv-blocks against the
-    memory this process may use, its cgroup's limit included (on CUDA, the engine catches an
-    allocation that fails)."""
+    """Tensor parallelism on this device (gloo ranks: CPU only); the attention backend on
+    this device and dtype; an exact --num-kv-blocks against the memory this process may
+    use, its cgroup's limit included (on CUDA, the engine catches an allocation that
+    fails)."""
+    try:  # the engine refused it only once started, with exit 1 (fuzz84)
+        check_tensor_parallel_device(engine.tensor_parallel_size, device)
+    except ValueError as exc:
+        raise SettingsError(str(exc), ("tensor_parallel_size", "device")) from None
     dtype = resolve_dtype(engine.dtype, device, model.torch_dtype)
     try:
         check_attention_backend(engine.attention_backend, device, dtype)

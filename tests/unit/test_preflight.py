@@ -104,6 +104,18 @@ def test_a_tensor_parallel_size_the_model_cannot_split_into_is_refused_at_once(t
     assert "Traceback" not in err and "engine" not in err.lower()
 
 
+def test_tensor_parallelism_on_a_gpu_is_refused_at_once(tiny, capsys, monkeypatch):
+    """The gloo ranks run on CPU only; on a GPU the engine refused it after it had started
+    (exit 1, fuzz84). The check is the same on any non-CPU device, so a CPU machine tests
+    it by resolving the device as CUDA."""
+    import server.preflight
+
+    monkeypatch.setattr(server.preflight, "_device", lambda engine: torch.device("cuda"))
+    code, err = serve(capsys, tiny, "--tensor-parallel-size", "2")
+    assert code == 2 and "tensor_parallel_size" in err and "CPU (gloo) only" in err, err
+    assert "Traceback" not in err
+
+
 def test_an_expected_engine_start_up_failure_is_logged_without_a_traceback(caplog):
     """Every ModelLoadError (no config.json, unsupported architecture, a missing shard)
     came with a full stack trace before the one-line reason; a bug still gets one."""
