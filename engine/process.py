@@ -12,8 +12,9 @@ With several API processes (`--api-server-count`, server/api_servers.py) each on
 inbox and an outbox of its own and the engine connects to all of them. A request's outputs
 go back through the outbox of the API process whose inbox it came from. `Ready` and
 `EngineFailed` go to every API process. API process 0 gets every message, and only it
-exports the engine's stats on /metrics, so counters are counted once. The others get a
-message only when it holds their outputs.
+exports the engine's stats on /metrics, so counters are counted once. The others get an
+`EngineOutputs` only when it holds their outputs, besides every `Heartbeat` and the
+`MediaUuid`s the other API processes sent.
 
 On a GPU (`core.overlaps_steps`), steps overlap (`EngineCore.step_overlapped`): while a
 launched step runs, the inbox is drained and the next step is launched; then the first

@@ -4,10 +4,12 @@ Only msgspec Structs and enums live here. Messages are msgpack-encoded; tensors
 (pixel values, pre-encoded features) travel as raw buffers in extra ZMQ frames,
 described by a `TensorRef` (frame index, dtype, shape). Nothing is pickled.
 
-Direction server -> engine: `EngineRequest`, `AbortRequests`, `Shutdown`
-(decoded with `ENGINE_INBOX_DECODER`).
-Direction engine -> server: `Ready`, `EngineOutputs`, `EngineFailed`
-(decoded with `SERVER_INBOX_DECODER`).
+Direction server -> engine: `EngineRequest`, `AbortRequests`, `Shutdown`, and `MediaUuid`
+(a media uuid an API process learnt, for the engine to relay) (decoded with
+`ENGINE_INBOX_DECODER`).
+Direction engine -> server: `Ready`, `EngineOutputs`, `EngineFailed`, the relayed
+`MediaUuid`s (to the other API processes), and `Heartbeat` (to every API process about once
+a second) (decoded with `SERVER_INBOX_DECODER`).
 """
 
 from __future__ import annotations

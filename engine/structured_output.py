@@ -13,8 +13,9 @@ step that samples for the request
 and once the grammar is complete (`is_complete`: nothing but EOS may follow) the request
 finishes with "stop", whether or not EOS was sampled; a grammar that fails on the way
 (`error`: out of its limits, or no allowed token left) fails its request. The next token's
-mask needs this one, so such steps are never launched ahead (engine/core.py, overlap
-scheduling).
+mask needs this one, so such a request sits out the step launched ahead of it (it takes
+every other step), and a step whose sampling rows all need their token on the host is not
+launched ahead (engine/core.py, overlap scheduling).
 
 The server checks a spec with `grammar_error` before sending it, so a bad schema or regex
 is a 400 there; the engine checks again for the offline `LLM`. The tokenizer's view that

@@ -1,9 +1,9 @@
 """The OpenAI-compatible HTTP app: `build_app(settings, engine) -> FastAPI`.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses (a chat
-completion underneath: server/responses.py), GET /v1/models, POST /tokenize, POST
-/detokenize, GET /openapi.json (API key when configured), GET /health, GET /version,
-GET /metrics (open). No /docs or /redoc.
+completion underneath: server/responses.py), GET /v1/models, GET /v1/models/{model_id},
+POST /tokenize, POST /detokenize, GET /openapi.json (API key when configured), GET /health,
+GET /version, GET /metrics (open). No /docs or /redoc.
 The app does text work only (templates, tokens, media preprocessing, detokenisation); the
 engine, reached through `engine` (server.engine_client.EngineClient), runs the model.
 """

@@ -2,6 +2,8 @@
 
     tessera serve [--model DIR] [--config FILE.yaml] [--port N] ...   run the HTTP server
     tessera make-tiny-model OUT_DIR [--seed N] [--size tiny|...]      write a random checkpoint
+    tessera encode-features ...                                       pre-encode media features
+    tessera bench serve --base-url URL ...                            load-test a server
 
 `serve` exits 0 after a clean shutdown (SIGTERM / SIGINT: stop accepting, drain in-flight
 requests for up to `shutdown_timeout_s`, stop the engine), 1 when the port is taken (found
