@@ -167,6 +167,7 @@ def build_app(
         max_header_bytes=settings.max_header_bytes,
         max_body_bytes=settings.max_request_body_bytes,
         read_timeout_s=settings.request_read_timeout_s,
+        min_body_rate=settings.request_body_min_rate,
     )
     app.state.api_key = settings.api_key  # checked before the body is read (json_body.py)
     app.state.max_json_containers = settings.max_request_json_containers  # server/json_body.py

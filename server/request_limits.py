@@ -12,7 +12,11 @@ bytes actually received are counted, so a chunked (or lying) upload is cut off a
 limit with 413 `request_too_large` instead of being buffered whole. A body whose next
 bytes take longer than `read_timeout_s` to come gets 408 `request_timeout`: a client that
 stalls mid-body held its connection (and its handler) forever, and every drain waited
-for it to the deadline. (A header block that stalls is closed by server/http_protocol.py.)
+for it to the deadline. So does one that, once `read_timeout_s` has passed, has sent less
+than `min_body_rate` bytes a second on average (Kestrel's MinRequestBodyDataRate): a body
+trickled a byte at a time, each within `read_timeout_s`, held its connection for as long
+as the client liked, and a few thousand of them took every file descriptor (fuzz82). (A
+header block that stalls is closed by server/http_protocol.py.)
 
 Pure ASGI: a streamed response passes through with one extra call per chunk
 (Starlette's BaseHTTPMiddleware would hand every chunk across a task and a memory
@@ -40,16 +44,24 @@ class _BodyTooSlow(Exception):
 
 class RequestLimitMiddleware:
     """Wraps an ASGI app; header blocks over `max_header_bytes` get 431, bodies over
-    `max_body_bytes` 413 and bodies that stall for `read_timeout_s` 408, in OpenAI error
-    shape."""
+    `max_body_bytes` 413 and bodies that stall for `read_timeout_s` or come slower than
+    `min_body_rate` bytes a second (after `read_timeout_s`; 0: no floor) 408, in OpenAI
+    error shape."""
 
     def __init__(
-        self, app: Any, *, max_header_bytes: int, max_body_bytes: int, read_timeout_s: float = 30.0
+        self,
+        app: Any,
+        *,
+        max_header_bytes: int,
+        max_body_bytes: int,
+        read_timeout_s: float = 30.0,
+        min_body_rate: float = 0.0,
     ) -> None:
         self.app = app
         self.max_header_bytes = max_header_bytes
         self.max_body_bytes = max_body_bytes
         self.read_timeout_s = read_timeout_s
+        self.min_body_rate = min_body_rate
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -63,18 +75,28 @@ class RequestLimitMiddleware:
             await self._too_large(send)
             return
         received = 0
-        is_over = is_slow = body_done = False
+        is_over = body_done = False
+        slow_message: str | None = None  # set once the body is too slow
         has_started = False
+        loop = asyncio.get_running_loop()
+        started_at = loop.time()
 
         async def limited_receive() -> dict:
-            nonlocal received, is_over, is_slow, body_done
+            nonlocal received, is_over, slow_message, body_done
             if body_done:  # later reads wait for the client to leave: no deadline
                 return await receive()
+            wait_s, below_rate = self._wait_for_more(received, loop.time() - started_at)
             try:
-                async with asyncio.timeout(self.read_timeout_s):
+                if wait_s <= 0:
+                    raise TimeoutError
+                async with asyncio.timeout(wait_s):
                     message = await receive()
             except TimeoutError:
-                is_slow = True
+                slow_message = (
+                    f"the request body came slower than {self.min_body_rate:g} bytes a second"
+                    if below_rate
+                    else f"the request body stalled for over {self.read_timeout_s:g} s"
+                )
                 raise _BodyTooSlow from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
@@ -86,7 +108,7 @@ class RequestLimitMiddleware:
 
         async def guarded_send(message: dict) -> None:
             nonlocal has_started
-            if is_over or is_slow:
+            if is_over or slow_message:
                 return  # whatever the app answers, the client gets our 413 / 408 below
             has_started = has_started or message["type"] == "http.response.start"
             await send(message)
@@ -96,15 +118,25 @@ class RequestLimitMiddleware:
         except (_BodyTooLarge, _BodyTooSlow):
             pass
         except Exception:
-            if not (is_over or is_slow):
+            if not (is_over or slow_message):
                 raise
         if has_started:
             return
         if is_over:
             await self._too_large(send)
-        elif is_slow:
-            message = f"the request body stalled for over {self.read_timeout_s:g} s"
-            await _refuse(send, 408, message, "request_timeout")
+        elif slow_message:
+            await _refuse(send, 408, slow_message, "request_timeout")
+
+    def _wait_for_more(self, received: int, elapsed_s: float) -> tuple[float, bool]:
+        """How long the next piece of a body that has sent `received` bytes in `elapsed_s`
+        may take, and whether that is the rate floor's limit (else `read_timeout_s`'s).
+        By the floor, `received` bytes may take `read_timeout_s + received / min_body_rate`."""
+        if not self.min_body_rate:
+            return self.read_timeout_s, False
+        left_s = self.read_timeout_s + received / self.min_body_rate - elapsed_s
+        if left_s < self.read_timeout_s:
+            return left_s, True
+        return self.read_timeout_s, False
 
     async def _too_large(self, send: Any) -> None:
         message = f"the request body is over {self.max_body_bytes} bytes"

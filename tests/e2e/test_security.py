@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import contextlib
 import io
 import json
 import pickle
@@ -408,6 +409,41 @@ def test_connections_that_stall_are_closed_and_a_stalled_body_is_408(impatient):
     status, _, body = reply.partition(b"\r\n\r\n")
     assert status.startswith(b"HTTP/1.1 408") and waited < 8, reply
     assert json.loads(body)["error"]["code"] == "request_timeout"
+
+
+def test_a_body_trickled_slower_than_the_rate_floor_is_408(impatient):
+    """Each byte inside the read timeout, but two a second: below the default floor of 240
+    bytes a second, so it is cut once the read timeout (1 s here) has passed. It held its
+    connection for as long as the client liked, and a few thousand such clients took every
+    file descriptor (fuzz82)."""
+    host, port = impatient.removeprefix("http://").split(":")
+    body = b'{"model": "' + b"m" * 200 + b'"}'
+    started = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=20) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body))  # fmt: skip
+        sock.settimeout(0.5)
+        reply = b""
+        for byte in body:
+            try:
+                sock.sendall(bytes([byte]))
+                reply = sock.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:  # reset once the server has answered and closed
+                break
+            if reply:
+                break
+        sock.settimeout(10)
+        with contextlib.suppress(OSError):
+            while data := sock.recv(65536):
+                reply += data
+    status, _, answer = reply.partition(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 408"), reply
+    assert time.monotonic() - started < 8
+    error = json.loads(answer)["error"]
+    assert error["code"] == "request_timeout" and "240 bytes a second" in error["message"]
 
 
 def test_a_request_longer_than_the_read_timeout_is_answered_on_a_kept_alive_connection(
