@@ -36,6 +36,7 @@ from engine.errors import EngineDeadError, ModelLoadError
 from engine.generation_defaults import GenerationConfigError
 from engine.logging_utils import configure_logging
 from engine.multimodal.chat_template import ChatTemplateError
+from server.accept_errors import throttle_accept_errors
 from server.admission import ServerDraining
 from server.engine_client import EngineClient
 from server.http_protocol import timed_h11_protocol
@@ -184,6 +185,7 @@ async def run_server(settings: ServerSettings, slot: ApiServerSlot | None = None
 
     With `slot` this is one of several API processes (server/api_servers.py): it attaches
     to the launcher's engine and serves on the launcher's listening socket."""
+    throttle_accept_errors(asyncio.get_running_loop())  # server/accept_errors.py
     server: uvicorn.Server | None = None
     admissions: list = []  # the app's, once it is built
     death_reasons: list[str] = []

@@ -10,8 +10,10 @@ import concurrent.futures
 import contextlib
 import io
 import json
+import os
 import pickle
 import re
+import resource
 import socket
 import struct
 import time
@@ -460,6 +462,33 @@ def test_a_request_longer_than_the_read_timeout_is_answered_on_a_kept_alive_conn
         time.sleep(0.5)
         again = session.post("/v1/chat/completions", json={**body, "max_tokens": 2})
         assert again.status_code == 200
+
+
+def test_running_out_of_file_descriptors_logs_a_line_not_a_flood(impatient_server):
+    """With every descriptor taken, each accept fails; CPython 3.11's loop retried it up to
+    the backlog (2048) times a tick, logging a traceback each time: 300,869 tracebacks in
+    30 s (fuzz82). Now a line every few seconds, and the server accepts again once the
+    connections that held the descriptors are closed (here by the 1 s header deadline)."""
+    host, port = impatient_server.base_url.removeprefix("http://").split(":")
+    pid = impatient_server.process.pid
+    log_start = impatient_server.log_path.stat().st_size
+    limits = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    in_use = len(os.listdir(f"/proc/{pid}/fd"))
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (in_use + 8, limits[1]))
+    try:
+        held = [socket.create_connection((host, int(port)), timeout=10) for _ in range(40)]
+        time.sleep(2.5)
+        for sock in held:
+            sock.close()
+    finally:
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, limits)
+    with httpx.Client(base_url=impatient_server.base_url, timeout=30) as client:
+        assert client.get("/health").status_code == 200
+    with impatient_server.log_path.open("rb") as log:
+        log.seek(log_start)
+        logged = log.read().decode(errors="replace")
+    assert logged.count("out of system resource") == 0, logged[-3000:]
+    assert 1 <= logged.count("cannot accept connections") <= 2, logged[-3000:]
 
 
 def test_a_stream_its_client_stops_reading_gives_back_its_room(impatient_server):
