@@ -3,7 +3,8 @@
 Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses (a chat
 completion underneath: server/responses.py), GET /v1/models, GET /v1/models/{model_id},
 POST /tokenize, POST /detokenize, GET /openapi.json (API key when configured), GET /health,
-GET /version, GET /metrics (open). No /docs or /redoc.
+GET /version, GET /metrics (open); HEAD too on /v1/models and the open GETs. No /docs or
+/redoc.
 The app does text work only (templates, tokens, media preprocessing, detokenisation); the
 engine, reached through `engine` (server.engine_client.EngineClient), runs the model.
 """
@@ -188,12 +189,17 @@ def build_app(
     return app
 
 
+# HEAD as well as GET on the read-only routes (RFC 9110 asks it of every GET; some load
+# balancers and `curl -I` probe with it): the headers of the GET, no body (uvicorn drops it).
+GET_OR_HEAD = ["GET", "HEAD"]
+
+
 def _state(request: Request) -> AppState:
     return request.app.state.tessera
 
 
 def _add_open_routes(app: FastAPI) -> None:
-    @app.get("/health")
+    @app.api_route("/health", methods=GET_OR_HEAD)
     async def health(request: Request) -> Response:
         # The 503s are the requests' (server/errors.py: Retry-After, Connection: close).
         state = getattr(request.app.state, "tessera", None)
@@ -203,11 +209,11 @@ def _add_open_routes(app: FastAPI) -> None:
             raise ServerDraining("the server is shutting down")
         return JSONResponse({"status": "ok"})
 
-    @app.get("/version")
+    @app.api_route("/version", methods=GET_OR_HEAD)
     async def version() -> dict:
         return {"version": VERSION}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=GET_OR_HEAD)
     async def metrics_route(request: Request) -> Response:
         state = _state(request)
         content, content_type = state.metrics.render()
@@ -220,13 +226,14 @@ def _add_api_routes(api: APIRouter) -> None:
     async def openapi_document(request: Request) -> JSONResponse:
         return JSONResponse(request.app.openapi())
 
-    @api.get("/v1/models")
+    @api.api_route("/v1/models", methods=GET_OR_HEAD)
     async def list_models(request: Request) -> dict:
         state = _state(request)
         card = ModelCard(id=state.model_name, max_model_len=state.max_model_len)
         return dump(ModelList(data=[card]))
 
-    @api.get("/v1/models/{model_id:path}")  # a served name may hold "/" (Qwen/Qwen2-VL-...)
+    # A served name may hold "/" (Qwen/Qwen2-VL-...).
+    @api.api_route("/v1/models/{model_id:path}", methods=GET_OR_HEAD)
     async def retrieve_model(model_id: str, request: Request) -> dict:
         state = _state(request)
         state.check_model(model_id)

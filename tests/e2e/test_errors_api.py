@@ -167,6 +167,15 @@ def test_unknown_route_and_method(http):
     assert_error(http.get("/v1/chat/completions"), 405)
 
 
+@pytest.mark.parametrize("path", ["/health", "/version", "/metrics", "/v1/models",
+                                  f"/v1/models/{MODEL_NAME}"])  # fmt: skip
+def test_head_answers_as_get_without_a_body(http, path):
+    """Load balancers and `curl -I` probe with HEAD; it was a 405 on every route (fuzz82)."""
+    got, head = http.get(path), http.head(path)
+    assert got.status_code == head.status_code == 200, head.text
+    assert head.content == b"" and head.headers["content-type"] == got.headers["content-type"]
+
+
 def test_a_huge_prompt_leaves_the_server_answering(server, capsys):
     """bench/long_prompts.py against the real server: a prompt that cannot fit is refused
     before it is tokenised, and a long /tokenize runs off the event loop (before, /health
