@@ -20,6 +20,10 @@ them, for ever, and a plain abort would leave the kernel sending its queue in th
 background. Progress
 is measured in bytes, not sends, so a slow but steady reader of one big event (the
 prompt_logprobs of a long prompt) is never cut.
+
+Bytes that are not HTTP/1.1 (a bad chunk size or Content-Length, a header line without a
+colon, a header block past h11's limit) are answered in the API's error shape, where
+uvicorn wrote a text/plain "Invalid HTTP request received." (fuzz82).
 """
 
 from __future__ import annotations
@@ -27,13 +31,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import http
+import json
 import logging
 import socket
 import struct
 import sys
 
+import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from server.errors import error_body
 from server.request_log import record_in
 
 logger = logging.getLogger(__name__)
@@ -122,6 +130,24 @@ def timed_h11_protocol(read_timeout_s: float, write_timeout_s: float = 0) -> typ
                 with contextlib.suppress(OSError):  # its queue to the client in the background
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             self.transport.abort()  # connection_lost follows: the response ends as a disconnect
+
+        def send_400_response(self, msg: str) -> None:
+            """uvicorn's answer to what h11 cannot read as HTTP (called while handling its
+            RemoteProtocolError), with h11's status (431 for a header block past its limit)
+            and reason, as an OpenAI error."""
+            error = sys.exc_info()[1]
+            status = getattr(error, "error_status_hint", 400)
+            code = "request_header_fields_too_large" if status == 431 else "invalid_http_request"
+            message = f"the request is not valid HTTP/1.1: {error or msg}"
+            body = json.dumps(error_body(message, type="invalid_request_error", code=code))
+            headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
+                       (b"content-length", str(len(body)).encode())]  # fmt: skip
+            reason = http.HTTPStatus(status).phrase.encode()
+            with contextlib.suppress(h11.LocalProtocolError):  # a response had begun
+                for event in (h11.Response(status_code=status, headers=headers, reason=reason),
+                              h11.Data(data=body.encode()), h11.EndOfMessage()):  # fmt: skip
+                    self.transport.write(self.conn.send(event))
+            self.transport.close()
 
         def _stop_write_checks(self) -> None:
             if self._write_check is not None:

@@ -299,6 +299,36 @@ def test_header_blocks_over_max_header_bytes_are_431(strict, api):
     assert_healthy(api)
 
 
+def whole_reply(base_url: str, request: bytes) -> tuple[bytes, bytes]:
+    """(status line, body) of the server's answer to `request` (raw bytes), read until the
+    server closes the connection."""
+    host, port = base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        reply = b""
+        with contextlib.suppress(OSError):  # a reset once it has answered
+            sock.sendall(request)
+            while data := sock.recv(65536):
+                reply += data
+    head, _, body = reply.partition(b"\r\n\r\n")
+    return head.split(b"\r\n", 1)[0], body
+
+
+@pytest.mark.parametrize("request_bytes, status", [
+    (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n", 400),
+    (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+     b"zz\r\n{}\r\n0\r\n\r\n", 400),
+    (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nno colon here\r\n\r\n", 400),
+    (b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"p" * 200_000 + b"\r\n\r\n", 431),
+], ids=["content-length", "chunk-size", "header-line", "header-block-past-h11s-limit"])  # fmt: skip
+def test_bytes_that_are_not_http_get_an_openai_error(strict, request_bytes, status):
+    """uvicorn answered them with a text/plain "Invalid HTTP request received." (a header
+    block over twice --max-header-bytes, h11's limit, with a 400, not the 431; fuzz82)."""
+    status_line, body = whole_reply(strict[0], request_bytes)
+    assert status_line.startswith(b"HTTP/1.1 %d" % status), (status_line, body)
+    error = json.loads(body)["error"]
+    assert error["type"] == "invalid_request_error" and "not valid HTTP/1.1" in error["message"]
+
+
 # ---- auth -------------------------------------------------------------------------------------
 
 
