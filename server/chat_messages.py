@@ -24,9 +24,12 @@ TokenId = StrictInt
 
 
 class RequestModel(BaseModel):
-    """A request body's model: unknown fields are ignored, as OpenAI ignores them."""
+    """A request body's model: unknown fields are ignored, as OpenAI ignores them. No float
+    field takes NaN or an infinity (JSON's `NaN`, `Infinity`, or `1e400`): "should be a
+    finite number", where a bound's message ("less than or equal to 2") did not say why
+    (fuzz82)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class ImageUrl(RequestModel):

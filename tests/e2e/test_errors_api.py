@@ -81,13 +81,16 @@ def test_invalid_values_are_400_with_param(http, fields, param):
     assert_error(post(http, chat(**fields)), 400, param=param)
 
 
-def test_an_infinite_penalty_is_refused_in_words_that_do_not_allow_it(http):
-    """1e400 is inf to the JSON parser; the message said "in (0.0, inf]"."""
-    body = b'{"model": "%s", "prompt": "x", "max_tokens": 1, "repetition_penalty": 1e400}'
-    response = http.post("/v1/completions", content=body % MODEL_NAME.encode(),
+@pytest.mark.parametrize("field, value", [("repetition_penalty", b"1e400"),
+                                          ("temperature", b"NaN"), ("top_p", b"-Infinity")])  # fmt: skip
+def test_a_number_that_is_not_finite_is_refused_in_words_that_say_so(http, field, value):
+    """1e400 is inf to the JSON parser, which also reads NaN and Infinity: the messages said
+    "in (0.0, inf]" or, for NaN, "less than or equal to 2" (fuzz82)."""
+    body = b'{"model": "%s", "prompt": "x", "max_tokens": 1, "%s": %s}'
+    response = http.post("/v1/completions", content=body % (MODEL_NAME.encode(), field.encode(), value),
                          headers={"content-type": "application/json"})  # fmt: skip
-    error = assert_error(response, 400, param="repetition_penalty")
-    assert error["message"] == "repetition_penalty must be a finite number > 0.0, got inf"
+    error = assert_error(response, 400, param=field)
+    assert error["message"] == f"invalid value for '{field}': Input should be a finite number"
 
 
 def test_missing_model_field_and_bad_json(http):

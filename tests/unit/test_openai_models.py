@@ -128,7 +128,7 @@ def test_logit_bias_becomes_sorted_pairs():
         ({"logit_bias": {"\u0661": 1}}, "token ids"),  # a non-ASCII digit
         ({"logit_bias": {"9" * 5000: 1}}, "token ids"),
         ({"logit_bias": {"3": 101}}, "[-100, 100]"),
-        ({"logit_bias": {"3": "nan"}}, "[-100, 100]"),
+        ({"logit_bias": {"3": "nan"}}, "finite number"),  # param logit_bias.3
         ({"logit_bias": {str(i): 1 for i in range(301)}}, "at most 300"),
         # were ignored (fuzz59): a forced function_call answered in text, audio as text
         ({"function_call": {"name": "f"}}, "use tools and tool_choice"),
@@ -139,7 +139,8 @@ def test_logit_bias_becomes_sorted_pairs():
 )
 def test_fields_tessera_cannot_honour_are_400_naming_them(fields, message):
     error = invalid({**BASE, **fields})
-    assert error.status == 400 and error.param == next(iter(fields))
+    field = next(iter(fields))
+    assert error.status == 400 and error.param.partition(".")[0] == field
     assert message in error.message
 
 
