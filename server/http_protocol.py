@@ -138,7 +138,8 @@ def timed_h11_protocol(read_timeout_s: float, write_timeout_s: float = 0) -> typ
             error = sys.exc_info()[1]
             status = getattr(error, "error_status_hint", 400)
             code = "request_header_fields_too_large" if status == 431 else "invalid_http_request"
-            message = f"the request is not valid HTTP/1.1: {error or msg}"
+            # h11's reason may quote the offending line whole (a 60 kB request line)
+            message = f"the request is not valid HTTP/1.1: {error or msg}"[:300]
             body = json.dumps(error_body(message, type="invalid_request_error", code=code))
             headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
                        (b"content-length", str(len(body)).encode())]  # fmt: skip
@@ -148,6 +149,13 @@ def timed_h11_protocol(read_timeout_s: float, write_timeout_s: float = 0) -> typ
                               h11.Data(data=body.encode()), h11.EndOfMessage()):  # fmt: skip
                     self.transport.write(self.conn.send(event))
             self.transport.close()
+            cycle = self.cycle
+            if cycle is not None and not cycle.response_complete:
+                # The request running on this connection has lost it; said now, as
+                # connection_lost would a tick later, so that its answer is not sent into
+                # the closed h11 state (uvicorn logged "Exception in ASGI application").
+                cycle.disconnected = True
+                cycle.message_event.set()
 
         def _stop_write_checks(self) -> None:
             if self._write_check is not None:

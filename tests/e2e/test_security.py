@@ -329,6 +329,29 @@ def test_bytes_that_are_not_http_get_an_openai_error(strict, request_bytes, stat
     assert error["type"] == "invalid_request_error" and "not valid HTTP/1.1" in error["message"]
 
 
+def test_a_bad_request_line_is_not_echoed_whole(strict):
+    """h11's reason quotes the line: a 60 kB one came back in a 60 kB answer (fuzz85)."""
+    status_line, body = whole_reply(strict[0], b"GET /" + b"\x01" * 60_000 + b" HTTP/1.1\r\n\r\n")
+    assert status_line.startswith(b"HTTP/1.1 400") and len(body) < 1000, (status_line, body[:200])
+
+
+def test_a_bad_chunk_beside_its_head_ends_the_request_quietly(strict):
+    """The 400 went out, then the request's own answer (a 401 here: no key) met the
+    closed connection and uvicorn logged "Exception in ASGI application" (fuzz85)."""
+    log_path = strict[1]
+    log_start = log_path.stat().st_size
+    request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+               b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+               b'5\r\n{"mod\r\nzz\r\n')  # fmt: skip
+    status_line, _ = whole_reply(strict[0], request)
+    assert status_line.startswith(b"HTTP/1.1 400"), status_line
+    time.sleep(0.5)  # the request's own task ends after the reply
+    with log_path.open("rb") as log:
+        log.seek(log_start)
+        logged = log.read().decode(errors="replace")
+    assert "Exception in ASGI application" not in logged, logged[-3000:]
+
+
 # ---- auth -------------------------------------------------------------------------------------
 
 
