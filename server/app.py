@@ -3,8 +3,7 @@
 Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses (a chat
 completion underneath: server/responses.py), GET /v1/models, GET /v1/models/{model_id},
 POST /tokenize, POST /detokenize, GET /openapi.json (API key when configured), GET /health,
-GET /version, GET /metrics (open); HEAD too on /v1/models and the open GETs. No /docs or
-/redoc.
+GET /version, GET /metrics (open); HEAD too on every GET. No /docs or /redoc.
 The app does text work only (templates, tokens, media preprocessing, detokenisation); the
 engine, reached through `engine` (server.engine_client.EngineClient), runs the model.
 """
@@ -189,9 +188,18 @@ def build_app(
     return app
 
 
-# HEAD as well as GET on the read-only routes (RFC 9110 asks it of every GET; some load
-# balancers and `curl -I` probe with it): the headers of the GET, no body (uvicorn drops it).
-GET_OR_HEAD = ["GET", "HEAD"]
+def get_and_head(router: FastAPI | APIRouter, path: str, **options: Any):
+    """Registers an endpoint for GET (in the schema when `options` say so) and HEAD (never
+    in it): RFC 9110 asks HEAD of every GET, and some load balancers and `curl -I` probe
+    with it; uvicorn sends the GET's headers without the body. One route for both methods
+    gave the two operations one operationId in /openapi.json (fuzz85)."""
+
+    def register(endpoint):
+        router.add_api_route(path, endpoint, methods=["GET"], **options)
+        router.add_api_route(path, endpoint, methods=["HEAD"], include_in_schema=False)
+        return endpoint
+
+    return register
 
 
 def _state(request: Request) -> AppState:
@@ -199,7 +207,7 @@ def _state(request: Request) -> AppState:
 
 
 def _add_open_routes(app: FastAPI) -> None:
-    @app.api_route("/health", methods=GET_OR_HEAD)
+    @get_and_head(app, "/health")
     async def health(request: Request) -> Response:
         # The 503s are the requests' (server/errors.py: Retry-After, Connection: close).
         state = getattr(request.app.state, "tessera", None)
@@ -209,11 +217,11 @@ def _add_open_routes(app: FastAPI) -> None:
             raise ServerDraining("the server is shutting down")
         return JSONResponse({"status": "ok"})
 
-    @app.api_route("/version", methods=GET_OR_HEAD)
+    @get_and_head(app, "/version")
     async def version() -> dict:
         return {"version": VERSION}
 
-    @app.api_route("/metrics", methods=GET_OR_HEAD)
+    @get_and_head(app, "/metrics")
     async def metrics_route(request: Request) -> Response:
         state = _state(request)
         content, content_type = state.metrics.render()
@@ -222,18 +230,18 @@ def _add_open_routes(app: FastAPI) -> None:
 
 def _add_api_routes(api: APIRouter) -> None:
     # Our route, not FastAPI's (openapi_url=None), so that it sits behind the API key too.
-    @api.get("/openapi.json", include_in_schema=False)
+    @get_and_head(api, "/openapi.json", include_in_schema=False)
     async def openapi_document(request: Request) -> JSONResponse:
         return JSONResponse(request.app.openapi())
 
-    @api.api_route("/v1/models", methods=GET_OR_HEAD)
+    @get_and_head(api, "/v1/models")
     async def list_models(request: Request) -> dict:
         state = _state(request)
         card = ModelCard(id=state.model_name, max_model_len=state.max_model_len)
         return dump(ModelList(data=[card]))
 
     # A served name may hold "/" (Qwen/Qwen2-VL-...).
-    @api.api_route("/v1/models/{model_id:path}", methods=GET_OR_HEAD)
+    @get_and_head(api, "/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str, request: Request) -> dict:
         state = _state(request)
         state.check_model(model_id)
