@@ -95,8 +95,10 @@ def validation_error_to_invalid(errors: Sequence[dict[str, Any]]) -> InvalidRequ
     # In a union (content: str | list[part]) the deepest error names the real culprit.
     first = max(errors, key=lambda e: len(loc_to_param(e.get("loc", ())) or ""))
     param = loc_to_param(first.get("loc", ()))
-    if first.get("type") == "json_invalid":
-        return InvalidRequest("request body is not valid JSON", code="invalid_json")
+    if first.get("type") == "json_invalid":  # FastAPI puts the parser's reason in ctx
+        reason = (first.get("ctx") or {}).get("error")
+        message = "request body is not valid JSON" + (f": {reason}" if reason else "")
+        return InvalidRequest(message[:300], code="invalid_json")
     message = first.get("msg", "invalid value")
     if first.get("type") == "value_error":  # our validators' own words, without pydantic's tag
         message = message.removeprefix("Value error, ")

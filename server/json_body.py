@@ -10,7 +10,9 @@ route class) hands its routes a request whose `json()` first counts the body's `
 with that many braces is longer than a context holds, so no answerable request is
 refused. The parser's other failures (a 10^5-digit number, nesting past the recursion
 limit) become the JSON error every malformed body gets; they were a bare "There was an
-error parsing the body".
+error parsing the body". So do `NaN`, `Infinity` and numbers past a float's range (1e400),
+which Python's parser takes and JSON does not have: in a free-form field that an answer
+echoes (/v1/responses' `text`) they made the answer fail to encode, a 500 (fuzz85).
 
 The route also checks the API key (`app.state.api_key`, server/auth.py) before it reads
 the body: as a FastAPI dependency it ran after the parse, so a client without the key had
@@ -23,6 +25,7 @@ handler.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -36,9 +39,21 @@ from server.field_limits import DEFAULT_FIELD_LIMITS, applying
 DEFAULT_MAX_CONTAINERS = 500_000
 
 
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"the number {text[:20]} is past a float's range")
+    return value
+
+
 def parse_json(body: bytes, max_containers: int = DEFAULT_MAX_CONTAINERS) -> Any:
     """`json.loads`, after counting the body's objects and arrays (HTTPException 413 past
-    `max_containers`); raises JSONDecodeError for every way the body is not JSON."""
+    `max_containers`); raises JSONDecodeError for every way the body is not JSON, and for
+    numbers no JSON encoder writes back (NaN, infinities, 1e400)."""
     num_containers = body.count(b"{") + body.count(b"[")  # braces in strings count too
     if num_containers > max_containers:
         raise HTTPException(
@@ -47,11 +62,12 @@ def parse_json(body: bytes, max_containers: int = DEFAULT_MAX_CONTAINERS) -> Any
             f"than the {max_containers} a request may have",
         )
     try:
-        return json.loads(body)
+        return json.loads(body, parse_constant=_refuse_constant, parse_float=_finite_float)
     except json.JSONDecodeError:
         raise
     except (ValueError, RecursionError) as exc:  # int digits limit, deep nesting, bad UTF-8
-        raise json.JSONDecodeError(f"{type(exc).__name__}: {exc}"[:200], "", 0) from None
+        reason = str(exc) if type(exc) is ValueError else f"{type(exc).__name__}: {exc}"
+        raise json.JSONDecodeError(reason[:200], "", 0) from None
 
 
 class BoundedJsonRequest(Request):
