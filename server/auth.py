@@ -3,6 +3,9 @@
 Checked on the routed path (`request.scope["path"]`), never on a URL rebuilt from the Host
 header. `/health`, `/metrics` and `/version` stay open so probes and scrapers need no key;
 `/openapi.json` needs it, like the routes it describes.
+
+The check runs in the API router's route class (server/json_body.py's `BoundedJsonRoute`),
+before the body is read: a route added outside that router is not protected by it.
 """
 
 from __future__ import annotations

@@ -85,12 +85,12 @@ class FeatureRef(RequestModel):
     # Videos: seconds of video one temporal patch spans (vLLM's second_per_grid_ts; what
     # `tessera encode-features` prints). Qwen2.5-VL spaces video positions by it; default
     # temporal_patch_size / --video-fps, as for a video_url sampled by this server.
-    second_per_grid_t: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
+    second_per_grid_t: float | None = Field(default=None, gt=0.0)
     # Videos of models that write each temporal patch's time into the prompt (Qwen3-VL):
     # those times in seconds, one per temporal patch (what `tessera encode-features`
     # prints). Other models leave them out.
     frame_seconds: (
-        list[Annotated[float, Field(ge=0.0, le=MAX_VIDEO_TIME_S, allow_inf_nan=False)]] | None
+        list[Annotated[float, Field(ge=0.0, le=MAX_VIDEO_TIME_S)]] | None
     ) = Field(default=None, max_length=MAX_FRAME_SECONDS)
 
 

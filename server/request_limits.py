@@ -13,7 +13,8 @@ limit with 413 `request_too_large` instead of being buffered whole. A body whose
 bytes take longer than `read_timeout_s` to come gets 408 `request_timeout`: a client that
 stalls mid-body held its connection (and its handler) forever, and every drain waited
 for it to the deadline. So does one that, once `read_timeout_s` has passed, has sent less
-than `min_body_rate` bytes a second on average (Kestrel's MinRequestBodyDataRate): a body
+than `min_body_rate` bytes a second on average (a floor like ASP.NET Kestrel's
+MinRequestBodyDataRate, whose 240 is the default here; its grace period is 5 s): a body
 trickled a byte at a time, each within `read_timeout_s`, held its connection for as long
 as the client liked, and a few thousand of them took every file descriptor (fuzz82). (A
 header block that stalls is closed by server/http_protocol.py.)

@@ -135,7 +135,7 @@ class ServerSettings:
     stream_interval: int = 1  # new tokens a streamed chunk waits for after the first (vLLM's and SGLang's --stream-interval): more cost the API process less per token and make chunks coarser
     timeout_keep_alive_s: int = 5  # idle HTTP keep-alive
     request_read_timeout_s: float = 30.0  # a request's header block, and each wait for more of its body, must come within this (else the connection closes, or 408)
-    request_body_min_rate: float = 240.0  # bytes a second a request body must average once request_read_timeout_s has passed, as ASP.NET Kestrel's MinRequestBodyDataRate (else 408): a body trickled a byte at a time held its connection for days; 0 = no floor
+    request_body_min_rate: float = 240.0  # bytes a second a request body must average once request_read_timeout_s has passed (else 408; a floor like ASP.NET Kestrel's MinRequestBodyDataRate, whose default it takes): a body trickled a byte at a time held its connection for days; 0 = no floor
     write_timeout_s: float = 60.0  # a response whose client takes none of it for this long (every buffer between full) ends as a disconnect: its connection aborted, its requests' room given back; 0 = never
     max_header_bytes: int = 64 * 1024  # request line + headers; over it: 431 (at least 1024)
     enable_feature_inputs: bool = False  # accept image_features / video_features parts
