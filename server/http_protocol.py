@@ -5,8 +5,11 @@ uvicorn times a connection out only between requests, after a response (its keep
 timeout), and any byte that arrives cancels that timer: a client that connects and sends
 nothing, or half a header block, held its connection forever (400 such connections held
 425 file descriptors). Here a connection must finish each request's header block within
-`read_timeout_s` of connecting, or of its previous response, or it is closed. A body that
-stalls is the ASGI middleware's to answer (408, server/request_limits.py).
+`read_timeout_s` of connecting, or of the first byte of a later request on a kept-alive
+connection, or it is closed; an idle kept-alive connection is the keep-alive timeout's
+(from its previous response it was `read_timeout_s`'s too, so a keep-alive timeout above
+it would not hold). A body that stalls is the ASGI middleware's to answer (408,
+server/request_limits.py).
 
 The way out: a client that stops reading with its connection open (every buffer between
 full, so the transport pauses the writer) held its request, and that request's admission
@@ -81,15 +84,11 @@ def timed_h11_protocol(read_timeout_s: float, write_timeout_s: float = 0) -> typ
 
         def data_received(self, data: bytes) -> None:
             cycle = self.cycle
+            if self._header_deadline is None and cycle is not None and cycle.response_complete:
+                self._await_headers()  # a later request's first bytes, on a kept-alive connection
             super().data_received(data)
             if self.cycle is not cycle:  # a header block was read: a request began
                 self._cancel_deadline()
-
-        def on_response_complete(self) -> None:
-            cycle = self.cycle
-            super().on_response_complete()  # may begin a pipelined request at once
-            if self.cycle is cycle and not self.transport.is_closing():
-                self._await_headers()  # the next request's, on this kept-alive connection
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._cancel_deadline()

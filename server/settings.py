@@ -133,7 +133,7 @@ class ServerSettings:
     max_structured_output_regex_chars: int = _LIMITS.max_structured_output_regex_chars  # structured_outputs.regex characters
     max_remembered_media_uuids: int = 16384  # media uuids each API process remembers for uuid-only parts (the least recently used forgotten first: naming it again is a 400)
     stream_interval: int = 1  # new tokens a streamed chunk waits for after the first (vLLM's and SGLang's --stream-interval): more cost the API process less per token and make chunks coarser
-    timeout_keep_alive_s: int = 5  # idle HTTP keep-alive
+    timeout_keep_alive_s: int = 65  # an idle kept-alive HTTP connection closes after this: above the idle timeouts of the clients' pools (httpx and the openai client 5 s, aiohttp 15 s) and of common proxies (AWS ALB, nginx: 60 s), so that they close first; the server closing one as a client reuses it loses that request (uvicorn's and vLLM's 5 s matched httpx's)
     request_read_timeout_s: float = 30.0  # a request's header block, and each wait for more of its body, must come within this (else the connection closes, or 408)
     request_body_min_rate: float = 240.0  # bytes a second a request body must average once request_read_timeout_s has passed (else 408; a floor like ASP.NET Kestrel's MinRequestBodyDataRate, whose default it takes): a body trickled a byte at a time held its connection for days; 0 = no floor
     write_timeout_s: float = 60.0  # a response whose client takes none of it for this long (every buffer between full) ends as a disconnect: its connection aborted, its requests' room given back; 0 = never

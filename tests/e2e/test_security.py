@@ -544,6 +544,44 @@ def test_running_out_of_file_descriptors_logs_a_line_not_a_flood(impatient_serve
     assert 1 <= logged.count("cannot accept connections") <= 2, logged[-3000:]
 
 
+def _after_a_pause(base_url: str, pause_s: float, then: bytes) -> tuple[bytes, bytes, float]:
+    """On one connection: GET /health, `pause_s` of silence, then `then`; returns the first
+    reply, what came after `then` (b"" once the server closed), and when it came."""
+    host, port = base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=20) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        first = b""
+        while not first.endswith(b'{"status":"ok"}'):  # the whole answer, body included
+            first += sock.recv(65536)
+        time.sleep(pause_s)
+        started = time.monotonic()
+        reply = b""
+        with contextlib.suppress(OSError):  # a reset: closed
+            sock.sendall(then)
+            reply = sock.recv(65536)
+        return first, reply, time.monotonic() - started
+
+
+def test_a_kept_alive_connection_waits_out_its_keep_alive_not_the_read_timeout(impatient):
+    """Its next request's header block has the read timeout (1 s here) from its first byte;
+    the idle time before is the keep-alive's (65 s by default). The read timeout, armed at
+    the previous response, closed it after 1 s: a keep-alive above the read timeout could
+    not hold."""
+    first, reply, _ = _after_a_pause(impatient, 2.5, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert first.startswith(b"HTTP/1.1 200") and reply.startswith(b"HTTP/1.1 200"), reply
+    first, reply, waited = _after_a_pause(impatient, 0.2, b"GET /health HTTP/1.1\r\nHost")
+    assert reply == b"" and waited < 8, (reply, waited)  # half a header block: still cut
+
+
+def test_an_idle_connection_outlives_the_client_pools_keep_alive(strict):
+    """httpx's pool (the openai client's) drops an idle connection after 5 s, uvicorn's and
+    vLLM's default keep-alive: the server closing it as the client reused it lost the
+    request (fuzz81: 5 of ~4,950 pooled POSTs). The server's default is now longer."""
+    request = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+    _, reply, _ = _after_a_pause(strict[0], 6.0, request + b"\r\n\r\n")
+    assert reply.startswith(b"HTTP/1.1 200"), reply
+
+
 def test_a_stream_its_client_stops_reading_gives_back_its_room(impatient_server):
     """A client that asks for a stream and then reads nothing, connection open: once every
     buffer between is full its request held the server's one sequence (--max-num-seqs 1)
