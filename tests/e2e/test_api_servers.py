@@ -242,7 +242,9 @@ def test_a_stopped_api_process_does_not_keep_the_launcher_up(model_dir, tmp_path
             os.kill(handle.process.pid, signal.SIGTERM)
             started = time.monotonic()
             assert handle.process.wait(30) == 1, handle.log_tail()
-            assert time.monotonic() - started < 1 + 10 + 5  # drain, grace, slack
+            # drain, grace, slack: stopping the rest takes ~3.5 s on a quiet 2-core machine
+            # and went past 5 beside other test workers (16.2 s in all)
+            assert time.monotonic() - started < 1 + 10 + 10
             assert "did not exit after its drain; killed" in handle.log_tail(20000)
             wait_all_gone([engine, *api], timeout=10)
         finally:
