@@ -48,10 +48,15 @@ def load_sampling_defaults(settings: ServerSettings, announce: bool = True) -> S
     logs them when they are not OpenAI's and `announce` (one API process of several)."""
     defaults = settings.sampling_defaults()
     if (changed := defaults.changed()) and announce:
+        source = ("--override-generation-config" if settings.generation_config == "none"
+                  else "the generation config")  # fmt: skip
+        advice = ("" if settings.override_generation_config
+                  else "; --generation-config none keeps OpenAI's")  # fmt: skip
         logger.warning(
-            "sampling defaults from the generation config (for fields a request leaves out): "
-            "%s; --generation-config none keeps OpenAI's",
+            "sampling defaults from %s (for fields a request leaves out): %s%s",
+            source,
             ", ".join(f"{name}={value}" for name, value in changed.items()),
+            advice,
         )
     return defaults
 

@@ -93,3 +93,33 @@ def test_a_bad_value_in_the_file_names_the_file(tmp_path):
     with pytest.raises(GenerationConfigError, match="generation_config.json: temperature"):
         SamplingDefaults.load("auto", folder)
     assert SamplingDefaults.load("none", folder) == SamplingDefaults()
+
+
+@pytest.mark.parametrize(
+    ("generation_config", "override", "source", "advises_none"),
+    [
+        ("auto", None, "the generation config", True),
+        ("auto", '{"top_k": 5}', "the generation config", False),
+        ("none", '{"temperature": 0.5}', "--override-generation-config", False),
+    ],
+)
+def test_the_start_up_line_names_where_the_defaults_came_from(
+    tmp_path, caplog, generation_config, override, source, advises_none
+):
+    """With --generation-config none and an override it advised "--generation-config none
+    keeps OpenAI's", the flag already given (fuzz86)."""
+    import logging
+
+    from engine.config import EngineConfig
+    from server.app_state import load_sampling_defaults
+    from server.settings import ServerSettings
+
+    folder = folder_with(tmp_path, QWEN2_VL_INSTRUCT)
+    settings = ServerSettings(engine=EngineConfig(model=str(folder)),
+                              generation_config=generation_config,
+                              override_generation_config=override)  # fmt: skip
+    with caplog.at_level(logging.WARNING):
+        load_sampling_defaults(settings)
+    [line] = [record.getMessage() for record in caplog.records]
+    assert line.startswith(f"sampling defaults from {source} ")
+    assert ("--generation-config none keeps OpenAI's" in line) == advises_none
