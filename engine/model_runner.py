@@ -223,7 +223,10 @@ class ModelRunner:
         if memory_probe is None:
             gib = config.kv_cache_memory_gib or CPU_KV_CACHE_GIB
             num_blocks = blocks_in(int(gib * GIB), block_bytes, useful)
-            log_sizing(num_blocks, block_bytes, self.block_size, f"from {gib} GiB")
+            source = f"from {gib} GiB"
+            if num_blocks == useful:  # said, or "0.50 GiB ... from 2.0 GiB" looked wrong (fuzz86)
+                source += ", capped at max_num_seqs x max_model_len tokens, all that can be used"
+            log_sizing(num_blocks, block_bytes, self.block_size, source)
             return num_blocks
         num_bytes, use = profile_kv_cache_bytes(
             memory_probe,

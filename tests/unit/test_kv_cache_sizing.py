@@ -3,6 +3,8 @@ settings. The CUDA measurement itself is tests/gpu/test_kv_cache_sizing_cuda.py.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -213,6 +215,19 @@ def test_on_cpu_an_unset_size_is_two_gib_and_a_set_one_wins(model_dir):
     assert small.num_kv_blocks == int(0.01 * GIB) // block - 1
     exact = ModelRunner(EngineConfig(**options, kv_cache_memory_gib=0.01, num_kv_blocks=5))
     assert exact.num_kv_blocks == 5
+
+
+def test_the_start_up_line_says_when_the_cache_is_capped_at_what_can_be_used(model_dir, caplog):
+    """A line "0.50 GiB ... from 2.0 GiB" looked wrong without the reason (fuzz86)."""
+    options = dict(model=str(model_dir), device="cpu", dtype="float32", max_model_len=256)
+    with caplog.at_level(logging.INFO, logger="engine.kv_cache_sizing"):
+        capped = ModelRunner(EngineConfig(**options, max_num_seqs=2))
+        full = ModelRunner(EngineConfig(**options, max_num_seqs=4096, kv_cache_memory_gib=0.01))
+    assert capped.num_kv_blocks == 2 * 256 // 16
+    lines = [record.getMessage() for record in caplog.records]
+    capped_line, full_line = [line for line in lines if "KV cache:" in line]
+    assert "from 2.0 GiB, capped at max_num_seqs x max_model_len" in capped_line
+    assert full_line.endswith("from 0.01 GiB") and full.num_kv_blocks < 4096 * 256 // 16
 
 
 @pytest.mark.parametrize(
