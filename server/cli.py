@@ -402,8 +402,12 @@ def encode_features_main(argv: Sequence[str]) -> int:
 
 def bench_main(argv: Sequence[str]) -> int:
     """`tessera bench serve ...`: the load client (bench/serve.py)."""
+    usage = "usage: tessera bench serve [--help]\n\n  serve  load-test an OpenAI-compatible server"
+    if argv and argv[0] in ("-h", "--help"):  # as `tessera --help` tells (fuzz86: exit 2)
+        print(usage)
+        return EXIT_OK
     if not argv or argv[0] != "serve":
-        print("usage: tessera bench serve [--help]", file=sys.stderr)
+        print(usage, file=sys.stderr)
         return EXIT_USAGE
     from bench.serve import main
 

@@ -231,3 +231,13 @@ def test_a_busy_client_is_reported():
     busy = client_cpu_report(9.0, duration_s=10.0, client_processes=1)
     assert "warning: the client was busy 90% of the run" in busy
     assert "warning" not in client_cpu_report(9.0, duration_s=10.0, client_processes=2)
+
+
+def test_tessera_bench_help_lists_its_subcommand(capsys):
+    """`tessera --help` says `COMMAND --help` gives a command's flags; `tessera bench --help`
+    was a usage error, exit 2 (fuzz86)."""
+    from server.cli import main as tessera
+
+    assert tessera(["bench", "--help"]) == 0
+    assert "tessera bench serve" in capsys.readouterr().out
+    assert tessera(["bench"]) == 2
