@@ -47,6 +47,7 @@ from engine.generation_defaults import SamplingDefaults
 from engine.llm_params import SamplingParams
 from engine.llm_results import ChoiceText, CompletionOutput, GenerationResult
 from engine.multimodal.placement import media_input, place_media
+from engine.multimodal.tool_call_history import arguments_as_objects
 from engine.protocol import EngineRequest, Modality
 
 Prompt = str | list[int] | dict
@@ -347,7 +348,7 @@ class LLM:
             if not isinstance(rendering["template_kwargs"], dict):
                 raise InvalidRequest("chat_template_kwargs is a dict", param="chat_template_kwargs")
         processed = self.prompt_processor.process_chat(
-            messages,
+            arguments_as_objects(messages),  # as the server's chat renders them
             media_token_counts=[
                 (kind, item.num_tokens, item.frame_seconds) for kind, item in items
             ],  # fmt: skip

@@ -34,6 +34,7 @@ from engine.errors import ContextLengthExceeded, InvalidRequest, MediaError, unk
 from engine.multimodal.image_processor import ImageProcessorConfig, ProcessedImage
 from engine.multimodal.placement import media_input, place_media
 from engine.multimodal.prompt import PromptProcessor, final_message_text
+from engine.multimodal.tool_call_history import arguments_as_objects
 from engine.protocol import FeatureSource, MediaInput, MediaUuid, Modality
 from engine.url_safety import as_fetched, is_under_prefixes
 from server.chat_messages import (
@@ -47,7 +48,6 @@ from server.generation import PreparedPrompt
 from server.media_fetch import MediaFetcher, MediaProcessing
 from server.openai_models import ChatCompletionRequest
 from server.settings import ServerSettings
-from server.tool_calls import arguments_as_objects
 
 FEATURE_SCHEMES = ("s3://", "http://", "https://", "data:")
 

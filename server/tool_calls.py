@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from engine.protocol import StructuredOutput
-from server.unicode_check import is_valid_unicode, lone_surrogate_path
+from server.unicode_check import is_valid_unicode
 
 # The formats the answer's calls are parsed in (--tool-call-parser; "auto" picks by the
 # chat template): Qwen2.5's Hermes blocks, or Llama 3.1's bare JSON objects.
@@ -296,18 +296,6 @@ class ToolCallExtractor:
         return (calls[0], end) if len(calls) == 1 else None
 
 
-def arguments_as_objects(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages for the chat template: an assistant's tool-call arguments (OpenAI sends a
-    JSON string) as objects, which templates write with `tojson`."""
-    result = []
-    for message in messages:
-        if message.get("tool_calls"):
-            message = {**message, "tool_calls": [_with_object_arguments(call)
-                                                 for call in message["tool_calls"]]}  # fmt: skip
-        result.append(message)
-    return result
-
-
 def check_tools(tools: list[dict[str, Any]] | None, tool_choice: Any) -> None:
     """Raises ValueError where `tool_choice` asks for a call that `tools` cannot give."""
     if tool_choice in (None, "none", "auto"):
@@ -354,23 +342,6 @@ def _rooted(schema: Any, root: str) -> Any:
 
 def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
     return tool["function"].get("parameters") or ANY_OBJECT
-
-
-def _with_object_arguments(call: dict[str, Any]) -> dict[str, Any]:
-    function = call.get("function") or {}
-    arguments = function.get("arguments")
-    if arguments is None:  # null (or left out): no arguments
-        arguments = {}
-    elif isinstance(arguments, str):
-        try:  # empty or null: no arguments, as vLLM reads them ("" wrote `"arguments": }`)
-            parsed = json.loads(arguments) if arguments.strip() else {}
-            parsed = {} if parsed is None else parsed
-        except _NOT_JSON:
-            parsed = arguments  # not JSON: the template writes the string as it came
-        # A "\ud800" escape in the JSON text decodes to a lone surrogate, which no tokenizer
-        # takes: the template then writes the JSON text as it came, escape and all.
-        arguments = parsed if lone_surrogate_path(parsed) is None else arguments
-    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def _hermes_calls(text: str) -> list[ToolCall]:

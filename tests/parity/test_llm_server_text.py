@@ -123,6 +123,25 @@ def test_n_chat_choices_are_the_servers(llm, http):
     assert offline(result) == served(chat(http, n=2, **fields), "message")
 
 
+@pytest.mark.parametrize("arguments", ['{"x": 1}', "", None])
+def test_a_replayed_tool_call_renders_as_on_the_server(llm, http, arguments):
+    """A call's arguments come back as a JSON string (the openai client's), or empty: the
+    server hands the template objects, and offline the string went in as it came, a
+    prompt of other tokens and another answer (fuzz87)."""
+    messages = [
+        {"role": "user", "content": "hi there"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+         "function": {"name": "get", "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "42"},
+    ]  # fmt: skip
+    [result] = llm.chat(messages, SamplingParams(max_tokens=8, temperature=0.0))
+    assert result.error is None, result.error
+    tokenized = http.post("/tokenize", json={"model": MODEL, "messages": messages})
+    assert result.prompt_token_ids == tokenized.json()["tokens"]
+    [choice] = chat(http, messages=messages, max_tokens=8, temperature=0.0)
+    assert result.text == choice["message"]["content"]
+
+
 @pytest.mark.parametrize("include", [False, True])
 def test_a_stop_string_cuts_the_text_as_the_server_does(llm, http, include):
     greedy = {"temperature": 0.0, "ignore_eos": True}

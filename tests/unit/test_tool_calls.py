@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from server.tool_calls import ToolPlan, arguments_as_objects, tool_plan
+from engine.multimodal.tool_call_history import arguments_as_objects
+from server.tool_calls import ToolPlan, tool_plan
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
