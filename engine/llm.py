@@ -49,6 +49,7 @@ from engine.llm_results import ChoiceText, CompletionOutput, GenerationResult
 from engine.multimodal.placement import media_input, place_media
 from engine.multimodal.tool_call_history import arguments_as_objects
 from engine.protocol import EngineRequest, Modality
+from engine.request_checks import check_prompt_token_ids
 
 Prompt = str | list[int] | dict
 # The keys of a {"messages": ...} prompt that say how it is rendered (as on the HTTP API).
@@ -292,6 +293,8 @@ class LLM:
                 sampling=sampling,
             ), [], prompt)  # fmt: skip
         if isinstance(prompt, list):
+            # checked before its detokenizer reads the ids (the engine checks them later)
+            check_prompt_token_ids(prompt, self.engine.model_config.vocab_size, types=True)
             return BuiltRequest(EngineRequest(
                 request_id=request_id, prompt_token_ids=list(prompt), sampling=sampling
             ), [], None)  # fmt: skip

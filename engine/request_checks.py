@@ -32,6 +32,16 @@ from engine.request import MediaItem, Request
 from engine.sampler import token_bitmask
 
 
+def check_prompt_token_ids(prompt: Sequence[int], vocab_size: int, *, types: bool) -> None:
+    """InvalidRequest unless every id is in the vocabulary, and with `types` an int: a
+    float, a bool or a nested list from the offline `LLM`'s caller raised out of the
+    tokenizer for the whole batch (fuzz87); msgspec has typed what the server sends."""
+    if types and not all(type(token_id) is int for token_id in prompt):
+        raise InvalidRequest("a token-id prompt is a list of ints", param="prompt")
+    if prompt and (min(prompt) < 0 or max(prompt) >= vocab_size):
+        raise InvalidRequest(f"prompt token ids must be in [0, {vocab_size})", param="prompt")
+
+
 class RequestBuilder:
     """Builds checked Requests for one model and engine (`EngineCore._builder`)."""
 
@@ -61,10 +71,7 @@ class RequestBuilder:
             raise InvalidRequest("the prompt is empty", param="prompt")
         if max_tokens < 1:
             raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
-        if min(prompt) < 0 or max(prompt) >= mc.vocab_size:
-            raise InvalidRequest(
-                f"prompt token ids must be in [0, {mc.vocab_size})", param="prompt"
-            )
+        check_prompt_token_ids(prompt, mc.vocab_size, types=False)
         if not 0 <= request.sampling.min_tokens <= max_tokens:
             raise InvalidRequest(
                 f"min_tokens must be in [0, max_tokens={max_tokens}], "

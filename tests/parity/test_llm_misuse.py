@@ -108,6 +108,15 @@ def test_malformed_chat_prompts_fail_alone_and_leave_nothing_behind(llm, referen
     assert sum(stats.generation_tokens_total for stats in llm.last_stats) == GREEDY.max_tokens
 
 
+def test_bad_token_id_prompts_fail_alone(llm, reference, prompts):
+    """A negative, huge or non-int id raised OverflowError or TypeError out of the
+    tokenizer for the whole batch (fuzz87); the server answers such a prompt 400."""
+    bad = [[-1], [2**70], [1.5, 2.0], [["a", "b"]], [True], [10**6]]
+    results = llm.generate([prompts[0], *bad, prompts[1]], GREEDY)
+    check([results[0], results[-1]], reference, prompts, [0, 1])
+    assert [r.error.param if r.error else None for r in results[1:-1]] == ["prompt"] * len(bad)
+
+
 def test_two_threads_share_one_llm(llm, reference, prompts):
     """They corrupted each other's calls (a KeyError in one, partial tokens in the other)."""
     results = {}
