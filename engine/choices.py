@@ -36,8 +36,13 @@ def fan_out(
         params = sampling
         if sampling.seed is not None:
             # Same seed on every choice would make all n choices identical. Wrapped in the
-            # int64 range the client's seed came from (2**63 - 1 + 1 was refused).
-            params = msgspec.structs.replace(params, seed=_wrapped_int64(sampling.seed + i))
+            # int64 range the client's seed came from (2**63 - 1 + 1 was refused); a seed
+            # from outside it stays outside, for the engine to refuse as it does with n 1
+            # (wrapped, the offline LLM's seed 2**64 drew as seed 0; fuzz87).
+            seed = sampling.seed + i
+            params = msgspec.structs.replace(
+                params, seed=_wrapped_int64(seed) if _is_int64(sampling.seed) else seed
+            )
         if i and score_prompt_once and sampling.prompt_logprobs is not None:
             params = msgspec.structs.replace(params, prompt_logprobs=None)
         choices.append(
@@ -50,6 +55,10 @@ def fan_out(
 
 def _wrapped_int64(value: int) -> int:
     return (value + 2**63) % 2**64 - 2**63
+
+
+def _is_int64(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and -(2**63) <= value < 2**63
 
 
 @dataclass

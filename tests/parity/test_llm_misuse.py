@@ -117,6 +117,15 @@ def test_bad_token_id_prompts_fail_alone(llm, reference, prompts):
     assert [r.error.param if r.error else None for r in results[1:-1]] == ["prompt"] * len(bad)
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_seed_outside_int64_is_refused_whatever_n(llm, n):
+    """With n 2 the choices' seeds were wrapped into int64 first: 2**64 drew as seed 0, where
+    n 1 was refused, as the server refuses both (fuzz87)."""
+    sampling = SamplingParams(max_tokens=2, temperature=1.0, seed=2**64, n=n)
+    [result] = llm.generate(["hi"], sampling)
+    assert result.error is not None and result.error.param == "seed", result
+
+
 def test_two_threads_share_one_llm(llm, reference, prompts):
     """They corrupted each other's calls (a KeyError in one, partial tokens in the other)."""
     results = {}
