@@ -344,15 +344,17 @@ def _share_pixels(media: list[MediaItem]) -> list[MediaItem]:
     ]
 
 
-# The ranges the HTTP API checks, for every caller of the engine (the offline LLM
-# included): name -> (lowest, highest, whether the lowest itself is refused).
+# The ranges vLLM's SamplingParams checks, for every caller of the engine (the offline LLM
+# included; the HTTP API also bounds temperature at 2, as OpenAI does): name -> (lowest,
+# highest, whether the lowest itself is refused). The penalties' [-2, 2] were unbounded
+# here, so the offline LLM took what the server and vLLM refuse (fuzz87).
 _SAMPLING_RANGES = {
     "temperature": (0.0, math.inf, False),
     "top_p": (0.0, 1.0, True),
     "min_p": (0.0, 1.0, False),
     "repetition_penalty": (0.0, math.inf, True),
-    "presence_penalty": (-math.inf, math.inf, False),
-    "frequency_penalty": (-math.inf, math.inf, False),
+    "presence_penalty": (-2.0, 2.0, False),
+    "frequency_penalty": (-2.0, 2.0, False),
 }
 SEED_RANGE = (-(2**63), 2**63 - 1)  # what torch's manual_seed takes, as the HTTP API's
 

@@ -218,7 +218,7 @@ def test_the_held_token_table_penalises_on_the_device_as_the_host_ids_do(model_d
 
     penalised = [SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True,
                                 repetition_penalty=0.5 if i % 2 else 1.3,
-                                frequency_penalty=3.0 if i % 3 == 0 else 0.0,
+                                frequency_penalty=2.0 if i % 3 == 0 else 0.0,
                                 presence_penalty=0.6 if i % 3 == 1 else 0.0)
                  for i in range(len(prompts))]  # fmt: skip
     llm = LLM(str(model_dir), device="cuda", dtype="float32", num_kv_blocks=512)

@@ -65,6 +65,8 @@ def test_mistyped_sampling_params_fail_their_own_prompt(llm, reference, prompts)
         (SamplingParams(max_tokens=4, logprobs=2.5), "logprobs"),
         (SamplingParams(max_tokens=4, logprobs=10**6), "logprobs"),
         (SamplingParams(max_tokens=4, prompt_logprobs=21), "prompt_logprobs"),
+        (SamplingParams(max_tokens=4, presence_penalty=2.5), "presence_penalty"),  # vLLM's [-2, 2]
+        (SamplingParams(max_tokens=4, frequency_penalty=-3), "frequency_penalty"),
         ({"max_tokens": 4}, "sampling_params"),
     ]
     batch = [prompts[0]] * (len(bad) + 1)

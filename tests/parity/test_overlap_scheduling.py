@@ -204,7 +204,7 @@ def test_the_device_table_of_held_tokens_penalises_as_the_host_ids_do(model_dir,
               for i in range(len(batch))]  # fmt: skip
     params[2] = greedy(14, ignore_eos=True)  # no penalty beside them
     for i in (0, 3, 6):  # OpenAI's penalties too, which count the outputs
-        params[i] = msgspec.structs.replace(params[i], presence_penalty=0.6, frequency_penalty=3.0)
+        params[i] = msgspec.structs.replace(params[i], presence_penalty=0.6, frequency_penalty=2.0)
     params[4] = greedy(18, ignore_eos=True, presence_penalty=-1.0, frequency_penalty=0.5)
     options = dict(num_kv_blocks=24, block_size=4, max_num_batched_tokens=16)
     indexed, written = [], []
