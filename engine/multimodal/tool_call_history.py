@@ -17,14 +17,22 @@ _NOT_JSON = (ValueError, RecursionError)  # RecursionError: "[" * 5000
 
 def arguments_as_objects(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """`messages` with each assistant tool call's JSON-string arguments as objects (the
-    messages themselves untouched)."""
+    messages themselves untouched). A call of another shape, which only the offline `LLM`
+    can be given (the server's are typed), is left for the template to refuse as that
+    prompt's error: converting it raised out of `LLM.chat` for the whole batch (fuzz88)."""
     result = []
     for message in messages:
-        if message.get("tool_calls"):
-            message = {**message, "tool_calls": [_with_object_arguments(call)
-                                                 for call in message["tool_calls"]]}  # fmt: skip
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        if calls and isinstance(calls, list):
+            message = {**message, "tool_calls": [
+                _with_object_arguments(call) if _is_call(call) else call for call in calls
+            ]}  # fmt: skip
         result.append(message)
     return result
+
+
+def _is_call(call: Any) -> bool:
+    return isinstance(call, dict) and isinstance(call.get("function") or {}, dict)
 
 
 def _with_object_arguments(call: dict[str, Any]) -> dict[str, Any]:
@@ -45,9 +53,11 @@ def _with_object_arguments(call: dict[str, Any]) -> dict[str, Any]:
 
 
 def _is_valid_unicode(value: Any) -> bool:
-    """Whether every string of a decoded JSON value, keys included, encodes as UTF-8."""
+    """Whether every string of a decoded JSON value, keys included, encodes as UTF-8 (a
+    value nested as deep as json.loads allows is too deep for json.dumps, one level
+    sooner: then no, and the text goes to the template as it came; fuzz88 got a 500)."""
     try:
         json.dumps(value, ensure_ascii=False).encode()
-    except UnicodeEncodeError:
+    except (UnicodeEncodeError, RecursionError):
         return False
     return True

@@ -110,6 +110,19 @@ def test_malformed_chat_prompts_fail_alone_and_leave_nothing_behind(llm, referen
     assert sum(stats.generation_tokens_total for stats in llm.last_stats) == GREEDY.max_tokens
 
 
+def test_malformed_tool_calls_fail_their_own_chat(llm, reference, prompts):
+    """Converting their arguments raised AttributeError out of generate() for the whole
+    batch (fuzz88); the template's refusal is the prompt's own error."""
+    malformed = [
+        {"messages": [{"role": "user", "content": "hi"},
+                      {"role": "assistant", "content": None, "tool_calls": calls}]}
+        for calls in ("abc", 5, [5], [{"function": "f"}])
+    ]  # fmt: skip
+    results = llm.generate([prompts[0], *malformed, prompts[1]], GREEDY)
+    check([results[0], results[-1]], reference, prompts, [0, 1])
+    assert all(r.error is not None for r in results[1:-1]), [r.error for r in results]
+
+
 def test_bad_token_id_prompts_fail_alone(llm, reference, prompts):
     """A negative, huge or non-int id raised OverflowError or TypeError out of the
     tokenizer for the whole batch (fuzz87); the server answers such a prompt 400."""

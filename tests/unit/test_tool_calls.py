@@ -431,3 +431,25 @@ def test_a_replayed_call_may_have_null_arguments():
         {"role": "assistant", "tool_calls": [
             {"id": "1", "type": "function", "function": {"name": "f", "arguments": None}}]}]})  # fmt: skip
     assert request.messages[1].tool_calls[0].function.arguments is None
+
+
+def test_arguments_at_every_nesting_depth_never_raise():
+    """json.dumps overflows the stack one level before json.loads: at that one depth the
+    check raised RecursionError, a 500 (fuzz88). Every depth up to past the recursion
+    limit either converts or stays text."""
+    import sys
+
+    for depth in range(1, sys.getrecursionlimit() + 50):
+        text = "[" * depth + "]" * depth
+        messages = [{"role": "assistant", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": text}}]}]  # fmt: skip
+        arguments = arguments_as_objects(messages)[0]["tool_calls"][0]["function"]["arguments"]
+        assert arguments == text or isinstance(arguments, list)
+
+
+@pytest.mark.parametrize("tool_calls", ["abc", 5, [5], [{"function": "f"}]])
+def test_tool_calls_of_another_shape_are_left_for_the_template(tool_calls):
+    """Only the offline LLM can be given these (the server's are typed): converting them
+    raised out of LLM.chat for the whole batch (fuzz88)."""
+    messages = [{"role": "assistant", "tool_calls": tool_calls}]
+    assert arguments_as_objects(messages) == messages
