@@ -90,6 +90,15 @@ def timed_h11_protocol(read_timeout_s: float, write_timeout_s: float = 0) -> typ
             if self.cycle is not cycle:  # a header block was read: a request began
                 self._cancel_deadline()
 
+        def on_response_complete(self) -> None:
+            cycle = self.cycle
+            super().on_response_complete()  # may begin a pipelined request at once
+            if (self.cycle is cycle and not self.transport.is_closing()
+                    and self.conn.trailing_data[0]):  # fmt: skip
+                # Part of the next request came during this one: its header block is timed
+                # from now (it waited out the keep-alive instead; fuzz88).
+                self._await_headers()
+
         def connection_lost(self, exc: Exception | None) -> None:
             self._cancel_deadline()
             self._stop_write_checks()

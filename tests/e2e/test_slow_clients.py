@@ -167,6 +167,21 @@ def test_a_kept_alive_connection_waits_out_its_keep_alive_not_the_read_timeout(i
     assert reply == b"" and waited < 8, (reply, waited)  # half a header block: still cut
 
 
+def test_half_a_pipelined_header_block_has_the_read_timeout(impatient):
+    """Sent with the request before it, it waited out the keep-alive (65 s), not the read
+    timeout (1 s here) (fuzz88)."""
+    host, port = impatient.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=20) as sock:
+        started = time.monotonic()
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\nGET /health HTTP/1.1\r\nHo")
+        reply = b""
+        with contextlib.suppress(OSError):
+            while data := sock.recv(65536):
+                reply += data
+        waited = time.monotonic() - started
+    assert reply.count(b"HTTP/1.1 200") == 1 and waited < 8, (reply, waited)
+
+
 def test_a_stream_its_client_stops_reading_gives_back_its_room(impatient_server):
     """A client that asks for a stream and then reads nothing, connection open: once every
     buffer between is full its request held the server's one sequence (--max-num-seqs 1)
