@@ -295,8 +295,9 @@ class LLM:
         if isinstance(prompt, list):
             # checked before its detokenizer reads the ids (the engine checks them later)
             check_prompt_token_ids(prompt, self.engine.model_config.vocab_size, types=True)
+            token_ids = [int(token_id) for token_id in prompt]  # numpy's ints as Python's
             return BuiltRequest(EngineRequest(
-                request_id=request_id, prompt_token_ids=list(prompt), sampling=sampling
+                request_id=request_id, prompt_token_ids=token_ids, sampling=sampling
             ), [], None)  # fmt: skip
         if isinstance(prompt, dict) and "messages" in prompt:
             processing = None  # a text-only model: a media part is refused below

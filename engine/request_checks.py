@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import time
 from collections.abc import Collection, Container, Sequence
 
@@ -33,10 +34,14 @@ from engine.sampler import token_bitmask
 
 
 def check_prompt_token_ids(prompt: Sequence[int], vocab_size: int, *, types: bool) -> None:
-    """InvalidRequest unless every id is in the vocabulary, and with `types` an int: a
-    float, a bool or a nested list from the offline `LLM`'s caller raised out of the
-    tokenizer for the whole batch (fuzz87); msgspec has typed what the server sends."""
-    if types and not all(type(token_id) is int for token_id in prompt):
+    """InvalidRequest unless every id is in the vocabulary, and with `types` an integer
+    (numpy's too; not a bool): a float, a bool or a nested list from the offline `LLM`'s
+    caller raised out of the tokenizer for the whole batch (fuzz87); msgspec has typed
+    what the server sends."""
+    if types and not all(
+        isinstance(token_id, numbers.Integral) and not isinstance(token_id, bool)
+        for token_id in prompt
+    ):
         raise InvalidRequest("a token-id prompt is a list of ints", param="prompt")
     if prompt and (min(prompt) < 0 or max(prompt) >= vocab_size):
         raise InvalidRequest(f"prompt token ids must be in [0, {vocab_size})", param="prompt")

@@ -130,6 +130,9 @@ def test_bad_token_id_prompts_fail_alone(llm, reference, prompts):
     results = llm.generate([prompts[0], *bad, prompts[1]], GREEDY)
     check([results[0], results[-1]], reference, prompts, [0, 1])
     assert [r.error.param if r.error else None for r in results[1:-1]] == ["prompt"] * len(bad)
+    # numpy's integers are ids, as they were before the check (fuzz88)
+    [as_numpy] = llm.generate([list(np.array(results[0].prompt_token_ids))], GREEDY)
+    assert as_numpy.error is None and as_numpy.token_ids == results[0].token_ids
 
 
 @pytest.mark.parametrize("n", [1, 2])
