@@ -50,6 +50,7 @@ from engine.multimodal.placement import media_input, place_media
 from engine.multimodal.tool_call_history import arguments_as_objects
 from engine.protocol import EngineRequest, Modality
 from engine.request_checks import check_prompt_token_ids
+from engine.unicode_text import lone_surrogate_path
 
 Prompt = str | list[int] | dict
 # The keys of a {"messages": ...} prompt that say how it is rendered (as on the HTTP API).
@@ -286,6 +287,10 @@ class LLM:
         self, request_id: str, prompt: Prompt, params: SamplingParams
     ) -> BuiltRequest:
         sampling = params.engine_params()
+        if (path := lone_surrogate_path(prompt, "prompt")) is not None:  # else the tokenizer's
+            raise InvalidRequest(  # TypeError, out of generate() for the whole batch (fuzz88)
+                f"{path!r} holds a lone UTF-16 surrogate, which is not valid Unicode", param=path
+            )
         if isinstance(prompt, str):
             return BuiltRequest(EngineRequest(
                 request_id=request_id,

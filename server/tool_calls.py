@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from engine.protocol import StructuredOutput
-from server.unicode_check import is_valid_unicode
+from engine.unicode_text import is_valid_unicode
 
 # The formats the answer's calls are parsed in (--tool-call-parser; "auto" picks by the
 # chat template): Qwen2.5's Hermes blocks, or Llama 3.1's bare JSON objects.

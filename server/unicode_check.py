@@ -14,38 +14,17 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
 
 from fastapi import Request
 
 from engine.errors import InvalidRequest
+from engine.unicode_text import lone_surrogate_path
 
 # "\u" then D800-DFFF, either case: every escape that could make a surrogate. An escaped
 # backslash before it ("\\ud800", the text \ud800) matches too; the decode then finds none.
 # Or a surrogate's own bytes (ED A0-BF: CESU-8), which no valid UTF-8 holds and which
 # Python's JSON decoder takes (surrogatepass).
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
-
-
-def lone_surrogate_path(value: Any, path: str = "") -> str | None:
-    """The path (`messages[0].content`) of the first string in a decoded JSON value, key or
-    value, that holds a lone surrogate; None when there is none."""
-    if isinstance(value, str):
-        return None if is_valid_unicode(value) else path
-    if isinstance(value, dict):
-        for key, item in value.items():
-            child = f"{path}.{key}" if path else str(key)
-            if not is_valid_unicode(key):
-                return path or "(key)"
-            found = lone_surrogate_path(item, child)
-            if found is not None:
-                return found
-    elif isinstance(value, list):
-        for index, item in enumerate(value):
-            found = lone_surrogate_path(item, f"{path}[{index}]")
-            if found is not None:
-                return found
-    return None
 
 
 def check_body(body: bytes) -> None:
@@ -70,12 +49,3 @@ async def check_request_text(request: Request) -> None:
     FastAPI validates it into the route's model. Starlette caches the bytes it reads."""
     if request.method == "POST":
         check_body(await request.body())
-
-
-def is_valid_unicode(text: str) -> bool:
-    """False where `text` holds a lone surrogate, which UTF-8 cannot encode."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True

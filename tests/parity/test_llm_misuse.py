@@ -123,6 +123,20 @@ def test_malformed_tool_calls_fail_their_own_chat(llm, reference, prompts):
     assert all(r.error is not None for r in results[1:-1]), [r.error for r in results]
 
 
+def test_a_lone_surrogate_fails_its_own_prompt(llm, reference, prompts):
+    """The tokenizer's TypeError came out of generate() for the whole batch; the server
+    answers such a body 400 (fuzz88)."""
+    bad = ["a\ud800b", {"messages": [{"role": "user", "content": "\udfff"}]},
+           {"messages": [{"role": "assistant", "content": None, "tool_calls": [
+               {"id": "c", "type": "function", "function": {"name": "f", "arguments": {"x": "\ud800"}}}]}]}]  # fmt: skip
+    results = llm.generate([prompts[0], *bad, prompts[1]], GREEDY)
+    check([results[0], results[-1]], reference, prompts, [0, 1])
+    assert [r.error.param for r in results[1:-1]] == [
+        "prompt", "prompt.messages[0].content",
+        "prompt.messages[0].tool_calls[0].function.arguments.x",
+    ]  # fmt: skip
+
+
 def test_bad_token_id_prompts_fail_alone(llm, reference, prompts):
     """A negative, huge or non-int id raised OverflowError or TypeError out of the
     tokenizer for the whole batch (fuzz87); the server answers such a prompt 400."""

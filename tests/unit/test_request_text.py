@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from server.unicode_check import check_body, lone_surrogate_path
+from engine.unicode_text import lone_surrogate_path
+from server.unicode_check import check_body
 from tests.unit.fake_engine import client_for
 
 LONE = "\\ud800"  # as sent: the six characters of the JSON escape
