@@ -6,7 +6,8 @@ timeout), and any byte that arrives cancels that timer: a client that connects a
 nothing, or half a header block, held its connection forever (400 such connections held
 425 file descriptors). Here a connection must finish each request's header block within
 `read_timeout_s` of connecting, or of the first byte of a later request on a kept-alive
-connection, or it is closed; an idle kept-alive connection is the keep-alive timeout's
+connection (of the previous response's end, for bytes that came during it), or it is
+closed; an idle kept-alive connection is the keep-alive timeout's
 (from its previous response it was `read_timeout_s`'s too, so a keep-alive timeout above
 it would not hold). A body that stalls is the ASGI middleware's to answer (408,
 server/request_limits.py).

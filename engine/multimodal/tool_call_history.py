@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from engine.unicode_text import lone_surrogate_path
+
 _NOT_JSON = (ValueError, RecursionError)  # RecursionError: "[" * 5000
 
 
@@ -53,11 +55,10 @@ def _with_object_arguments(call: dict[str, Any]) -> dict[str, Any]:
 
 
 def _is_valid_unicode(value: Any) -> bool:
-    """Whether every string of a decoded JSON value, keys included, encodes as UTF-8 (a
-    value nested as deep as json.loads allows is too deep for json.dumps, one level
-    sooner: then no, and the text goes to the template as it came; fuzz88 got a 500)."""
+    """Whether every string of a decoded JSON value, keys included, is valid Unicode (a
+    value nested as deep as json.loads allows is too deep to walk, one level sooner: then
+    no, and the text goes to the template as it came; fuzz88 got a 500)."""
     try:
-        json.dumps(value, ensure_ascii=False).encode()
-    except (UnicodeEncodeError, RecursionError):
+        return lone_surrogate_path(value) is None
+    except RecursionError:
         return False
-    return True
