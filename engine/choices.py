@@ -4,7 +4,8 @@ answers: the server (server/generation.py) and the offline `LLM` (engine/llm.py)
 * `fan_out`: one engine request per choice, `{id}-{i}` (the id alone when `n` is 1); a
   `seed` becomes `seed + i` on choice `i`, so that the choices differ yet each is
   reproducible (vLLM's children of `n > 1` do the same); the prompt's scores, the same for
-  every choice, are computed by the first alone unless each must show them.
+  every choice, are computed by the first alone unless each must show them; a seed
+  outside `SEED_RANGE` (`is_seed`, the engine's own check too) is not wrapped into it.
 * `answer_step`: what one engine output adds to its choice's answer, through that choice's
   `SequenceDetokenizer`: the text, how many of the new tokens belong to the answer (none
   after the token that completes a stop string), and how the choice ends.
@@ -22,6 +23,17 @@ import msgspec
 
 from engine.detokenizer import SequenceDetokenizer
 from engine.protocol import EngineRequest, FinishReason, RequestOutput, SamplingParams
+
+SEED_RANGE = (-(2**63), 2**63 - 1)  # what torch's manual_seed takes, as the HTTP API's
+
+
+def is_seed(value: object) -> bool:
+    """Whether `value` is a seed a request may carry: an int (not a bool) in SEED_RANGE."""
+    return (
+        isinstance(value, int)
+        and not isinstance(value, bool)
+        and SEED_RANGE[0] <= value <= SEED_RANGE[1]
+    )
 
 
 def fan_out(
@@ -41,7 +53,7 @@ def fan_out(
             # (wrapped, the offline LLM's seed 2**64 drew as seed 0; fuzz87).
             seed = sampling.seed + i
             params = msgspec.structs.replace(
-                params, seed=_wrapped_int64(seed) if _is_int64(sampling.seed) else seed
+                params, seed=_wrapped_int64(seed) if is_seed(sampling.seed) else seed
             )
         if i and score_prompt_once and sampling.prompt_logprobs is not None:
             params = msgspec.structs.replace(params, prompt_logprobs=None)
@@ -55,10 +67,6 @@ def fan_out(
 
 def _wrapped_int64(value: int) -> int:
     return (value + 2**63) % 2**64 - 2**63
-
-
-def _is_int64(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and -(2**63) <= value < 2**63
 
 
 @dataclass

@@ -17,6 +17,7 @@ from collections.abc import Collection, Container, Sequence
 
 import torch
 
+from engine.choices import SEED_RANGE, is_seed
 from engine.encoder_cache import salted
 from engine.errors import ContextLengthExceeded, InvalidRequest, MediaError, unknown_media_uuid
 from engine.model_config import ModelConfig
@@ -361,7 +362,6 @@ _SAMPLING_RANGES = {
     "presence_penalty": (-2.0, 2.0, False),
     "frequency_penalty": (-2.0, 2.0, False),
 }
-SEED_RANGE = (-(2**63), 2**63 - 1)  # what torch's manual_seed takes, as the HTTP API's
 
 
 def _check_sampling_ranges(sampling: SamplingParams) -> None:
@@ -387,11 +387,7 @@ def _check_sampling_ranges(sampling: SamplingParams) -> None:
             f"top_k must be an integer >= -1, got {sampling.top_k!r}", param="top_k"
         )
     seed = sampling.seed
-    if seed is not None and not (
-        isinstance(seed, int)
-        and not isinstance(seed, bool)
-        and SEED_RANGE[0] <= seed <= SEED_RANGE[1]
-    ):
+    if seed is not None and not is_seed(seed):
         raise InvalidRequest(
             f"seed must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {seed!r}",
             param="seed",
