@@ -36,6 +36,12 @@ def cpu_seed(seed: int) -> int:
     return (bits ^ ((bits >> 32) * 0x9E3779B9)) & (2**32 - 1)
 
 
+def seeded_generator(seed: int, device: torch.device) -> torch.Generator:
+    """A generator on `device` seeded with `seed` (on CPU through `cpu_seed`)."""
+    seed = cpu_seed(seed) if device.type == "cpu" else seed
+    return torch.Generator(device=device).manual_seed(seed)
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -159,10 +165,7 @@ class Request:
         if self.sampling.seed is None:
             return None
         if self._generator is None:
-            seed = self.sampling.seed
-            if device.type == "cpu":
-                seed = cpu_seed(seed)
-            self._generator = torch.Generator(device=device).manual_seed(seed)
+            self._generator = seeded_generator(self.sampling.seed, device)
         return self._generator
 
     def allowed_tokens(self) -> torch.Tensor | None:

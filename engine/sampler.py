@@ -31,7 +31,7 @@ from engine.device_io import HostCopy, copy_to_host, to_device
 from engine.held_tokens import HeldRows, HeldTokens
 from engine.penalties import InFlightOutputs, apply_penalties
 from engine.protocol import SamplingParams, TokenLogprob
-from engine.request import cpu_seed
+from engine.request import seeded_generator
 
 if TYPE_CHECKING:
     from engine.request import Request
@@ -114,8 +114,7 @@ class Sampler:
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
-            seed = cpu_seed(self._seed) if device.type == "cpu" else self._seed
-            self._generators[device] = torch.Generator(device=device).manual_seed(seed)
+            self._generators[device] = seeded_generator(self._seed, device)
         return self._generators[device]
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
