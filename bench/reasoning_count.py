@@ -14,11 +14,29 @@ from __future__ import annotations
 import argparse
 import time
 
-from tokenizers import AddedToken
+from tokenizers import AddedToken, Tokenizer
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.tiny_model import SIZES, train_tokenizer
 from server.reasoning import THINK_END, THINK_START, ReasoningSplitter, count_reasoning_tokens
+
+
+def count_token_by_token(tokenizer: Tokenizer, ids: list[int], *, opened: bool) -> int:
+    """The count read from each token's own text, as the reasoning parser reads a stream
+    (the definition `count_reasoning_tokens` keeps while decoding in chunks; also the
+    oracle of tests/unit/test_reasoning.py)."""
+    splitter, detokenizer, count = (
+        ReasoningSplitter(opened=opened),
+        IncrementalDetokenizer(tokenizer),
+        0,
+    )
+    for token_id in ids:
+        if not splitter.in_thinking:
+            break
+        text = detokenizer.step((token_id,))
+        count += text not in (THINK_START, THINK_END)
+        splitter.feed(text)
+    return count if splitter.has_reasoning else 0
 
 
 def main() -> None:
@@ -32,14 +50,7 @@ def main() -> None:
     ids = tokenizer.encode(text, add_special_tokens=False).ids
 
     def token_by_token() -> int:
-        splitter, detokenizer, count = ReasoningSplitter(), IncrementalDetokenizer(tokenizer), 0
-        for token_id in ids:
-            if not splitter.in_thinking:
-                break
-            piece = detokenizer.step((token_id,))
-            count += piece not in (THINK_START, THINK_END)
-            splitter.feed(piece)
-        return count
+        return count_token_by_token(tokenizer, ids, opened=False)
 
     def in_chunks() -> int:
         return count_reasoning_tokens(

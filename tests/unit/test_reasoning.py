@@ -9,6 +9,7 @@ import random
 import pytest
 from tokenizers import AddedToken, Tokenizer
 
+from bench.reasoning_count import count_token_by_token
 from engine.detokenizer import IncrementalDetokenizer
 from engine.tiny_model import SIZES, train_tokenizer
 from server.reasoning import (
@@ -82,23 +83,6 @@ def counted(tokenizer: Tokenizer, pieces: list[str], *, opened: bool) -> int:
     return count_reasoning_tokens(tokenizer, IncrementalDetokenizer(tokenizer), ids, opened=opened)
 
 
-def one_by_one(tokenizer: Tokenizer, ids: list[int], *, opened: bool) -> int:
-    """The count read from each token's own text, as the reasoning parser reads a stream
-    (the definition `count_reasoning_tokens` keeps while decoding in chunks)."""
-    splitter, detokenizer, count = (
-        ReasoningSplitter(opened=opened),
-        IncrementalDetokenizer(tokenizer),
-        0,
-    )
-    for token_id in ids:
-        if not splitter.in_thinking:
-            break
-        text = detokenizer.step((token_id,))
-        count += text not in (THINK_START, THINK_END)
-        splitter.feed(text)
-    return count if splitter.has_reasoning else 0
-
-
 @pytest.mark.parametrize("opened, pieces, expected", [
     (False, ["<think>", "a", " b", "</think>", "\n\n", "ans"], 2),
     (False, ["<think>", "</think>", "ans"], 0),  # an empty thinking is none (it was 2)
@@ -140,7 +124,7 @@ def test_counting_in_chunks_gives_each_tokens_own_count(marker_tokenizer, seed):
         ids = [marker_tokenizer.token_to_id(THINK_START), *ids]
     if seed % 3 == 0:  # cut inside a character: the text of the last chunk stays held
         ids += marker_tokenizer.encode("🎉", add_special_tokens=False).ids[:-1]
-    expected = one_by_one(marker_tokenizer, ids, opened=opened)
+    expected = count_token_by_token(marker_tokenizer, ids, opened=opened)
     count = count_reasoning_tokens(
         marker_tokenizer, IncrementalDetokenizer(marker_tokenizer), ids, opened=opened
     )
@@ -157,7 +141,8 @@ def test_an_answer_cut_inside_a_character_is_counted_to_its_end(marker_tokenizer
     count = count_reasoning_tokens(
         marker_tokenizer, IncrementalDetokenizer(marker_tokenizer), ids, opened=opened
     )
-    assert count == one_by_one(marker_tokenizer, ids, opened=opened) == len(encode(" so" * 300).ids)
+    expected = count_token_by_token(marker_tokenizer, ids, opened=opened)
+    assert count == expected == len(encode(" so" * 300).ids)
 
 
 def test_chunk_edges_are_read_exactly(marker_tokenizer):
@@ -170,6 +155,6 @@ def test_chunk_edges_are_read_exactly(marker_tokenizer):
             count_reasoning_tokens(
                 marker_tokenizer, IncrementalDetokenizer(marker_tokenizer), ids, opened=True
             )
-            == one_by_one(marker_tokenizer, ids, opened=True)
+            == count_token_by_token(marker_tokenizer, ids, opened=True)
             == before * len(word)
         )
