@@ -23,6 +23,9 @@ bookkeeping. Modes:
                     decoder's projections run the Triton matrix-vector kernel, not cuBLAS
     graphs-unfused  graphs with the FlashInfer backend's rotary and K/V write as two
                     kernels, as before kernels/triton/rotary_kv_write.py
+    graphs-fa3      graphs with FlashInfer's FA3 (Hopper) kernels for attention, decode
+                    included, instead of FA2 (kernels/flashinfer_glue.py FLASHINFER_BACKEND;
+                    its JIT module: scripts/flashinfer_jit.py --backend fa3)
 
 "forward" is the device time of the decoder alone (CUDA events around it).
 
@@ -166,7 +169,10 @@ MODE_SETTINGS = {
 # `fuse_rotary_kv_write`, a class switch rather than a setting: the fused kernel writes the
 # same bytes, so no user needs to choose).
 UNFUSED_MODE = "graphs-unfused"
-MODES = ["graphs", "graphs-serial", "eager", *MODE_PENALTIES, *MODE_SETTINGS, UNFUSED_MODE]
+# The mode that measures FlashInfer's FA3 kernels (sm90) against the FA2 ones the engine runs.
+FA3_MODE = "graphs-fa3"
+MODES = ["graphs", "graphs-serial", "eager", *MODE_PENALTIES, *MODE_SETTINGS, UNFUSED_MODE,
+         FA3_MODE]  # fmt: skip
 
 
 def random_prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
@@ -284,7 +290,7 @@ def bench_size(size: str, args: argparse.Namespace, bandwidth: float) -> list[De
             **MODE_SETTINGS.get(mode, {}),
         )
         set_intra_op_threads(config)  # as the server's engine process does
-        with rotary_kv_write_fused(mode != UNFUSED_MODE):
+        with rotary_kv_write_fused(mode != UNFUSED_MODE), flashinfer_backend(mode):
             core = EngineCore(config)
         timer = ForwardTimer(core)
         per_token = kv_bytes_per_token(core)
@@ -323,6 +329,23 @@ def rotary_kv_write_fused(fused: bool) -> Iterator[None]:
         yield
     finally:
         FlashInferAttentionBackend.fuse_rotary_kv_write = default
+
+
+@contextlib.contextmanager
+def flashinfer_backend(mode: str) -> Iterator[None]:
+    """FlashInfer's FA3 kernels for the wrappers built inside, in FA3_MODE (each wrapper
+    reads the module's backend when it is built)."""
+    if mode != FA3_MODE:
+        yield
+        return
+    from kernels import flashinfer_glue
+
+    default = flashinfer_glue.FLASHINFER_BACKEND
+    flashinfer_glue.FLASHINFER_BACKEND = "fa3"
+    try:
+        yield
+    finally:
+        flashinfer_glue.FLASHINFER_BACKEND = default
 
 
 def format_row(r: DecodeResult) -> str:

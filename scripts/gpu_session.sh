@@ -15,6 +15,10 @@
 #               with --small-batch-linear-rows 8 (graphs-small-linear); with a torch
 #               profile of batch 1 and 128 (profiles.tar: Chrome traces)
 #   decode-7b
+#   decode-2b-profile   decode-2b's graphs mode alone, with its profiles (a shorter call)
+#   decode-2b-fa3   graphs against graphs-fa3 (FlashInfer's FA3 kernels for attention), with
+#               profiles; its JIT module first: JIT_ARGS="--kv-cache-dtype auto --backend
+#               fa2 fa3" for prepare (JIT_ARGS: scripts/flashinfer_jit.py's arguments)
 #   decode-2b-unfused, decode-7b-unfused   bench/gpu_decode.py, batch 1 / 32 / 128, graphs
 #               against rotary and the K/V write as two kernels (graphs-unfused)
 #   gemv        bench/gpu_gemv.py: the 2B and 7B projections at 1 / 2 / 4 / 8 rows, cuBLAS
@@ -34,6 +38,8 @@
 #   serving-2b  bench/gpu_serving.py: Tessera vs transformers on issue 8's load
 #   serving-7b
 #   serving-2b-tessera    serving-2b, Tessera's run alone
+#   serving-2b-tessera2 ... serving-2b-tessera9   the same again, under its own name (the
+#               spread of one configuration within a call)
 #   serving-2b-threads2, serving-2b-threads8   the same with --image-decode-threads 2 / 8
 #               (the default is half the cores, 2 to 8: 8 on a 16-core host)
 #   serving-2b-api1, serving-2b-api2, serving-2b-api4   the same with --api-server-count
@@ -73,7 +79,8 @@ setup() {
 }
 
 prepare() {
-    python3 scripts/flashinfer_jit.py --head-dim 128 --kv-cache-dtype auto fp8 &
+    # shellcheck disable=SC2086  # the arguments are words
+    python3 scripts/flashinfer_jit.py --head-dim 128 ${JIT_ARGS:---kv-cache-dtype auto fp8} &
     local jit=$!
     for size in ${SIZES:-qwen2-vl-2b qwen2-vl-7b}; do
         python3 -c "import sys; from pathlib import Path; from bench.gpu_decode import ensure_model
@@ -88,13 +95,15 @@ run_tests() {
 }
 
 run_decode() {  # $1: qwen2-vl-2b | qwen2-vl-7b; the 2B run also profiles batch 1 and 128
+    # $2: the modes (default: all of them); $3: the JSON's suffix
     local profile=()
     if [ "$1" = qwen2-vl-2b ]; then
         profile=(--profile-dir /tmp/profiles --profile-batch-sizes 1 128)
     fi
+    local modes=${2:-graphs graphs-serial graphs-penalties graphs-openai-penalties graphs-small-linear}
+    # shellcheck disable=SC2086  # the modes are words
     python3 bench/gpu_decode.py --sizes "$1" --batch-sizes 1 32 128 --model-root "$models" \
-        --modes graphs graphs-serial graphs-penalties graphs-openai-penalties graphs-small-linear \
-        --out "$out/decode-$1.json" \
+        --modes $modes --out "$out/decode-$1${3:-}.json" \
         "${profile[@]}" || return 1
     if [ -d /tmp/profiles ]; then tar -C /tmp -cf "$out/profiles.tar" profiles; fi
 }
@@ -141,6 +150,8 @@ for step in "$@"; do
         tests) fn=run_tests ;;
         decode-2b) fn="run_decode qwen2-vl-2b" ;;
         decode-7b) fn="run_decode qwen2-vl-7b" ;;
+        decode-2b-profile) fn="run_decode qwen2-vl-2b graphs -profile" ;;
+        decode-2b-fa3) fn="run_decode qwen2-vl-2b 'graphs graphs-fa3' -fa3" ;;
         decode-2b-unfused | decode-7b-unfused) fn="run_unfused_decode qwen2-vl-${step:7:2}" ;;
         decode-moe) fn=run_moe ;;
         gemv) fn="python3 bench/gpu_gemv.py --out $out/gemv.json" ;;
@@ -149,6 +160,8 @@ for step in "$@"; do
         serving-2b) fn="run_serving qwen2-vl-2b" ;;
         serving-7b) fn="run_serving qwen2-vl-7b" ;;
         serving-2b-tessera) fn="run_serving qwen2-vl-2b qwen2-vl-2b-tessera --runs tessera" ;;
+        serving-2b-tessera[2-9]) fn="run_serving qwen2-vl-2b qwen2-vl-2b-${step#serving-2b-} \
+--runs tessera" ;;
         serving-2b-threads2 | serving-2b-threads8) fn="run_serving qwen2-vl-2b \
 qwen2-vl-2b-${step#serving-2b-} --runs tessera --tessera-arg=--image-decode-threads \
 --tessera-arg=${step#serving-2b-threads}" ;;
