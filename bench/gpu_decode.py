@@ -23,6 +23,7 @@ bookkeeping. Modes:
                     decoder's projections run the Triton matrix-vector kernel, not cuBLAS
     graphs-unfused  graphs with the FlashInfer backend's rotary and K/V write as two
                     kernels, as before kernels/triton/rotary_kv_write.py
+    graphs-block64  graphs with KV-cache blocks (FlashInfer's pages) of 64 tokens, not 16
     graphs-fa3      graphs with FlashInfer's FA3 (Hopper) kernels for attention, decode
                     included, instead of FA2 (kernels/flashinfer_glue.py FLASHINFER_BACKEND;
                     its JIT module: scripts/flashinfer_jit.py --backend fa3)
@@ -164,6 +165,7 @@ MODE_PENALTIES = {
 # Engine settings of the modes that change one.
 MODE_SETTINGS = {
     "graphs-small-linear": {"small_batch_linear_rows": 8},
+    "graphs-block64": {"block_size": 64},
 }
 # The mode that measures the FlashInfer backend's rotary and K/V write as two kernels (its
 # `fuse_rotary_kv_write`, a class switch rather than a setting: the fused kernel writes the
@@ -275,6 +277,8 @@ def bench_size(size: str, args: argparse.Namespace, bandwidth: float) -> list[De
     max_len = args.context_len + max_new_tokens(args) + 16
     results = []
     for mode in args.modes:
+        settings = MODE_SETTINGS.get(mode, {})
+        block_size = settings.get("block_size", 16)
         config = EngineConfig(
             model=str(model_dir),
             device=args.device,
@@ -285,9 +289,9 @@ def bench_size(size: str, args: argparse.Namespace, bandwidth: float) -> list[De
             max_num_seqs=max_batch,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=max_len,
-            num_kv_blocks=max_batch * (-(-max_len // 16)) + 16,
+            num_kv_blocks=max_batch * (-(-max_len // block_size)) + 16,
             enable_prefix_caching=False,
-            **MODE_SETTINGS.get(mode, {}),
+            **settings,
         )
         set_intra_op_threads(config)  # as the server's engine process does
         with rotary_kv_write_fused(mode != UNFUSED_MODE), flashinfer_backend(mode):

@@ -58,11 +58,12 @@ def test_a_mixture_of_experts_floor_counts_the_experts_a_step_reads(tmp_path):
     assert abs(four["weight_bytes"] - one["weight_bytes"] - difference) <= sparse
 
 
-def test_the_setting_modes_set_their_rows_and_nothing_else():
+def test_the_setting_modes_set_their_setting_and_nothing_else():
     from engine.config import EngineConfig
 
     assert gpu_decode.MODE_SETTINGS == {
         "graphs-small-linear": {"small_batch_linear_rows": 8},
+        "graphs-block64": {"block_size": 64},
     }
     for mode, settings in gpu_decode.MODE_SETTINGS.items():
         assert mode in gpu_decode.MODES
@@ -87,3 +88,15 @@ def test_the_unfused_mode_switches_the_backends_built_inside_and_restores_the_de
         assert Backend.fuse_rotary_kv_write is False
         raise RuntimeError("the engine failed to build")
     assert Backend.fuse_rotary_kv_write is True
+
+
+def test_the_fa3_mode_sets_flashinfers_backend_inside_and_restores_the_default():
+    from kernels import flashinfer_glue
+
+    assert gpu_decode.FA3_MODE in gpu_decode.MODES
+    with gpu_decode.flashinfer_backend("graphs"):
+        assert flashinfer_glue.FLASHINFER_BACKEND == "fa2"
+    with pytest.raises(RuntimeError), gpu_decode.flashinfer_backend(gpu_decode.FA3_MODE):
+        assert flashinfer_glue.FLASHINFER_BACKEND == "fa3"
+        raise RuntimeError("the engine failed to build")
+    assert flashinfer_glue.FLASHINFER_BACKEND == "fa2"
