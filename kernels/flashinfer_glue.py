@@ -44,7 +44,9 @@ DEFAULT_WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float wo
 # per (query dtype, KV dtype, head dim, backend) on first use, about a minute each on a
 # 16-core machine; with FA2 everywhere, prefill and decode share that one module. FA3 would
 # only speed up prefill attention, a few percent of a prefill step at multimodal prompt
-# lengths (hundreds to a few thousand tokens), for a second module per variant.
+# lengths (hundreds to a few thousand tokens), for a second module per variant. Its decode is
+# slower: 1.3x FA2's attention time at batch 1 and 4x at 128 on an H200 (docs/gpu.md,
+# bench/gpu_decode.py's graphs-fa3 mode, which sets this name while its engine is built).
 FLASHINFER_BACKEND = "fa2"
 
 
