@@ -22,8 +22,10 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from engine.request import Request
+if TYPE_CHECKING:  # only for annotations: engine.request imports torch, this module needs none
+    from engine.request import Request
 
 
 @dataclass

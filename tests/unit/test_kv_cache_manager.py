@@ -178,3 +178,17 @@ def test_a_block_filled_on_an_in_flight_token_is_registered_by_the_next_allocati
     request.output_token_ids.append(10)
     assert kv.allocate_slots(request, 1)  # index 9 fits block 2, nothing new to register
     assert request.num_registered_blocks == 2 and len(request.block_ids) == 3
+
+
+def test_the_light_engine_modules_import_without_torch():
+    """The cache accounting is pure Python, and so are the modules engine/__init__.py calls
+    light: importing them must not load torch (engine.request, which the manager names in
+    annotations only, imports it)."""
+    import subprocess
+    import sys
+
+    modules = ["engine.kv_cache_manager", "engine.protocol", "engine.errors", "engine.config"]
+    code = f"import sys; import {', '.join(modules)}; print('torch' in sys.modules)"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True).stdout.strip()  # fmt: skip
+    assert loaded == "False"
