@@ -58,7 +58,7 @@ from engine.protocol import (
     RequestOutput,
 )
 from engine.request import Request
-from engine.request_checks import RequestBuilder
+from engine.request_checks import SERVER_PRIORITY_SETTING, RequestBuilder
 from engine.runner_output import PendingStep
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput
@@ -87,7 +87,10 @@ class InFlightStep:
 class EngineCore:
     """One model, one scheduler, one loop. Not thread-safe: call from one thread."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self, config: EngineConfig, *, priority_setting: str = SERVER_PRIORITY_SETTING
+    ) -> None:
+        """`priority_setting`: what a priority's refusal under another policy names."""
         self._in_flight: InFlightStep | None = None  # launched ahead by step_overlapped
         self._last_finished = 0.0  # perf_counter() when finish_step last returned
         self.runner = ModelRunner(config)
@@ -107,6 +110,7 @@ class EngineCore:
             config.scheduling_policy,
             self.runner.encoder_cache,
             max_logprobs=config.max_logprobs,
+            priority_setting=priority_setting,
         )
         self.features = FeatureAdmission(self.config, self.runner, self.scheduler)
         self._compiler: GrammarCompiler | None = None  # made by _grammar_compiler()

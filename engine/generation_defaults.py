@@ -134,6 +134,14 @@ def _parse_override(text: str) -> dict[str, Any]:
     return values
 
 
+def overridden_fields(override: str | None) -> set[str]:
+    """The fields an override sets, named as `SamplingDefaults.changed()` names them."""
+    if not override:
+        return set()
+    names = _parse_override(override)
+    return {"max_tokens" if name == "max_new_tokens" else name for name in names}
+
+
 def _number(name: str, value: Any, low: float, high: float, *, low_open: bool = False) -> None:
     ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
     if ok:

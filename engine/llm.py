@@ -88,7 +88,10 @@ class LLM:
         self.sampling_defaults = SamplingDefaults.load(
             generation_config, model, override_generation_config
         )
-        self.engine = EngineCore(EngineConfig(model=model, **engine_options))
+        self.engine = EngineCore(
+            EngineConfig(model=model, **engine_options),
+            priority_setting='LLM(..., scheduling_policy="priority")',
+        )
         self.prompt_processor = PromptProcessor.from_model_dir(model)
         self.image_config = self.video_config = None  # a text-only model takes no media
         if self.engine.model_config.vision is not None:

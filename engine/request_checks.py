@@ -48,6 +48,9 @@ def check_prompt_token_ids(prompt: Sequence[int], vocab_size: int, *, types: boo
         raise InvalidRequest(f"prompt token ids must be in [0, {vocab_size})", param="prompt")
 
 
+SERVER_PRIORITY_SETTING = "the server's --scheduling-policy priority"
+
+
 class RequestBuilder:
     """Builds checked Requests for one model and engine (`EngineCore._builder`)."""
 
@@ -59,8 +62,12 @@ class RequestBuilder:
         encoder_cache: Container[str],
         *,
         max_logprobs: int,  # EngineConfig.max_logprobs
+        priority_setting: str = SERVER_PRIORITY_SETTING,
     ) -> None:
+        """`priority_setting`: how the caller turns priority scheduling on, for the error of a
+        priority under another policy (the server's flag; the offline LLM's keyword)."""
         self.model_config = model_config
+        self.priority_setting = priority_setting
         self.max_logprobs = max_logprobs
         self.max_model_len = max_model_len
         self.scheduling_policy = scheduling_policy
@@ -118,9 +125,7 @@ class RequestBuilder:
         _check_sampling_ranges(request.sampling)
         _check_some_token_is_allowed(request.sampling, mc.eos_token_ids)
         if request.priority and self.scheduling_policy != "priority":
-            raise InvalidRequest(
-                "priority needs the server's --scheduling-policy priority", param="priority"
-            )
+            raise InvalidRequest(f"priority needs {self.priority_setting}", param="priority")
         # One token sampled after a prompt that fills the context needs no room of its own
         # (it is never fed back): how a prompt-only request (echo, max_tokens 0) scores a
         # full window.

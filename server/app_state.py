@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import ModelNotFound
-from engine.generation_defaults import SamplingDefaults
+from engine.generation_defaults import SamplingDefaults, overridden_fields
 from engine.multimodal.image_processor import ImageProcessorConfig
 from engine.multimodal.prompt import PromptProcessor
 from engine.multimodal.video import VideoConfig
@@ -48,14 +48,21 @@ def load_sampling_defaults(settings: ServerSettings, announce: bool = True) -> S
     logs them when they are not OpenAI's and `announce` (one API process of several)."""
     defaults = settings.sampling_defaults()
     if (changed := defaults.changed()) and announce:
-        source = ("--override-generation-config" if settings.generation_config == "none"
-                  else "the generation config")  # fmt: skip
+        # Each field under the source it came from: the file, or the override (fuzz91).
+        overridden = overridden_fields(settings.override_generation_config)
+        by_source: dict[str, list[str]] = {}
+        for name, value in changed.items():
+            by_override = name in overridden
+            source = "--override-generation-config" if by_override else "the generation config"
+            by_source.setdefault(source, []).append(f"{name}={value}")
+        [(first, first_fields), *rest] = by_source.items()
         advice = ("" if settings.override_generation_config
                   else "; --generation-config none keeps OpenAI's")  # fmt: skip
         logger.warning(
-            "sampling defaults from %s (for fields a request leaves out): %s%s",
-            source,
-            ", ".join(f"{name}={value}" for name, value in changed.items()),
+            "sampling defaults from %s (for fields a request leaves out): %s%s%s",
+            first,
+            ", ".join(first_fields),
+            "".join(f"; from {source}: {', '.join(items)}" for source, items in rest),
             advice,
         )
     return defaults

@@ -108,6 +108,13 @@ def test_the_start_up_line_names_where_the_defaults_came_from(
 ):
     """With --generation-config none and an override it advised "--generation-config none
     keeps OpenAI's", the flag already given (fuzz86)."""
+    line = start_up_line(tmp_path, caplog, generation_config, override)
+    assert line.startswith(f"sampling defaults from {source} ")
+    assert ("--generation-config none keeps OpenAI's" in line) == advises_none
+
+
+def start_up_line(tmp_path, caplog, generation_config: str, override: str | None) -> str:
+    """The one line load_sampling_defaults logs for QWEN2_VL_INSTRUCT's folder."""
     import logging
 
     from engine.config import EngineConfig
@@ -121,5 +128,34 @@ def test_the_start_up_line_names_where_the_defaults_came_from(
     with caplog.at_level(logging.WARNING):
         load_sampling_defaults(settings)
     [line] = [record.getMessage() for record in caplog.records]
-    assert line.startswith(f"sampling defaults from {source} ")
-    assert ("--generation-config none keeps OpenAI's" in line) == advises_none
+    return line
+
+
+LEAVES_OUT = "(for fields a request leaves out)"
+
+
+@pytest.mark.parametrize(
+    ("generation_config", "override", "expected"),
+    [
+        ("auto", None, f"sampling defaults from the generation config {LEAVES_OUT}: "
+         "temperature=0.01, top_p=0.001, top_k=1, repetition_penalty=1.05; "
+         "--generation-config none keeps OpenAI's"),
+        ("auto", '{"top_k": 5}', f"sampling defaults from the generation config {LEAVES_OUT}: "
+         "temperature=0.01, top_p=0.001, repetition_penalty=1.05; "
+         "from --override-generation-config: top_k=5"),
+        ("auto", '{"temperature": 0.5, "max_new_tokens": 64}',
+         f"sampling defaults from --override-generation-config {LEAVES_OUT}: temperature=0.5, "
+         "max_tokens=64; from the generation config: top_p=0.001, top_k=1, "
+         "repetition_penalty=1.05"),
+        ("auto", '{"temperature": 0.5, "top_p": 0.9, "top_k": 5, "repetition_penalty": 1.1}',
+         f"sampling defaults from --override-generation-config {LEAVES_OUT}: temperature=0.5, "
+         "top_p=0.9, top_k=5, repetition_penalty=1.1"),
+        ("none", '{"temperature": 0.5}',
+         f"sampling defaults from --override-generation-config {LEAVES_OUT}: temperature=0.5"),
+    ],
+)  # fmt: skip
+def test_the_start_up_line_names_each_fields_source(
+    tmp_path, caplog, generation_config, override, expected
+):
+    """It put the override's fields under "the generation config" too (fuzz91)."""
+    assert start_up_line(tmp_path, caplog, generation_config, override) == expected

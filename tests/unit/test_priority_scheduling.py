@@ -7,10 +7,13 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.errors import InvalidRequest
 from engine.protocol import EngineRequest
+from engine.request_checks import RequestBuilder
 from engine.tiny_model import make_tiny_model
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+SERVER_REFUSAL = "priority needs the server's --scheduling-policy priority"
 
 
 @pytest.fixture(scope="module")
@@ -64,3 +67,11 @@ def test_fcfs_keeps_arrival_order_and_refuses_a_priority(model_dir):
         assert order == ["first", "second"]
         [refused] = llm.generate(["a b"], PARAMS, priority=[1])
         assert refused.error is not None and refused.error.param == "priority"
+        # The offline error names LLM's keyword, not the server's flag (fuzz91) ...
+        assert refused.error.message == 'priority needs LLM(..., scheduling_policy="priority")'
+        # ... while the engine the server runs still names the flag.
+        builder = RequestBuilder(llm.engine.model_config, llm.engine.config.max_model_len,
+                                 "fcfs", set(), max_logprobs=20)  # fmt: skip
+        with pytest.raises(InvalidRequest) as refused_by_the_server:
+            builder.build(request(llm, "server", "a b", 1))
+        assert refused_by_the_server.value.message == SERVER_REFUSAL
