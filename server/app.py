@@ -356,7 +356,7 @@ def _add_api_routes(api: APIRouter) -> None:
         text = body.prompt
         # A raw prompt gets the tokenizer's BOS as /v1/completions does, unless asked not to.
         processor = state.processor
-        encode = processor.encode_prompt if body.add_special_tokens else processor.encode
+        encode = processor.encode_prompt if body.with_special_tokens else processor.encode
         # No bound here: counting a text longer than the context is what /tokenize is for.
         tokens = await tokenised_off_the_loop_if_long(functools.partial(encode, text), text)
         return _tokenized(state, body, tokens)
@@ -397,7 +397,21 @@ async def _chat_tokens(state: AppState, body: TokenizeRequest) -> list[int]:
         max_model_len=state.max_model_len,
         remember_uuids=False,
     )
-    return prepared.token_ids
+    if not body.with_special_tokens:
+        return prepared.token_ids
+    before, after = _special_tokens_around(state.processor)
+    return [*before, *prepared.token_ids, *after]
+
+
+def _special_tokens_around(processor: PromptProcessor, probe: str = "a") -> tuple[list, list]:
+    """The ids the tokenizer's post-processor puts before and after a text's own (a Llama
+    BOS; none for Qwen's), read off a probe encoded with and without them: how vLLM's
+    `add_special_tokens: true` on a chat adds them around what the template wrote."""
+    plain, special = processor.encode(probe), processor.encode_prompt(probe)
+    for start in range(len(special) - len(plain) + 1):
+        if special[start : start + len(plain)] == plain:
+            return special[:start], special[start + len(plain) :]
+    raise AssertionError(f"the tokenizer rewrites {probe!r} when it adds special tokens")
 
 
 def _check_chat_template_trusted(state: AppState, body: ChatTemplateFields) -> None:

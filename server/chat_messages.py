@@ -189,4 +189,13 @@ def few_enough_messages(messages: Any) -> Any:
     return messages
 
 
+def some_messages(messages: Any) -> Any:
+    """`few_enough_messages`, and at least one: a chat's (or a /tokenize chat's) `messages`
+    (pydantic's own words for an empty list were "List should have at least 1 item after
+    validation, not 0")."""
+    if isinstance(messages, list) and not messages:
+        raise ValueError("at least one message is needed")
+    return few_enough_messages(messages)
+
+
 few_enough_tools = bounded(count=("max_tools", "tools"))  # a body's tools, before validation

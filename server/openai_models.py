@@ -30,8 +30,8 @@ from server.chat_messages import (
     RequestModel,
     TokenId,
     Tool,
-    few_enough_messages,
     few_enough_tools,
+    some_messages,
 )
 from server.field_limits import bounded, check_count
 from server.media_options import MediaProcessingOptions
@@ -275,7 +275,7 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
             raise ValueError("audio output is not supported")
         return audio
 
-    _few_enough_messages = field_validator("messages", mode="before")(few_enough_messages)
+    _some_messages = field_validator("messages", mode="before")(some_messages)
     _few_enough_tools = field_validator("tools", mode="before")(few_enough_tools)
 
     @field_validator("top_logprobs")
@@ -453,13 +453,23 @@ class TokenizeRequest(ChatTemplateFields):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     tools: list[Tool] | None = None  # rendered as chat's
-    _few_enough_messages = field_validator("messages", mode="before")(few_enough_messages)
+    _some_messages = field_validator("messages", mode="before")(some_messages)
     _few_enough_tools = field_validator("tools", mode="before")(few_enough_tools)
-    add_special_tokens: bool = True
+    # vLLM's defaults: a prompt gets the tokenizer's specials (a BOS), a chat only what its
+    # template writes unless asked (see `with_special_tokens`); null is the default.
+    add_special_tokens: bool | None = None
     return_token_strs: bool = False  # vLLM's: each token's own string, as the vocabulary has it
     # How a chat's media are sized (as on the chat), and whose media uuids it may name
     mm_processor_kwargs: MediaProcessingOptions | None = None
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+
+    @property
+    def with_special_tokens(self) -> bool:
+        """Whether the tokenizer's special tokens go around the tokens (on a chat, around
+        what its template wrote, as vLLM's `add_special_tokens: true` does)."""
+        if self.add_special_tokens is None:
+            return self.messages is None
+        return self.add_special_tokens
 
 
 class DetokenizeRequest(RequestModel):
