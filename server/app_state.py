@@ -48,7 +48,7 @@ def load_sampling_defaults(settings: ServerSettings, announce: bool = True) -> S
     logs them when they are not OpenAI's and `announce` (one API process of several)."""
     defaults = settings.sampling_defaults()
     if (changed := defaults.changed()) and announce:
-        # Each field under the source it came from: the file, or the override (fuzz91).
+        # Each field under the source it came from: the file, or the override (fuzz88).
         overridden = overridden_fields(settings.override_generation_config)
         by_source: dict[str, list[str]] = {}
         for name, value in changed.items():

@@ -157,5 +157,5 @@ LEAVES_OUT = "(for fields a request leaves out)"
 def test_the_start_up_line_names_each_fields_source(
     tmp_path, caplog, generation_config, override, expected
 ):
-    """It put the override's fields under "the generation config" too (fuzz91)."""
+    """It put the override's fields under "the generation config" too (fuzz88)."""
     assert start_up_line(tmp_path, caplog, generation_config, override) == expected

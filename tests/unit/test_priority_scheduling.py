@@ -67,7 +67,7 @@ def test_fcfs_keeps_arrival_order_and_refuses_a_priority(model_dir):
         assert order == ["first", "second"]
         [refused] = llm.generate(["a b"], PARAMS, priority=[1])
         assert refused.error is not None and refused.error.param == "priority"
-        # The offline error names LLM's keyword, not the server's flag (fuzz91) ...
+        # The offline error names LLM's keyword, not the server's flag (fuzz87) ...
         assert refused.error.message == 'priority needs LLM(..., scheduling_policy="priority")'
         # ... while the engine the server runs still names the flag.
         builder = RequestBuilder(llm.engine.model_config, llm.engine.config.max_model_len,
