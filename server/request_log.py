@@ -8,6 +8,10 @@ returns it in the `x-request-id` response header, and once the response has been
     request_id=4f1c.. method=POST route=/v1/chat/completions status=200 prompt_tokens=12
     completion_tokens=8 latency_s=0.412
 
+A response whose end never went out (the client left mid-stream, or
+`--write-timeout-s` reset a client that stopped reading) keeps the status it started
+with, since that is what the client saw, and adds `aborted=True`.
+
 With `--log-format json` the same fields are top-level keys of the JSON line
 (engine.logging_utils.JsonFormatter merges `extra={"fields": ...}`). Only the route
 TEMPLATE is logged, never the raw path or query, and no header but the request id is
@@ -47,6 +51,7 @@ class RequestLogRecord:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     latency_s: float = 0.0
+    aborted: bool | None = None  # True: the response started but its end was never sent
 
     def as_text(self) -> str:
         return " ".join(
@@ -102,15 +107,23 @@ class RequestLogMiddleware:
         scope[_SCOPE_KEY] = record
         scope[_ARRIVED_KEY] = start
 
+        started = ended = False
+
         async def send_with_id(message: Message) -> None:
+            nonlocal started, ended
             if message["type"] == "http.response.start":
                 record.status = message["status"]
                 MutableHeaders(scope=message).append(REQUEST_ID_HEADER, record.request_id)
+                started = True
             await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                ended = True
 
         try:
             await self.app(scope, receive, send_with_id)
         finally:
+            if started and not ended:
+                record.aborted = True
             record.route = _route_template(scope, self.known_routes)
             record.latency_s = round(time.monotonic() - start, 6)
             fields = {k: v for k, v in asdict(record).items() if v is not None}

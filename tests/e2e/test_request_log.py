@@ -85,6 +85,21 @@ def test_streamed_request_is_logged_when_the_stream_ends(logged):
     assert chunks[-1] == "data: [DONE]"
     [entry] = request_entries(log_path, "stream-7")
     assert entry["status"] == 200 and entry["completion_tokens"] == 4
+    assert "aborted" not in entry
+
+
+def test_a_stream_the_client_leaves_is_logged_as_aborted(logged):
+    """It was logged like a finished one, status=200 and nothing more (fuzz82)."""
+    http, log_path = logged
+    body = completion_body(stream=True, max_tokens=2000)
+    with http.stream(
+        "POST", "/v1/completions", json=body, headers={"x-request-id": "left-early-1"}
+    ) as response:
+        assert response.status_code == 200
+        next(line for line in response.iter_lines() if line.startswith("data:"))
+    # Leaving the block closes the connection mid-stream.
+    [entry] = request_entries(log_path, "left-early-1", timeout_s=30)
+    assert entry["status"] == 200 and entry["aborted"] is True
 
 
 @pytest.mark.parametrize("bad_id", ["x" * 129, "has space", "tab\there", ""])
