@@ -23,6 +23,9 @@ bookkeeping. Modes:
                     decoder's projections run the Triton matrix-vector kernel, not cuBLAS
     graphs-unfused  graphs with the FlashInfer backend's rotary and K/V write as two
                     kernels, as before kernels/triton/rotary_kv_write.py
+    graphs-triton-decode  graphs with decode attention on kernels/triton/
+                    paged_decode_attention.py, not FlashInfer's (the backend's
+                    `triton_graph_decode`)
     graphs-block64  graphs with KV-cache blocks (FlashInfer's pages) of 64 tokens, not 16
     graphs-fa3      graphs with FlashInfer's FA3 (Hopper) kernels for attention, decode
                     included, instead of FA2 (kernels/flashinfer_glue.py FLASHINFER_BACKEND;
@@ -167,14 +170,19 @@ MODE_SETTINGS = {
     "graphs-small-linear": {"small_batch_linear_rows": 8},
     "graphs-block64": {"block_size": 64},
 }
-# The mode that measures the FlashInfer backend's rotary and K/V write as two kernels (its
-# `fuse_rotary_kv_write`, a class switch rather than a setting: the fused kernel writes the
-# same bytes, so no user needs to choose).
+# The modes that flip a class switch of the FlashInfer backend rather than a setting: its
+# rotary and K/V write as two kernels (the fused kernel writes the same bytes, so no user
+# needs to choose), and graph-captured decode attention on the Triton kernel (a candidate).
 UNFUSED_MODE = "graphs-unfused"
+TRITON_DECODE_MODE = "graphs-triton-decode"
+MODE_BACKEND_SWITCHES = {
+    UNFUSED_MODE: {"fuse_rotary_kv_write": False},
+    TRITON_DECODE_MODE: {"triton_graph_decode": True},
+}
 # The mode that measures FlashInfer's FA3 kernels (sm90) against the FA2 ones the engine runs.
 FA3_MODE = "graphs-fa3"
-MODES = ["graphs", "graphs-serial", "eager", *MODE_PENALTIES, *MODE_SETTINGS, UNFUSED_MODE,
-         FA3_MODE]  # fmt: skip
+MODES = ["graphs", "graphs-serial", "eager", *MODE_PENALTIES, *MODE_SETTINGS,
+         *MODE_BACKEND_SWITCHES, FA3_MODE]  # fmt: skip
 
 
 def random_prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
@@ -294,7 +302,7 @@ def bench_size(size: str, args: argparse.Namespace, bandwidth: float) -> list[De
             **settings,
         )
         set_intra_op_threads(config)  # as the server's engine process does
-        with rotary_kv_write_fused(mode != UNFUSED_MODE), flashinfer_backend(mode):
+        with backend_switches(MODE_BACKEND_SWITCHES.get(mode, {})), flashinfer_backend(mode):
             core = EngineCore(config)
         timer = ForwardTimer(core)
         per_token = kv_bytes_per_token(core)
@@ -319,20 +327,22 @@ def bench_size(size: str, args: argparse.Namespace, bandwidth: float) -> list[De
 
 
 @contextlib.contextmanager
-def rotary_kv_write_fused(fused: bool) -> Iterator[None]:
-    """The FlashInfer backends built inside fuse rotary and the K/V write, or not (each
-    backend reads the class switch when it is built and keeps its own copy)."""
+def backend_switches(values: dict[str, bool]) -> Iterator[None]:
+    """The FlashInfer backends built inside get these class switches (each backend reads
+    them when it is built and keeps its own copy); the defaults come back after."""
     try:
         from engine.attention.flashinfer_backend import FlashInferAttentionBackend
-    except ImportError:  # no flashinfer: the torch backend has nothing to fuse
+    except ImportError:  # no flashinfer: the torch backend has no switches
         yield
         return
-    default = FlashInferAttentionBackend.fuse_rotary_kv_write
-    FlashInferAttentionBackend.fuse_rotary_kv_write = fused
+    defaults = {name: getattr(FlashInferAttentionBackend, name) for name in values}
+    for name, value in values.items():
+        setattr(FlashInferAttentionBackend, name, value)
     try:
         yield
     finally:
-        FlashInferAttentionBackend.fuse_rotary_kv_write = default
+        for name, value in defaults.items():
+            setattr(FlashInferAttentionBackend, name, value)
 
 
 @contextlib.contextmanager

@@ -17,6 +17,8 @@
 #   decode-7b
 #   decode-2b-profile   decode-2b's graphs mode alone, with its profiles (a shorter call)
 #   decode-2b-blocks   graphs against graphs-block64 (KV blocks of 64 tokens), with profiles
+#   decode-2b-triton, decode-7b-triton   graphs against graphs-triton-decode (decode
+#               attention on kernels/triton/paged_decode_attention.py), the 2B with profiles
 #   decode-2b-fa3   graphs against graphs-fa3 (FlashInfer's FA3 kernels for attention), with
 #               profiles; its JIT module first: JIT_ARGS="--kv-cache-dtype auto --backend
 #               fa2 fa3" for prepare (JIT_ARGS: scripts/flashinfer_jit.py's arguments)
@@ -154,6 +156,8 @@ for step in "$@"; do
         decode-2b-profile) fn="run_decode qwen2-vl-2b graphs -profile" ;;
         decode-2b-fa3) fn="run_decode qwen2-vl-2b 'graphs graphs-fa3' -fa3" ;;
         decode-2b-blocks) fn="run_decode qwen2-vl-2b 'graphs graphs-block64' -blocks" ;;
+        decode-2b-triton) fn="run_decode qwen2-vl-2b 'graphs graphs-triton-decode' -triton" ;;
+        decode-7b-triton) fn="run_decode qwen2-vl-7b 'graphs graphs-triton-decode' -triton" ;;
         decode-2b-unfused | decode-7b-unfused) fn="run_unfused_decode qwen2-vl-${step:7:2}" ;;
         decode-moe) fn=run_moe ;;
         gemv) fn="python3 bench/gpu_gemv.py --out $out/gemv.json" ;;

@@ -12,7 +12,10 @@ Per layer:
 
 Decode steps in CUDA graphs use one `GraphDecodeWrapper` per captured batch size, planned
 by `plan_cuda_graph` on the host before every replay; `forward` under such metadata only
-writes K/V and runs, which is what the graph captures.
+writes K/V and runs, which is what the graph captures. With `triton_graph_decode` (a class
+switch for bench/gpu_decode.py's `graphs-triton-decode` mode, off by default until a GPU
+session has measured it) they run `kernels/triton/paged_decode_attention.py` instead, which
+reads the graph's block tables and lengths on the device: no plan before a replay.
 
 Rotary embeddings (M-RoPE for Qwen2-VL) are applied before the cache write
 (`rotate_and_forward`; `forward` takes K already rotated), so the cache holds rotated keys
@@ -53,6 +56,9 @@ class FlashInferAttentionBackend(RotateThenForward):
     # Rotary and the K/V write in one kernel (`rotate_and_forward`). A switch for
     # bench/gpu_decode.py's `graphs-unfused` mode, which measures the two kernels.
     fuse_rotary_kv_write = True
+    # Graph-captured decode steps on the Triton split-KV kernel instead of FlashInfer's (a
+    # switch for bench/gpu_decode.py's `graphs-triton-decode` mode).
+    triton_graph_decode = False
 
     def __init__(
         self,
@@ -85,6 +91,7 @@ class FlashInferAttentionBackend(RotateThenForward):
         self._scale_tensors: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._last_plan_copied: torch.cuda.Event | None = None
         self.fuse_rotary_kv_write = type(self).fuse_rotary_kv_write  # fixed from here on
+        self.triton_graph_decode = type(self).triton_graph_decode
 
     def forward(
         self,
@@ -136,13 +143,28 @@ class FlashInferAttentionBackend(RotateThenForward):
         is_fp8 = kv_cache.dtype == FP8_DTYPE
         k_scale = self.k_scale if is_fp8 else None
         v_scale = self.v_scale if is_fp8 else None
+        if metadata.is_cuda_graph and self.triton_graph_decode:
+            return self._triton_decode(query, kv_cache, metadata)
         if metadata.is_cuda_graph:  # planned on the host by plan_cuda_graph
             wrapper = self._graph_wrappers[metadata.num_seqs]
             return wrapper.run(query, kv_cache, k_scale=k_scale, v_scale=v_scale)
         wrappers = self._plan_if_new_step(kv_cache, metadata)
         return wrappers.run(query, kv_cache, k_scale=k_scale, v_scale=v_scale)
 
+    def _triton_decode(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:  # [S, H, D]
+        from kernels.triton.paged_decode_attention import paged_decode_attention
+
+        scales = self._scales_on(kv_cache.device) if kv_cache.dtype == FP8_DTYPE else ()
+        return paged_decode_attention(
+            query, kv_cache, metadata.block_tables, metadata.seq_lens_tensor, self.shape.scale,
+            metadata.max_seq_len, *scales,
+        )  # fmt: skip
+
     def plan_cuda_graph(self, metadata: AttentionMetadata) -> None:
+        if self.triton_graph_decode:
+            return  # the kernel reads the graph's block tables and lengths on the device
         batch_size, width = metadata.block_tables.shape
         wrapper = self._graph_wrappers.get(batch_size)
         if wrapper is None:

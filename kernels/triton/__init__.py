@@ -14,6 +14,10 @@ in `kernels.reference`:
     silu_and_mul       silu_and_mul(x)  (the MLP activation)
     quick_gelu         quick_gelu(x)  (the Qwen2-VL vision tower's activation)
     small_batch_linear small_batch_linear(x, weight, bias=None)  (decode projections, <= 8 rows)
+    paged_decode_attention  paged_decode_attention(query, kv_cache, block_tables, seq_lens,
+                       scale, max_seq_len, k_scale, v_scale)  (split-KV decode attention; the
+                       FlashInfer backend's graph decode under `triton_graph_decode`, a
+                       candidate not yet measured on a GPU)
 
 Triton is optional (`pip install tessera[gpu]`): importing this package never imports it;
 import the submodules only after `is_available()`. On CPU the kernels run under

@@ -104,6 +104,21 @@ def test_flashinfer_tracks_torch_backend_in_bf16(model_dir, prompts, enforce_eag
 
 
 @needs_flashinfer
+def test_triton_graph_decode_tracks_torch_backend_in_bf16(model_dir, prompts, monkeypatch):
+    """The FlashInfer backend's graph-captured decode steps on the Triton split-KV kernel
+    (bench/gpu_decode.py's graphs-triton-decode mode) track the torch backend as FlashInfer's
+    own kernels do."""
+    from engine.attention.flashinfer_backend import FlashInferAttentionBackend
+
+    options = dict(device="cuda", dtype="bfloat16")
+    reference = generate(model_dir, prompts, attention_backend="torch", enforce_eager=True,
+                         **options)  # fmt: skip
+    monkeypatch.setattr(FlashInferAttentionBackend, "triton_graph_decode", True)
+    candidate = generate(model_dir, prompts, attention_backend="flashinfer", **options)
+    assert_all_track(candidate, reference, BF16_TOL)
+
+
+@needs_flashinfer
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
 def test_flashinfer_fp8_cache(model_dir, prompts, enforce_eager):
     """FlashInfer over an FP8 cache tracks the torch backend over the same FP8 cache (the

@@ -82,3 +82,42 @@ def test_quick_gelu_matches_reference():
     actual, expected = quick_gelu(x), reference.quick_gelu(x)
     torch.testing.assert_close(actual, expected, atol=1e-2, rtol=2**-7)
     assert (actual == expected).float().mean() > 0.999
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("num_seqs", [1, 5, 128])
+def test_paged_decode_attention_matches_reference(cache_dtype, num_seqs):
+    """Qwen2-VL-2B's attention shape (12 query heads over 2 KV heads, head dim 128, blocks
+    of 16) over shuffled blocks and random histories, with a grid bound past them all as a
+    CUDA graph's is; bf16 products with float32 sums, so bf16 tolerances."""
+    from kernels.triton.paged_decode_attention import paged_decode_attention
+
+    heads, kv_heads, head_dim, block_size, width = 12, 2, 128, 16, 40
+    generator = torch.Generator(device=DEVICE).manual_seed(num_seqs)
+    seq_lens = torch.randint(1, width * block_size + 1, (num_seqs,), device=DEVICE,
+                             generator=generator, dtype=torch.int32)  # fmt: skip
+    num_blocks = num_seqs * width + 4
+    cache = torch.randn(num_blocks, 2, block_size, kv_heads, head_dim, device=DEVICE)
+    tables = torch.randperm(num_blocks, device=DEVICE, generator=generator)[: num_seqs * width]
+    tables = tables.view(num_seqs, width).to(torch.int32)
+    query = torch.randn(num_seqs, heads, head_dim, device=DEVICE).bfloat16()
+    scales = (torch.tensor([0.02], device=DEVICE), torch.tensor([0.05], device=DEVICE))
+    if cache_dtype == torch.float8_e4m3fn:
+        quantized = [reference.quantize_fp8(cache[:, i], s) for i, s in enumerate(scales)]
+        cache = torch.stack(quantized, 1)
+        k_scale, v_scale = scales
+    else:
+        cache, k_scale, v_scale = cache.bfloat16(), None, None
+    scale = head_dim**-0.5
+    out = paged_decode_attention(query, cache, tables, seq_lens, scale, width * block_size,
+                                 k_scale, v_scale)  # fmt: skip
+    lens = seq_lens.tolist()
+    counts = [-(-n // block_size) for n in lens]
+    pages = torch.cat([tables[i, :c] for i, c in enumerate(counts)])
+    indptr = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], device=DEVICE)
+    last = torch.tensor([n - (c - 1) * block_size for n, c in zip(lens, counts, strict=True)],
+                        device=DEVICE)  # fmt: skip
+    fp8_scales = (0.02, 0.05) if k_scale is not None else (1.0, 1.0)
+    expected = reference.paged_attention(query, cache, torch.arange(num_seqs + 1, device=DEVICE),
+                                         indptr, pages, last, scale, *fp8_scales)  # fmt: skip
+    torch.testing.assert_close(out.float(), expected.float(), atol=3e-2, rtol=3e-2)

@@ -70,8 +70,9 @@ def test_the_setting_modes_set_their_setting_and_nothing_else():
         EngineConfig(model="m", **settings)  # real settings, in range
 
 
-def test_the_unfused_mode_switches_the_backends_built_inside_and_restores_the_default(
-    monkeypatch,
+@pytest.mark.parametrize("mode", [gpu_decode.UNFUSED_MODE, gpu_decode.TRITON_DECODE_MODE])
+def test_the_switch_modes_switch_the_backends_built_inside_and_restore_the_defaults(
+    monkeypatch, mode
 ):
     """flashinfer does not install here: a stand-in module holds the backend class."""
     import sys
@@ -79,15 +80,20 @@ def test_the_unfused_mode_switches_the_backends_built_inside_and_restores_the_de
 
     class Backend:
         fuse_rotary_kv_write = True
+        triton_graph_decode = False
 
     module = types.ModuleType("engine.attention.flashinfer_backend")
     module.FlashInferAttentionBackend = Backend
     monkeypatch.setitem(sys.modules, "engine.attention.flashinfer_backend", module)
-    assert gpu_decode.UNFUSED_MODE in gpu_decode.MODES
-    with pytest.raises(RuntimeError), gpu_decode.rotary_kv_write_fused(False):
-        assert Backend.fuse_rotary_kv_write is False
+    assert mode in gpu_decode.MODES
+    switches = gpu_decode.MODE_BACKEND_SWITCHES[mode]
+    defaults = {name: getattr(Backend, name) for name in ("fuse_rotary_kv_write",
+                                                           "triton_graph_decode")}  # fmt: skip
+    with pytest.raises(RuntimeError), gpu_decode.backend_switches(switches):
+        for name, value in switches.items():
+            assert getattr(Backend, name) is value and value is not defaults[name]
         raise RuntimeError("the engine failed to build")
-    assert Backend.fuse_rotary_kv_write is True
+    assert {name: getattr(Backend, name) for name in defaults} == defaults
 
 
 def test_the_fa3_mode_sets_flashinfers_backend_inside_and_restores_the_default():

@@ -1,0 +1,116 @@
+"""The Triton split-KV decode attention kernel against the torch reference, on CPU under
+TRITON_INTERPRET=1 (small shapes): one query row per sequence, histories of any length up
+to the bound (split edges, block edges, a single key), GQA and MHA, FP8 caches.
+
+Skipped cleanly when triton is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from kernels import reference  # noqa: E402
+from kernels.triton.checks import KernelArgumentError  # noqa: E402
+from kernels.triton.paged_decode_attention import (  # noqa: E402
+    paged_decode_attention,
+    split_tokens_for,
+)
+
+FP8 = torch.float8_e4m3fn
+
+
+def _batch(seq_lens, heads, kv_heads, head_dim, block_size, dtype, seed=0, width=None):
+    """Queries, a cache of shuffled blocks and each sequence's block table."""
+    generator = torch.Generator().manual_seed(seed)
+    blocks_needed = [-(-n // block_size) for n in seq_lens]
+    width = width or max(blocks_needed)
+    num_blocks = sum(blocks_needed) + 3  # spare blocks hold noise nobody may read
+    cache = torch.randn(num_blocks, 2, block_size, kv_heads, head_dim, generator=generator)
+    order = torch.randperm(num_blocks, generator=generator).tolist()
+    tables = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+    for i, count in enumerate(blocks_needed):
+        tables[i, :count] = torch.tensor([order.pop() for _ in range(count)])
+    query = torch.randn(len(seq_lens), heads, head_dim, generator=generator)
+    return query.to(dtype), cache, tables, torch.tensor(seq_lens, dtype=torch.int32)
+
+
+def _reference(query, cache, tables, seq_lens, scale, k_scale=1.0, v_scale=1.0):
+    block_size = cache.shape[2]
+    pages, indptr, last = [], [0], []
+    for table, n in zip(tables.tolist(), seq_lens.tolist(), strict=True):
+        count = -(-n // block_size)
+        pages += table[:count]
+        indptr.append(len(pages))
+        last.append(n - (count - 1) * block_size)
+    qo = torch.arange(len(last) + 1)
+    return reference.paged_attention(query, cache, qo, torch.tensor(indptr), torch.tensor(pages),
+                                     torch.tensor(last), scale, k_scale, v_scale)  # fmt: skip
+
+
+# (seq_lens, heads, kv heads, head_dim, block_size, split_tokens): splits of 16 keys over
+# histories that end inside a split, on a split edge and on a block edge; one key; GQA
+# groups of 6 (Qwen2-VL-2B's) and 1; head dims that are not a power of two.
+CASES = [
+    ([1, 16, 17, 45, 64], 12, 2, 16, 4, 16),
+    ([5, 33], 4, 4, 24, 8, 16),
+    ([70], 6, 1, 32, 16, 32),
+    ([3, 9, 2], 7, 7, 8, 4, None),
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_the_reference(case, dtype):
+    seq_lens, heads, kv_heads, head_dim, block_size, split = case
+    query, cache, tables, lens = _batch(seq_lens, heads, kv_heads, head_dim, block_size, dtype)
+    cache = cache.to(dtype)
+    scale = head_dim**-0.5
+    # The bound is larger than every history, as a CUDA graph's is: extra splits stay idle.
+    bound = tables.shape[1] * block_size
+    out = paged_decode_attention(query, cache, tables, lens, scale, bound, split_tokens=split)
+    expected = _reference(query, cache, tables, lens, scale)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected.float(), atol=tolerance, rtol=tolerance)
+    assert out.dtype == dtype
+
+
+def test_an_fp8_cache_is_dequantized_with_its_scales():
+    seq_lens, heads, kv_heads, head_dim, block_size, split = CASES[0]
+    query, cache, tables, lens = _batch(seq_lens, heads, kv_heads, head_dim, block_size,
+                                        torch.bfloat16, seed=1)  # fmt: skip
+    k_scale, v_scale = torch.tensor([0.02]), torch.tensor([0.05])
+    quantized = torch.empty_like(cache, dtype=FP8)
+    quantized[:, 0] = reference.quantize_fp8(cache[:, 0], k_scale)
+    quantized[:, 1] = reference.quantize_fp8(cache[:, 1], v_scale)
+    scale = head_dim**-0.5
+    out = paged_decode_attention(query, quantized, tables, lens, scale, max(seq_lens),
+                                 k_scale, v_scale, split_tokens=split)  # fmt: skip
+    expected = _reference(query, quantized, tables, lens, scale, 0.02, 0.05)
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_split_length_grows_with_the_pairs_that_fill_the_device_and_the_bound():
+    assert split_tokens_for(1, 2) == 64
+    assert split_tokens_for(64, 2) == 128
+    assert split_tokens_for(256, 2) == 256
+    assert split_tokens_for(1, 2, max_seq_len=4096) == 128  # at most 32 splits
+    assert split_tokens_for(1, 2, max_seq_len=5000) == 160  # a whole number of key tiles
+
+
+def test_bad_arguments_are_refused():
+    query, cache, tables, lens = _batch([5], 4, 2, 16, 4, torch.float32)
+    with pytest.raises(KernelArgumentError, match="max_seq_len"):
+        paged_decode_attention(query, cache, tables, lens, 0.25, 9)  # 2 blocks of 4 hold 8
+    with pytest.raises(KernelArgumentError, match="int32"):
+        paged_decode_attention(query, cache, tables.long(), lens, 0.25, 8)
+    with pytest.raises(KernelArgumentError, match="group"):
+        paged_decode_attention(query[:, :3], cache, tables, lens, 0.25, 8)
+    with pytest.raises(KernelArgumentError, match="scales"):
+        paged_decode_attention(query, cache.to(FP8), tables, lens, 0.25, 8)
