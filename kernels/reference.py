@@ -122,8 +122,8 @@ def paged_attention(
         values = values.repeat_interleave(group, dim=1)  # [L, H, D]
         q = query[q_start:q_end].float()  # [Q, H, D]
         scores = torch.einsum("qhd,khd->hqk", q, keys) * scale  # [H, Q, L]
-        rows = torch.arange(q_end - q_start).unsqueeze(1)  # [Q, 1]
-        cols = torch.arange(seq_len).unsqueeze(0)  # [1, L]
+        rows = torch.arange(q_end - q_start, device=query.device).unsqueeze(1)  # [Q, 1]
+        cols = torch.arange(seq_len, device=query.device).unsqueeze(0)  # [1, L]
         visible = cols <= rows + (seq_len - (q_end - q_start))  # [Q, L]
         scores = scores.masked_fill(~visible, float("-inf"))
         weights = scores.softmax(dim=-1)  # [H, Q, L]

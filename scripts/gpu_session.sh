@@ -98,9 +98,10 @@ run_tests() {
 }
 
 run_decode() {  # $1: qwen2-vl-2b | qwen2-vl-7b; the 2B run also profiles batch 1 and 128
-    # $2: the modes (default: all of them); $3: the JSON's suffix
+    # $2: the modes (default: all of them); $3: the suffix of the JSON and of profiles.tar
     local profile=()
     if [ "$1" = qwen2-vl-2b ]; then
+        rm -rf /tmp/profiles  # each step's traces alone: two steps both have a graphs mode
         profile=(--profile-dir /tmp/profiles --profile-batch-sizes 1 128)
     fi
     local modes=${2:-graphs graphs-serial graphs-penalties graphs-openai-penalties graphs-small-linear}
@@ -108,7 +109,7 @@ run_decode() {  # $1: qwen2-vl-2b | qwen2-vl-7b; the 2B run also profiles batch 
     python3 bench/gpu_decode.py --sizes "$1" --batch-sizes 1 32 128 --model-root "$models" \
         --modes $modes --out "$out/decode-$1${3:-}.json" \
         "${profile[@]}" || return 1
-    if [ -d /tmp/profiles ]; then tar -C /tmp -cf "$out/profiles.tar" profiles; fi
+    if [ -d /tmp/profiles ]; then tar -C /tmp -cf "$out/profiles${3:-}.tar" profiles; fi
 }
 
 run_unfused_decode() {  # $1: qwen2-vl-2b | qwen2-vl-7b

@@ -157,10 +157,8 @@ class FlashInferAttentionBackend(RotateThenForward):
         from kernels.triton.paged_decode_attention import paged_decode_attention
 
         scales = self._scales_on(kv_cache.device) if kv_cache.dtype == FP8_DTYPE else ()
-        return paged_decode_attention(
-            query, kv_cache, metadata.block_tables, metadata.seq_lens_tensor, self.shape.scale,
-            metadata.max_seq_len, *scales,
-        )  # fmt: skip
+        return paged_decode_attention(query, kv_cache, metadata.block_tables,
+                                      metadata.seq_lens_tensor, self.shape.scale, *scales)  # fmt: skip
 
     def plan_cuda_graph(self, metadata: AttentionMetadata) -> None:
         if self.triton_graph_decode:

@@ -28,6 +28,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 def is_available() -> bool:
@@ -38,3 +42,19 @@ def is_available() -> bool:
 
 def is_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+_SMS: dict[int, int] = {}
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (1 under the CPU interpreter): what the
+    launchers size their grids by."""
+    if device.type != "cuda":
+        return 1
+    import torch
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]

@@ -14,13 +14,16 @@ on the device, so a CUDA graph needs no host plan before each replay.
 Two launches:
 1. grid (S, KVH, splits): a program attends the G = H / KVH query heads of one KV head
    (GQA: K and V are read once for the group, one [G, D] x [D, BLOCK_N] product a tile) over
-   `split_tokens` keys of one history, with an online softmax; it writes that split's
-   normalised output and log-sum-exp (float32). Splits past a history's end write nothing.
+   one split of one history, with an online softmax; it writes that split's normalised
+   output and log-sum-exp (float32). A history of L keys is cut into splits of
+   cdiv(L, splits) keys, rounded up to whole tiles, read on the device from its length, so
+   short histories leave the last programs idle (they write nothing) and long ones get
+   long splits.
 2. grid (S, H): merges a row's splits by their log-sum-exps into the output's dtype.
 
-`splits` is fixed by a host bound on every history (`max_seq_len`; static under a CUDA
-graph), so one captured launch serves any lengths up to it. FP8 (E4M3) caches are
-dequantised with per-tensor scales on load. Products accumulate in float32; the value
+`splits` depends only on the batch and the device (`num_splits_for`): one launch captured
+in a CUDA graph serves any lengths. FP8 (E4M3) caches are dequantised with per-tensor
+scales on load. Products accumulate in float32; the value
 product takes the probabilities in the query's dtype, as FlashAttention does.
 
 Torch reference: `kernels.reference.paged_attention` (one query row per sequence).
@@ -33,6 +36,7 @@ import triton
 import triton.language as tl
 
 from kernels.reference import FP8_DTYPE
+from kernels.triton import num_sms
 from kernels.triton.checks import (
     FLOAT_DTYPES,
     require,
@@ -43,18 +47,22 @@ from kernels.triton.checks import (
 
 BLOCK_N = 32  # keys a tile
 MERGE_CHUNK = 16  # splits the merge reads at a time
-MAX_SPLITS = 32  # splits a launch may have: past a bound of 32 splits, longer splits
+MAX_SPLITS = 32
+PROGRAMS_PER_SM = 4  # the split count aims at this many programs on each SM
 
 
-def split_tokens_for(num_seqs: int, num_kv_heads: int, max_seq_len: int = 0) -> int:
-    """Keys per split: short splits while few (sequence, KV head) pairs would leave the SMs
-    idle, longer ones once many pairs fill them (less partial output to merge), and long
-    enough that `max_seq_len` takes at most MAX_SPLITS (under a CUDA graph the grid covers
-    that bound, and programs past a history's end only exit)."""
+def num_splits_for(num_seqs: int, num_kv_heads: int, sm_count: int) -> int:
+    """Splits of each history: enough (sequence, KV head, split) programs to give every SM
+    a few, at most MAX_SPLITS (more only adds partial output to merge)."""
     pairs = num_seqs * num_kv_heads
-    tokens = 64 if pairs < 64 else 128 if pairs < 512 else 256
-    needed = -(-max_seq_len // MAX_SPLITS)
-    return max(tokens, -(-needed // BLOCK_N) * BLOCK_N)
+    return max(1, min(MAX_SPLITS, -(-PROGRAMS_PER_SM * sm_count // pairs)))
+
+
+@triton.jit
+def _split_length(seq_len, num_splits, BLOCK_N: tl.constexpr):
+    """Keys of each split of a `seq_len`-key history: cdiv(seq_len, num_splits) rounded up
+    to whole tiles."""
+    return tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
 
 
 @triton.jit
@@ -82,7 +90,7 @@ def _split_kernel(
     scale,
     group,  # query heads a KV head serves
     head_dim,
-    split_tokens,
+    num_splits,
     BLOCK_SIZE: tl.constexpr,  # the cache's tokens a block
     GROUP_PAD: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -94,8 +102,9 @@ def _split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    start = split * split_tokens
-    end = tl.minimum(start + split_tokens, seq_len)
+    length = _split_length(seq_len, num_splits, BLOCK_N)
+    start = split * length
+    end = tl.minimum(start + length, seq_len)
     rows = tl.arange(0, GROUP_PAD)
     heads = kv_head * group + rows
     # A split past the history reads and writes nothing (compared as a vector: the
@@ -164,27 +173,29 @@ def _merge_kernel(
     out_stride_s,
     out_stride_h,
     head_dim,
-    split_tokens,
+    num_splits,
+    BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    num_splits = tl.cdiv(tl.load(seq_lens_ptr + seq), split_tokens)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    written = tl.cdiv(seq_len, _split_length(seq_len, num_splits, BLOCK_N))  # splits with keys
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < head_dim
     lse_row = lse_ptr + seq * lse_stride_s + head * lse_stride_h
     part_row = part_ptr + seq * part_stride_s + head * part_stride_h
     m = tl.full([], float("-inf"), tl.float32)
-    for first in range(0, num_splits, CHUNK):  # the largest log-sum-exp
+    for first in range(0, written, CHUNK):  # the largest log-sum-exp
         splits = first + tl.arange(0, CHUNK)
-        lse = tl.load(lse_row + splits, mask=splits < num_splits, other=float("-inf"))
+        lse = tl.load(lse_row + splits, mask=splits < written, other=float("-inf"))
         m = tl.maximum(m, tl.max(lse, 0))
     total = tl.zeros([], tl.float32)
     acc = tl.zeros([BLOCK_D], tl.float32)
-    for first in range(0, num_splits, CHUNK):
+    for first in range(0, written, CHUNK):
         splits = first + tl.arange(0, CHUNK)
-        split_mask = splits < num_splits
+        split_mask = splits < written
         lse = tl.load(lse_row + splits, mask=split_mask, other=float("-inf"))
         weights = tl.exp(lse - m)  # [CHUNK], 0 past the last split
         parts = tl.load(part_row + splits[:, None] * part_stride_split + dims[None, :],
@@ -200,23 +211,18 @@ def paged_decode_attention(
     query: torch.Tensor,  # [S, H, D]
     kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, KVH, D]
     block_tables: torch.Tensor,  # [S, W] int32
-    seq_lens: torch.Tensor,  # [S] int32, each in 1 .. max_seq_len
+    seq_lens: torch.Tensor,  # [S] int32, each >= 1 and covered by its block table
     scale: float,
-    max_seq_len: int,  # host bound on every seq_len: fixes the grid
     k_scale: torch.Tensor | None = None,  # [1] float32, FP8 caches
     v_scale: torch.Tensor | None = None,
-    split_tokens: int | None = None,  # default: split_tokens_for(S, KVH, max_seq_len)
+    num_splits: int | None = None,  # default: num_splits_for(S, KVH, the device's SMs)
 ) -> torch.Tensor:  # [S, H, D]
     """Attention of each sequence's one query row over its cached history (see the module
     docstring). `seq_lens` counts this step's key, already in the cache."""
     _check_args(query, kv_cache, block_tables, seq_lens, k_scale, v_scale)
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
-    require(max_seq_len <= block_tables.shape[1] * block_size,
-            f"max_seq_len {max_seq_len} exceeds the block tables' {block_tables.shape[1]} "
-            f"blocks of {block_size}")  # fmt: skip
-    split_tokens = split_tokens or split_tokens_for(num_seqs, num_kv_heads, max_seq_len)
-    num_splits = triton.cdiv(max_seq_len, split_tokens)
+    num_splits = num_splits or num_splits_for(num_seqs, num_kv_heads, num_sms(query.device))
     part = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32,
                        device=query.device)  # fmt: skip
     lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
@@ -234,7 +240,7 @@ def paged_decode_attention(
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0),
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-        scale, group, head_dim, split_tokens,
+        scale, group, head_dim, num_splits,
         BLOCK_SIZE=block_size, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d, BLOCK_N=BLOCK_N, IS_FP8=is_fp8,
         DOT_FLOAT32=query.device.type == "cpu",
@@ -242,8 +248,8 @@ def paged_decode_attention(
     _merge_kernel[(num_seqs, num_heads)](
         part, lse, seq_lens, out,
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1), head_dim, split_tokens,
-        BLOCK_D=block_d, CHUNK=MERGE_CHUNK,
+        out.stride(0), out.stride(1), head_dim, num_splits,
+        BLOCK_N=BLOCK_N, BLOCK_D=block_d, CHUNK=MERGE_CHUNK,
     )  # fmt: skip
     return out
 
@@ -281,4 +287,4 @@ def _check_args(
                         seq_lens=seq_lens)  # fmt: skip
 
 
-__all__ = ["paged_decode_attention", "split_tokens_for"]
+__all__ = ["num_splits_for", "paged_decode_attention"]

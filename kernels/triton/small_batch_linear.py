@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton import num_sms
 from kernels.triton.checks import (
     FLOAT_DTYPES,
     require,
@@ -143,7 +144,7 @@ def small_batch_linear(
     if rows == 0 or out_features == 0:
         return out
     if blocks is None:
-        blocks = pick_blocks(rows, out_features, in_features, 2 * _num_sms(x.device))
+        blocks = pick_blocks(rows, out_features, in_features, 2 * num_sms(x.device))
     grid = (triton.cdiv(out_features, blocks.block_n),)
     _small_batch_linear_kernel[grid](
         out,
@@ -163,19 +164,6 @@ def small_batch_linear(
         num_warps=blocks.num_warps,
     )
     return out
-
-
-_SMS: dict[int, int] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (1 under the CPU interpreter)."""
-    if device.type != "cuda":
-        return 1
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]
 
 
 __all__ = ["MAX_ROWS", "Blocks", "pick_blocks", "small_batch_linear"]

@@ -19,8 +19,9 @@ pytest.importorskip("triton")
 from kernels import reference  # noqa: E402
 from kernels.triton.checks import KernelArgumentError  # noqa: E402
 from kernels.triton.paged_decode_attention import (  # noqa: E402
+    MAX_SPLITS,
+    num_splits_for,
     paged_decode_attention,
-    split_tokens_for,
 )
 
 FP8 = torch.float8_e4m3fn
@@ -54,13 +55,15 @@ def _reference(query, cache, tables, seq_lens, scale, k_scale=1.0, v_scale=1.0):
                                      torch.tensor(last), scale, k_scale, v_scale)  # fmt: skip
 
 
-# (seq_lens, heads, kv heads, head_dim, block_size, split_tokens): splits of 16 keys over
-# histories that end inside a split, on a split edge and on a block edge; one key; GQA
-# groups of 6 (Qwen2-VL-2B's) and 1; head dims that are not a power of two.
+# (seq_lens, heads, kv heads, head_dim, block_size, splits): histories cut into splits of
+# 32-key tiles that end inside a split, on a split edge and on a block edge, fewer keys than
+# splits (the last programs idle), one key; 38 splits of one history (the merge reads them
+# in chunks of 16); GQA groups of 6 (Qwen2-VL-2B's) and 1; head dims that are not a power
+# of two; the default split count.
 CASES = [
-    ([1, 16, 17, 45, 64], 12, 2, 16, 4, 16),
-    ([5, 33], 4, 4, 24, 8, 16),
-    ([70], 6, 1, 32, 16, 32),
+    ([1, 16, 17, 45, 64, 200], 12, 2, 16, 4, 4),
+    ([5, 33, 96], 4, 4, 24, 8, 3),
+    ([1200, 7], 6, 1, 32, 16, 38),
     ([3, 9, 2], 7, 7, 8, 4, None),
 ]
 
@@ -68,13 +71,13 @@ CASES = [
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matches_the_reference(case, dtype):
-    seq_lens, heads, kv_heads, head_dim, block_size, split = case
-    query, cache, tables, lens = _batch(seq_lens, heads, kv_heads, head_dim, block_size, dtype)
+    seq_lens, heads, kv_heads, head_dim, block_size, splits = case
+    # Block tables wider than any history needs, as a CUDA graph's are.
+    query, cache, tables, lens = _batch(seq_lens, heads, kv_heads, head_dim, block_size, dtype,
+                                        width=-(-max(seq_lens) // block_size) + 2)  # fmt: skip
     cache = cache.to(dtype)
     scale = head_dim**-0.5
-    # The bound is larger than every history, as a CUDA graph's is: extra splits stay idle.
-    bound = tables.shape[1] * block_size
-    out = paged_decode_attention(query, cache, tables, lens, scale, bound, split_tokens=split)
+    out = paged_decode_attention(query, cache, tables, lens, scale, num_splits=splits)
     expected = _reference(query, cache, tables, lens, scale)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), expected.float(), atol=tolerance, rtol=tolerance)
@@ -82,7 +85,7 @@ def test_matches_the_reference(case, dtype):
 
 
 def test_an_fp8_cache_is_dequantized_with_its_scales():
-    seq_lens, heads, kv_heads, head_dim, block_size, split = CASES[0]
+    seq_lens, heads, kv_heads, head_dim, block_size, splits = CASES[0]
     query, cache, tables, lens = _batch(seq_lens, heads, kv_heads, head_dim, block_size,
                                         torch.bfloat16, seed=1)  # fmt: skip
     k_scale, v_scale = torch.tensor([0.02]), torch.tensor([0.05])
@@ -90,27 +93,24 @@ def test_an_fp8_cache_is_dequantized_with_its_scales():
     quantized[:, 0] = reference.quantize_fp8(cache[:, 0], k_scale)
     quantized[:, 1] = reference.quantize_fp8(cache[:, 1], v_scale)
     scale = head_dim**-0.5
-    out = paged_decode_attention(query, quantized, tables, lens, scale, max(seq_lens),
-                                 k_scale, v_scale, split_tokens=split)  # fmt: skip
+    out = paged_decode_attention(query, quantized, tables, lens, scale, k_scale, v_scale,
+                                 num_splits=splits)  # fmt: skip
     expected = _reference(query, quantized, tables, lens, scale, 0.02, 0.05)
     torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 
-def test_split_length_grows_with_the_pairs_that_fill_the_device_and_the_bound():
-    assert split_tokens_for(1, 2) == 64
-    assert split_tokens_for(64, 2) == 128
-    assert split_tokens_for(256, 2) == 256
-    assert split_tokens_for(1, 2, max_seq_len=4096) == 128  # at most 32 splits
-    assert split_tokens_for(1, 2, max_seq_len=5000) == 160  # a whole number of key tiles
+def test_the_split_count_gives_every_sm_a_few_programs():
+    assert num_splits_for(1, 2, sm_count=132) == MAX_SPLITS  # batch 1: as many as allowed
+    assert num_splits_for(128, 2, sm_count=132) == 3  # 768 programs, ~4 an SM
+    assert num_splits_for(512, 2, sm_count=132) == 1
+    assert num_splits_for(1, 1, sm_count=1) == 4  # the interpreter counts one SM
 
 
 def test_bad_arguments_are_refused():
     query, cache, tables, lens = _batch([5], 4, 2, 16, 4, torch.float32)
-    with pytest.raises(KernelArgumentError, match="max_seq_len"):
-        paged_decode_attention(query, cache, tables, lens, 0.25, 9)  # 2 blocks of 4 hold 8
     with pytest.raises(KernelArgumentError, match="int32"):
-        paged_decode_attention(query, cache, tables.long(), lens, 0.25, 8)
+        paged_decode_attention(query, cache, tables.long(), lens, 0.25)
     with pytest.raises(KernelArgumentError, match="group"):
-        paged_decode_attention(query[:, :3], cache, tables, lens, 0.25, 8)
+        paged_decode_attention(query[:, :3], cache, tables, lens, 0.25)
     with pytest.raises(KernelArgumentError, match="scales"):
-        paged_decode_attention(query, cache.to(FP8), tables, lens, 0.25, 8)
+        paged_decode_attention(query, cache.to(FP8), tables, lens, 0.25)
