@@ -1,6 +1,7 @@
 """Token sampling, vectorised over the rows of one step.
 
-Order of operations per row (as transformers' processors and vLLM v1's sampler run):
+Order of operations per row (as transformers' processors run them; vLLM v1 applies min-p
+before top-k and top-p, which differs where both cut):
     raw logits --log_softmax--> logprobs (reported)
     raw logits -> logit_bias (added) -> repetition penalty (prompt + output tokens, HF:
                   divide positive, multiply negative) -> presence / frequency penalties
@@ -9,7 +10,9 @@ Order of operations per row (as transformers' processors and vLLM v1's sampler r
                -> greedy rows: argmax
                -> random rows: / temperature -> top-k (every token tied with the k-th
                   kept) -> top-p -> min-p -> softmax
-                  -> exponential race: argmax(probs / E), E ~ Exp(1)
+                  -> exponential race: argmax(probs / E), E ~ Exp(1) (E at least the
+                     smallest normal float: a 0 from the generator would make a removed
+                     token's 0 / 0 a NaN, which argmax picks)
 The masks come last, but a penalty never turns -inf into a number, so that is the order
 vLLM runs them in too (allowed tokens and bans before the bias).
 Rows with a seed draw E from their request's own generator, so their tokens do
@@ -253,6 +256,9 @@ def _draw(
             row.exponential_(generator=own)
     else:
         noise.exponential_(generator=generator)
+    # A zero draw (CUDA's exponential_ has produced them, pytorch#20179) would turn a
+    # removed token's 0 / 0 into a NaN, which argmax picks: keep E positive.
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
     picked = (probs / noise).argmax(dim=-1)  # [S]
     if candidates is None:
         return picked

@@ -95,6 +95,16 @@ def test_a_huge_penalty_on_every_allowed_token_still_picks_an_allowed_one():
         assert Sampler()(logits, [punished]).token_ids[0] in (2, 3), params
 
 
+def test_a_zero_from_the_noise_generator_never_picks_a_removed_token(monkeypatch):
+    """E = 0 made a removed token's 0 / 0 a NaN, and argmax picks NaN: token 0 here,
+    which top_k 2 removes (fuzz94; CUDA's exponential_ has drawn zeros, pytorch#20179)."""
+    monkeypatch.setattr(torch.Tensor, "exponential_", lambda self, **kw: self.zero_())
+    logits = torch.tensor([[0.0, 3.0, 2.0, -1.0]])
+    for params in (row(top_k=2), row(top_k=2, seed=5), row(top_p=0.5), row(min_p=0.5)):
+        picked = Sampler(seed=1)(logits.clone(), [params]).token_ids[0]
+        assert picked == 1, params.params  # the most likely token: every E is the same
+
+
 def test_top_k_keeps_every_token_tied_with_the_kth_as_transformers_does():
     """A rank cut kept exactly k tokens: of two tied at the k-th place, one was never drawn
     (which one, an accident of the sort)."""
