@@ -216,10 +216,15 @@ def paged_decode_attention(
     k_scale: torch.Tensor | None = None,  # [1] float32, FP8 caches
     v_scale: torch.Tensor | None = None,
     num_splits: int | None = None,  # default: num_splits_for(S, KVH, the device's SMs)
+    block_n: int = BLOCK_N,  # keys a tile (16 or more, a power of 2)
+    num_warps: int = 4,
 ) -> torch.Tensor:  # [S, H, D]
     """Attention of each sequence's one query row over its cached history (see the module
-    docstring). `seq_lens` counts this step's key, already in the cache."""
+    docstring). `seq_lens` counts this step's key, already in the cache. `block_n` and
+    `num_warps` are for tuning (bench/gpu_decode_attention.py sweeps them)."""
     _check_args(query, kv_cache, block_tables, seq_lens, k_scale, v_scale)
+    power_of_2 = block_n >= 16 and block_n & (block_n - 1) == 0
+    require(power_of_2, f"block_n must be a power of 2 of at least 16, got {block_n}")
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     num_splits = num_splits or num_splits_for(num_seqs, num_kv_heads, num_sms(query.device))
@@ -242,14 +247,14 @@ def paged_decode_attention(
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         scale, group, head_dim, num_splits,
         BLOCK_SIZE=block_size, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        BLOCK_D=block_d, BLOCK_N=BLOCK_N, IS_FP8=is_fp8,
-        DOT_FLOAT32=query.device.type == "cpu",
+        BLOCK_D=block_d, BLOCK_N=block_n, IS_FP8=is_fp8,
+        DOT_FLOAT32=query.device.type == "cpu", num_warps=num_warps,
     )  # fmt: skip
     _merge_kernel[(num_seqs, num_heads)](
         part, lse, seq_lens, out,
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1), head_dim, num_splits,
-        BLOCK_N=BLOCK_N, BLOCK_D=block_d, CHUNK=MERGE_CHUNK,
+        BLOCK_N=block_n, BLOCK_D=block_d, CHUNK=MERGE_CHUNK,
     )  # fmt: skip
     return out
 

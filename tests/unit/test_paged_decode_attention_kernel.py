@@ -114,3 +114,16 @@ def test_bad_arguments_are_refused():
         paged_decode_attention(query[:, :3], cache, tables, lens, 0.25)
     with pytest.raises(KernelArgumentError, match="scales"):
         paged_decode_attention(query, cache.to(FP8), tables, lens, 0.25)
+    with pytest.raises(KernelArgumentError, match="block_n"):
+        paged_decode_attention(query, cache, tables, lens, 0.25, block_n=24)
+
+
+def test_the_tuning_knobs_keep_the_result():
+    """Other key tiles and split counts (bench/gpu_decode_attention.py's sweep) compute the
+    same attention."""
+    query, cache, tables, lens = _batch([1, 40, 130], 6, 2, 16, 8, torch.float32, seed=2)
+    expected = _reference(query, cache, tables, lens, 0.25)
+    for block_n, splits in ((16, 1), (16, 9), (64, 2), (128, 3)):
+        out = paged_decode_attention(query, cache, tables, lens, 0.25, num_splits=splits,
+                                     block_n=block_n, num_warps=2)  # fmt: skip
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
