@@ -10,7 +10,7 @@ Each call is captured in a CUDA graph (ten calls a graph, as the decode graphs r
 and replayed; the time is a call's share of the median replay. The shape defaults to
 Qwen2-VL-2B's (12 query heads over 2 KV heads, head dim 128, bf16, blocks of 16 tokens);
 every sequence's blocks are scattered over the cache. Each Triton configuration's output is
-checked against FlashInfer's, or without it against `kernels.reference.paged_attention`
+checked against FlashInfer's, or without it against `kernels.reference.paged_decode_attention`
 (max |difference|, printed). On CPU (`--device cpu`) only the Triton kernel runs, under
 the interpreter, untimed: a smoke run of the script.
 """
@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from bench.gpu_decode import measure_bandwidth, median
+from kernels.reference import paged_decode_attention as paged_decode_reference
 
 CALLS_PER_GRAPH = 10
 
@@ -92,23 +93,6 @@ def flashinfer_call(batch: Batch, args: argparse.Namespace) -> Callable[[], torc
     return lambda: wrapper.run(batch.query, batch.cache)
 
 
-def reference_output(batch: Batch) -> torch.Tensor:
-    """`kernels.reference.paged_attention` over the batch's block tables (one query row a
-    sequence)."""
-    from kernels import reference
-
-    block_size = batch.cache.shape[2]
-    counts = [-(-n // block_size) for n in batch.seq_lens.tolist()]
-    pages = torch.cat([batch.tables[i, :c] for i, c in enumerate(counts)])
-    device = batch.query.device
-    indptr = torch.tensor([0, *itertools.accumulate(counts)], device=device)
-    last = torch.tensor([n - (c - 1) * block_size for n, c in zip(batch.seq_lens.tolist(), counts,
-                                                                   strict=True)], device=device)  # fmt: skip
-    rows = torch.arange(len(counts) + 1, device=device)
-    return reference.paged_attention(batch.query, batch.cache, rows, indptr, pages, last,
-                                     batch.scale)  # fmt: skip
-
-
 def triton_call(batch: Batch, splits: int | None, block_n: int, warps: int
                 ) -> Callable[[], torch.Tensor]:  # fmt: skip
     from kernels.triton.paged_decode_attention import paged_decode_attention
@@ -159,7 +143,9 @@ def bench(args: argparse.Namespace, bandwidth: float) -> list[AttentionResult]:
                                            None))  # fmt: skip
             print(format_row(results[-1]), file=sys.stderr)
         else:
-            reference = reference_output(batch).float()
+            reference = paged_decode_reference(
+                batch.query, batch.cache, batch.tables, batch.seq_lens, batch.scale
+            ).float()
         for splits, block_n, warps in triton_configs(args):
             call = triton_call(batch, splits, block_n, warps)
             out = call().float()

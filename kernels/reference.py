@@ -15,6 +15,8 @@ This module imports only torch: `kernels/` never imports `engine/`.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -129,6 +131,32 @@ def paged_attention(
         weights = scores.softmax(dim=-1)  # [H, Q, L]
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", weights, values).to(query.dtype)
     return out
+
+
+def paged_decode_attention(
+    query: torch.Tensor,  # [S, H, D], one row per sequence
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, KVH, D]
+    block_tables: torch.Tensor,  # [S, W] int
+    seq_lens: torch.Tensor,  # [S] int
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:  # [S, H, D]
+    """Each sequence's one query row over the first `seq_lens[s]` keys of its block table:
+    `paged_attention` over the CSR page table they make (the reference of
+    kernels/triton/paged_decode_attention.py)."""
+    block_size, device = kv_cache.shape[2], query.device
+    lens = seq_lens.tolist()
+    counts = [-(-n // block_size) for n in lens]
+    pages = torch.cat([block_tables[i, :count] for i, count in enumerate(counts)])
+    kv_indptr = torch.tensor([0, *itertools.accumulate(counts)], device=device)
+    last_page_len = torch.tensor(
+        [n - (count - 1) * block_size for n, count in zip(lens, counts, strict=True)],
+        device=device,
+    )
+    qo_indptr = torch.arange(len(lens) + 1, device=device)
+    return paged_attention(query, kv_cache, qo_indptr, kv_indptr, pages, last_page_len, scale,
+                           k_scale, v_scale)  # fmt: skip
 
 
 def rms_norm(

@@ -15,7 +15,7 @@ in `kernels.reference`:
     quick_gelu         quick_gelu(x)  (the Qwen2-VL vision tower's activation)
     small_batch_linear small_batch_linear(x, weight, bias=None)  (decode projections, <= 8 rows)
     paged_decode_attention  paged_decode_attention(query, kv_cache, block_tables, seq_lens,
-                       scale, max_seq_len, k_scale, v_scale)  (split-KV decode attention; the
+                       scale, k_scale, v_scale)  (split-KV decode attention; the
                        FlashInfer backend's graph decode under `triton_graph_decode`, a
                        candidate not yet measured on a GPU)
 

@@ -26,7 +26,7 @@ in a CUDA graph serves any lengths. FP8 (E4M3) caches are dequantised with per-t
 scales on load. Products accumulate in float32; the value
 product takes the probabilities in the query's dtype, as FlashAttention does.
 
-Torch reference: `kernels.reference.paged_attention` (one query row per sequence).
+Torch reference: `kernels.reference.paged_decode_attention`.
 """
 
 from __future__ import annotations

@@ -42,19 +42,6 @@ def _batch(seq_lens, heads, kv_heads, head_dim, block_size, dtype, seed=0, width
     return query.to(dtype), cache, tables, torch.tensor(seq_lens, dtype=torch.int32)
 
 
-def _reference(query, cache, tables, seq_lens, scale, k_scale=1.0, v_scale=1.0):
-    block_size = cache.shape[2]
-    pages, indptr, last = [], [0], []
-    for table, n in zip(tables.tolist(), seq_lens.tolist(), strict=True):
-        count = -(-n // block_size)
-        pages += table[:count]
-        indptr.append(len(pages))
-        last.append(n - (count - 1) * block_size)
-    qo = torch.arange(len(last) + 1)
-    return reference.paged_attention(query, cache, qo, torch.tensor(indptr), torch.tensor(pages),
-                                     torch.tensor(last), scale, k_scale, v_scale)  # fmt: skip
-
-
 # (seq_lens, heads, kv heads, head_dim, block_size, splits): histories cut into splits of
 # 32-key tiles that end inside a split, on a split edge and on a block edge, fewer keys than
 # splits (the last programs idle), one key; 38 splits of one history (the merge reads them
@@ -78,7 +65,7 @@ def test_matches_the_reference(case, dtype):
     cache = cache.to(dtype)
     scale = head_dim**-0.5
     out = paged_decode_attention(query, cache, tables, lens, scale, num_splits=splits)
-    expected = _reference(query, cache, tables, lens, scale)
+    expected = reference.paged_decode_attention(query, cache, tables, lens, scale)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), expected.float(), atol=tolerance, rtol=tolerance)
     assert out.dtype == dtype
@@ -95,7 +82,7 @@ def test_an_fp8_cache_is_dequantized_with_its_scales():
     scale = head_dim**-0.5
     out = paged_decode_attention(query, quantized, tables, lens, scale, k_scale, v_scale,
                                  num_splits=splits)  # fmt: skip
-    expected = _reference(query, quantized, tables, lens, scale, 0.02, 0.05)
+    expected = reference.paged_decode_attention(query, quantized, tables, lens, scale, 0.02, 0.05)
     torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 
@@ -122,7 +109,7 @@ def test_the_tuning_knobs_keep_the_result():
     """Other key tiles and split counts (bench/gpu_decode_attention.py's sweep) compute the
     same attention."""
     query, cache, tables, lens = _batch([1, 40, 130], 6, 2, 16, 8, torch.float32, seed=2)
-    expected = _reference(query, cache, tables, lens, 0.25)
+    expected = reference.paged_decode_attention(query, cache, tables, lens, 0.25)
     for block_n, splits in ((16, 1), (16, 9), (64, 2), (128, 3)):
         out = paged_decode_attention(query, cache, tables, lens, 0.25, num_splits=splits,
                                      block_n=block_n, num_warps=2)  # fmt: skip
