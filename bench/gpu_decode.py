@@ -327,6 +327,19 @@ def bench_size(size: str, args: argparse.Namespace, bandwidth: float) -> list[De
 
 
 @contextlib.contextmanager
+def attributes_set(target: object, values: dict[str, object]) -> Iterator[None]:
+    """`target`'s attributes set to `values` inside, their old values back after."""
+    defaults = {name: getattr(target, name) for name in values}
+    for name, value in values.items():
+        setattr(target, name, value)
+    try:
+        yield
+    finally:
+        for name, value in defaults.items():
+            setattr(target, name, value)
+
+
+@contextlib.contextmanager
 def backend_switches(values: dict[str, bool]) -> Iterator[None]:
     """The FlashInfer backends built inside get these class switches (each backend reads
     them when it is built and keeps its own copy); the defaults come back after."""
@@ -335,31 +348,17 @@ def backend_switches(values: dict[str, bool]) -> Iterator[None]:
     except ImportError:  # no flashinfer: the torch backend has no switches
         yield
         return
-    defaults = {name: getattr(FlashInferAttentionBackend, name) for name in values}
-    for name, value in values.items():
-        setattr(FlashInferAttentionBackend, name, value)
-    try:
+    with attributes_set(FlashInferAttentionBackend, values):
         yield
-    finally:
-        for name, value in defaults.items():
-            setattr(FlashInferAttentionBackend, name, value)
 
 
-@contextlib.contextmanager
-def flashinfer_backend(mode: str) -> Iterator[None]:
+def flashinfer_backend(mode: str) -> contextlib.AbstractContextManager[None]:
     """FlashInfer's FA3 kernels for the wrappers built inside, in FA3_MODE (each wrapper
     reads the module's backend when it is built)."""
-    if mode != FA3_MODE:
-        yield
-        return
     from kernels import flashinfer_glue
 
-    default = flashinfer_glue.FLASHINFER_BACKEND
-    flashinfer_glue.FLASHINFER_BACKEND = "fa3"
-    try:
-        yield
-    finally:
-        flashinfer_glue.FLASHINFER_BACKEND = default
+    values = {"FLASHINFER_BACKEND": "fa3"} if mode == FA3_MODE else {}
+    return attributes_set(flashinfer_glue, values)
 
 
 def format_row(r: DecodeResult) -> str:
