@@ -6,6 +6,9 @@ header. `/health`, `/metrics` and `/version` stay open so probes and scrapers ne
 
 The check runs in the API router's route class (server/json_body.py's `BoundedJsonRoute`),
 before the body is read: a route added outside that router is not protected by it.
+`tests/unit/test_app_settings.py::test_every_protected_route_checks_the_api_key` sends
+every operation of the OpenAPI document under a protected prefix without the key and wants
+a 401, so such a route fails the tests.
 """
 
 from __future__ import annotations

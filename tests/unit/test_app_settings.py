@@ -4,6 +4,7 @@ its own metrics, admission across API processes and the protocol of its errors."
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 from fastapi.testclient import TestClient
@@ -38,6 +39,33 @@ def test_api_key(model_dir):
         assert client.post("/tokenize", json={"prompt": "x"}).status_code == 401
         assert client.get("/openapi.json").status_code == 401  # like the routes it lists
         assert client.get("/openapi.json", headers=headers).status_code == 200
+
+
+def test_every_protected_route_checks_the_api_key(model_dir):
+    """The key is checked in the API router's route class, so a protected path registered
+    anywhere else would be open (fuzz85): every operation in the OpenAPI document under a
+    protected prefix must answer 401 without the key, whatever its method."""
+    from server.auth import is_protected
+
+    client, _ = client_for(model_dir, api_key="sekrit")
+    with client:
+        headers = {"Authorization": "Bearer sekrit"}
+        document = client.get("/openapi.json", headers=headers).json()
+        operations = [
+            (method, re.sub(r"\{[^}]+\}", "x", path))
+            for path, item in document["paths"].items()
+            for method in item
+        ]
+        protected = [(method, path) for method, path in operations if is_protected(path)]
+        assert len(protected) >= 7, operations
+        assert {path for _, path in operations if not is_protected(path)} == {
+            "/health",
+            "/metrics",
+            "/version",
+        }
+        for method, path in protected:
+            response = client.request(method, path, json={})
+            assert response.status_code == 401, (method, path, response.text)
 
 
 @pytest.mark.parametrize(
