@@ -13,6 +13,11 @@ every sequence's blocks are scattered over the cache. Each Triton configuration'
 checked against FlashInfer's, or without it against `kernels.reference.paged_decode_attention`
 (max |difference|, printed). On CPU (`--device cpu`) only the Triton kernel runs, under
 the interpreter, untimed: a smoke run of the script.
+
+The sweep has two phases a shape, so that a GPU call's minutes go further: every split count
+(`--splits`) at the first tile / warps / stages listed, then every other combination of
+`--block-n`, `--warps` and `--stages` at the split count that won the first phase (on CPU,
+untimed, the first one listed).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import json
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -38,7 +43,7 @@ CALLS_PER_GRAPH = 10
 class AttentionResult:
     batch_size: int
     context_len: int
-    impl: str  # "flashinfer" or "triton splits=S block_n=N warps=W"
+    impl: str  # "flashinfer" or "triton splits=S block_n=N warps=W stages=T"
     us: float  # per call
     floor_us: float
     max_abs_diff: float | None  # against FlashInfer's output or the reference's
@@ -93,13 +98,26 @@ def flashinfer_call(batch: Batch, args: argparse.Namespace) -> Callable[[], torc
     return lambda: wrapper.run(batch.query, batch.cache)
 
 
-def triton_call(batch: Batch, splits: int | None, block_n: int, warps: int
-                ) -> Callable[[], torch.Tensor]:  # fmt: skip
+@dataclass(frozen=True)
+class TritonConfig:
+    splits: int | None  # None: the kernel's own choice
+    block_n: int
+    warps: int
+    stages: int | None  # None: Triton's default
+
+    @property
+    def name(self) -> str:
+        return (f"triton splits={self.splits or 'auto'} block_n={self.block_n} "
+                f"warps={self.warps} stages={self.stages or 'default'}")  # fmt: skip
+
+
+def triton_call(batch: Batch, config: TritonConfig) -> Callable[[], torch.Tensor]:
     from kernels.triton.paged_decode_attention import paged_decode_attention
 
     return lambda: paged_decode_attention(batch.query, batch.cache, batch.tables, batch.seq_lens,
-                                          batch.scale, num_splits=splits, block_n=block_n,
-                                          num_warps=warps)  # fmt: skip
+                                          batch.scale, num_splits=config.splits,
+                                          block_n=config.block_n, num_warps=config.warps,
+                                          num_stages=config.stages)  # fmt: skip
 
 
 def time_call(call: Callable[[], torch.Tensor], repeats: int) -> float:
@@ -122,9 +140,17 @@ def time_call(call: Callable[[], torch.Tensor], repeats: int) -> float:
     return median(times)
 
 
-def triton_configs(args: argparse.Namespace) -> list[tuple[int | None, int, int]]:
-    splits = [None if s == 0 else s for s in args.splits]
-    return list(itertools.product(splits, args.block_n, args.warps))
+def split_configs(args: argparse.Namespace) -> list[TritonConfig]:
+    """The first phase: every split count at the first tile, warps and stages listed."""
+    return [TritonConfig(None if s == 0 else s, args.block_n[0], args.warps[0],
+                         args.stages[0] or None) for s in args.splits]  # fmt: skip
+
+
+def tile_configs(args: argparse.Namespace, splits: int | None) -> list[TritonConfig]:
+    """The second phase: the other tiles, warps and stages at the first phase's winner."""
+    grid = itertools.product(args.block_n, args.warps, args.stages)
+    configs = [TritonConfig(splits, n, w, s or None) for n, w, s in grid]
+    return configs[1:]  # the first is the first phase's
 
 
 def bench(args: argparse.Namespace, bandwidth: float) -> list[AttentionResult]:
@@ -146,15 +172,27 @@ def bench(args: argparse.Namespace, bandwidth: float) -> list[AttentionResult]:
             reference = paged_decode_reference(
                 batch.query, batch.cache, batch.tables, batch.seq_lens, batch.scale
             ).float()
-        for splits, block_n, warps in triton_configs(args):
-            call = triton_call(batch, splits, block_n, warps)
-            out = call().float()
-            diff = float((out - reference).abs().max())
-            us = time_call(call, args.repeats) if on_gpu else 0.0
-            name = f"triton splits={splits or 'auto'} block_n={block_n} warps={warps}"
-            results.append(AttentionResult(batch_size, context_len, name, us, floor_us, diff))
-            print(format_row(results[-1]), file=sys.stderr)
+        shape = AttentionResult(batch_size, context_len, "", 0.0, floor_us, None)
+        timed = {}
+        for config in split_configs(args):
+            timed[config] = run_triton(batch, config, reference, shape, args.repeats)
+        best = min(timed, key=lambda config: timed[config].us)  # the first one on CPU
+        for config in tile_configs(args, best.splits):
+            timed[config] = run_triton(batch, config, reference, shape, args.repeats)
+        results.extend(timed.values())
     return results
+
+
+def run_triton(batch: Batch, config: TritonConfig, reference: torch.Tensor,
+               shape: AttentionResult, repeats: int) -> AttentionResult:  # fmt: skip
+    """One configuration's time (untimed, 0, on CPU) and its largest difference from
+    `reference`, in a copy of `shape`'s row; printed as it comes."""
+    call = triton_call(batch, config)
+    diff = float((call().float() - reference).abs().max())
+    us = time_call(call, repeats) if batch.query.is_cuda else 0.0
+    result = replace(shape, impl=config.name, us=us, max_abs_diff=diff)
+    print(format_row(result), file=sys.stderr)
+    return result
 
 
 def format_row(r: AttentionResult) -> str:
@@ -175,6 +213,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help="Triton split counts to try (0: the kernel's default)")  # fmt: skip
     parser.add_argument("--block-n", nargs="+", type=int, default=[32])
     parser.add_argument("--warps", nargs="+", type=int, default=[4])
+    parser.add_argument("--stages", nargs="+", type=int, default=[0],
+                        help="Triton num_stages to try (0: Triton's default)")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--no-flashinfer", action="store_true")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the script")

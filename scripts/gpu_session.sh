@@ -25,8 +25,9 @@
 #   decode-2b-unfused, decode-7b-unfused   bench/gpu_decode.py, batch 1 / 32 / 128, graphs
 #               against rotary and the K/V write as two kernels (graphs-unfused)
 #   attention-2b  bench/gpu_decode_attention.py: one layer's decode attention at the 2B shape,
-#               FlashInfer against the Triton split-KV kernel over its split counts, key
-#               tiles and warps, at batch 1 / 32 / 128 and 512 / 2048 keys (~1 min)
+#               FlashInfer against the Triton split-KV kernel: its split counts, then key
+#               tiles, warps and stages at the best split, at batch 1 / 32 / 128 and 512 /
+#               2048 keys (~1 min)
 #   gemv        bench/gpu_gemv.py: the 2B and 7B projections at 1 / 2 / 4 / 8 rows, cuBLAS
 #               against the small-batch Triton kernel (and a grid of its blocks at 1 row)
 #   decode-moe  a mixture of experts at real width (qwen3-vl-moe-8l: Qwen3-VL-30B-A3B's
@@ -166,7 +167,7 @@ for step in "$@"; do
         decode-moe) fn=run_moe ;;
         gemv) fn="python3 bench/gpu_gemv.py --out $out/gemv.json" ;;
         attention-2b) fn="python3 bench/gpu_decode_attention.py --batch-sizes 1 32 128 \
---context-lens 512 2048 --splits 0 1 2 4 8 16 32 --block-n 32 64 --warps 4 8 \
+--context-lens 512 2048 --splits 0 1 2 4 8 16 32 --block-n 32 16 64 --warps 4 8 --stages 0 2 4 \
 --out $out/attention-2b.json" ;;
         prefill-2b) fn=run_prefill ;;
         vision-2b) fn=run_vision ;;

@@ -218,10 +218,11 @@ def paged_decode_attention(
     num_splits: int | None = None,  # default: num_splits_for(S, KVH, the device's SMs)
     block_n: int = BLOCK_N,  # keys a tile (16 or more, a power of 2)
     num_warps: int = 4,
+    num_stages: int | None = None,  # software-pipelined tile loads (None: Triton's default)
 ) -> torch.Tensor:  # [S, H, D]
     """Attention of each sequence's one query row over its cached history (see the module
-    docstring). `seq_lens` counts this step's key, already in the cache. `block_n` and
-    `num_warps` are for tuning (bench/gpu_decode_attention.py sweeps them)."""
+    docstring). `seq_lens` counts this step's key, already in the cache. `block_n`,
+    `num_warps` and `num_stages` are for tuning (bench/gpu_decode_attention.py sweeps them)."""
     _check_args(query, kv_cache, block_tables, seq_lens, k_scale, v_scale)
     power_of_2 = block_n >= 16 and block_n & (block_n - 1) == 0
     require(power_of_2, f"block_n must be a power of 2 of at least 16, got {block_n}")
@@ -238,6 +239,7 @@ def paged_decode_attention(
     is_fp8 = kv_cache.dtype == FP8_DTYPE
     unused = seq_lens  # any pointer: the FP8 scales are read only for an FP8 cache
     block_d = max(16, triton.next_power_of_2(head_dim))
+    stages = {} if num_stages is None else {"num_stages": num_stages}
     _split_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, kv_cache, block_tables, seq_lens, part, lse,
         k_scale if is_fp8 else unused, v_scale if is_fp8 else unused,
@@ -248,7 +250,7 @@ def paged_decode_attention(
         scale, group, head_dim, num_splits,
         BLOCK_SIZE=block_size, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d, BLOCK_N=block_n, IS_FP8=is_fp8,
-        DOT_FLOAT32=query.device.type == "cpu", num_warps=num_warps,
+        DOT_FLOAT32=query.device.type == "cpu", num_warps=num_warps, **stages,
     )  # fmt: skip
     _merge_kernel[(num_seqs, num_heads)](
         part, lse, seq_lens, out,

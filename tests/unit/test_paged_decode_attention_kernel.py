@@ -110,7 +110,7 @@ def test_the_tuning_knobs_keep_the_result():
     same attention."""
     query, cache, tables, lens = _batch([1, 40, 130], 6, 2, 16, 8, torch.float32, seed=2)
     expected = reference.paged_decode_attention(query, cache, tables, lens, 0.25)
-    for block_n, splits in ((16, 1), (16, 9), (64, 2), (128, 3)):
+    for block_n, splits, stages in ((16, 1, None), (16, 9, 1), (64, 2, None), (128, 3, 4)):
         out = paged_decode_attention(query, cache, tables, lens, 0.25, num_splits=splits,
-                                     block_n=block_n, num_warps=2)  # fmt: skip
+                                     block_n=block_n, num_warps=2, num_stages=stages)  # fmt: skip
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
