@@ -7,7 +7,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from server.field_limits import bounded, check_count
 
@@ -34,7 +42,7 @@ class RequestModel(BaseModel):
 
 class ImageUrl(RequestModel):
     url: str
-    detail: str | None = None
+    detail: Literal["auto", "low", "high"] | None = None  # OpenAI's values; not used here
 
 
 class TextPart(RequestModel):
@@ -130,7 +138,9 @@ class ToolCallMessagePart(RequestModel):
 
 class ChatMessage(RequestModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[ContentPart] | None = None
+    # None only on an assistant turn (one that made tool calls) or a tool's result, as in
+    # OpenAI's API and vLLM's (fuzz99: a user's null content was an empty turn)
+    content: str | list[ContentPart] | None = Field(default=None, validate_default=True)
     name: str | None = None
     tool_calls: list[ToolCallMessagePart] | None = None
     tool_call_id: str | None = None  # role "tool": the call this answers
@@ -142,6 +152,38 @@ class ChatMessage(RequestModel):
     _few_tool_calls = field_validator("tool_calls", mode="before")(
         bounded(count=("max_tools", "tool calls in one message"))
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_function_role(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("role") == "function":
+            raise ValueError(
+                "the 'function' role (deprecated by OpenAI) is not supported; send a "
+                "function's result as a 'tool' message"
+            )
+        return data
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _refusals_as_text(cls, content: Any, info: ValidationInfo) -> Any:
+        """An assistant turn saved from OpenAI may hold `refusal` parts: their text is what
+        the assistant said (vLLM reads them so too)."""
+        if info.data.get("role") != "assistant" or not isinstance(content, list):
+            return content
+        return [
+            {"type": "text", "text": part.get("refusal")}
+            if isinstance(part, dict) and part.get("type") == "refusal"
+            else part
+            for part in content
+        ]
+
+    @field_validator("content")
+    @classmethod
+    def _content_given(cls, content: Any, info: ValidationInfo) -> Any:
+        role = info.data.get("role")
+        if content is None and role in ("system", "user", "developer"):
+            raise ValueError(f"a {role} message needs its content")
+        return content
 
 
 class FunctionDefinition(RequestModel):

@@ -246,7 +246,8 @@ def chat_request(body: ResponsesRequest) -> ChatTranslation:
         chat["response_format"] = _response_format(body.text["format"])
     if body.tools:
         chat["tools"] = [_tool(tool, i) for i, tool in enumerate(body.tools)]
-    if body.tool_choice is not None:
+    if body.tool_choice is not None and (body.tools or body.tool_choice != "auto"):
+        # "auto" is the Responses API's default, which a client may send with no tools
         chat["tool_choice"] = _tool_choice(body.tool_choice)
     try:
         validated = ChatCompletionRequest.model_validate(chat)

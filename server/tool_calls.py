@@ -297,8 +297,10 @@ class ToolCallExtractor:
 
 
 def check_tools(tools: list[dict[str, Any]] | None, tool_choice: Any) -> None:
-    """Raises ValueError where `tool_choice` asks for a call that `tools` cannot give."""
-    if tool_choice in (None, "none", "auto"):
+    """Raises ValueError where `tool_choice` asks for a call that `tools` cannot give, or
+    chooses among no tools at all ("auto" too, as OpenAI and vLLM refuse it; "none" stays
+    allowed, as vLLM allows it)."""
+    if tool_choice in (None, "none"):
         return
     if not tools:
         raise ValueError(f"tool_choice {_choice_name(tool_choice)} needs tools")

@@ -221,6 +221,9 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
         ({"tools": [TOOL, {**TOOL, "function": {**TOOL["function"], "parameters": {}}}]},
          "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
+        # fuzz99: both were a 200, where OpenAI and vLLM refuse them
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"tools": []}, "tools"),
         ({"tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice"),
         ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "other"}}},
          "tool_choice"),
@@ -234,6 +237,42 @@ def test_bad_tools_are_400_naming_the_field(fields, param):
     error = invalid({**BASE, **fields})
     assert error.status == 400 and error.param == param
     assert "Value error" not in error.message  # pydantic's tag on our validators' words
+
+
+@pytest.mark.parametrize(
+    ("message", "param"),
+    [
+        ({"role": "user", "content": None}, "messages[0].content"),
+        ({"role": "system"}, "messages[0].content"),
+        ({"role": "function", "name": "f", "content": "4"}, "messages[0]"),
+        ({"role": "user", "content": [{"type": "image_url",
+          "image_url": {"url": "data:x", "detail": "bogus"}}]},
+         "messages[0].content[0].image_url.detail"),
+        ({"role": "user", "content": [{"type": "refusal", "refusal": "no"}]},
+         "messages[0].content[0]"),
+    ],
+)  # fmt: skip
+def test_messages_openai_refuses_are_400_naming_the_field(message, param):
+    """fuzz99: a user's null content was an empty turn and any `detail` was taken, where
+    OpenAI and vLLM refuse both; the deprecated `function` role gets words of its own."""
+    error = invalid({**BASE, "messages": [message]})
+    assert error.status == 400 and error.param == param, error
+    assert "Value error" not in error.message
+
+
+def test_history_saved_from_openai_is_accepted():
+    """An assistant turn's `refusal` part is its text (fuzz99: a 400 refused OpenAI's own
+    history shape); an assistant or tool turn may have no content."""
+    request = ChatCompletionRequest.model_validate({**BASE, "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."}]},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c", "content": None},
+        {"role": "user", "content": [{"type": "image_url",
+                                      "image_url": {"url": "data:x", "detail": "low"}}]},
+    ]})  # fmt: skip
+    assert request.messages[1].content[0].text == "I can't."
 
 
 def test_tool_choice_picks_the_plan_and_its_grammar():

@@ -97,3 +97,13 @@ def test_an_input_image_with_chats_url_object_is_told_the_string_form():
     with pytest.raises(InvalidRequest, match="image_url is a string") as error:
         chat_request(ResponsesRequest(model="m", input=items))
     assert error.value.param == "input[0].content[0].image_url"
+
+
+def test_tool_choice_auto_without_tools_stays_the_default():
+    """The Responses API's default, "auto", which a client may send with no tools: the
+    chat underneath refuses it without tools (as OpenAI's chat does), so it is left out."""
+    translation = chat_request(ResponsesRequest(model="m", input=[USER], tool_choice="auto"))
+    assert translation.chat.tool_choice is None
+    with pytest.raises(InvalidRequest) as refused:
+        chat_request(ResponsesRequest(model="m", input=[USER], tool_choice="required"))
+    assert refused.value.param == "tool_choice"
