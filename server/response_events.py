@@ -104,7 +104,7 @@ class ResponseShaper:
             "previous_response_id": None,
             "store": False,
             "temperature": body.temperature,
-            "text": body.text or {"format": {"type": "text"}},
+            "text": body.text_echo,
             "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
             "tools": body.tools or [],
             "top_p": body.top_p,

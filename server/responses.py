@@ -34,12 +34,12 @@ sampling all go the chat's way:
 Errors name the Responses field (`input[2].content[1]`, `max_output_tokens`), not the chat
 field it became (`responses_param`). Nothing is stored: `previous_response_id`,
 `conversation`, `prompt` and `background` are a 400 (send the conversation in `input`).
-server/response_events.py shapes the answer.
+server/responses_input.py turns the input items into messages; server/response_events.py
+shapes the answer.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -52,8 +52,10 @@ from engine.errors import InvalidRequest, TesseraError
 from server.chat_messages import RequestModel, few_enough_messages, few_enough_tools
 from server.errors import validation_error_to_invalid
 from server.field_limits import check_count
-from server.openai_models import ChatCompletionRequest
+from server.openai_models import ChatCompletionRequest, null_is_the_default
+from server.responses_input import MessageSource, input_messages
 from server.sampling_params import GrammarRefused
+from server.structured_output_fields import JsonSchemaFormat
 
 # Chat fields a Responses request may carry as extras, as vLLM's Responses endpoint does.
 PASSTHROUGH_FIELDS = (
@@ -81,7 +83,8 @@ PASSTHROUGH_FIELDS = (
     "truncate_prompt_tokens",
 )
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
-_TEXT_PARTS = ("input_text", "output_text")
+VERBOSITIES = ("low", "medium", "high")
+DEFAULT_SCHEMA_NAME = JsonSchemaFormat.model_fields["name"].default
 # Chat field names -> the Responses fields they came from, for error messages.
 _RENAMED = {
     "max_tokens": "max_output_tokens",
@@ -106,6 +109,7 @@ class ResponsesRequest(RequestModel):
     temperature: float | None = None
     top_p: float | None = None
     stream: bool = False
+    _null_stream = field_validator("stream", mode="before")(null_is_the_default)
     text: dict[str, Any] | None = None
     tools: list[Any] | None = None
     _few_enough_tools = field_validator("tools", mode="before")(few_enough_tools)
@@ -113,6 +117,8 @@ class ResponsesRequest(RequestModel):
     parallel_tool_calls: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0)  # <= --max-logprobs
     include: list[str] | None = None
+    reasoning: dict[str, Any] | None = None  # read for its type only, as reasoning_effort
+    service_tier: str | None = None  # read for its type only
     metadata: dict[str, str] | None = None
     user: str | None = None
     store: bool | None = None
@@ -136,6 +142,16 @@ class ResponsesRequest(RequestModel):
     def wants_logprobs(self) -> bool:
         return self.top_logprobs is not None or LOGPROBS_INCLUDE in (self.include or ())
 
+    @property
+    def text_echo(self) -> dict[str, Any]:
+        """`text` as the answer repeats it: a json_schema format left unnamed carries the
+        name the chat gives it (the openai client's types require one; fuzz100)."""
+        text = self.text or {"format": {"type": "text"}}
+        text_format = text.get("format")
+        if isinstance(text_format, dict) and text_format.get("type") == "json_schema":
+            text = {**text, "format": {"name": DEFAULT_SCHEMA_NAME, **text_format}}
+        return text
+
 
 @dataclass(frozen=True)
 class ChatTranslation:
@@ -157,20 +173,9 @@ class ChatTranslation:
         return renamed(exc, self.message_sources)
 
 
-@dataclass(frozen=True)
-class MessageSource:
-    """The input item (`input[3]`) a chat message came from: a function_call_output's
-    fields have other names; an assistant message of calls has one item a call."""
-
-    param: str
-    renames: tuple[tuple[str, str], ...] = ()  # (chat field, Responses field) of the item
-    calls: tuple[str, ...] = ()  # tool_calls[k] came from item calls[k]
-
-
 # A chat tool call's fields, as a function_call item names them.
 _CALL_FIELDS = ((".function.name", ".name"), (".function.arguments", ".arguments"),
                 (".id", ".call_id"), (".function", ""))  # fmt: skip
-_OUTPUT_FIELDS = ((".content", ".output"), (".tool_call_id", ".call_id"))
 
 
 def _renamed_path(path: str, renames: tuple[tuple[str, str], ...]) -> str:
@@ -236,7 +241,9 @@ def chat_request(body: ResponsesRequest) -> ChatTranslation:
     """The chat completion request that does what `body` asks; InvalidRequest naming the
     Responses field where it asks for what Tessera does not do."""
     _refuse_stored_state(body)
-    messages, sources = _messages(body)
+    if body.text and body.text.get("verbosity") not in (None, *VERBOSITIES):
+        raise InvalidRequest(f"text.verbosity must be one of {VERBOSITIES}", param="text.verbosity")
+    messages, sources = input_messages(body.instructions, body.input)
     chat: dict[str, Any] = {"model": body.model, "messages": messages, "stream": body.stream}
     for name in PASSTHROUGH_FIELDS:
         if body.model_extra and name in body.model_extra:
@@ -283,156 +290,6 @@ def _copy_sampling(body: ResponsesRequest, chat: dict[str, Any]) -> None:
     if body.wants_logprobs:
         chat["logprobs"] = True
         chat["top_logprobs"] = body.top_logprobs or 0
-
-
-def _messages(body: ResponsesRequest) -> tuple[list[dict[str, Any]], list[MessageSource]]:
-    messages: list[dict[str, Any]] = []
-    sources: list[MessageSource] = []
-    if body.instructions is not None:
-        messages.append({"role": "system", "content": body.instructions})
-        sources.append(MessageSource("instructions", ((".content", ""),)))
-    if isinstance(body.input, str):
-        messages.append({"role": "user", "content": body.input})
-        sources.append(MessageSource("input", ((".content", ""),)))
-        return messages, sources
-    if not body.input:
-        raise InvalidRequest("input must not be empty", param="input")
-    for i, item in enumerate(body.input):
-        param = f"input[{i}]"
-        if not isinstance(item, dict):
-            raise InvalidRequest("an input item must be an object", param=param)
-        kind = item.get("type", "message" if "role" in item else None)
-        if kind in ("function_call", "function_call_output") and not item.get("call_id"):
-            raise InvalidRequest(f"a {kind} item needs its call_id", param=param + ".call_id")
-        if kind == "message":
-            message = _message(item, param)
-            renames = _image_renames(item.get("content"), ".content")
-            if messages and _is_reasoning_only(messages[-1]) and message["role"] == "assistant":
-                # the answer its reasoning item came before: one assistant turn
-                messages[-1]["content"] = message["content"]
-                sources[-1] = MessageSource(param, renames)
-                continue
-            messages.append(message)
-            sources.append(MessageSource(param, renames))
-            continue
-        elif kind == "reasoning":
-            # Fed back from an earlier response (OpenAI's loop: input += response.output):
-            # the thinking of the assistant turn that follows, as chat's reasoning_content.
-            messages.append({"role": "assistant", "content": None,
-                             "reasoning_content": _reasoning_text(item)})  # fmt: skip
-            sources.append(MessageSource(param))
-            continue
-        elif kind == "function_call":
-            call = {
-                "id": item.get("call_id"),
-                "type": "function",
-                "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")},
-            }
-            previous = messages[-1] if messages else None
-            if previous is not None and previous["role"] == "assistant":
-                # One assistant turn: its text and its calls, or consecutive calls.
-                previous["tool_calls"] = [*(previous.get("tool_calls") or ()), call]
-                sources[-1] = dataclasses.replace(sources[-1], calls=(*sources[-1].calls, param))
-                continue
-            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-            sources.append(MessageSource(param, calls=(param,)))
-            continue
-        elif kind == "function_call_output":
-            output = item.get("output")
-            content = _content(output, param + ".output") if isinstance(output, list) else output
-            messages.append(
-                {"role": "tool", "tool_call_id": item.get("call_id"), "content": content}
-            )
-            renames = _image_renames(output, ".output") + _OUTPUT_FIELDS
-            sources.append(MessageSource(param, renames))
-            continue
-        else:
-            raise InvalidRequest(
-                f"input items of type {kind!r} are not supported (message, reasoning, "
-                "function_call and function_call_output are)",
-                param=param + ".type",
-            )
-    # A reasoning item that no answer or call followed (a turn cut in its thinking) is
-    # no turn of its own.
-    kept = [i for i, message in enumerate(messages) if not _is_reasoning_only(message)]
-    return [messages[i] for i in kept], [sources[i] for i in kept]
-
-
-def _is_reasoning_only(message: dict[str, Any]) -> bool:
-    """Whether `message` is a reasoning item's turn that no answer or call joined (yet)."""
-    return (
-        "reasoning_content" in message
-        and message["content"] is None
-        and not message.get("tool_calls")
-    )
-
-
-def _reasoning_text(item: dict[str, Any]) -> str:
-    """A reasoning item's text: its reasoning_text parts, else its summary's."""
-    for key in ("content", "summary"):
-        parts = item.get(key)
-        if isinstance(parts, list):
-            texts = [part.get("text") for part in parts if isinstance(part, dict)]
-            if any(isinstance(text, str) for text in texts):
-                return "\n".join(text for text in texts if isinstance(text, str))
-    return ""
-
-
-def _image_renames(parts: Any, field: str) -> tuple[tuple[str, str], ...]:
-    """An input_image part's fields as chat names them (`image_url.url`, `image_url.detail`)
-    and as its Responses item does (`image_url`, `detail`), `field` holding the parts."""
-    if not isinstance(parts, list):
-        return ()
-    renames: list[tuple[str, str]] = []
-    for j, part in enumerate(parts):
-        if isinstance(part, dict) and part.get("type") == "input_image":
-            chat, item = f".content[{j}].image_url", f"{field}[{j}]"
-            renames += [(chat + ".url", item + ".image_url"), (chat + ".detail", item + ".detail"),
-                        (chat, item + ".image_url")]  # fmt: skip
-    return tuple(renames)
-
-
-def _message(item: dict[str, Any], param: str) -> dict[str, Any]:
-    message = {"role": item.get("role"), "content": item.get("content")}
-    if isinstance(message["content"], list):
-        message["content"] = _content(message["content"], param + ".content")
-    return message
-
-
-def _content(parts: list[Any], param: str) -> list[Any]:
-    return [_part(part, f"{param}[{j}]") for j, part in enumerate(parts)]
-
-
-def _part(part: Any, param: str) -> Any:
-    if not isinstance(part, dict):
-        return part  # the chat's validation says what is wrong with it
-    kind = part.get("type")
-    if kind in _TEXT_PARTS:
-        return {"type": "text", "text": part.get("text")}
-    if kind == "input_image":
-        url = part.get("image_url")
-        if url is not None and not isinstance(url, str):  # chat's {"url": ...} form
-            raise InvalidRequest(
-                "an input_image's image_url is a string (an http(s)://, data: or file:// URL)",
-                param=param + ".image_url",
-            )
-        if not url:
-            if part.get("file_id") is not None:
-                raise InvalidRequest(
-                    "file_id images are not supported: send image_url (http(s) or data: URL)",
-                    param=param + ".file_id",
-                )
-            if part.get("uuid") is None:
-                raise InvalidRequest("an input_image needs an image_url", param=param)
-        image: dict[str, Any] = {"type": "image_url"}
-        if url:
-            image["image_url"] = {"url": url, "detail": part.get("detail")}
-        if part.get("uuid") is not None:
-            image["uuid"] = part["uuid"]
-        return image
-    if kind in ("input_file", "input_audio", "refusal"):
-        raise InvalidRequest(f"{kind} parts are not supported", param=param + ".type")
-    return part
 
 
 def _response_format(text_format: Any) -> Any:

@@ -196,3 +196,17 @@ def test_an_answer_that_is_all_thinking_is_its_reasoning_item_alone(tokenizer, f
     final = final_of(feeds, shaper_for(tokenizer, tools=None, thinking=False))
     assert [item["type"] for item in final] == ["reasoning"]
     assert [item["type"] for item in events_of([""])[1]] == ["message"]
+
+
+@pytest.mark.parametrize("text_format", [{"type": "json_schema", "schema": {"type": "object"}},
+                                         {"type": "json_schema", "name": "n", "schema": {}}])  # fmt: skip
+def test_a_json_schema_format_is_echoed_with_its_name(text_format):
+    """fuzz100: a format sent without its (optional here) name came back without one, which
+    the openai client's Response type refuses."""
+    from openai.types.responses import Response
+
+    job = GenerationJob("resp_1", "m", PreparedPrompt([1]), SamplingParams(), 1, [])
+    body = ResponsesRequest(model="m", input="x", text={"format": text_format})
+    response = ResponseShaper(job, body, None, logprobs=False).response("completed", [])
+    Response.model_validate(response)
+    assert response["text"]["format"]["name"] == text_format.get("name", "response")

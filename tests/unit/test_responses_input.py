@@ -107,3 +107,38 @@ def test_tool_choice_auto_without_tools_stays_the_default():
     with pytest.raises(InvalidRequest) as refused:
         chat_request(ResponsesRequest(model="m", input=[USER], tool_choice="required"))
     assert refused.value.param == "tool_choice"
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"input": [USER, {**CALL, "arguments": None}]}, "input[1].arguments"),
+        ({"input": [USER, {k: v for k, v in CALL.items() if k != "arguments"}]},
+         "input[1].arguments"),
+        ({"input": [USER, {**CALL, "arguments": {"a": 1}}]}, "input[1].arguments"),
+        ({"input": [USER, CALL, {"type": "function_call_output", "call_id": "c1"}]},
+         "input[2].output"),
+        ({"input": [{**USER, "status": "done"}]}, "input[0].status"),
+        ({"input": [USER, {"role": "tool", "content": "42"}]}, "input[1].role"),
+        ({"input": [USER], "text": {"verbosity": "bogus"}}, "text.verbosity"),
+    ],
+)  # fmt: skip
+def test_input_items_and_options_openai_refuses_are_400_naming_the_field(fields, param):
+    """fuzz100: each was a 200 (a call without arguments ran as `{}`), where OpenAI's item
+    types and vLLM refuse them."""
+    with pytest.raises(InvalidRequest) as refused:
+        chat_request(ResponsesRequest(model="m", **fields))
+    assert refused.value.param == param
+
+
+def test_option_types_are_checked_and_null_stream_is_the_default():
+    from pydantic import ValidationError
+
+    assert ResponsesRequest(model="m", input="x", stream=None).stream is False
+    for fields in ({"reasoning": "high"}, {"service_tier": 3}):
+        with pytest.raises(ValidationError):
+            ResponsesRequest(model="m", input="x", **fields)
+    finished = {**CALL, "status": "completed"}
+    translation = chat_request(ResponsesRequest(model="m", input=[USER, finished],
+                                                text={"verbosity": "low"}))  # fmt: skip
+    assert translation.chat.messages[1].tool_calls[0].function.arguments == "{}"
