@@ -327,7 +327,7 @@ class LLM:
         processing,
         rendering: dict[str, Any] | None = None,
     ) -> BuiltRequest:
-        from engine.multimodal.prompt import IMAGE_PART_TYPES, VIDEO_PART_TYPES
+        from engine.multimodal.messages import IMAGE_PART_TYPES, VIDEO_PART_TYPES
 
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise InvalidRequest("'messages' is a list of message dicts", param="messages")

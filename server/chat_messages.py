@@ -17,6 +17,11 @@ from pydantic import (
     model_validator,
 )
 
+from engine.multimodal.messages import (
+    FUNCTION_ROLE_REFUSED,
+    content_rule_broken,
+    refusals_as_text,
+)
 from server.field_limits import bounded, check_count
 
 # Limits OpenAI's API or the model's shapes fix; the others are settings (field_limits.py).
@@ -42,7 +47,7 @@ class RequestModel(BaseModel):
 
 class ImageUrl(RequestModel):
     url: str
-    detail: Literal["auto", "low", "high"] | None = None  # OpenAI's values; not used here
+    detail: Literal["auto", "low", "high", "original"] | None = None  # OpenAI's; not used here
 
 
 class TextPart(RequestModel):
@@ -153,36 +158,31 @@ class ChatMessage(RequestModel):
         bounded(count=("max_tools", "tool calls in one message"))
     )
 
+    # The rules every message keeps, offline too (engine/multimodal/messages.py), checked
+    # here so that the 400 comes before any media is fetched.
     @model_validator(mode="before")
     @classmethod
     def _no_function_role(cls, data: Any) -> Any:
         if isinstance(data, dict) and data.get("role") == "function":
-            raise ValueError(
-                "the 'function' role (deprecated by OpenAI) is not supported; send a "
-                "function's result as a 'tool' message"
-            )
+            raise ValueError(FUNCTION_ROLE_REFUSED)
         return data
 
     @field_validator("content", mode="before")
     @classmethod
     def _refusals_as_text(cls, content: Any, info: ValidationInfo) -> Any:
-        """An assistant turn saved from OpenAI may hold `refusal` parts: their text is what
-        the assistant said (vLLM reads them so too)."""
         if info.data.get("role") != "assistant" or not isinstance(content, list):
             return content
-        return [
-            {"type": "text", "text": part.get("refusal")}
-            if isinstance(part, dict) and part.get("type") == "refusal"
-            else part
-            for part in content
-        ]
+        content = refusals_as_text("assistant", content)
+        if any(isinstance(part, dict) and part.get("type") == "refusal" for part in content):
+            raise ValueError("a refusal part needs its 'refusal' text")
+        return content
 
     @field_validator("content")
     @classmethod
     def _content_given(cls, content: Any, info: ValidationInfo) -> Any:
-        role = info.data.get("role")
-        if content is None and role in ("system", "user", "developer"):
-            raise ValueError(f"a {role} message needs its content")
+        broken = content_rule_broken(info.data.get("role"), content)
+        if broken is not None:
+            raise ValueError(broken)
         return content
 
 

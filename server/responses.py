@@ -53,7 +53,7 @@ from server.chat_messages import RequestModel, few_enough_messages, few_enough_t
 from server.errors import validation_error_to_invalid
 from server.field_limits import check_count
 from server.openai_models import ChatCompletionRequest, null_is_the_default
-from server.responses_input import MessageSource, input_messages
+from server.responses_input import MessageSource, input_messages, one_of
 from server.sampling_params import GrammarRefused
 from server.structured_output_fields import JsonSchemaFormat
 
@@ -117,7 +117,7 @@ class ResponsesRequest(RequestModel):
     parallel_tool_calls: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0)  # <= --max-logprobs
     include: list[str] | None = None
-    reasoning: dict[str, Any] | None = None  # read for its type only, as reasoning_effort
+    reasoning: dict[str, Any] | None = None  # read for its type only (no effort levels here)
     service_tier: str | None = None  # read for its type only
     metadata: dict[str, str] | None = None
     user: str | None = None
@@ -242,7 +242,9 @@ def chat_request(body: ResponsesRequest) -> ChatTranslation:
     Responses field where it asks for what Tessera does not do."""
     _refuse_stored_state(body)
     if body.text and body.text.get("verbosity") not in (None, *VERBOSITIES):
-        raise InvalidRequest(f"text.verbosity must be one of {VERBOSITIES}", param="text.verbosity")
+        raise InvalidRequest(
+            f"text.verbosity must be {one_of(VERBOSITIES)}", param="text.verbosity"
+        )
     messages, sources = input_messages(body.instructions, body.input)
     chat: dict[str, Any] = {"model": body.model, "messages": messages, "stream": body.stream}
     for name in PASSTHROUGH_FIELDS:

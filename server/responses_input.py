@@ -29,6 +29,12 @@ class MessageSource:
 _OUTPUT_FIELDS = ((".content", ".output"), (".tool_call_id", ".call_id"))
 
 
+def one_of(values: tuple[str, ...]) -> str:
+    """'a', 'b' or 'c'."""
+    quoted = [repr(value) for value in values]
+    return ", ".join(quoted[:-1]) + " or " + quoted[-1]
+
+
 def input_messages(
     instructions: str | None, items: str | list[Any]
 ) -> tuple[list[dict[str, Any]], list[MessageSource]]:
@@ -109,7 +115,7 @@ def _check_item(item: dict[str, Any], kind: Any, param: str) -> None:
     """What OpenAI's input item types require of the fields read here (fuzz100: a call
     without arguments became `{}`, a tool-role message and a bogus status were taken)."""
     if item.get("status") not in (None, *ITEM_STATUSES):
-        raise InvalidRequest(f"an item's status must be one of {ITEM_STATUSES}",
+        raise InvalidRequest(f"an item's status must be {one_of(ITEM_STATUSES)}",
                              param=param + ".status")  # fmt: skip
     if kind in ("function_call", "function_call_output") and not item.get("call_id"):
         raise InvalidRequest(f"a {kind} item needs its call_id", param=param + ".call_id")
@@ -121,7 +127,7 @@ def _check_item(item: dict[str, Any], kind: Any, param: str) -> None:
                              param=param + ".output")  # fmt: skip
     if kind == "message" and item.get("role") not in INPUT_ROLES:
         raise InvalidRequest(
-            f"an input message's role is one of {INPUT_ROLES}; a tool's result is a "
+            f"an input message's role is {one_of(INPUT_ROLES)}; a tool's result is a "
             "function_call_output item",
             param=param + ".role",
         )
@@ -199,6 +205,8 @@ def _part(part: Any, param: str) -> Any:
         if part.get("uuid") is not None:
             image["uuid"] = part["uuid"]
         return image
-    if kind in ("input_file", "input_audio", "refusal"):
+    if kind == "refusal":
+        return part  # an assistant turn's, as chat reads it (server/chat_messages.py)
+    if kind in ("input_file", "input_audio"):
         raise InvalidRequest(f"{kind} parts are not supported", param=param + ".type")
     return part

@@ -31,9 +31,8 @@ from engine.multimodal.chat_template import (
     takes_content_parts,
     template_for_request,
 )
+from engine.multimodal.messages import normalize_messages
 
-IMAGE_PART_TYPES = {"image", "image_url", "input_image", "image_features"}
-VIDEO_PART_TYPES = {"video", "video_url", "video_features"}
 MODALITIES = ("image", "video")
 # A token covers at most its vocabulary entry's length of text (byte-level entries: one
 # character a byte), so a text of C characters has at least C / longest-entry tokens. A
@@ -361,43 +360,6 @@ class PromptProcessor:
         return replace(expanded, text=text)
 
 
-def normalize_messages(
-    messages: list[dict], *, join_text: bool = False, developer_as_system: bool = False
-) -> list[dict]:
-    """Copy OpenAI-shaped messages into what chat templates expect: media parts become
-    {"type": "image"} / {"type": "video"}, text parts {"type": "text", "text": ...}. With
-    `join_text` (a template that takes content as a string), a content of text parts only
-    is their texts joined by newlines, as vLLM joins them. With `developer_as_system` (a
-    template that never names the role), a "developer" message is a "system" one: OpenAI's
-    name for it since o1, which such a template would drop (Qwen3's) or render as a role
-    its model never saw (Qwen2-VL's)."""
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequest("messages must be a non-empty list", param="messages")
-    normalized = []
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise InvalidRequest(
-                "each message must be an object with a string role", param=f"messages[{index}]"
-            )
-        copy = dict(message)
-        if developer_as_system and copy["role"] == "developer":
-            copy["role"] = "system"
-        content = message.get("content")
-        if isinstance(content, list):
-            copy["content"] = [
-                _normalize_part(part, f"messages[{index}].content[{j}]")
-                for j, part in enumerate(content)
-            ]
-            if join_text and all(part["type"] == "text" for part in copy["content"]):
-                copy["content"] = "\n".join(part["text"] for part in copy["content"])
-        elif content is not None and not isinstance(content, str):
-            raise InvalidRequest(
-                "content must be a string or a list of parts", param=f"messages[{index}].content"
-            )
-        normalized.append(copy)
-    return normalized
-
-
 def final_message_text(messages: list[dict]) -> str:
     """The text that `continue_final_message` carries on: the last message's content, or
     its last part, which must be text. Checked before any media is fetched."""
@@ -453,22 +415,6 @@ def _cut_at_tag(text: str, final_text: str, index: int) -> str:
     if text.startswith(CONTINUE_TAG, at):
         return text[:at]
     return text[:at].rstrip()
-
-
-def _normalize_part(part: Any, param: str) -> dict:
-    if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-        raise InvalidRequest("each content part must be an object with a type", param=param)
-    part_type = part["type"]
-    if part_type == "text":
-        text = part.get("text")
-        if not isinstance(text, str):
-            raise InvalidRequest("a text part needs a string 'text'", param=param)
-        return {"type": "text", "text": text}
-    if part_type in IMAGE_PART_TYPES:
-        return {"type": "image"}
-    if part_type in VIDEO_PART_TYPES:
-        return {"type": "video"}
-    raise InvalidRequest(f"unsupported content part type {part_type!r}", param=param)
 
 
 def _plural(count: int, noun: str) -> str:

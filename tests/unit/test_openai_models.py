@@ -250,6 +250,8 @@ def test_bad_tools_are_400_naming_the_field(fields, param):
          "messages[0].content[0].image_url.detail"),
         ({"role": "user", "content": [{"type": "refusal", "refusal": "no"}]},
          "messages[0].content[0]"),
+        # fuzz102: it named messages[0].content[0].text, which the client never sent
+        ({"role": "assistant", "content": [{"type": "refusal"}]}, "messages[0].content"),
     ],
 )  # fmt: skip
 def test_messages_openai_refuses_are_400_naming_the_field(message, param):
@@ -271,6 +273,9 @@ def test_history_saved_from_openai_is_accepted():
         {"role": "tool", "tool_call_id": "c", "content": None},
         {"role": "user", "content": [{"type": "image_url",
                                       "image_url": {"url": "data:x", "detail": "low"}}]},
+        # fuzz102: OpenAI's newest detail value (the openai package has it) was refused
+        {"role": "user", "content": [{"type": "image_url",
+                                      "image_url": {"url": "data:x", "detail": "original"}}]},
     ]})  # fmt: skip
     assert request.messages[1].content[0].text == "I can't."
 

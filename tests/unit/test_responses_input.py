@@ -142,3 +142,12 @@ def test_option_types_are_checked_and_null_stream_is_the_default():
     translation = chat_request(ResponsesRequest(model="m", input=[USER, finished],
                                                 text={"verbosity": "low"}))  # fmt: skip
     assert translation.chat.messages[1].tool_calls[0].function.arguments == "{}"
+
+
+def test_an_assistants_refusal_part_fed_back_is_its_text():
+    """A history saved from OpenAI: chat read the part as the assistant's text, Responses
+    refused it (fuzz102)."""
+    answer = {"type": "message", "role": "assistant",
+              "content": [{"type": "refusal", "refusal": "I can't."}]}  # fmt: skip
+    messages = messages_of([USER, answer, USER])
+    assert messages[1]["content"] == [{"type": "text", "text": "I can't."}]
