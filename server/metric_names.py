@@ -30,14 +30,20 @@ MODEL_LABEL = "model_name"
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 # fmt: off
-# Seconds, for latencies from ~1 ms (one decode step on a GPU) to minutes (long prefills).
+# Seconds, for latencies from ~1 ms (one decode step on a GPU) to hours (batch requests):
+# Tessera's own boundaries and every one of vLLM's latency histograms (time to first token,
+# inter-token, request phases), so that an alert ported from vLLM on `le="0.25"` or
+# `le="60"` finds its series (fuzz105: they matched none, and 160 s was the last bucket).
 LATENCY_BUCKETS: tuple[float, ...] = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
-    0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0,
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.025, 0.04, 0.05, 0.06, 0.075, 0.08, 0.1, 0.15, 0.2,
+    0.25, 0.3, 0.4, 0.5, 0.75, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0,
+    40.0, 50.0, 60.0, 80.0, 120.0, 160.0, 240.0, 480.0, 640.0, 960.0, 1920.0, 2560.0,
+    7680.0,
 )
-# Token counts per request or per engine step.
+# Token counts per request or per engine step: powers of two and vLLM's 1-2-5 series.
 TOKEN_BUCKETS: tuple[float, ...] = (
-    1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768,
+    1, 2, 4, 5, 8, 10, 16, 20, 32, 50, 64, 100, 128, 200, 256, 500, 512, 1000, 1024, 2000,
+    2048, 4096, 5000, 8192, 10000, 16384, 20000, 32768, 50000, 65536, 100000, 131072,
 )
 # fmt: on
 
@@ -110,8 +116,15 @@ METRICS: tuple[MetricSpec, ...] = (
         "read (past a stop string, after the client left).",
     ),
     _counter(
+        "tessera:prompt_tokens_cached_total",
+        "Prompt tokens of finished requests that the prefix cache served (with n > 1 once "
+        "per choice, as prompt_tokens_total).",
+    ),
+    _counter(
         "tessera:request_success_total",
-        "Requests finished, by finish reason (stop, length, abort).",
+        "Requests finished, by finish reason (stop, length, abort). Unlike vLLM 0.32, a "
+        "stream or request the client left counts as abort, here and in the per-request "
+        "histograms; a stream that failed after its 200 counts in stream_errors_total.",
         "finished_reason",
     ),
     # Per-request latency histograms (seconds).
@@ -143,6 +156,17 @@ METRICS: tuple[MetricSpec, ...] = (
     _histogram(
         "tessera:request_decode_time_seconds",
         "Time from the first token to the last (decode).",
+        LATENCY_BUCKETS,
+    ),
+    _histogram(
+        "tessera:request_inference_time_seconds",
+        "Time from first scheduling to the last token (prefill and decode).",
+        LATENCY_BUCKETS,
+    ),
+    _histogram(
+        "tessera:request_time_per_output_token_seconds",
+        "A finished request's decode time over its generated tokens after the first (its "
+        "mean inter-token time; requests of one token are left out).",
         LATENCY_BUCKETS,
     ),
     # Per-request and per-step sizes (tokens).
@@ -275,6 +299,31 @@ KNOWN_LABEL_VALUES: dict[str, tuple[str, ...]] = {
     "tessera:media_preprocess_seconds": ("image", "video"),
 }
 
+# vLLM 0.32's metric families that Tessera names otherwise or lacks: what a dashboard ported
+# from vLLM by renaming `vllm:` to `tessera:` must change (fuzz105). Every other vLLM family
+# has a `tessera:` one of the same name, type and meaning (tests/unit/test_deploy_manifests.py).
+VLLM_COUNTERPARTS: dict[str, str] = {
+    "vllm:iteration_tokens_total": "`tessera:iteration_tokens` (a histogram in both)",
+    "vllm:mm_cache_queries_total": "`tessera:image_cache_queries_total` (the API processes' "
+    "processed-media cache); `tessera:encoder_cache_queries_total` for encoder outputs",
+    "vllm:mm_cache_hits_total": "`tessera:image_cache_hits_total`; "
+    "`tessera:encoder_cache_hits_total`",
+    "vllm:admission_rejections_total": "`tessera:requests_rejected_total` (by reason)",
+    "vllm:cache_config_info": "`tessera:kv_cache_capacity_tokens`; the start-up log has the rest",
+    "vllm:num_requests_waiting_by_reason": "`tessera:num_requests_waiting`; "
+    "`tessera:num_requests_fetching` for requests downloading features",
+    "vllm:prompt_tokens_by_source_total": "`tessera:prompt_tokens_total` and "
+    "`tessera:prompt_tokens_cached_total`",
+    "vllm:request_prefill_kv_computed_tokens": "none: `tessera:prompt_tokens_total` minus "
+    "`tessera:prompt_tokens_cached_total` counts the same tokens in all",
+    "vllm:request_max_num_generation_tokens": "`tessera:request_generation_tokens` (each "
+    "choice of n > 1 counts as a request)",
+    "vllm:request_num_preemptions": "none: `tessera:num_preemptions_total`",
+    "vllm:request_params_n": "none",
+    "vllm:request_params_max_tokens": "none",
+    "vllm:engine_sleep_state": "none: Tessera has no sleep mode",
+}
+
 # Every sample name a PromQL query may reference.
 SERIES_NAMES: frozenset[str] = frozenset(s for spec in METRICS for s in spec.series_names)
 
@@ -285,4 +334,11 @@ def markdown_table() -> str:
     for spec in METRICS:
         labels = ", ".join(f"`{label}`" for label in spec.labels)
         lines.append(f"| `{spec.name}` | {spec.type} | {labels} | {spec.help} |")
+    return "\n".join(lines) + "\n"
+
+
+def vllm_porting_table() -> str:
+    """docs/deploy.md's table of the vLLM families a ported dashboard must rename."""
+    lines = ["| vLLM 0.32 | Tessera |", "|---|---|"]
+    lines += [f"| `{name}` | {where} |" for name, where in VLLM_COUNTERPARTS.items()]
     return "\n".join(lines) + "\n"

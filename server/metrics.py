@@ -203,12 +203,24 @@ class ServerMetrics:
         whose client left had most of them unread in its collector, and counted 1 when
         the server counted what the client got (fuzz48). A phase it never reached is left
         out."""
-        if output.num_output_tokens is not None:
-            self._labelled("tessera:request_generation_tokens").observe(output.num_output_tokens)
+        generated, prefill, decode = (
+            output.num_output_tokens,
+            output.prefill_seconds,
+            output.decode_seconds,
+        )
+        if generated is not None:
+            self._labelled("tessera:request_generation_tokens").observe(generated)
+        self._labelled("tessera:prompt_tokens_cached_total").inc(output.num_cached_tokens)
+        inference = None if prefill is None or decode is None else prefill + decode
+        per_token = (
+            decode / (generated - 1) if decode is not None and (generated or 0) > 1 else None
+        )
         for name, value in (
             ("tessera:request_queue_time_seconds", output.queued_seconds),
-            ("tessera:request_prefill_time_seconds", output.prefill_seconds),
-            ("tessera:request_decode_time_seconds", output.decode_seconds),
+            ("tessera:request_prefill_time_seconds", prefill),
+            ("tessera:request_decode_time_seconds", decode),
+            ("tessera:request_inference_time_seconds", inference),
+            ("tessera:request_time_per_output_token_seconds", per_token),
         ):
             if value is not None:
                 self._labelled(name).observe(value)

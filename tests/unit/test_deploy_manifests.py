@@ -14,7 +14,17 @@ from typing import Any
 import pytest
 import yaml
 
-from server.metric_names import METRICS, METRICS_BY_NAME, MODEL_LABEL, SERIES_NAMES, markdown_table
+from server.metric_names import (
+    LATENCY_BUCKETS,
+    METRICS,
+    METRICS_BY_NAME,
+    MODEL_LABEL,
+    SERIES_NAMES,
+    TOKEN_BUCKETS,
+    VLLM_COUNTERPARTS,
+    markdown_table,
+    vllm_porting_table,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -323,6 +333,49 @@ def test_docs_metrics_table_is_current():
         "regenerate the table: python -c "
         "'from server.metric_names import markdown_table; print(markdown_table())'"
     )
+    assert vllm_porting_table() in docs, "regenerate the vLLM table (vllm_porting_table)"
+
+
+# The families and histogram boundaries a vLLM 0.32 (CPU) server exports, from a scrape
+# and vllm/v1/metrics/buckets.py (fuzz105).
+VLLM_032_FAMILIES = """num_requests_running num_requests_waiting num_requests_waiting_by_reason
+kv_cache_usage_perc num_preemptions_total prompt_tokens_total generation_tokens_total
+prompt_tokens_cached_total prompt_tokens_by_source_total request_success_total
+prefix_cache_queries_total prefix_cache_hits_total mm_cache_queries_total mm_cache_hits_total
+admission_rejections_total cache_config_info engine_sleep_state time_to_first_token_seconds
+inter_token_latency_seconds e2e_request_latency_seconds request_time_per_output_token_seconds
+request_queue_time_seconds request_inference_time_seconds request_prefill_time_seconds
+request_decode_time_seconds request_prompt_tokens request_generation_tokens
+iteration_tokens_total request_max_num_generation_tokens request_params_n
+request_params_max_tokens request_num_preemptions request_prefill_kv_computed_tokens""".split()
+VLLM_032_LATENCY_BOUNDARIES = (
+    (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+     240.0, 480.0, 960.0, 1920.0, 7680.0),  # request phases
+    (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+     10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0),  # time to first token
+    (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+     20.0, 40.0, 80.0),  # inter-token
+)  # fmt: skip
+
+
+def test_a_dashboard_ported_from_vllm_finds_its_families_and_buckets():
+    """Renaming `vllm:` to `tessera:` finds each family, or VLLM_COUNTERPARTS says where it
+    went; an alert on any of vLLM's `le` boundaries finds its bucket (fuzz105: 16
+    families and most boundaries were missing, undocumented)."""
+    for name in VLLM_032_FAMILIES:
+        assert f"tessera:{name}" in METRICS_BY_NAME or f"vllm:{name}" in VLLM_COUNTERPARTS, name
+    for where in VLLM_COUNTERPARTS.values():
+        for named in re.findall(r"`(tessera:[a-z_]+)`", where):
+            assert named in METRICS_BY_NAME, named
+    assert all(spec.name.removeprefix("tessera:") not in VLLM_COUNTERPARTS for spec in METRICS)
+    latency = {spec.buckets for spec in METRICS if spec.name.endswith("_seconds")}
+    assert latency == {LATENCY_BUCKETS}
+    for boundaries in VLLM_032_LATENCY_BOUNDARIES:
+        assert set(boundaries) <= set(LATENCY_BUCKETS)
+    vllm_tokens = {1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384}  # iteration
+    vllm_tokens |= {m * 10**e for e in range(5) for m in (1, 2, 5)}  # 1-2-5 per request
+    assert vllm_tokens <= set(TOKEN_BUCKETS) and list(TOKEN_BUCKETS) == sorted(TOKEN_BUCKETS)
+    assert list(LATENCY_BUCKETS) == sorted(LATENCY_BUCKETS)
 
 
 # ---- local stack -----------------------------------------------------------------------------

@@ -3,6 +3,8 @@ untested beyond their zero values)."""
 
 from __future__ import annotations
 
+import pytest
+
 from engine.protocol import EngineStats
 from server.metric_names import MODEL_LABEL
 from server.metrics import ServerMetrics
@@ -64,19 +66,28 @@ def test_choice_and_cache_events_reach_their_series():
     metrics.on_choice_finished(
         finish_reason="length", num_prompt_tokens=3, ttft_s=None, latency_s=0.5
     )
-    from types import SimpleNamespace
+    from engine.protocol import RequestOutput
 
-    output = SimpleNamespace(
-        num_output_tokens=4, queued_seconds=0.1, prefill_seconds=0.2, decode_seconds=0.3
-    )  # the fields a RequestOutput carries
+    output = RequestOutput(request_id="r", num_output_tokens=4, num_cached_tokens=2,
+                           queued_seconds=0.1, prefill_seconds=0.2, decode_seconds=0.3)  # fmt: skip
     metrics.on_engine_request_finished(output)
+    one_token = RequestOutput(request_id="s", num_output_tokens=1, prefill_seconds=0.2,
+                              decode_seconds=0.0)  # fmt: skip
+    metrics.on_engine_request_finished(one_token)
     samples = _samples(metrics)
     assert samples[("tessera:image_cache_queries_total", MODEL)] == 2
     assert samples[("tessera:image_cache_hits_total", MODEL)] == 1
     assert samples[("tessera:time_to_first_token_seconds_count", MODEL)] == 0
     assert samples[("tessera:e2e_request_latency_seconds_count", MODEL)] == 1
-    assert samples[("tessera:request_generation_tokens_sum", MODEL)] == 4
+    assert samples[("tessera:request_generation_tokens_sum", MODEL)] == 4 + 1
     assert samples[("tessera:request_decode_time_seconds_sum", MODEL)] == 0.3
+    # vLLM's per-request families (fuzz105: a dashboard ported from vLLM found none)
+    assert samples[("tessera:request_inference_time_seconds_sum", MODEL)] == pytest.approx(0.7)
+    assert samples[("tessera:request_time_per_output_token_seconds_count", MODEL)] == 1
+    assert samples[("tessera:request_time_per_output_token_seconds_sum", MODEL)] == (
+        pytest.approx(0.1)
+    )
+    assert samples[("tessera:prompt_tokens_cached_total", MODEL)] == 2
 
 
 def test_api_cpu_is_counted_once():
