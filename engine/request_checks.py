@@ -409,7 +409,7 @@ def _check_some_token_is_allowed(sampling: SamplingParams, eos_token_ids: Sequen
     left = set(allowed) - {word[0] for word in sampling.bad_words_token_ids if len(word) == 1}
     if not left:
         raise InvalidRequest("every token of allowed_token_ids is a bad word", param="bad_words")
-    ends = set(sampling.stop_token_ids) | set(() if sampling.ignore_eos else eos_token_ids)
+    ends = set(sampling.stop_token_ids) | set(eos_token_ids)  # banned with ignore_eos too
     if sampling.min_tokens > 0 and not left - ends:
         raise InvalidRequest(
             "allowed_token_ids leaves only tokens that end the answer (EOS, stop_token_ids), "

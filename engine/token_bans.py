@@ -27,7 +27,8 @@ def banned_token_ids(chunk: ScheduledChunk) -> tuple[int, ...]:
     banned = bad_word_ends(request, chunk.end) if sampling.bad_words_token_ids else ()
     eos = () if sampling.ignore_eos else request.eos_token_ids
     if chunk.end - request.num_prompt_tokens < sampling.min_tokens:
-        return (*banned, *eos, *sampling.stop_token_ids)
+        # EOS even with ignore_eos, as vLLM and transformers' min_new_tokens ban it (fuzz103)
+        return (*banned, *request.eos_token_ids, *sampling.stop_token_ids)
     if sampling.structured_output is not None and not request.grammar_active:
         # A grammar that holds after a marker (a thinking model's </think>): an answer
         # that ended before it would have nothing in the format the request asked for.

@@ -292,9 +292,9 @@ def _add_api_routes(api: APIRouter) -> None:
                     for part, job in enumerate(jobs)]  # fmt: skip
         ticket = admit(request, state, *jobs)
         echoes = [
-            PromptEcho.of(body, job.prompt.token_ids, state.processor,
+            PromptEcho.of(body, part, job.prompt.token_ids, state.processor,
                           truncated=len(job.prompt.token_ids) < len(prompt.token_ids))
-            for job, prompt in zip(jobs, prompts, strict=True)
+            for part, (job, prompt) in enumerate(zip(jobs, prompts, strict=True))
         ]  # fmt: skip
         if body.stream:
             stream = stream_completion(

@@ -122,6 +122,7 @@ class SamplingFields(RequestModel):
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
     # vLLM's: keep only the prompt's last k tokens (-1: as many as fit with max_tokens)
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    truncation_side: str | None = None  # vLLM's; "left" (keep the last tokens) alone here
     # vLLM's: only these tokens may be picked (with a grammar: those both allow)
     allowed_token_ids: list[TokenId] | None = Field(
         default=None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS
@@ -149,6 +150,16 @@ class SamplingFields(RequestModel):
         return with_guided_fields_mapped(data) if isinstance(data, dict) else data
 
     _null_stream_or_n = field_validator("stream", "n", mode="before")(null_is_the_default)
+
+    @field_validator("truncation_side")
+    @classmethod
+    def _left_only(cls, side: str | None) -> str | None:
+        if side not in (None, "left"):  # fuzz103: it was ignored, "right" and "bogus" alike
+            raise ValueError(
+                f"truncation_side {side!r} is not supported: truncate_prompt_tokens keeps the "
+                "prompt's last tokens ('left')"
+            )
+        return side
 
     @field_validator("structured_outputs")
     @classmethod

@@ -28,15 +28,16 @@ class PromptEcho:
     tokens_as_ids: bool = False  # return_tokens_as_token_ids
 
     @classmethod
-    def of(cls, request: CompletionRequest, prompt_token_ids: list[int],
+    def of(cls, request: CompletionRequest, part: int, prompt_token_ids: list[int],
            processor: PromptProcessor, *, truncated: bool = False) -> PromptEcho:  # fmt: skip
-        """`truncated`: `truncate_prompt_tokens` cut the prompt, so the echo is the text of
-        the tokens kept, not the prompt as given."""
+        """The echo of prompt `part` of the request's batch. `truncated`:
+        `truncate_prompt_tokens` cut the prompt, so the echo is the text of the tokens
+        kept, not the prompt as given."""
         text = None
         if request.echo:
-            prompt = request.prompt
-            if isinstance(prompt, list) and len(prompt) == 1:
-                prompt = prompt[0]
+            # A text as given (fuzz103: a batch's texts were decoded from their ids, the
+            # tokenizer's BOS in front of each); token ids decoded.
+            prompt = request.prompts[part]
             text = prompt if isinstance(prompt, str) and not truncated else processor.decode(
                 prompt_token_ids, skip_special_tokens=False
             )  # fmt: skip

@@ -92,6 +92,16 @@ def test_echoed_text_offsets_index_the_echo_past_a_bos(client, model_dir):
     assert all(text[offset : offset + len(token)] == token for token, offset in words)
 
 
+def test_a_batchs_echo_is_each_prompt_as_given(client):
+    """fuzz103: with two prompts or more, each echo was its ids decoded, a Llama BOS's name
+    in front ("<|endoftext|>Once upon"), where one prompt echoed as given."""
+    prompts = ["Once upon a time", "The cat sat"]
+    batch = client.completions.create(model=MODEL_NAME, prompt=prompts, echo=True, **GREEDY)
+    for prompt, choice in zip(prompts, batch.choices, strict=True):
+        alone = client.completions.create(model=MODEL_NAME, prompt=prompt, echo=True, **GREEDY)
+        assert choice.text.startswith(prompt) and choice.text == alone.choices[0].text
+
+
 def test_an_image_part_is_a_400_and_the_server_goes_on(server, client):
     image = {"type": "image_url", "image_url": {"url": data_url(png_bytes(picture(56, 56, 2)),
                                                                 "image/png")}}  # fmt: skip

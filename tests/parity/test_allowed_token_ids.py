@@ -82,18 +82,21 @@ def test_allowed_token_ids_that_the_requests_own_bans_empty_fail_only_their_requ
     every logit was -inf and the sampler drew id 0, a token the request did not allow."""
     with LLM(str(model_dir), num_kv_blocks=64) as llm:
         eos = llm.engine.model_config.eos_token_ids[0]
-        bad, ends, stops, fine = llm.generate(
-            [PROMPT] * 4,
+        bad, ends, stops, ignored, fine = llm.generate(
+            [PROMPT] * 5,
             [SamplingParams(max_tokens=4, allowed_token_ids=(794,), bad_words_token_ids=((794,),)),
              SamplingParams(max_tokens=8, min_tokens=4, allowed_token_ids=(eos,)),
              SamplingParams(max_tokens=8, min_tokens=2, ignore_eos=True, stop_token_ids=(17,),
                             allowed_token_ids=(17,)),
-             SamplingParams(max_tokens=8, min_tokens=4, ignore_eos=True, allowed_token_ids=(eos,),
+             SamplingParams(max_tokens=8, min_tokens=4, ignore_eos=True, allowed_token_ids=(eos,)),
+             SamplingParams(max_tokens=8, ignore_eos=True, allowed_token_ids=(eos,),
                             bad_words_token_ids=((5, 794),))],
         )  # fmt: skip
     assert bad.error.param == "bad_words" and ends.error.param == stops.error.param == "min_tokens"
     assert "min_tokens (4)" in ends.error.message
-    # ignore_eos lets EOS through min_tokens; a bad word of two tokens bans only after its first
+    # min_tokens bans EOS with ignore_eos too, as vLLM does (fuzz103: it let EOS through)
+    assert ignored.error.param == "min_tokens"
+    # a bad word of two tokens bans only after its first
     assert fine.error is None and fine.token_ids == [eos] * 8
 
 

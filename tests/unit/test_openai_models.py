@@ -280,6 +280,15 @@ def test_history_saved_from_openai_is_accepted():
     assert request.messages[1].content[0].text == "I can't."
 
 
+def test_truncation_side_is_left_or_a_400():
+    """vLLM's field was ignored, so "right" kept the last tokens all the same (fuzz103)."""
+    fields = {**BASE, "truncate_prompt_tokens": 3}
+    assert ChatCompletionRequest.model_validate({**fields, "truncation_side": "left"})
+    for side in ("right", "bogus"):
+        error = invalid({**fields, "truncation_side": side})
+        assert error.param == "truncation_side" and "'left'" in error.message
+
+
 def test_tool_choice_picks_the_plan_and_its_grammar():
     def plan_of(**fields):
         return ChatCompletionRequest.model_validate({**BASE, "tools": [TOOL], **fields})
