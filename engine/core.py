@@ -304,6 +304,7 @@ class EngineCore:
             prefix_cache_queries_total=counters.prefix_cache_queries,
             prefix_cache_hits_total=counters.prefix_cache_hits,
             prompt_tokens_total=counters.prompt_tokens,
+            prompt_tokens_cached_total=counters.cached_prompt_tokens,
             generation_tokens_total=counters.generation_tokens,
             **self.features.stats_fields(),
             **step_fields,

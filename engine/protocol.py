@@ -280,6 +280,7 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     # reads included (past a stop string, after a client left), and each request's prompt
     # at its first token (n > 1: once a choice).
     prompt_tokens_total: int = 0
+    prompt_tokens_cached_total: int = 0  # of prompt_tokens_total, from the prefix cache
     generation_tokens_total: int = 0
     feature_fetch_seconds: list[float] = []  # one per finished feature download
     feature_fetch_bytes_total: int = 0

@@ -447,6 +447,7 @@ class Scheduler:
             if request.first_token_time is None:
                 request.first_token_time = time.monotonic()
                 self.counters.prompt_tokens += request.num_prompt_tokens
+                self.counters.cached_prompt_tokens += request.num_cached_tokens
             token_logprob = logprobs.get(request.request_id)
             status = stop_status(request, token_id, self.max_model_len)
             if status is not None:

@@ -55,4 +55,5 @@ class SchedulerCounters:
     prefix_cache_queries: int = 0  # tokens
     prefix_cache_hits: int = 0  # tokens
     prompt_tokens: int = 0  # of requests that sampled their first token
+    cached_prompt_tokens: int = 0  # of those, served from the prefix cache
     generation_tokens: int = 0

@@ -117,8 +117,8 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
     _counter(
         "tessera:prompt_tokens_cached_total",
-        "Prompt tokens of finished requests that the prefix cache served (with n > 1 once "
-        "per choice, as prompt_tokens_total).",
+        "Of prompt_tokens_total, those the prefix cache served: counted with them, at each "
+        "request's first token.",
     ),
     _counter(
         "tessera:request_success_total",

@@ -67,6 +67,7 @@ _STATS_COUNTERS = {
     "prefix_cache_hits_total": "tessera:prefix_cache_hits_total",
     "feature_fetch_bytes_total": "tessera:feature_fetch_bytes_total",
     "prompt_tokens_total": "tessera:prompt_tokens_total",
+    "prompt_tokens_cached_total": "tessera:prompt_tokens_cached_total",
     "generation_tokens_total": "tessera:generation_tokens_total",
 }
 # Probes and scrapes, not traffic: a Prometheus scrape and a liveness probe every few
@@ -202,19 +203,18 @@ class ServerMetrics:
         client that left), and the tokens it generated in all: a non-streamed request
         whose client left had most of them unread in its collector, and counted 1 when
         the server counted what the client got (fuzz48). A phase it never reached is left
-        out."""
+        out, and so is a request that failed (`num_output_tokens` None), as in every other
+        per-request metric (fuzz106: its phases were counted)."""
         generated, prefill, decode = (
             output.num_output_tokens,
             output.prefill_seconds,
             output.decode_seconds,
         )
-        if generated is not None:
-            self._labelled("tessera:request_generation_tokens").observe(generated)
-        self._labelled("tessera:prompt_tokens_cached_total").inc(output.num_cached_tokens)
+        if generated is None:
+            return
+        self._labelled("tessera:request_generation_tokens").observe(generated)
         inference = None if prefill is None or decode is None else prefill + decode
-        per_token = (
-            decode / (generated - 1) if decode is not None and (generated or 0) > 1 else None
-        )
+        per_token = decode / (generated - 1) if decode is not None and generated > 1 else None
         for name, value in (
             ("tessera:request_queue_time_seconds", output.queued_seconds),
             ("tessera:request_prefill_time_seconds", prefill),

@@ -33,6 +33,7 @@ def test_engine_stats_reach_their_series():
             num_running=2,
             num_waiting=3,
             prompt_tokens_total=7,
+            prompt_tokens_cached_total=4,
             generation_tokens_total=5,
             num_scheduled_tokens=9,
             feature_fetch_failures={"timeout": 2},
@@ -42,6 +43,7 @@ def test_engine_stats_reach_their_series():
     assert samples[("tessera:num_requests_running", MODEL)] == 2
     assert samples[("tessera:num_requests_waiting", MODEL)] == 3
     assert samples[("tessera:prompt_tokens_total", MODEL)] == 7
+    assert samples[("tessera:prompt_tokens_cached_total", MODEL)] == 4
     assert samples[("tessera:generation_tokens_total", MODEL)] == 5
     assert samples[("tessera:iteration_tokens_count", MODEL)] == 1
     assert samples[("tessera:iteration_tokens_sum", MODEL)] == 9
@@ -68,12 +70,16 @@ def test_choice_and_cache_events_reach_their_series():
     )
     from engine.protocol import RequestOutput
 
-    output = RequestOutput(request_id="r", num_output_tokens=4, num_cached_tokens=2,
-                           queued_seconds=0.1, prefill_seconds=0.2, decode_seconds=0.3)  # fmt: skip
+    output = RequestOutput(request_id="r", num_output_tokens=4, queued_seconds=0.1,
+                           prefill_seconds=0.2, decode_seconds=0.3)  # fmt: skip
     metrics.on_engine_request_finished(output)
     one_token = RequestOutput(request_id="s", num_output_tokens=1, prefill_seconds=0.2,
                               decode_seconds=0.0)  # fmt: skip
     metrics.on_engine_request_finished(one_token)
+    # a failed request counts in no per-request metric, its phases too (fuzz106)
+    failed = RequestOutput(request_id="f", finish_reason="error", queued_seconds=9.0,
+                           prefill_seconds=9.0, decode_seconds=9.0)  # fmt: skip
+    metrics.on_engine_request_finished(failed)
     samples = _samples(metrics)
     assert samples[("tessera:image_cache_queries_total", MODEL)] == 2
     assert samples[("tessera:image_cache_hits_total", MODEL)] == 1
@@ -87,7 +93,7 @@ def test_choice_and_cache_events_reach_their_series():
     assert samples[("tessera:request_time_per_output_token_seconds_sum", MODEL)] == (
         pytest.approx(0.1)
     )
-    assert samples[("tessera:prompt_tokens_cached_total", MODEL)] == 2
+    assert samples[("tessera:request_queue_time_seconds_count", MODEL)] == 1
 
 
 def test_api_cpu_is_counted_once():

@@ -187,8 +187,13 @@ def test_prefix_cache_hit_skips_tokens():
     scheduler.add_request(second)
     out = scheduler.schedule()
     assert (out.chunks[0].start, out.chunks[0].num_tokens) == (8, 2)
+    scheduler.pop_counters()
     outputs = sample_all(scheduler, out)
     assert outputs[0].num_cached_tokens == 8
+    # Counted with the prompt, at the first token (fuzz106: the server counted them at the
+    # finish, so a scrape between the two read more prompt than was cached, then less).
+    counters = scheduler.pop_counters()
+    assert (counters.prompt_tokens, counters.cached_prompt_tokens) == (10, 8)
 
 
 def test_scheduling_ahead_of_in_flight_tokens():
