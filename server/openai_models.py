@@ -51,9 +51,20 @@ MAX_CHAT_TEMPLATE_KWARGS = 64
 MAX_CACHE_SALT_CHARS = 256
 MAX_ALLOWED_TOKEN_IDS = 2**18  # more than any vocabulary served
 
+def null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
+    """A `mode="before"` validator: an explicit null is the field's default, as OpenAI's
+    types and vLLM take it (the openai client sends one when a caller passes None on)."""
+    return cls.model_fields[info.field_name].default if value is None else value
+
+
 class StreamOptions(RequestModel):
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk
+    # vLLM's: usage so far in every chunk (of the whole request, all its choices and prompts)
+    continuous_usage_stats: bool = False
+    # fuzz108: null was a 400 here, where vLLM reads it as the default
+    _nulls = field_validator("include_usage", "continuous_usage_stats", mode="before")(
+        null_is_the_default
+    )
 
 
 class ChatTemplateFields(RequestModel):
@@ -86,12 +97,6 @@ class ChatTemplateFields(RequestModel):
             "template_kwargs": self.chat_template_kwargs,
             "chat_template": self.chat_template,
         }
-
-
-def null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
-    """A `mode="before"` validator: an explicit null is the field's default, as OpenAI's
-    types and vLLM take it (the openai client sends one when a caller passes None on)."""
-    return cls.model_fields[info.field_name].default if value is None else value
 
 
 class SamplingFields(RequestModel):

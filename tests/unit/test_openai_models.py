@@ -400,6 +400,9 @@ def test_an_explicit_null_is_the_fields_default():
     chat = ChatCompletionRequest.model_validate(
         {**BASE, "n": None, "stream": None, "logprobs": None, "modalities": ["text"]})
     assert (chat.n, chat.stream, chat.logprobs) == (1, False, False)
+    options = {"include_usage": None, "continuous_usage_stats": None}  # fuzz108: a 400
+    streamed = ChatCompletionRequest.model_validate({**BASE, "stream": True, "stream_options": options})
+    assert not streamed.include_usage and not streamed.continuous_usage
     completion = CompletionRequest.model_validate(
         {"model": "m", "prompt": "x", "n": None, "stream": None, "echo": None})
     assert (completion.n, completion.stream, completion.echo) == (1, False, False)
