@@ -53,8 +53,10 @@ from engine.request_checks import check_prompt_token_ids
 from engine.unicode_text import lone_surrogate_path
 
 Prompt = str | list[int] | dict
-# The keys of a {"messages": ...} prompt that say how it is rendered (as on the HTTP API).
-CHAT_RENDERING_KEYS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+# The keys of a {"messages": ...} prompt that say how it is rendered (as on the HTTP API;
+# `tools` as vLLM's LLM.chat takes them: rendered into the prompt, the answer not parsed).
+CHAT_RENDERING_KEYS = ("add_generation_prompt", "continue_final_message",
+                       "chat_template_kwargs", "tools")  # fmt: skip
 
 
 class BuiltRequest(NamedTuple):
@@ -187,8 +189,7 @@ class LLM:
     ) -> list[GenerationResult]:
         """`generate()` of one conversation (a list of message dicts) or of several (a list
         of such lists), as vLLM's `LLM.chat`. `rendering`: "mm_processor_kwargs" and the
-        chat rendering keys ("add_generation_prompt", "continue_final_message",
-        "chat_template_kwargs"), the same for every conversation."""
+        `CHAT_RENDERING_KEYS`, the same for every conversation."""
         unknown = set(rendering) - {*CHAT_RENDERING_KEYS, "mm_processor_kwargs"}
         if unknown:
             raise TypeError(f"LLM.chat() got unknown keyword arguments: {sorted(unknown)}")
@@ -355,6 +356,8 @@ class LLM:
         rendering = dict(rendering or {})
         if rendering.get("continue_final_message"):
             rendering.setdefault("add_generation_prompt", False)
+        if not isinstance(rendering.get("tools") or [], list):
+            raise InvalidRequest("tools is a list of tool dicts", param="tools")
         if "chat_template_kwargs" in rendering:
             rendering["template_kwargs"] = rendering.pop("chat_template_kwargs")
             if not isinstance(rendering["template_kwargs"], dict):

@@ -188,8 +188,15 @@ def test_chat_is_generate_of_message_prompts(llm):
     [continued] = llm.chat([second], GREEDY, continue_final_message=True)
     assert continued.prompt_token_ids == expected[1].prompt_token_ids
     assert continued.token_ids == expected[1].token_ids
-    with pytest.raises(TypeError, match="tools"):
-        llm.chat(first, GREEDY, tools=[])
+    # vLLM's `tools`: rendered into the prompt (fuzz109: a TypeError, though the README
+    # says LLM.chat works as vLLM's), the same as a {"messages", "tools"} prompt
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    [with_tools] = llm.chat(first, GREEDY, tools=tools)
+    [as_prompt] = llm.generate([{"messages": first, "tools": tools}], GREEDY)
+    assert "get_weather" in with_tools.prompt and "get_weather" not in one.prompt
+    assert with_tools.prompt_token_ids == as_prompt.prompt_token_ids
+    with pytest.raises(TypeError, match="tool_choice"):
+        llm.chat(first, GREEDY, tool_choice="auto")
 
 
 def test_results_name_their_prompt_as_vllms_do(llm):
