@@ -356,7 +356,8 @@ class LLM:
         rendering = dict(rendering or {})
         if rendering.get("continue_final_message"):
             rendering.setdefault("add_generation_prompt", False)
-        if not isinstance(rendering.get("tools") or [], list):
+        tools = rendering.get("tools") or []
+        if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
             raise InvalidRequest("tools is a list of tool dicts", param="tools")
         if "chat_template_kwargs" in rendering:
             rendering["template_kwargs"] = rendering.pop("chat_template_kwargs")

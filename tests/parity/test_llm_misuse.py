@@ -197,6 +197,8 @@ def test_chat_is_generate_of_message_prompts(llm):
     assert with_tools.prompt_token_ids == as_prompt.prompt_token_ids
     with pytest.raises(TypeError, match="tool_choice"):
         llm.chat(first, GREEDY, tool_choice="auto")
+    [not_dicts] = llm.chat(first, GREEDY, tools=["x"])  # transformers refuses them (fuzz110)
+    assert not_dicts.error.param == "tools"
 
 
 def test_results_name_their_prompt_as_vllms_do(llm):
