@@ -118,10 +118,11 @@ class EngineConfig:
                 raise ValueError(
                     f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}"
                 )
-        if not -(2**63) <= self.seed < 2**64:  # torch.Generator.manual_seed's range
+        seed_is_int = isinstance(self.seed, int) and not isinstance(self.seed, bool)
+        if not seed_is_int or not -(2**63) <= self.seed < 2**64:  # manual_seed's range
             # (past it, every sampled step failed at its first draw, with the step's other
             # requests, greedy ones included)
-            raise ValueError(f"seed must be a 64-bit integer, got {self.seed}")
+            raise ValueError(f"seed must be a 64-bit integer, got {self.seed!r}")
         if not 0 <= self.small_batch_linear_rows <= SMALL_BATCH_LINEAR_MAX_ROWS:
             raise ValueError(
                 f"small_batch_linear_rows must be in [0, {SMALL_BATCH_LINEAR_MAX_ROWS}], "

@@ -76,3 +76,11 @@ def test_a_typo_in_a_config_is_an_error(tmp_path: Path):
     bad.write_text((ROOT / "configs" / "cpu.yaml").read_text() + "max_num_seq: 4\n")
     with pytest.raises(settings_module.SettingsError, match="max_num_seq"):
         _load(bad)
+
+
+@pytest.mark.parametrize("seed", [None, True, "7", 2**64])
+def test_a_seed_that_is_no_64_bit_integer_is_a_clear_error(seed):
+    """`LLM(model, seed=None)` (vLLM's "no fixed seed") raised "'<=' not supported between
+    instances of 'int' and 'NoneType'" (fuzz111)."""
+    with pytest.raises(ValueError, match="seed must be a 64-bit integer"):
+        EngineConfig(model="unused", seed=seed)
