@@ -71,6 +71,9 @@ def input_messages(
         elif kind == "reasoning":
             # Fed back from an earlier response (OpenAI's loop: input += response.output):
             # the thinking of the assistant turn that follows, as chat's reasoning_content.
+            if messages and _is_reasoning_only(messages[-1]):  # fuzz112: the first was lost
+                messages[-1]["reasoning_content"] += "\n" + _reasoning_text(item)
+                continue
             messages.append({"role": "assistant", "content": None,
                              "reasoning_content": _reasoning_text(item)})  # fmt: skip
             sources.append(MessageSource(param))
@@ -125,6 +128,8 @@ def _check_item(item: dict[str, Any], kind: Any, param: str) -> None:
     if kind == "function_call_output" and item.get("output") is None:
         raise InvalidRequest("a function_call_output item needs its output",
                              param=param + ".output")  # fmt: skip
+    if kind == "reasoning":
+        _check_reasoning(item, param)
     if kind == "message" and item.get("role") not in INPUT_ROLES:
         raise InvalidRequest(
             f"an input message's role is {one_of(INPUT_ROLES)}; a tool's result is a "
@@ -140,6 +145,31 @@ def _is_reasoning_only(message: dict[str, Any]) -> bool:
         and message["content"] is None
         and not message.get("tool_calls")
     )
+
+
+# A reasoning item's part lists: (field, its parts' type, whether OpenAI requires it).
+_REASONING_PARTS = (("summary", "summary_text", True), ("content", "reasoning_text", False))
+
+
+def _check_reasoning(item: dict[str, Any], param: str) -> None:
+    """OpenAI's reasoning item: a `summary` list of summary_text parts and maybe a `content`
+    list of reasoning_text parts, each with its text (fuzz112: other shapes were taken,
+    their thinking silently empty)."""
+    for key, part_type, required in _REASONING_PARTS:
+        parts = item.get(key)
+        if parts is None and not required:
+            continue
+        if not isinstance(parts, list):
+            raise InvalidRequest(f"a reasoning item's {key} is a list of {part_type} parts",
+                                 param=f"{param}.{key}")  # fmt: skip
+        for j, part in enumerate(parts):
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != part_type
+                or not isinstance(part.get("text"), str)
+            ):
+                raise InvalidRequest(f"a {part_type} part needs type {part_type!r} and its text",
+                                     param=f"{param}.{key}[{j}]")  # fmt: skip
 
 
 def _reasoning_text(item: dict[str, Any]) -> str:

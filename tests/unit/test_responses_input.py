@@ -151,3 +151,34 @@ def test_an_assistants_refusal_part_fed_back_is_its_text():
               "content": [{"type": "refusal", "refusal": "I can't."}]}  # fmt: skip
     messages = messages_of([USER, answer, USER])
     assert messages[1]["content"] == [{"type": "text", "text": "I can't."}]
+
+
+def test_consecutive_reasoning_items_are_one_thinking():
+    """[user, R1, R2, answer] rendered R2's text alone: each reasoning item was a turn of
+    its own, the answer joined the last, and the first was dropped (fuzz112)."""
+    second = {**THOUGHT, "id": "rs_2",
+              "content": [{"type": "reasoning_text", "text": "Then answer."}]}  # fmt: skip
+    answer = {"type": "message", "role": "assistant",
+              "content": [{"type": "output_text", "text": "Hello."}]}  # fmt: skip
+    messages = messages_of([USER, THOUGHT, second, answer])
+    assert [m["role"] for m in messages] == ["user", "assistant"]
+    assert messages[1]["reasoning_content"] == "I should call f.\nThen answer."
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"summary": "text"}, "input[1].summary"),
+        ({"summary": [{"type": "summary_text", "text": 5}]}, "input[1].summary[0]"),
+        ({"summary": [{"type": "output_text", "text": "x"}]}, "input[1].summary[0]"),
+        ({"summary": [], "content": "text"}, "input[1].content"),
+        ({"content": [{"type": "reasoning_text", "text": "x"}]}, "input[1].summary"),
+    ],
+)  # fmt: skip
+def test_malformed_reasoning_items_are_400_naming_the_field(fields, param):
+    """They were taken, their thinking silently empty; OpenAI's item type and vLLM refuse
+    them (fuzz112)."""
+    item = {"type": "reasoning", **fields}
+    with pytest.raises(InvalidRequest) as refused:
+        chat_request(ResponsesRequest(model="m", input=[USER, item]))
+    assert refused.value.param == param
