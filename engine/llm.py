@@ -33,8 +33,6 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import msgspec
-import numpy as np
-import PIL.Image
 import torch
 
 from engine import protocol
@@ -44,6 +42,7 @@ from engine.core import EngineCore
 from engine.detokenizer import SequenceDetokenizer
 from engine.errors import InvalidRequest, TesseraError, error_info
 from engine.generation_defaults import SamplingDefaults
+from engine.llm_media import inlined, processed_media
 from engine.llm_params import SamplingParams
 from engine.llm_results import ChoiceText, CompletionOutput, GenerationResult
 from engine.multimodal.placement import media_input, place_media
@@ -291,6 +290,8 @@ class LLM:
         self, request_id: str, prompt: Prompt, params: SamplingParams
     ) -> BuiltRequest:
         sampling = params.engine_params()
+        if isinstance(prompt, dict) and "messages" not in prompt:
+            prompt = _vllm_prompt(prompt)
         if (path := lone_surrogate_path(prompt, "prompt")) is not None:  # else the tokenizer's
             raise InvalidRequest(  # TypeError, out of generate() for the whole batch (fuzz88)
                 f"{path!r} holds a lone UTF-16 surrogate, which is not valid Unicode", param=path
@@ -317,7 +318,9 @@ class LLM:
                 request_id, prompt["messages"], sampling, processing, rendering
             )
         raise InvalidRequest(
-            "a prompt is a str, a list of token ids or {'messages': [...]}", param="prompts"
+            "a prompt is a str, a list of token ids, {'prompt': str}, {'prompt_token_ids': "
+            "[...]} or {'messages': [...]}",
+            param="prompts",
         )
 
     def _chat_request(
@@ -341,10 +344,10 @@ class LLM:
                 param = f"messages[{message_index}].content[{part_index}]"
                 kind = part.get("type") if isinstance(part, dict) else None
                 if kind in ("image_url", "video_url"):  # OpenAI's form, for a data: URL
-                    part = _inlined(part, kind, param)
+                    part = inlined(part, kind, param)
                     kind = part["type"]
                 if kind in ("image", "video"):
-                    items.append((kind, self._process_media(part, param, processing)))
+                    items.append((kind, processed_media(part, param, processing)))
                 elif kind in IMAGE_PART_TYPES | VIDEO_PART_TYPES:  # the HTTP API's other forms
                     raise InvalidRequest(
                         f"a {kind!r} part is the HTTP API's; LLM.generate takes "
@@ -384,64 +387,22 @@ class LLM:
         )
         return BuiltRequest(request, tensors, processed.text)
 
-    def _process_media(self, part: dict, param: str, processing):
-        """ProcessedImage of an {"type": "image"} or {"type": "video"} content part under
-        `processing` (a MediaProcessing)."""
-        from engine.multimodal.image_processor import process_image
-        from engine.multimodal.media import decode_image
-        from engine.multimodal.video import process_video
-        from engine.multimodal.video_decode import load_video
 
-        if processing is None:
-            raise InvalidRequest("this model takes no images or videos", param=param)
-
-        if part["type"] == "image":
-            image = part.get("image")
-            if isinstance(image, (bytes, bytearray)):
-                image = decode_image(bytes(image), param=param)
-            if not isinstance(image, PIL.Image.Image):
-                raise InvalidRequest(
-                    f"an image part's 'image' is a PIL image or encoded bytes, not "
-                    f"{type(image).__name__}",
-                    param=param,
-                )
-            return process_image(image, processing.image)
-        video = part.get("video")
-        if isinstance(video, (bytes, bytearray)):
-            return load_video(bytes(video), processing.video, param=param)
-        if not isinstance(video, (list, tuple)) or not video:
-            raise InvalidRequest(
-                "a video part's 'video' is a file's bytes or a list of frames", param=param
-            )
-        frames = [  # sampled by the caller
-            np.array(frame.convert("RGB") if hasattr(frame, "convert") else frame)
-            for frame in video
-        ]
-        if not all(f.dtype == np.uint8 and f.ndim == 3 and f.shape[2] == 3 for f in frames):
-            raise InvalidRequest(
-                "a video's frames are PIL images or [H, W, 3] uint8 arrays", param=param
-            )
-        return process_video(frames, processing.video)
-
-
-def _inlined(part: dict, kind: str, param: str) -> dict:
-    """An `image_url` / `video_url` part holding a data: URL as the offline form: its
-    decoded bytes. vLLM's LLM.chat also fetches http(s) and file URLs; here that stays the
-    server's (its fetcher's SSRF guard, allowed domains and folders are server settings)."""
-    from engine.multimodal.media import decode_data_url, is_data_url
-
-    value = part.get(kind)
-    url = value.get("url") if isinstance(value, dict) else value
-    if not isinstance(url, str) or not is_data_url(url):
+def _vllm_prompt(prompt: dict) -> Any:
+    """vLLM's text and token prompt dicts, `{"prompt": str}` and `{"prompt_token_ids":
+    [...]}`, as the string or ids they hold (fuzz111: a script written for vLLM failed on
+    them). Media go in chat prompts here: `multi_modal_data` would need the model's own
+    placeholder tokens written into the text, which chat templates write."""
+    if "multi_modal_data" in prompt:
         raise InvalidRequest(
-            f"LLM.chat takes a {kind} part with a data: URL (base64); fetch other URLs "
-            "yourself and pass the bytes as {'type': 'image', 'image': ...}, or use the server",
-            param=param,
+            "multi_modal_data is not supported: pass images and videos as parts of "
+            "{'messages': [...]} (LLM.chat), which write their placeholders",
+            param="multi_modal_data",
         )
-    modality = kind.removesuffix("_url")
-    # The caller's own bytes: bounded by memory alone, as an image passed as bytes is.
-    data = decode_data_url(url, max_bytes=len(url), param=param)
-    return {"type": modality, modality: data}
+    for key in ("prompt", "prompt_token_ids"):
+        if set(prompt) == {key}:
+            return prompt[key]
+    return prompt  # refused by the caller, naming the forms it takes
 
 
 @contextlib.contextmanager

@@ -201,6 +201,23 @@ def test_chat_is_generate_of_message_prompts(llm):
     assert not_dicts.error.param == "tools"
 
 
+def test_vllms_text_and_token_prompt_dicts_are_their_prompts(llm):
+    """{"prompt": str} and {"prompt_token_ids": [...]} failed as an unknown prompt form,
+    the first thing a script written for vLLM tries (fuzz111); multi_modal_data says where
+    media go instead."""
+    text, ids = llm.generate(["Hello there", [5, 6, 7]], GREEDY)
+    as_text, as_ids, with_media, mixed = llm.generate(
+        [{"prompt": "Hello there"}, {"prompt_token_ids": [5, 6, 7]},
+         {"prompt": "Hello", "multi_modal_data": {"image": None}},
+         {"prompt": "Hello", "prompt_token_ids": [5]}],
+        GREEDY,
+    )  # fmt: skip
+    assert as_text.token_ids == text.token_ids and as_text.prompt == "Hello there"
+    assert as_ids.prompt_token_ids == [5, 6, 7] and as_ids.token_ids == ids.token_ids
+    assert with_media.error.param == "multi_modal_data"
+    assert mixed.error.param == "prompts" and "prompt_token_ids" in mixed.error.message
+
+
 def test_results_name_their_prompt_as_vllms_do(llm):
     """vLLM's `RequestOutput.prompt` and `finished`: the string given, a chat's rendering
     (its template's text, tokenised into the prompt's ids), None for token ids."""
