@@ -20,9 +20,9 @@ import triton.language as tl
 from kernels.reference import FP8_DTYPE, FP8_MAX
 from kernels.triton.checks import (
     FLOAT_DTYPES,
-    KernelArgumentError,
     require,
     require_dtype,
+    require_fp8_scales,
     require_same_device,
     require_unit_last_stride,
 )
@@ -195,25 +195,7 @@ def _check_args(
         require_unit_last_stride(name, tensor)
     require_same_device(key=key, value=value, kv_cache=kv_cache, slot_mapping=slot_mapping)
     if kv_cache.dtype == FP8_DTYPE:
-        _check_scales(k_scale, v_scale, key.shape[1], kv_cache.device)
-
-
-def _check_scales(
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
-    num_kv_heads: int,
-    device: torch.device,
-) -> None:
-    if k_scale is None or v_scale is None:
-        raise KernelArgumentError("an FP8 KV cache needs k_scale and v_scale")
-    require(k_scale.shape == v_scale.shape, "k_scale and v_scale must have the same shape")
-    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
-        require_dtype(name, scale, (torch.float32,))
-        require(
-            scale.dim() == 1 and scale.numel() in (1, num_kv_heads) and scale.is_contiguous(),
-            f"{name} must be [1] or [{num_kv_heads}], got {tuple(scale.shape)}",
-        )
-        require(scale.device == device, f"{name} is not on the cache's device")
+        require_fp8_scales(k_scale, v_scale, kv_cache.device, num_kv_heads=key.shape[1])
 
 
 __all__ = ["write_kv_cache"]

@@ -41,6 +41,7 @@ from kernels.triton.checks import (
     FLOAT_DTYPES,
     require,
     require_dtype,
+    require_fp8_scales,
     require_same_device,
     require_unit_last_stride,
 )
@@ -280,8 +281,8 @@ def _check_args(
             f"{num_heads} query heads do not group over {num_kv_heads} KV heads")  # fmt: skip
     require(kv_cache.dtype in (query.dtype, FP8_DTYPE),
             f"kv_cache dtype {kv_cache.dtype} is neither the query's nor FP8")  # fmt: skip
-    if kv_cache.dtype == FP8_DTYPE:
-        require(k_scale is not None and v_scale is not None, "an FP8 cache needs its scales")
+    if kv_cache.dtype == FP8_DTYPE:  # one scale per tensor: the kernel reads element 0
+        require_fp8_scales(k_scale, v_scale, kv_cache.device)
     require_dtype("block_tables", block_tables, (torch.int32,))
     require_dtype("seq_lens", seq_lens, (torch.int32,))
     require(block_tables.dim() == 2 and block_tables.shape[0] == num_seqs,

@@ -101,6 +101,14 @@ def test_bad_arguments_are_refused():
         paged_decode_attention(query[:, :3], cache, tables, lens, 0.25)
     with pytest.raises(KernelArgumentError, match="scales"):
         paged_decode_attention(query, cache.to(FP8), tables, lens, 0.25)
+    # The kernel reads one scale a tensor: per-head scales (write_kv_cache takes them) and
+    # float16 ones were taken, the first head's applied to all (the twin check's, shared)
+    per_head = torch.tensor([0.1, 0.2])
+    with pytest.raises(KernelArgumentError, match=r"k_scale must be \[1\]"):
+        paged_decode_attention(query, cache.to(FP8), tables, lens, 0.25, per_head, per_head)
+    half = torch.tensor([0.1], dtype=torch.float16)
+    with pytest.raises(KernelArgumentError, match="float32"):
+        paged_decode_attention(query, cache.to(FP8), tables, lens, 0.25, half, half)
     with pytest.raises(KernelArgumentError, match="block_n"):
         paged_decode_attention(query, cache, tables, lens, 0.25, block_n=24)
 
