@@ -160,7 +160,6 @@ def bench(args: argparse.Namespace, bandwidth: float) -> list[AttentionResult]:
         batch = make_batch(args, batch_size, context_len)
         kv_bytes = 2 * batch.cache[0, 0, 0].numel() * batch.cache.element_size()
         floor_us = batch_size * context_len * kv_bytes / bandwidth * 1e6 if on_gpu else 0.0
-        reference = None
         if on_gpu and not args.no_flashinfer:
             call = flashinfer_call(batch, args)
             reference = call().float()
