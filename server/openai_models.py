@@ -303,7 +303,7 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
 
     @field_validator("tools")
     @classmethod
-    def _distinct_names(cls, tools: list[Tool] | None) -> list[Tool] | None:
+    def _some_tools_of_distinct_names(cls, tools: list[Tool] | None) -> list[Tool] | None:
         if tools == []:  # OpenAI's and vLLM's 400 too (vllm-project/vllm#39741)
             raise ValueError("tools must not be empty: leave the field out for no tools")
         first: dict[str, int] = {}
