@@ -270,3 +270,14 @@ def preprocessor_config(spec: TinyModelSpec) -> dict:
         "temporal_patch_size": spec.temporal_patch_size,
         "merge_size": spec.spatial_merge_size,
     }
+
+
+def video_preprocessor_config(spec: TinyModelSpec) -> dict:
+    """Qwen3-VL's video_preprocessor_config.json, as its hub checkpoints carry one: without it
+    transformers (and vLLM) fall back to preprocessor_config.json's Qwen2-VL image processor
+    and so to Qwen2-VL's video processor (other frame sampling, no timestamps). The frame
+    bounds are the image ones, which Tessera used for a video before the file existed."""
+    image = preprocessor_config(spec)
+    del image["image_processor_type"], image["min_pixels"], image["max_pixels"]
+    return {**image, "video_processor_type": "Qwen3VLVideoProcessor", "do_sample_frames": True,
+            "fps": 2, "min_frames": 4, "max_frames": 768}  # fmt: skip

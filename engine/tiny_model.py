@@ -5,7 +5,8 @@ Qwen3-VL (and its mixture of experts), and the Qwen2, Qwen3 (and MoE) and Llama 
 folder that both Tessera and `transformers` load: config.json (flat hub layout; Qwen3-VL's
 nested one), model.safetensors (hub tensor names; sharded with an index past
 MAX_SHARD_BYTES), a byte-level BPE tokenizer trained here with the Qwen2-VL special tokens,
-the Qwen2-VL chat template and the image processor config. No network, no hub.
+the Qwen2-VL chat template and the image processor config (and for Qwen3-VL its video
+processor config). No network, no hub.
 
 Sizes (engine/tiny_sizes.py): `tiny` and `tiny2` for tests, `small` (a ~0.5B decoder) for
 CPU benchmarks, and `qwen2-vl-2b` / `qwen2-vl-7b`, the real Qwen2-VL shapes (parameter for
@@ -56,6 +57,7 @@ from engine.tiny_configs import (
     model_config_dict,
     preprocessor_config,
     tokenizer_config,
+    video_preprocessor_config,
 )
 from engine.tiny_sizes import SIZES, TEXT_ONLY_ARCHITECTURES, TinyModelSpec
 from engine.tiny_weights import (
@@ -120,6 +122,8 @@ def write_checkpoint(
     if spec.has_vision:
         _write_json(out / "preprocessor_config.json", preprocessor_config(spec))
         _write_json(out / "chat_template.json", {"chat_template": chat_template})
+    if spec.is_qwen3_vl:
+        _write_json(out / "video_preprocessor_config.json", video_preprocessor_config(spec))
     (out / "chat_template.jinja").write_text(chat_template, encoding="utf-8")
     weights = iter_random_weights(spec, vocab_size, seed, num_real_tokens=num_tokens, device=device)
     plan = shard_plan(weight_shapes(spec, vocab_size), spec.dtype, max_shard_bytes)

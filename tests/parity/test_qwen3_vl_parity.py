@@ -21,6 +21,7 @@ import pytest
 pytest.importorskip("transformers")
 
 import dataclasses  # noqa: E402
+import json  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -166,7 +167,17 @@ def test_timestamps_and_sampling_follow_the_qwen3_video_processor(model_dir):
 
     config = dataclasses.replace(VideoConfig.from_model_dir(model_dir), max_frames=768,
                                  min_frames=4, max_tokens=None)  # fmt: skip
-    reference = Qwen3VLVideoProcessor()
+    # The checkpoint's own video processor (fuzz107: without video_preprocessor_config.json
+    # transformers and vLLM fell back to Qwen2-VL's), with Tessera's frame bounds.
+    saved = json.loads((model_dir / "video_preprocessor_config.json").read_text())
+    assert saved.pop("video_processor_type") == "Qwen3VLVideoProcessor"
+    reference = Qwen3VLVideoProcessor(**saved)
+    assert (reference.size.shortest_edge, reference.size.longest_edge) == (
+        config.frame.min_pixels,
+        config.frame.max_pixels,
+    )
+    assert reference.patch_size == config.frame.patch_size
+    assert tuple(reference.image_mean) == config.frame.image_mean
     for total, fps in [(40, 2.0), (19, 4.0), (300, 30.0), (7, 24.0), (3, 1.0)]:
         indices = sample_frame_indices(total, fps, config)
         metadata = VideoMetadata(total_num_frames=total, fps=fps)
