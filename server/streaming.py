@@ -189,9 +189,17 @@ async def stream_chat(
         # always there (null when unset).
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
+    def roles() -> bytes:
+        return b"".join(chunk([choice(index, {"role": "assistant", "content": ""})])
+                        for index in range(job.n))  # fmt: skip
+
     with counted_if_left(totals, job.n, on_finished):
-        for index in range(job.n):
-            yield chunk([choice(index, {"role": "assistant", "content": ""})])
+        # The role chunks open the stream at once, unless each chunk carries the usage so
+        # far: then they wait for the engine's first output, which says how many prompt
+        # tokens the cache served (fuzz108: they said `cached_tokens: 0`), as vLLM's do.
+        roles_due = job.continuous_usage
+        if not roles_due:
+            yield roles()
         extractors = [job.tools.extractor() for _ in range(job.n)] if job.tools else None
         splitters = [job.reasoning_splitter() for _ in range(job.n)]
         token_ids: list[list[int]] = [[] for _ in range(job.n)]  # for the reasoning count
@@ -199,6 +207,9 @@ async def stream_chat(
         deltas = guarded(generate_choices(engine, tokenizer, job, totals), totals)
         async with contextlib.aclosing(deltas) as pieces:
             async for piece in pieces:
+                if roles_due:
+                    yield roles()
+                    roles_due = False
                 if isinstance(piece, bytes):
                     yield piece
                     on_finished(totals)  # failed: counted as a stream error

@@ -53,6 +53,20 @@ def test_streamed_usage_counts_cached_tokens(client):
         assert (cached > 0) is expect_cached
 
 
+def test_every_continuous_usage_chunk_counts_the_cached_tokens(client):
+    """fuzz108: the chat stream's role chunk went out before the engine said how many
+    prompt tokens its cache served, so its usage said `cached_tokens: 0`."""
+    messages = [{"role": "user", "content": a_long_prompt()}]
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    for _ in range(2):  # the second one from the cache
+        chunks = list(client.chat.completions.create(
+            model=MODEL_NAME, messages=messages, max_tokens=2, stream=True, n=2,
+            stream_options=options))  # fmt: skip
+    assert [c.choices[0].delta.role for c in chunks[:2]] == ["assistant", "assistant"]
+    cached = [c.usage.prompt_tokens_details.cached_tokens for c in chunks]
+    assert cached[-1] >= 48 and set(cached) == {cached[-1]}, cached
+
+
 def test_an_empty_or_huge_cache_salt_is_a_400(http):
     for salt in ("", "x" * 257, 7):
         body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 1, "cache_salt": salt}
