@@ -26,6 +26,7 @@ from engine.multimodal.prompt import PromptProcessor
 from server.admission import AdmissionController, ServerDraining, SharedCounts
 from server.app_state import AppState, load_sampling_defaults, make_fetcher
 from server.chat import UUIDS, prepare_chat_prompt
+from server.chat_template_fields import ChatTemplateFields
 from server.completions import (
     chat_response,
     completion_response,
@@ -40,7 +41,6 @@ from server.json_body import BoundedJsonRoute
 from server.metrics import API_CPU_COUNT_INTERVAL_S, ServerMetrics
 from server.openai_models import (
     ChatCompletionRequest,
-    ChatTemplateFields,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
@@ -386,7 +386,8 @@ async def _chat_tokens(state: AppState, body: TokenizeRequest) -> list[int]:
     counting is what /tokenize is for."""
     fields = body.model_dump(exclude_none=True, include={
         "messages", "tools", "add_generation_prompt", "continue_final_message",
-        "chat_template_kwargs", "chat_template", "mm_processor_kwargs", "cache_salt"})  # fmt: skip
+        "chat_template_kwargs", "chat_template", "reasoning_effort", "mm_processor_kwargs",
+        "cache_salt"})  # fmt: skip
     chat = ChatCompletionRequest.model_validate({**fields, "model": state.model_name})
     prepared = await prepare_chat_prompt(
         chat,

@@ -33,6 +33,7 @@ from server.chat_messages import (
     few_enough_tools,
     some_messages,
 )
+from server.chat_template_fields import ChatTemplateFields
 from server.field_limits import bounded, check_count
 from server.media_options import MediaProcessingOptions
 from server.structured_output_fields import (
@@ -47,7 +48,6 @@ from server.tool_calls import ToolPlan, check_tools, tool_plan
 # operator may change are settings (server/field_limits.py).
 MAX_ABS_LOGIT_BIAS = 100.0
 MAX_INT64 = 2**63 - 1
-MAX_CHAT_TEMPLATE_KWARGS = 64
 MAX_CACHE_SALT_CHARS = 256
 MAX_ALLOWED_TOKEN_IDS = 2**18  # more than any vocabulary served
 
@@ -65,38 +65,6 @@ class StreamOptions(RequestModel):
     _nulls = field_validator("include_usage", "continuous_usage_stats", mode="before")(
         null_is_the_default
     )
-
-
-class ChatTemplateFields(RequestModel):
-    """How a chat is rendered (vLLM's names): a generation prompt after the last message
-    (the default), or `continue_final_message` to leave the last message open for the
-    model to carry on, extra template variables in `chat_template_kwargs`, and a template of
-    the request's own in `chat_template`."""
-
-    add_generation_prompt: bool | None = None  # default: not when continuing the last one
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = Field(
-        default=None, max_length=MAX_CHAT_TEMPLATE_KWARGS
-    )
-    # Refused unless the server runs with --trust-request-chat-template (server/app.py).
-    chat_template: str | None = None
-
-    _short_enough_chat_template = field_validator("chat_template", mode="before")(
-        bounded(lengths=("max_request_chat_template_chars", "chat_template"))
-    )
-
-    @property
-    def template_options(self) -> dict[str, Any]:
-        """Keyword arguments of PromptProcessor.render_chat / process_chat."""
-        add_generation_prompt = self.add_generation_prompt
-        if add_generation_prompt is None:
-            add_generation_prompt = not self.continue_final_message
-        return {
-            "add_generation_prompt": add_generation_prompt,
-            "continue_final_message": self.continue_final_message,
-            "template_kwargs": self.chat_template_kwargs,
-            "chat_template": self.chat_template,
-        }
 
 
 class SamplingFields(RequestModel):

@@ -93,6 +93,7 @@ _RENAMED = {
     "response_format.json_schema.schema": "text.format.schema",
     "response_format.json_schema": "text.format",
     "response_format": "text.format",
+    "reasoning_effort": "reasoning.effort",
 }
 
 
@@ -117,7 +118,7 @@ class ResponsesRequest(RequestModel):
     parallel_tool_calls: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0)  # <= --max-logprobs
     include: list[str] | None = None
-    reasoning: dict[str, Any] | None = None  # read for its type only (no effort levels here)
+    reasoning: dict[str, Any] | None = None  # its `effort` as chat's `reasoning_effort`
     service_tier: str | None = None  # read for its type only
     metadata: dict[str, str] | None = None
     user: str | None = None
@@ -289,6 +290,8 @@ def _copy_sampling(body: ResponsesRequest, chat: dict[str, Any]) -> None:
         value = getattr(body, name)
         if value is not None:
             chat[name] = value
+    if body.reasoning and body.reasoning.get("effort") is not None:
+        chat["reasoning_effort"] = body.reasoning["effort"]
     if body.wants_logprobs:
         chat["logprobs"] = True
         chat["top_logprobs"] = body.top_logprobs or 0

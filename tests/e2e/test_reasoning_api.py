@@ -195,3 +195,46 @@ def test_responses_put_the_thinking_in_a_reasoning_item(client, http_base):
     reasoning_tokens = usage["output_tokens_details"]["reasoning_tokens"]
     assert 0 < reasoning_tokens < usage["output_tokens"]
     assert done["usage"] == usage
+
+
+# Qwen3's hybrid templates close an empty thinking when `enable_thinking` is false.
+HYBRID_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}<|im_start|>assistant\n"
+    "{% if reasoning_effort is defined %}[{{ reasoning_effort }}]{% endif %}"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% endif %}"
+)
+
+
+def test_reasoning_effort_reaches_the_template_and_none_turns_thinking_off(http_base):
+    """fuzz112: `reasoning_effort` (chat) and `reasoning.effort` (Responses) were ignored;
+    vLLM renders the effort as a template variable and "none" as `enable_thinking: false`."""
+
+    def tokens(**fields) -> list[int]:
+        body = {"model": MODEL_NAME, "messages": MESSAGES, "chat_template": HYBRID_TEMPLATE,
+                **fields}  # fmt: skip
+        return httpx.post(http_base + "/tokenize", json=body, timeout=60).json()["tokens"]
+
+    def prompt(**fields) -> str:
+        detokenize = {"model": MODEL_NAME, "tokens": tokens(**fields)}
+        return httpx.post(http_base + "/detokenize", json=detokenize, timeout=60).json()["prompt"]
+
+    assert prompt().endswith("<|im_start|>assistant\n")
+    assert prompt(reasoning_effort="none").endswith("assistant\n[none]<think>\n\n</think>\n\n")
+    assert prompt(reasoning_effort="high").endswith("assistant\n[high]")
+    kept = prompt(reasoning_effort="none", chat_template_kwargs={"enable_thinking": True})
+    assert kept.endswith("assistant\n[none]")  # the request's own variables win
+
+    body = {"model": MODEL_NAME, "input": MESSAGES, "max_output_tokens": 4,
+            "chat_template": HYBRID_TEMPLATE}  # fmt: skip
+    for effort in ("none", "low"):
+        answer = httpx.post(http_base + "/v1/responses", timeout=60,
+                            json={**body, "reasoning": {"effort": effort}}).json()  # fmt: skip
+        assert answer["usage"]["input_tokens"] == len(tokens(reasoning_effort=effort)), answer
+    for path, field, param in (("/v1/chat/completions", "reasoning_effort", "reasoning_effort"),
+                               ("/v1/responses", "reasoning", "reasoning.effort")):  # fmt: skip
+        value = "extreme" if field == "reasoning_effort" else {"effort": "extreme"}
+        refused = httpx.post(http_base + path, timeout=60, json={
+            "model": MODEL_NAME, "messages": MESSAGES, "input": "hi", field: value})  # fmt: skip
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param
