@@ -22,6 +22,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 # The names each setting takes, checked with the settings (a wrong one failed only in the
 # engine process, with a traceback and the exit code that asks a supervisor to restart).
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other names
 KV_CACHE_DTYPES = ("auto", "fp8")
 ATTENTION_BACKENDS = ("torch", "flashinfer")
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -80,6 +81,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.model.startswith("~"):  # from YAML or an env file, where no shell expands it
             object.__setattr__(self, "model", os.path.expanduser(self.model))
+        if self.dtype in DTYPE_ALIASES:
+            object.__setattr__(self, "dtype", DTYPE_ALIASES[self.dtype])
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"

@@ -222,6 +222,8 @@ class LLM:
                     request_id, prompt, sampling
                 )
                 request = msgspec.structs.replace(request, priority=rank)
+                if sampling.max_tokens is None:  # vLLM's: the rest of the context
+                    request = self._with_room_left(request)
             except TesseraError as exc:
                 if raise_on_error:
                     raise
@@ -266,12 +268,20 @@ class LLM:
                 [choice.done for choice in prompt_choices],  # type: ignore[misc]
                 prompt_choices[0].prompt_logprobs,
                 prompt_texts[request_id],
+                prompt_choices[0].num_cached_tokens,
             )
         for request_id in order:
             error = results[request_id].error
             if raise_on_error and error is not None:
                 raise InvalidRequest(error.message, param=error.param, code=error.code)
         return [results[request_id] for request_id in order]
+
+    def _with_room_left(self, request: EngineRequest) -> EngineRequest:
+        """`request` with the max_tokens that fill the context after its prompt (at least
+        one: a prompt of max_model_len samples one, and a longer one is refused)."""
+        room = self.engine.runner.max_model_len - len(request.prompt_token_ids)
+        sampling = msgspec.structs.replace(request.sampling, max_tokens=max(room, 1))
+        return msgspec.structs.replace(request, sampling=sampling)
 
     def _detokenizer(
         self, prompt_token_ids: list[int], sampling: SamplingParams
@@ -346,6 +356,8 @@ class LLM:
                 if kind in ("image_url", "video_url"):  # OpenAI's form, for a data: URL
                     part = inlined(part, kind, param)
                     kind = part["type"]
+                elif kind == "image_pil":  # vLLM's LLM.chat part
+                    part, kind = {"type": "image", "image": part.get("image_pil")}, "image"
                 if kind in ("image", "video"):
                     items.append((kind, processed_media(part, param, processing)))
                 elif kind in IMAGE_PART_TYPES | VIDEO_PART_TYPES:  # the HTTP API's other forms

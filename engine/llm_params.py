@@ -25,6 +25,7 @@ class SamplingParams(protocol.SamplingParams, frozen=True, kw_only=True, omit_de
     """The engine's sampling fields (engine.protocol.SamplingParams) and vLLM's `n`,
     `stop`, `include_stop_str_in_output` and `skip_special_tokens`, as on the HTTP API."""
 
+    max_tokens: int | None = 16  # None (vLLM's): as many as the context has room for
     n: int = 1
     stop: str | tuple[str, ...] = ()  # one string or several (a list is taken)
     include_stop_str_in_output: bool = False

@@ -58,6 +58,7 @@ class GenerationResult:
     outputs: list[CompletionOutput] = field(default_factory=list)
     prompt: str | None = None  # vLLM's: the prompt string, a chat's rendering, None for ids
     finished: bool = True  # vLLM's; an offline result is always whole
+    num_cached_tokens: int | None = None  # vLLM's: prompt tokens the prefix cache served
 
     @classmethod
     def of_choices(
@@ -67,11 +68,13 @@ class GenerationResult:
         outputs: list[CompletionOutput],
         prompt_logprobs: list[TokenLogprob] | None = None,
         prompt: str | None = None,
+        num_cached_tokens: int | None = None,
     ) -> GenerationResult:
         first = outputs[0]
         return cls(request_id, prompt_token_ids, first.token_ids, first.text,
                    first.finish_reason, first.logprobs, first.error, prompt_logprobs,
-                   first.stop_reason, outputs, prompt)  # fmt: skip
+                   first.stop_reason, outputs, prompt,
+                   num_cached_tokens=num_cached_tokens)  # fmt: skip
 
 
 class ChoiceText:
@@ -90,6 +93,7 @@ class ChoiceText:
         self.has_logprobs = False
         self.text = ""
         self.prompt_logprobs: list[TokenLogprob] | None = None
+        self.num_cached_tokens = 0
         self.done: CompletionOutput | None = None
 
     def add(
@@ -99,6 +103,7 @@ class ChoiceText:
         engine finished it (the caller aborts it, as the server does)."""
         if output.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = output.prompt_logprobs
+        self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
         if not self.has_stops and output.finish_reason is None and output.error is None:
             self.waiting.append(output)
             return False

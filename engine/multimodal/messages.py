@@ -15,7 +15,8 @@ from typing import Any
 
 from engine.errors import InvalidRequest
 
-IMAGE_PART_TYPES = {"image", "image_url", "input_image", "image_features"}
+# "image_pil": vLLM's offline LLM.chat part (a PIL image; no JSON can carry one)
+IMAGE_PART_TYPES = {"image", "image_pil", "image_url", "input_image", "image_features"}
 VIDEO_PART_TYPES = {"video", "video_url", "video_features"}
 ROLES_NEEDING_CONTENT = ("system", "user", "developer")
 FUNCTION_ROLE_REFUSED = (

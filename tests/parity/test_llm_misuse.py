@@ -240,3 +240,28 @@ def test_max_logprobs_bounds_what_a_request_may_ask(reference, prompts):
     assert all(len(entry.top) == 30 for entry in fits.logprobs + fits.prompt_logprobs)
     assert too_many.error.param == "logprobs" and "[0, 30]" in too_many.error.message
     assert too_many_prompt.error.param == "prompt_logprobs"
+
+
+def test_vllms_max_tokens_none_cached_tokens_and_image_pil_parts(reference, prompts):
+    """fuzz111: `SamplingParams(max_tokens=None)` (the rest of the context, in vLLM) failed
+    its prompt; `RequestOutput.num_cached_tokens` and `image_pil` chat parts were missing."""
+    from bench.local_inputs import picture
+
+    whole = SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True)
+    long_prompt = list(range(10, 50))  # 40 tokens: two whole 16-token blocks to cache
+    with LLM(str(reference.model_dir), num_kv_blocks=64, max_model_len=48) as llm:
+        short, full, over = llm.generate([[5, 6, 7], long_prompt[:8] * 6, [5] * 49], whole)
+        assert len(short.token_ids) == 45 and short.finish_reason == "length"
+        assert len(full.token_ids) == 1  # a prompt of max_model_len samples one, as vLLM's
+        assert over.error is not None and "49 tokens" in over.error.message
+        two = SamplingParams(max_tokens=2, temperature=0.0)
+        first, again = (llm.generate([long_prompt], two)[0] for _ in range(2))
+        assert first.num_cached_tokens == 0 and again.num_cached_tokens == 32
+        image = picture(112, 84, 1)
+        text = {"type": "text", "text": "What is this?"}
+        as_image, as_pil = llm.chat([
+            [{"role": "user", "content": [{"type": "image", "image": image}, text]}],
+            [{"role": "user", "content": [{"type": "image_pil", "image_pil": image}, text]}],
+        ], two)  # fmt: skip
+        assert as_pil.error is None and as_pil.prompt_token_ids == as_image.prompt_token_ids
+        assert as_pil.token_ids == as_image.token_ids

@@ -84,3 +84,11 @@ def test_a_seed_that_is_no_64_bit_integer_is_a_clear_error(seed):
     instances of 'int' and 'NoneType'" (fuzz111)."""
     with pytest.raises(ValueError, match="seed must be a 64-bit integer"):
         EngineConfig(model="unused", seed=seed)
+
+
+def test_vllms_dtype_names_half_and_float_are_taken():
+    """`LLM(model, dtype="half")`, as scripts written for vLLM say it, was refused (fuzz111)."""
+    assert EngineConfig(model="unused", dtype="half").dtype == "float16"
+    assert EngineConfig(model="unused", dtype="float").dtype == "float32"
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        EngineConfig(model="unused", dtype="double")
