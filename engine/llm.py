@@ -3,7 +3,8 @@ same EngineCore loop.
 
 A prompt is a str (raw text, tokenized as is, no chat template), a list[int]
 (token ids), or {"messages": [...]} (OpenAI-style chat; content parts
-{"type": "text", "text"}, {"type": "image", "image": PIL.Image | bytes} and
+{"type": "text", "text"}, {"type": "image", "image": PIL.Image | bytes} (or vLLM's
+{"type": "image_pil", "image_pil": PIL.Image}) and
 {"type": "video", "video": bytes (a video file) | list of PIL.Image / [H, W, 3] uint8 frames
 (taken as sampled already)}), and optionally "mm_processor_kwargs" (as on the HTTP API:
 `fps`, `max_frames`, `min_pixels`, `max_pixels`, engine/multimodal/processing.py), and the
