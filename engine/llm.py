@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import msgspec
+import PIL.Image
 import torch
 
 from engine import protocol
@@ -278,10 +279,18 @@ class LLM:
         return [results[request_id] for request_id in order]
 
     def _with_room_left(self, request: EngineRequest) -> EngineRequest:
-        """`request` with the max_tokens that fill the context after its prompt (at least
-        one: a prompt of max_model_len samples one, and a longer one is refused)."""
-        room = self.engine.runner.max_model_len - len(request.prompt_token_ids)
-        sampling = msgspec.structs.replace(request.sampling, max_tokens=max(room, 1))
+        """`request` with the max_tokens that fill the context after its prompt; a prompt
+        that leaves no room is refused, as vLLM's is (fuzz115)."""
+        max_len = self.engine.runner.max_model_len
+        room = max_len - len(request.prompt_token_ids)
+        if room < 1:
+            raise InvalidRequest(
+                f"the prompt ({len(request.prompt_token_ids)} tokens) leaves no room for "
+                f"max_tokens=None in the model's context length of {max_len}",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        sampling = msgspec.structs.replace(request.sampling, max_tokens=room)
         return msgspec.structs.replace(request, sampling=sampling)
 
     def _detokenizer(
@@ -358,7 +367,10 @@ class LLM:
                     part = inlined(part, kind, param)
                     kind = part["type"]
                 elif kind == "image_pil":  # vLLM's LLM.chat part
-                    part, kind = {"type": "image", "image": part.get("image_pil")}, "image"
+                    if not isinstance(part.get("image_pil"), PIL.Image.Image):
+                        raise InvalidRequest("an image_pil part's 'image_pil' is a PIL image",
+                                             param=param)  # fmt: skip
+                    part, kind = {"type": "image", "image": part["image_pil"]}, "image"
                 if kind in ("image", "video"):
                     items.append((kind, processed_media(part, param, processing)))
                 elif kind in IMAGE_PART_TYPES | VIDEO_PART_TYPES:  # the HTTP API's other forms

@@ -22,7 +22,8 @@ class ChatTemplateFields(RequestModel):
     model to carry on, extra template variables in `chat_template_kwargs`, and a template of
     the request's own in `chat_template`. `reasoning_effort` reaches the template as a
     variable of that name, and "none" turns thinking off (`enable_thinking: false`, what
-    Qwen3's hybrid templates read), as vLLM renders it; `chat_template_kwargs` win."""
+    Qwen3's hybrid templates read) unless `chat_template_kwargs` set `enable_thinking`,
+    as vLLM renders them."""
 
     add_generation_prompt: bool | None = None  # default: not when continuing the last one
     continue_final_message: bool = False
@@ -52,9 +53,9 @@ class ChatTemplateFields(RequestModel):
 
     @property
     def template_kwargs(self) -> dict[str, Any] | None:
-        """The template's extra variables: the effort's, then `chat_template_kwargs`."""
+        """The template's extra variables: `chat_template_kwargs` and the effort's."""
         if self.reasoning_effort is None:
             return self.chat_template_kwargs
-        effort = self.reasoning_effort
-        variables = {"reasoning_effort": effort, "enable_thinking": effort != "none"}
-        return {**variables, **(self.chat_template_kwargs or {})}
+        variables = {**(self.chat_template_kwargs or {}), "reasoning_effort": self.reasoning_effort}
+        variables.setdefault("enable_thinking", self.reasoning_effort != "none")
+        return variables

@@ -102,6 +102,7 @@ class ResponseShaper:
             "output": output,
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": None,
+            "reasoning": body.reasoning,  # as the request gave it, as vLLM echoes it
             "store": False,
             "temperature": body.temperature,
             "text": body.text_echo,

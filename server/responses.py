@@ -84,6 +84,7 @@ PASSTHROUGH_FIELDS = (
 )
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 VERBOSITIES = ("low", "medium", "high")
+REASONING_SUMMARIES = ("auto", "concise", "detailed")
 DEFAULT_SCHEMA_NAME = JsonSchemaFormat.model_fields["name"].default
 # Chat field names -> the Responses fields they came from, for error messages.
 _RENAMED = {
@@ -246,6 +247,11 @@ def chat_request(body: ResponsesRequest) -> ChatTranslation:
         raise InvalidRequest(
             f"text.verbosity must be {one_of(VERBOSITIES)}", param="text.verbosity"
         )
+    for key in ("summary", "generate_summary"):  # echoed back, so they must be OpenAI's
+        if (body.reasoning or {}).get(key) not in (None, *REASONING_SUMMARIES):
+            raise InvalidRequest(
+                f"reasoning.{key} must be {one_of(REASONING_SUMMARIES)}", param=f"reasoning.{key}"
+            )
     messages, sources = input_messages(body.instructions, body.input)
     chat: dict[str, Any] = {"model": body.model, "messages": messages, "stream": body.stream}
     for name in PASSTHROUGH_FIELDS:

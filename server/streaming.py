@@ -190,7 +190,12 @@ async def stream_chat(
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
     def roles() -> bytes:
-        return b"".join(chunk([choice(index, {"role": "assistant", "content": ""})])
+        # Before any text: no completion tokens yet, though the engine's first output,
+        # which they may wait for, has counted one (fuzz115).
+        usage = None
+        if job.continuous_usage:
+            usage = usage_of(GenerationTotals(totals.num_prompt_tokens, totals.num_cached_tokens))
+        return b"".join(chunk([choice(index, {"role": "assistant", "content": ""})], usage)
                         for index in range(job.n))  # fmt: skip
 
     with counted_if_left(totals, job.n, on_finished):

@@ -65,6 +65,8 @@ def test_every_continuous_usage_chunk_counts_the_cached_tokens(client):
     assert [c.choices[0].delta.role for c in chunks[:2]] == ["assistant", "assistant"]
     cached = [c.usage.prompt_tokens_details.cached_tokens for c in chunks]
     assert cached[-1] >= 48 and set(cached) == {cached[-1]}, cached
+    # and, before any text, no completion tokens (fuzz115: they said 1, the first's)
+    assert [c.usage.completion_tokens for c in chunks[:2]] == [0, 0]
 
 
 def test_an_empty_or_huge_cache_salt_is_a_400(http):

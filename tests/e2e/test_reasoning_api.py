@@ -210,6 +210,7 @@ HYBRID_TEMPLATE = (
 def test_reasoning_effort_reaches_the_template_and_none_turns_thinking_off(http_base):
     """fuzz112: `reasoning_effort` (chat) and `reasoning.effort` (Responses) were ignored;
     vLLM renders the effort as a template variable and "none" as `enable_thinking: false`."""
+    from openai.types.responses import Response
 
     def tokens(**fields) -> list[int]:
         body = {"model": MODEL_NAME, "messages": MESSAGES, "chat_template": HYBRID_TEMPLATE,
@@ -224,17 +225,24 @@ def test_reasoning_effort_reaches_the_template_and_none_turns_thinking_off(http_
     assert prompt(reasoning_effort="none").endswith("assistant\n[none]<think>\n\n</think>\n\n")
     assert prompt(reasoning_effort="high").endswith("assistant\n[high]")
     kept = prompt(reasoning_effort="none", chat_template_kwargs={"enable_thinking": True})
-    assert kept.endswith("assistant\n[none]")  # the request's own variables win
+    assert kept.endswith("assistant\n[none]")  # the request's own enable_thinking wins
+    # the field over a template variable of its name, as vLLM merges them (fuzz115)
+    both = prompt(reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "high"})
+    assert both.endswith("assistant\n[low]")
 
     body = {"model": MODEL_NAME, "input": MESSAGES, "max_output_tokens": 4,
             "chat_template": HYBRID_TEMPLATE}  # fmt: skip
     for effort in ("none", "low"):
+        reasoning = {"effort": effort, "summary": "auto"}
         answer = httpx.post(http_base + "/v1/responses", timeout=60,
-                            json={**body, "reasoning": {"effort": effort}}).json()  # fmt: skip
+                            json={**body, "reasoning": reasoning}).json()  # fmt: skip
         assert answer["usage"]["input_tokens"] == len(tokens(reasoning_effort=effort)), answer
+        assert answer["reasoning"] == reasoning  # echoed, as OpenAI and vLLM do (fuzz115)
+        Response.model_validate(answer, strict=False)
     for path, field, param in (("/v1/chat/completions", "reasoning_effort", "reasoning_effort"),
-                               ("/v1/responses", "reasoning", "reasoning.effort")):  # fmt: skip
-        value = "extreme" if field == "reasoning_effort" else {"effort": "extreme"}
+                               ("/v1/responses", "reasoning", "reasoning.effort"),
+                               ("/v1/responses", "reasoning", "reasoning.summary")):  # fmt: skip
+        value = {param.removeprefix("reasoning."): "extreme"} if "." in param else "extreme"
         refused = httpx.post(http_base + path, timeout=60, json={
             "model": MODEL_NAME, "messages": MESSAGES, "input": "hi", field: value})  # fmt: skip
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param

@@ -252,8 +252,9 @@ def test_vllms_max_tokens_none_cached_tokens_and_image_pil_parts(reference, prom
     with LLM(str(reference.model_dir), num_kv_blocks=64, max_model_len=48) as llm:
         short, full, over = llm.generate([[5, 6, 7], long_prompt[:8] * 6, [5] * 49], whole)
         assert len(short.token_ids) == 45 and short.finish_reason == "length"
-        assert len(full.token_ids) == 1  # a prompt of max_model_len samples one, as vLLM's
-        assert over.error is not None and "49 tokens" in over.error.message
+        # No room left: refused, as vLLM's is (it sampled one token past the context)
+        assert full.error.param == "max_tokens" and "48 tokens" in full.error.message
+        assert over.error.param == "max_tokens" and "49 tokens" in over.error.message
         two = SamplingParams(max_tokens=2, temperature=0.0)
         first, again = (llm.generate([long_prompt], two)[0] for _ in range(2))
         assert first.num_cached_tokens == 0 and again.num_cached_tokens == 32
@@ -265,3 +266,5 @@ def test_vllms_max_tokens_none_cached_tokens_and_image_pil_parts(reference, prom
         ], two)  # fmt: skip
         assert as_pil.error is None and as_pil.prompt_token_ids == as_image.prompt_token_ids
         assert as_pil.token_ids == as_image.token_ids
+        [no_image] = llm.chat([{"role": "user", "content": [{"type": "image_pil"}]}], two)
+        assert "'image_pil'" in no_image.error.message
