@@ -117,7 +117,9 @@ def answer_step(
         text += detokenizer.finish()
         finish_reason = "length" if output.finish_reason == FinishReason.LENGTH else "stop"
         last = new_token_ids[taken - 1] if taken else None
-        if output.finish_reason == FinishReason.STOP and last in sampling.stop_token_ids:
+        if detokenizer.is_stopped:  # a stop string only the flushed tail completed (fuzz113)
+            finish_reason, stop_reason = "stop", detokenizer.matched_stop
+        elif output.finish_reason == FinishReason.STOP and last in sampling.stop_token_ids:
             stop_reason = last
     return AnswerStep(
         text=text,

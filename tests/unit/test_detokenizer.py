@@ -181,6 +181,29 @@ def test_min_tokens_hold_for_text_flushed_at_the_end():
     assert text == seq.text == tokenizer.decode(ids) == "aé\ufffd"
 
 
+def test_a_stop_string_the_flushed_tail_completes_ends_the_answer_as_stop():
+    """The length limit cut the answer inside a character, and the stop string ended with
+    that character's U+FFFD: the text was cut at it, but the answer said "length" and no
+    stop_reason (fuzz113)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from engine.choices import answer_step
+    from engine.protocol import FinishReason, RequestOutput, SamplingParams
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {piece: i for i, piece in enumerate([*alphabet, "Ã©", "Ã©ä"])}
+    tokenizer = Tokenizer(models.BPE(vocab, [("Ã", "©"), ("Ã©", "ä")]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    output = RequestOutput(request_id="r", new_token_ids=[vocab["a"], vocab["Ã©ä"]],
+                           finish_reason=FinishReason.LENGTH)  # fmt: skip
+    for include in (False, True):
+        seq = SequenceDetokenizer(tokenizer, stop=["é\ufffd"], include_stop=include)
+        step = answer_step(seq, output, SamplingParams(max_tokens=2))
+        assert (step.finish_reason, step.stop_reason) == ("stop", "é\ufffd")
+        assert step.text == ("aé\ufffd" if include else "a") and step.num_tokens == 2
+
+
 def test_token_bytes(tokenizer):
     ids = tokenizer.encode("é🎉 x", add_special_tokens=False).ids
     assert b"".join(token_bytes(tokenizer, i) for i in ids) == "é🎉 x".encode()
