@@ -75,8 +75,9 @@ class AnswerStep:
     the answer keeps (their logprobs too). `finish_reason`: None while the choice goes on;
     "stop" or "length" when it ended; "abort" or "error" when the engine ended it (the
     caller decides what that means: the server raises, the offline LLM reports it).
-    `stop_reason`: vLLM's, the stop string or stop token id that ended it (None for EOS, a
-    grammar's end or the length limit)."""
+    `stop_reason`: vLLM's, the stop string or stop token id that ended it (None for the
+    tokenizer's EOS, a grammar's end or the length limit; an EOS id of the model's other
+    ones, such as generation_config.json's, counts as a stop token, as vLLM counts them)."""
 
     text: str
     num_tokens: int
@@ -90,8 +91,10 @@ def answer_step(
     output: RequestOutput,
     sampling: SamplingParams,
     eos_token_ids: Sequence[int] = (),
+    tokenizer_eos: int | None = None,
 ) -> AnswerStep:
-    """`output` (its error already dealt with by the caller) through `detokenizer`."""
+    """`output` (its error already dealt with by the caller) through `detokenizer`.
+    `tokenizer_eos`: the tokenizer's EOS id, the one EOS whose stop_reason is None."""
     new_token_ids = output.new_token_ids
     # A stop token (stop_token_ids) or EOS ends the answer without its text, as vLLM's does
     # unless include_stop_str_in_output (whatever skip_special_tokens says); it still
@@ -119,8 +122,14 @@ def answer_step(
         last = new_token_ids[taken - 1] if taken else None
         if detokenizer.is_stopped:  # a stop string only the flushed tail completed (fuzz113)
             finish_reason, stop_reason = "stop", detokenizer.matched_stop
-        elif output.finish_reason == FinishReason.STOP and last in sampling.stop_token_ids:
-            stop_reason = last
+        elif output.finish_reason == FinishReason.STOP and last is not None:
+            # vLLM's rules (fuzz103, fuzz113): its EOS is the tokenizer's, checked before
+            # the stop tokens, to which it adds the model's other EOS ids.
+            is_eos = not sampling.ignore_eos
+            if not (is_eos and last == tokenizer_eos) and (
+                last in sampling.stop_token_ids or (is_eos and last in eos_token_ids)
+            ):
+                stop_reason = last
     return AnswerStep(
         text=text,
         num_tokens=taken,

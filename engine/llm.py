@@ -215,6 +215,7 @@ class LLM:
         results: dict[str, GenerationResult] = {}
         order: list[str] = []  # the prompts' ids (`request_ids`: their choices' too)
         eos_token_ids = self.engine.model_config.eos_token_ids
+        tokenizer_eos = self.prompt_processor.tokenizer_eos_token_id
         for prompt, sampling, rank in zip(prompts, params_list, priorities, strict=True):
             request_id = f"llm-{next(self._ids)}"
             order.append(request_id)
@@ -253,7 +254,8 @@ class LLM:
                 if output.request_id not in by_engine_id:
                     continue
                 choice, sampling = by_engine_id[output.request_id]
-                if choice.add(output, sampling, eos_token_ids):  # a stop string ended it
+                # a stop string ended it
+                if choice.add(output, sampling, eos_token_ids, tokenizer_eos):
                     self.engine.abort_requests([output.request_id])
                 if choice.done is not None:
                     del by_engine_id[output.request_id]

@@ -97,7 +97,11 @@ class ChoiceText:
         self.done: CompletionOutput | None = None
 
     def add(
-        self, output: RequestOutput, sampling: SamplingParams, eos_token_ids: Sequence[int]
+        self,
+        output: RequestOutput,
+        sampling: SamplingParams,
+        eos_token_ids: Sequence[int],
+        tokenizer_eos: int | None = None,
     ) -> bool:
         """Takes one engine output; whether the choice ended on a stop string before the
         engine finished it (the caller aborts it, as the server does)."""
@@ -115,7 +119,7 @@ class ChoiceText:
             self._take(output, len(output.new_token_ids), text)
             self._finish("error", None, output.error)
             return False
-        step = answer_step(self.detokenizer, output, sampling, eos_token_ids)
+        step = answer_step(self.detokenizer, output, sampling, eos_token_ids, tokenizer_eos)
         self._take(output, step.num_tokens, step.text)
         if step.finish_reason is None:
             return False

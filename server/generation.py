@@ -112,6 +112,7 @@ class GenerationJob:
     # read only once it has ended (not streamed, no stop strings to look for).
     tokens_per_wake: int | None = 1
     eos_token_ids: tuple[int, ...] = ()  # an answer ending on one leaves its text out
+    tokenizer_eos_token_id: int | None = None  # the EOS whose stop_reason is None
     created: int = field(default_factory=lambda: int(time.time()))
 
     def reasoning_splitter(self) -> ReasoningSplitter | None:
@@ -329,9 +330,8 @@ async def generate_choices(
                 raise EngineDeadError("the engine failed while serving the request") from item
             if job.prompt_only:
                 item = msgspec.structs.replace(item, new_token_ids=[], logprobs=None)
-            delta = _apply_output(
-                detokenizers[index], index, item, totals, sampling, prompt, job.eos_token_ids
-            )
+            delta = _apply_output(detokenizers[index], index, item, totals, sampling, prompt,
+                                  job.eos_token_ids, job.tokenizer_eos_token_id)  # fmt: skip
             if delta.finish_reason is not None:
                 finished[index] = True
                 totals.finish(index, delta.finish_reason)
@@ -352,6 +352,7 @@ def _apply_output(
     sampling: SamplingParams,
     prompt: PreparedPrompt,
     eos_token_ids: Sequence[int],
+    tokenizer_eos: int | None,
 ) -> ChoiceDelta:
     if output.error is not None:
         raise error_info_to_exception(output.error, prompt.media_params)
@@ -359,7 +360,7 @@ def _apply_output(
         totals.num_cached_tokens = max(totals.num_cached_tokens, output.num_cached_tokens)
     if output.prompt_logprobs is not None and totals.prompt_logprobs is None:
         totals.prompt_logprobs = output.prompt_logprobs
-    step = answer_step(detokenizer, output, sampling, eos_token_ids)
+    step = answer_step(detokenizer, output, sampling, eos_token_ids, tokenizer_eos)
     totals.note_tokens(index, step.num_tokens)
     if step.finish_reason == "error":
         raise EngineDeadError("the engine failed while serving the request")

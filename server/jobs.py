@@ -100,6 +100,7 @@ def build_job(state: AppState, body: Any, prompt: Any, *, prefix: str) -> Genera
         priority=body.priority,
         tokens_per_wake=state.settings.stream_interval if body.stream or body.stop_list else None,
         eos_token_ids=state.eos_token_ids,
+        tokenizer_eos_token_id=state.processor.tokenizer_eos_token_id,
     )
 
 

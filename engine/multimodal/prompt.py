@@ -113,7 +113,9 @@ class PromptProcessor:
         self.pad_token_id = self._token_id(self.special_tokens.get("pad_token"))
         self.bos_token_id = self._token_id(self.special_tokens.get("bos_token"))
         eos = list(eos_token_ids or [])
-        tokenizer_eos = self._token_id(self.special_tokens.get("eos_token"))
+        tokenizer_eos = self.tokenizer_eos_token_id = self._token_id(
+            self.special_tokens.get("eos_token")
+        )
         if tokenizer_eos is not None:
             eos.append(tokenizer_eos)
         self.eos_token_ids: list[int] = list(dict.fromkeys(eos))

@@ -121,6 +121,25 @@ def test_the_eos_text_is_left_out_even_with_special_tokens_shown(http, path):
     assert "".join(p or "" for p in pieces) == ""
 
 
+def test_eos_stop_reasons_are_vllms(http):
+    """vLLM's stop_reason for EOS (fuzz103, fuzz113): None for the tokenizer's EOS, even when
+    stop_token_ids list it; the id for generation_config.json's other EOS, which vLLM adds
+    to the stop tokens. Both were the other way round."""
+
+    def token_id(text: str) -> int:
+        body = {"model": MODEL_NAME, "prompt": text}
+        (found,) = http.post("/tokenize", json=body).json()["tokens"]
+        return found
+
+    im_end, endoftext = token_id("<|im_end|>"), token_id("<|endoftext|>")
+    for forced, listed, expected in ((im_end, [im_end], None), (endoftext, [], endoftext)):
+        fields = {"ignore_eos": False, "stop_token_ids": listed, "logit_bias": {str(forced): 100}}
+        body = {**GREEDY, "prompt": "A dog in", **fields}
+        choice = completion(http, **fields)["choices"][0]
+        assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", expected), forced
+        assert events(http, "/v1/completions", body)[-1]["choices"][0]["stop_reason"] == expected
+
+
 def detokenized(http, token_ids: list[int]) -> str:
     response = http.post("/detokenize", json={"model": MODEL_NAME, "tokens": token_ids})
     return response.json()["prompt"]
