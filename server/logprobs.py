@@ -30,6 +30,20 @@ def _token_name(tokenizer: Tokenizer, token_id: int, as_id: bool) -> tuple[str, 
     return (f"token_id:{token_id}" if as_id else text), raw
 
 
+def _legacy_token_name(tokenizer: Tokenizer, token_id: int, as_id: bool) -> str:
+    """A legacy completions logprobs token: its text, or, for a token whose bytes are not
+    whole UTF-8 characters, "bytes:\\xNN..." as OpenAI's legacy API names it (fuzz103: as
+    U+FFFD, such tokens shared one key of a `top_logprobs` dict and all but one were lost;
+    the legacy shape has no `bytes` field to tell them apart)."""
+    text, raw = _token_name(tokenizer, token_id, as_id)
+    if as_id or "\ufffd" not in text:
+        return text
+    try:
+        return bytes(raw).decode("utf-8")  # a real U+FFFD in the vocabulary
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{byte:02x}" for byte in raw)
+
+
 def chat_logprobs(
     tokenizer: Tokenizer, entries: Sequence[TokenLogprob], *, as_ids: bool = False
 ) -> ChoiceLogprobs:
@@ -62,12 +76,12 @@ def completion_logprobs(
     so `logprobs: 0` still names the chosen token there."""
     result = CompletionLogprobs(text_offset=list(text_offsets))
     for entry in entries:
-        name, _ = _token_name(tokenizer, entry.token_id, as_ids)
+        name = _legacy_token_name(tokenizer, entry.token_id, as_ids)
         result.tokens.append(name)
         result.token_logprobs.append(entry.logprob)
         top = {name: entry.logprob}
         for token_id, logprob in entry.top:  # a name two tokens share keeps the first's
-            top.setdefault(_token_name(tokenizer, token_id, as_ids)[0], logprob)
+            top.setdefault(_legacy_token_name(tokenizer, token_id, as_ids), logprob)
         result.top_logprobs.append(top)
     return result
 
