@@ -113,7 +113,7 @@ class GrammarAdmission:
         if matcher is not None:
             request.grammar = matcher
             return False
-        size = sum(len(text) for text in (spec.json, spec.regex) if text is not None)
+        size = sum(len(text) for text in (spec.json, spec.regex, spec.grammar) if text is not None)
         size += sum(len(choice) for choice in spec.choice or ())
         future = self._worker.submit(size, compiler.matcher, spec)
         self._compiling[request.request_id] = (request, media, future)

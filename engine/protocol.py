@@ -22,12 +22,14 @@ import msgspec
 class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """What a sequence's text must match; exactly one field is set. `json` is a JSON Schema
     as JSON text (`{"type": "object"}`: any object), `regex` a regular expression the whole
-    output matches, `choice` the strings of which the output is one. The engine masks
-    every token the grammar does not allow (engine/structured_output.py)."""
+    output matches, `choice` the strings of which the output is one, `grammar` a
+    context-free grammar in Lark or GBNF syntax (vLLM's `grammar`, as llguidance reads it).
+    The engine masks every token the grammar does not allow (engine/structured_output.py)."""
 
     json: str | None = None
     regex: str | None = None
     choice: tuple[str, ...] | None = None
+    grammar: str | None = None
     param: str = "structured_output"  # the request field it came from, for error messages
 
     def __post_init__(self) -> None:

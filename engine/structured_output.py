@@ -1,8 +1,8 @@
 """Structured outputs: a request's tokens constrained to a grammar, with llguidance.
 
 A request's `SamplingParams.structured_output` names a JSON Schema (OpenAI's
-`response_format`), a regular expression or a list of choices (vLLM's
-`structured_outputs`). The engine turns it into one `GrammarMatcher` per request; every
+`response_format`), a regular expression, a list of choices or a Lark / GBNF grammar
+(vLLM's `structured_outputs`). The engine turns it into one `GrammarMatcher` per request; every
 step that samples for the request
 
     matcher.allowed_tokens()  -> a bitmask over the vocabulary, [ceil(V / 32)] int32,
@@ -66,9 +66,11 @@ JSON_OPTIONS = {
 def to_grammar(spec: StructuredOutput) -> str:
     """The llguidance grammar text of `spec`. Raises ValueError where the spec is not
     even well formed (a schema that is not JSON, not exactly one constraint, no choices)."""
-    given = [spec.json is not None, spec.regex is not None, spec.choice is not None]
-    if sum(given) != 1:
-        raise ValueError("set exactly one of json, regex and choice")
+    given = [spec.json, spec.regex, spec.choice, spec.grammar]
+    if sum(part is not None for part in given) != 1:
+        raise ValueError("set exactly one of json, regex, choice and grammar")
+    if spec.grammar is not None:  # Lark, or GBNF (llama.cpp's) turned into Lark
+        return llguidance.grammar_from("grammar", spec.grammar)
     if spec.json is not None:
         return llguidance.LLMatcher.grammar_from_json_schema(spec.json, defaults=JSON_OPTIONS)
     if spec.regex is not None:
@@ -148,12 +150,12 @@ def _readable(error: str) -> str:
     return first
 
 
-SpecKey = tuple[str | None, str | None, tuple[str, ...] | None]
+SpecKey = tuple[str | None, str | None, tuple[str, ...] | None, str | None]
 
 
 def spec_key(spec: StructuredOutput) -> SpecKey:
     """What makes two specs the same grammar (not `param`, which only names the field)."""
-    return (spec.json, spec.regex, spec.choice)
+    return (spec.json, spec.regex, spec.choice, spec.grammar)
 
 
 class GrammarCompiler:

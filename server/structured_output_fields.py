@@ -20,7 +20,8 @@ from server.field_limits import bounded
 
 ANY_JSON_OBJECT = '{"type": "object"}'  # response_format json_object
 # vLLM's older request fields -> the `structured_outputs` key each one is
-GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice"}
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}  # fmt: skip
 
 
 class JsonSchemaFormat(RequestModel):
@@ -45,8 +46,8 @@ class ResponseFormat(RequestModel):
 
 class StructuredOutputs(BaseModel):
     """vLLM's `structured_outputs`: exactly one of a JSON Schema (or `json_object`), a
-    regular expression or a list of choices. Other vLLM keys (grammar, structural tags)
-    are a 400 rather than silently ignored."""
+    regular expression, a list of choices or a grammar (Lark or GBNF: fuzz116). Other vLLM
+    keys (structural tags, whitespace patterns) are a 400 rather than silently ignored."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -54,6 +55,7 @@ class StructuredOutputs(BaseModel):
     json_object: bool | None = None
     regex: str | None = None
     choice: list[str] | None = Field(default=None, min_length=1)
+    grammar: str | None = None  # bounded, as a schema is, by the body's size
 
     _short_enough_regex = field_validator("regex", mode="before")(
         bounded(lengths=("max_structured_output_regex_chars", "a regex"))
@@ -69,22 +71,18 @@ class StructuredOutputs(BaseModel):
             bool(self.json_object),
             self.regex is not None,
             self.choice is not None,
+            self.grammar is not None,
         ]
         if sum(given) != 1:
-            raise ValueError("give exactly one of json, json_object, regex and choice")
+            raise ValueError("give exactly one of json, json_object, regex, choice and grammar")
         return self
 
 
 def with_guided_fields_mapped(data: dict[str, Any]) -> dict[str, Any]:
     """A request body with vLLM's older names of `structured_outputs` (`guided_json`,
-    `guided_regex`, `guided_choice`), which clients still send, mapped onto it: ignoring
+    `guided_regex`, `guided_choice`, `guided_grammar`), which clients still send, mapped
+    onto it: ignoring
     one as an unknown field would drop the constraint without a word."""
-    if data.get("guided_grammar") is not None:
-        raise InvalidRequest(
-            "guided_grammar is not supported; constrain the answer with "
-            "a JSON Schema, a regex or choices",
-            param="guided_grammar",
-        )
     if data.get("guided_whitespace_pattern") is not None:  # as structured_outputs' own
         raise InvalidRequest(
             "guided_whitespace_pattern is not supported: JSON is laid out as json.dumps writes it",
@@ -115,6 +113,8 @@ def structured_output_of(
             return StructuredOutput(json=text), "structured_outputs.json"
         if structured.regex is not None:
             return StructuredOutput(regex=structured.regex), "structured_outputs.regex"
+        if structured.grammar is not None:
+            return StructuredOutput(grammar=structured.grammar), "structured_outputs.grammar"
         return StructuredOutput(choice=tuple(structured.choice or ())), "structured_outputs"
     if response_format is None or response_format.type == "text":
         return None

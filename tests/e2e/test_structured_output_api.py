@@ -1,5 +1,5 @@
 """Structured outputs over HTTP: OpenAI's `response_format` (json_object, json_schema) and
-vLLM's `structured_outputs` (json, regex, choice) on a real server. The tiny model's
+vLLM's `structured_outputs` (json, regex, choice, grammar) on a real server. The tiny model's
 weights are random, so whatever it says in these shapes comes from the grammar; the
 tokens themselves are checked against transformers in tests/parity."""
 
@@ -79,12 +79,29 @@ def test_vllm_regex_and_choice(client):
     assert completion.choices[0].text in choices
 
 
+def test_vllm_grammar_in_lark_or_gbnf(client):
+    """vLLM's `structured_outputs.grammar` (fuzz116: a 400 here), in Lark or in llama.cpp's
+    GBNF, as llguidance reads them; on /v1/completions too."""
+    lark = 'start: "The answer is " ANSWER "."\nANSWER: /[0-9]{2}/'
+    response = create(client, max_tokens=32, temperature=1.0, seed=2,
+                      extra_body={"structured_outputs": {"grammar": lark}})  # fmt: skip
+    assert response.choices[0].finish_reason == "stop"
+    assert re.fullmatch(r"The answer is [0-9]{2}\.", response.choices[0].message.content)
+    gbnf = 'root ::= word (" " word)?\nword ::= "red" | "blue"'
+    completion = client.completions.create(
+        model=MODEL_NAME, prompt="Colours:", max_tokens=32, temperature=0,
+        extra_body={"structured_outputs": {"grammar": gbnf}},
+    )  # fmt: skip
+    assert re.fullmatch(r"(red|blue)( (red|blue))?", completion.choices[0].text)
+
+
 @pytest.mark.parametrize(
     ("guided", "structured"),
     [
         ({"guided_json": SCHEMA}, {"json": SCHEMA}),
         ({"guided_regex": r"(red|blue) [0-9]{3}"}, {"regex": r"(red|blue) [0-9]{3}"}),
         ({"guided_choice": ["yes", "no"]}, {"choice": ["yes", "no"]}),
+        ({"guided_grammar": 'root ::= "yes" | "no"'}, {"grammar": 'root ::= "yes" | "no"'}),
     ],
 )
 def test_vllms_older_guided_fields_constrain_as_structured_outputs(client, guided, structured):
@@ -135,7 +152,8 @@ def test_constrained_and_free_requests_share_steps(client):
         ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
         ({"structured_outputs": {"grammar": "start: x"}}, "structured_outputs.grammar"),
-        ({"guided_grammar": "start: x"}, "guided_grammar"),
+        ({"guided_grammar": "start: x"}, "structured_outputs.grammar"),  # x is no rule
+        ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs.grammar"),
         ({"guided_json": {}, "guided_whitespace_pattern": " *"}, "guided_whitespace_pattern"),
         ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
         ({"guided_regex": "a", "structured_outputs": {"regex": "a"}}, "guided_regex"),

@@ -186,7 +186,7 @@ def test_constraints_become_the_engines_structured_output(fields, expected):
         ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
         ({"structured_outputs": {"choice": ["x"] * 257}}, "structured_outputs.choice"),
         ({"structured_outputs": {"regex": "a" * 4097}}, "structured_outputs.regex"),
-        ({"structured_outputs": {"grammar": "start: 'a'"}}, "structured_outputs.grammar"),
+        ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag"),
         ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
          "structured_outputs"),
     ],
