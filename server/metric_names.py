@@ -130,7 +130,7 @@ METRICS: tuple[MetricSpec, ...] = (
     # Per-request latency histograms (seconds).
     _histogram(
         "tessera:time_to_first_token_seconds",
-        "Time from the request's arrival at the HTTP server to its first generated token (media fetching and preprocessing included).",
+        "Time from the request's arrival at the HTTP server until its first generated token reaches the answer (media fetching and preprocessing included); a choice aborted before that has no sample.",
         LATENCY_BUCKETS,
     ),
     _histogram(
