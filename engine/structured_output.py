@@ -29,6 +29,8 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import llguidance
 import numpy as np
@@ -40,6 +42,15 @@ from engine.protocol import StructuredOutput
 # The server's grammar-level checks (no tokenizer) take llguidance's default limits; the
 # engine's matchers take `parser_limits(EngineConfig.grammar_lexer_fuel)`.
 PARSER_LIMITS = llguidance.LLParserLimits()
+# llguidance builds a grammar recursively, up to ~140 bytes of stack per character of a
+# chain of rules or $refs: a 67 KB Lark chain of 3000 rules, or a 75 KB schema of 1000
+# chained $refs, overflowed a thread's 8 MB and killed the process (fuzz118). Builds run on
+# a thread with this much stack (address space: only the pages used become memory), and
+# the server bounds a schema's and a grammar's size (--max-structured-output-schema-chars,
+# 512 KiB: ~70 MB at worst) so that none needs more.
+GRAMMAR_STACK_BYTES = 512 * 1024**2
+_STACK_SIZE_LOCK = threading.Lock()
+T = TypeVar("T")
 
 
 def parser_limits(lexer_fuel: int) -> llguidance.LLParserLimits:
@@ -88,6 +99,10 @@ def to_grammar(spec: StructuredOutput) -> str:
 
 def grammar_error(spec: StructuredOutput) -> str | None:
     """Why `spec` cannot constrain a request, or None when it can."""
+    return on_grammar_stack(lambda: _grammar_error(spec))
+
+
+def _grammar_error(spec: StructuredOutput) -> str | None:
     try:
         if spec.regex is not None:
             # the client's own regex first, so that an error quotes it rather than its
@@ -158,6 +173,30 @@ def spec_key(spec: StructuredOutput) -> SpecKey:
     return (spec.json, spec.regex, spec.choice, spec.grammar)
 
 
+def on_grammar_stack(build: Callable[[], T]) -> T:
+    """`build()` run on a fresh thread of GRAMMAR_STACK_BYTES of stack: its result, or what
+    it raised."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = build()
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+            outcome["error"] = exc
+
+    with _STACK_SIZE_LOCK:  # threading.stack_size is the process's: set around one start
+        previous = threading.stack_size(GRAMMAR_STACK_BYTES)
+        try:
+            thread = threading.Thread(target=run, name="grammar-build", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
+
+
 class GrammarCompiler:
     """Makes `GrammarMatcher`s for one model: its tokenizer (read from `tokenizer.json` on
     first use), its logits' width and its EOS tokens. The last `cache_size` compiled
@@ -185,6 +224,25 @@ class GrammarCompiler:
         # they are only copied, which llguidance allows from any thread.
         self._compiled: OrderedDict[SpecKey, llguidance.LLMatcher] = OrderedDict()
         self._cache_lock = threading.Lock()
+
+    def _compile(self, spec: StructuredOutput, tokenizer: llguidance.LLTokenizer):
+        """`spec`'s llguidance matcher, its first mask computed (on the grammar stack)."""
+        try:
+            grammar = to_grammar(spec)
+        except ValueError as exc:
+            raise InvalidRequest(f"invalid structured output: {exc}", param=spec.param) from exc
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=self._limits)
+        if matcher.is_error():
+            message = matcher.get_error()[:500]
+            raise InvalidRequest(f"invalid structured output: {message}", param=spec.param)
+        # The first mask builds the lexer's states for the grammar's start (~5 ms for a
+        # large schema); copies of this matcher keep them, so their first mask on the
+        # engine loop takes ~0.2 ms. A grammar that fails here fails its request there.
+        matcher.compute_bitmask()
+        if matcher.is_error():  # a grammar that no text satisfies (a schema of only itself)
+            message = _readable(matcher.get_error())
+            raise InvalidRequest(f"invalid structured output: {message}", param=spec.param)
+        return matcher
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
@@ -229,23 +287,8 @@ class GrammarCompiler:
         cached = self.cached(spec)
         if cached is not None:
             return cached
-        try:
-            grammar = to_grammar(spec)
-        except ValueError as exc:
-            raise InvalidRequest(f"invalid structured output: {exc}", param=spec.param) from exc
-        matcher = llguidance.LLMatcher(
-            self._llg_tokenizer(), grammar, log_level=0, limits=self._limits
-        )
-        if matcher.is_error():
-            message = matcher.get_error()[:500]
-            raise InvalidRequest(f"invalid structured output: {message}", param=spec.param)
-        # The first mask builds the lexer's states for the grammar's start (~5 ms for a
-        # large schema); copies of this matcher keep them, so their first mask on the
-        # engine loop takes ~0.2 ms. A grammar that fails here fails its request there.
-        matcher.compute_bitmask()
-        if matcher.is_error():  # a grammar that no text satisfies (a schema of only itself)
-            message = _readable(matcher.get_error())
-            raise InvalidRequest(f"invalid structured output: {message}", param=spec.param)
+        tokenizer = self._llg_tokenizer()
+        matcher = on_grammar_stack(lambda: self._compile(spec, tokenizer))
         if self._cache_size <= 0:
             return GrammarMatcher(matcher, self._vocab_size)
         with self._cache_lock:

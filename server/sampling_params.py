@@ -16,6 +16,7 @@ from tokenizers import Tokenizer
 from engine.errors import ContextLengthExceeded, InvalidRequest, too_long_for_kv_cache
 from engine.generation_defaults import SamplingDefaults
 from engine.protocol import DEFAULT_MAX_LOGPROBS, SamplingParams
+from server.field_limits import check_lengths
 from server.openai_models import SamplingFields
 
 # llguidance's check of a large schema takes ~0.3 s (5000 properties), with the GIL
@@ -79,11 +80,15 @@ _grammar_verdicts = _GrammarVerdicts(GRAMMAR_CHECKS_REMEMBERED)
 
 
 async def check_structured_output(request: SamplingFields) -> None:
-    """A 400 naming the field when the request's grammar cannot be built."""
+    """A 400 naming the field when the request's grammar is too large or cannot be built."""
     constraint = request.structured_output
     if constraint is None:
         return
     spec, param = constraint
+    try:  # whatever the schema came from (response_format, structured_outputs, tools)
+        check_lengths(spec.json or "", "max_structured_output_schema_chars", "a JSON schema")
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), param=param) from None
     error = await _grammar_verdicts.check(spec)
     if error is not None:
         raise GrammarRefused(param, error)

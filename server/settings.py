@@ -35,8 +35,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from engine.config import EngineConfig, check_ranges
 from engine.generation_defaults import SamplingDefaults
 from engine.logging_utils import LOG_FORMATS, LOG_LEVELS
@@ -48,6 +46,7 @@ from server.host_defaults import (
     usable_cores,
 )
 from server.reasoning import REASONING_PARSERS
+from server.settings_yaml import read_yaml_mapping
 from server.tool_calls import TOOL_CALL_PARSERS
 
 ENV_PREFIX = "TESSERA_"
@@ -131,6 +130,8 @@ class ServerSettings:
     max_request_chat_template_chars: int = _LIMITS.max_request_chat_template_chars  # a request's own chat_template (with trust_request_chat_template)
     max_structured_output_choices: int = _LIMITS.max_structured_output_choices  # structured_outputs.choice entries
     max_structured_output_regex_chars: int = _LIMITS.max_structured_output_regex_chars  # structured_outputs.regex characters
+    max_structured_output_schema_chars: int = _LIMITS.max_structured_output_schema_chars  # a JSON schema's characters, as JSON (response_format, structured_outputs.json, tools' parameters together)
+    max_structured_output_grammar_chars: int = _LIMITS.max_structured_output_grammar_chars  # structured_outputs.grammar characters (Lark or GBNF)
     max_remembered_media_uuids: int = 16384  # media uuids each API process remembers for uuid-only parts (the least recently used forgotten first: naming it again is a 400)
     stream_interval: int = 1  # new tokens a streamed chunk waits for after the first (vLLM's and SGLang's --stream-interval): more cost the API process less per token and make chunks coarser
     timeout_keep_alive_s: int = 65  # an idle kept-alive HTTP connection closes after this: above the idle timeouts of the clients' pools (httpx and the openai client 5 s, aiohttp 15 s) and of common proxies (AWS ALB, nginx: 60 s), so that they close first; the server closing one as a client reuses it loses that request (uvicorn's and vLLM's 5 s matched httpx's)
@@ -371,39 +372,11 @@ def build_parser(prog: str = "tessera serve") -> argparse.ArgumentParser:
     return parser
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, refusing a key written twice in one mapping (safe_load keeps
-    the last without a word)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        seen = set()
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults`, not a setting
-                continue
-            key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, str) and key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"{key!r} is set twice", key_node.start_mark
-                )
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
 def _from_yaml(path: str) -> dict[str, Any]:
     try:
-        data = yaml.load(Path(path).read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
-    except OSError as exc:
-        raise SettingsError(f"cannot read config file {path}: {exc.strerror}") from None
-    except UnicodeDecodeError as exc:
-        raise SettingsError(f"config file {path} is not UTF-8 text ({exc.reason} at byte "
-                            f"{exc.start})") from None  # fmt: skip
-    except yaml.YAMLError as exc:
-        raise SettingsError(f"config file {path} is not valid YAML: {exc}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise SettingsError(f"config file {path} must be a mapping of setting names to values")
-    data = dict(data)
+        data = read_yaml_mapping(path)
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None
     nested = data.pop("engine", None)
     nested = {} if nested is None else nested  # `engine:` with nothing under it
     if not isinstance(nested, dict):

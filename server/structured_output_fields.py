@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from engine.errors import InvalidRequest
 from engine.protocol import StructuredOutput
 from server.chat_messages import RequestModel
-from server.field_limits import bounded
+from server.field_limits import bounded, check_lengths
 
 ANY_JSON_OBJECT = '{"type": "object"}'  # response_format json_object
 # vLLM's older request fields -> the `structured_outputs` key each one is
@@ -24,11 +24,21 @@ GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice"
                  "guided_grammar": "grammar"}  # fmt: skip
 
 
+def short_enough_schema(schema: Any) -> Any:
+    """A `mode="before"` validator: a JSON schema (a mapping, or its JSON text) within
+    --max-structured-output-schema-chars, as JSON (engine/structured_output.py says why)."""
+    text = json.dumps(schema) if isinstance(schema, dict) else schema
+    check_lengths(text, "max_structured_output_schema_chars", "a JSON schema")
+    return schema
+
+
 class JsonSchemaFormat(RequestModel):
     name: str = Field(default="response", max_length=64)
     description: str | None = None
     schema_: dict[str, Any] = Field(alias="schema")
     strict: bool | None = None  # the grammar is always enforced strictly
+
+    _short_enough_schema = field_validator("schema_", mode="before")(short_enough_schema)
 
 
 class ResponseFormat(RequestModel):
@@ -55,11 +65,15 @@ class StructuredOutputs(BaseModel):
     json_object: bool | None = None
     regex: str | None = None
     choice: list[str] | None = Field(default=None, min_length=1)
-    grammar: str | None = None  # bounded, as a schema is, by the body's size
+    grammar: str | None = None
 
     _short_enough_regex = field_validator("regex", mode="before")(
         bounded(lengths=("max_structured_output_regex_chars", "a regex"))
     )
+    _short_enough_grammar = field_validator("grammar", mode="before")(
+        bounded(lengths=("max_structured_output_grammar_chars", "a grammar"))
+    )
+    _short_enough_schema = field_validator("json_", mode="before")(short_enough_schema)
     _few_enough_choices = field_validator("choice", mode="before")(
         bounded(("max_structured_output_choices", "choices"), ("max_stop_string_chars", "a choice"))
     )

@@ -189,3 +189,31 @@ def test_a_grammar_past_its_limits_is_a_400_naming_the_field_and_others_go_on(cl
         events = [line for line in response.iter_lines() if line.startswith("data: ")]
     assert "grammar failed" in events[-2] and events[-1] == "data: [DONE]"
     assert create(client, max_tokens=4, temperature=0).choices[0].message.content
+
+
+def test_long_chains_of_rules_or_refs_leave_the_server_up(http):
+    """fuzz118: a Lark chain of 3000 rules (67 KB) or a schema of 3000 chained $refs
+    (228 KB) overflowed llguidance's stack and killed the server. The grammar is now past
+    --max-structured-output-grammar-chars (a 400); the schema builds on a larger stack."""
+    rules = [f'r{i}: "x" r{i + 1} | "y"' for i in range(3000)]
+    grammar = "\n".join(["start: r0", *rules, 'r3000: "z"'])
+    defs = {f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}}
+            for i in range(3000)}  # fmt: skip
+    defs["d3000"] = {"type": "string"}
+    chain = {"type": "json_schema", "json_schema": {"name": "c", "schema": {
+        "$ref": "#/$defs/d0", "$defs": defs}}}  # fmt: skip
+    body = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 4}
+    refused = http.post("/v1/chat/completions",
+                        json={**body, "structured_outputs": {"grammar": grammar}})  # fmt: skip
+    assert_error(refused, 400, param="structured_outputs.grammar")
+    assert "--max-structured-output-grammar-chars" in refused.json()["error"]["message"]
+    assert http.post("/v1/chat/completions", json={**body, "response_format": chain}).is_success
+    huge = {**chain["json_schema"]["schema"], "description": "x" * 600_000}
+    too_long = {**body, "response_format": {"type": "json_schema",
+                                            "json_schema": {"name": "h", "schema": huge}}}  # fmt: skip
+    assert_error(http.post("/v1/chat/completions", json=too_long), 400,
+                 param="response_format.json_schema.schema")  # fmt: skip
+    tool = {"type": "function", "function": {"name": "f", "parameters": huge}}
+    forced = {**body, "tools": [tool], "tool_choice": "required"}  # the tools' grammar
+    assert_error(http.post("/v1/chat/completions", json=forced), 400, param="tools")
+    assert http.get("/health").status_code == 200

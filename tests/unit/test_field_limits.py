@@ -61,6 +61,15 @@ CASES = {
         *_chat(structured_outputs={"regex": "a" * count}),
         "structured_outputs.regex",
     ),
+    "max_structured_output_grammar_chars": lambda count: (
+        *_chat(structured_outputs={"grammar": "a" * count}),
+        "structured_outputs.grammar",
+    ),
+    # a schema as its JSON text (a mapping counts as json.dumps writes it: tests/e2e)
+    "max_structured_output_schema_chars": lambda count: (
+        *_chat(structured_outputs={"json": "a" * count}),
+        "structured_outputs.json",
+    ),
 }
 
 
