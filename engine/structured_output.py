@@ -83,7 +83,8 @@ def to_grammar(spec: StructuredOutput) -> str:
     if spec.grammar is not None:  # Lark, or GBNF (llama.cpp's) turned into Lark
         return llguidance.grammar_from("grammar", spec.grammar)
     if spec.json is not None:
-        return llguidance.LLMatcher.grammar_from_json_schema(spec.json, defaults=JSON_OPTIONS)
+        schema = _without_outermost_bounds(spec.json)
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
     if spec.regex is not None:
         # \d and \w as ASCII, as in a JSON schema's pattern here and in xgrammar (vLLM's
         # default): llguidance's Rust regex syntax takes them as Unicode (fuzz53).
@@ -95,6 +96,59 @@ def to_grammar(spec: StructuredOutput) -> str:
     return llguidance.LLMatcher.grammar_from_lark(
         "start: " + " | ".join(json.dumps(choice) for choice in spec.choice)
     )
+
+
+# llguidance writes a number's bounds as a regular expression, and fails on one past about
+# 2**62 in size ("Failed to generate regex for integer range"): pydantic's int64 fields
+# (ge=-2**63) and float32 ranges (3.4e38) were a 400 (fuzz120), which OpenAI's strict mode
+# and vLLM take. A bound that far out on its open side (a minimum below -2**62, a maximum
+# above 2**62) is left out: only a number of 19 digits or more could pass it. One that far
+# in (a minimum above 2**62) stays, and is refused.
+OUTERMOST_BOUND = 2.0**62
+_LOWER_BOUNDS = ("minimum", "exclusiveMinimum")
+_UPPER_BOUNDS = ("maximum", "exclusiveMaximum")
+_LITERAL_KEYWORDS = ("const", "enum", "default", "examples")  # values, not schemas
+
+
+def _without_outermost_bounds(schema_text: str) -> str:
+    """`schema_text` without the numeric bounds llguidance cannot build that bound nothing
+    a model writes (see OUTERMOST_BOUND); the text itself when it has none."""
+    if not any(key in schema_text for key in (*_LOWER_BOUNDS, *_UPPER_BOUNDS)):
+        return schema_text
+    try:
+        schema = json.loads(schema_text)
+        if _has_outermost_bound(schema):
+            return json.dumps(_drop_outermost_bounds(schema))
+    except (ValueError, RecursionError):
+        pass  # llguidance says what is wrong with the text, or how deep it is
+    return schema_text
+
+
+def _is_outermost(key: str, value: Any) -> bool:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return (key in _LOWER_BOUNDS and value <= -OUTERMOST_BOUND) or (
+        key in _UPPER_BOUNDS and value >= OUTERMOST_BOUND
+    )
+
+
+def _has_outermost_bound(node: Any) -> bool:
+    if isinstance(node, list):
+        return any(_has_outermost_bound(item) for item in node)
+    if not isinstance(node, dict):
+        return False
+    return any(_is_outermost(key, value)
+               or (key not in _LITERAL_KEYWORDS and _has_outermost_bound(value))
+               for key, value in node.items())  # fmt: skip
+
+
+def _drop_outermost_bounds(node: Any) -> Any:
+    if isinstance(node, list):
+        return [_drop_outermost_bounds(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    return {key: value if key in _LITERAL_KEYWORDS else _drop_outermost_bounds(value)
+            for key, value in node.items() if not _is_outermost(key, value)}  # fmt: skip
 
 
 def grammar_error(spec: StructuredOutput) -> str | None:
