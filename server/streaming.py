@@ -189,14 +189,18 @@ async def stream_chat(
         # always there (null when unset).
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
+    # A forced tool call's answer has no content: null from the first chunk, as OpenAI's
+    # (fuzz120: the openai SDK's stream helper ended with content "" where parse() gave None).
+    forced_calls = job.tools is not None and job.tools.mode != "auto"
+    role = {"role": "assistant", "content": None if forced_calls else ""}
+
     def roles() -> bytes:
         # Before any text: no completion tokens yet, though the engine's first output,
         # which they may wait for, has counted one (fuzz115).
         usage = None
         if job.continuous_usage:
             usage = usage_of(GenerationTotals(totals.num_prompt_tokens, totals.num_cached_tokens))
-        return b"".join(chunk([choice(index, {"role": "assistant", "content": ""})], usage)
-                        for index in range(job.n))  # fmt: skip
+        return b"".join(chunk([choice(index, role)], usage) for index in range(job.n))
 
     with counted_if_left(totals, job.n, on_finished):
         # The role chunks open the stream at once, unless each chunk carries the usage so

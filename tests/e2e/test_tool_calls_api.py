@@ -76,6 +76,24 @@ def test_a_named_function_is_called(client):
     assert calls[0]["chunks"] > 3  # the arguments streamed as they were generated
 
 
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function",
+                                                      "function": {"name": "get_weather"}}])  # fmt: skip
+def test_a_forced_calls_stream_has_no_content_from_its_first_chunk(client, tool_choice):
+    """fuzz120: the role chunk said `content: ""`, so the openai SDK's stream helper ended
+    with content "" where the answer (and OpenAI's stream) has null."""
+    kwargs = {"max_tokens": 96, "temperature": 0, "tools": TOOLS, "tool_choice": tool_choice}
+    plain = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, **kwargs)
+    with client.chat.completions.stream(model=MODEL_NAME, messages=MESSAGES, **kwargs) as stream:
+        final = stream.get_final_completion()
+    assert plain.choices[0].message.content is None
+    assert final.choices[0].message.content is None
+    assert final.choices[0].message.tool_calls[0].function.arguments == (
+        plain.choices[0].message.tool_calls[0].function.arguments
+    )
+    first = next(iter(create(client, stream=True, tool_choice=tool_choice)))
+    assert first.choices[0].delta.role == "assistant" and first.choices[0].delta.content is None
+
+
 def test_required_calls_one_or_more_tools(client):
     response = create(client, tool_choice="required", temperature=1.0, seed=3)
     assert response.choices[0].finish_reason == "tool_calls"
