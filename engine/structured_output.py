@@ -33,6 +33,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import llguidance
+import msgspec
 import numpy as np
 import torch
 
@@ -74,6 +75,27 @@ JSON_OPTIONS = {
 }
 
 
+def lark_grammar(text: str) -> str:
+    """A `grammar` spec's text as Lark: as given, or converted from GBNF. The conversion is
+    llguidance's Python, quadratic in a chain of rules' length (2 s for 32 KB, holding the
+    GIL: fuzz119), so the server converts once, in its grammar check, and sends the engine
+    Lark (`lark_spec`). ValueError when GBNF does not convert."""
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    try:
+        return any_to_lark(text)
+    except Exception as exc:  # noqa: BLE001 - its parser raises its own and plain ones
+        raise ValueError(f"Failed to convert the grammar from GBNF to Lark: {exc}") from None
+
+
+def lark_spec(spec: StructuredOutput) -> StructuredOutput:
+    """`spec` with a GBNF grammar converted to Lark (the same spec otherwise)."""
+    if spec.grammar is None:
+        return spec
+    lark = lark_grammar(spec.grammar)
+    return spec if lark == spec.grammar else msgspec.structs.replace(spec, grammar=lark)
+
+
 def to_grammar(spec: StructuredOutput) -> str:
     """The llguidance grammar text of `spec`. Raises ValueError where the spec is not
     even well formed (a schema that is not JSON, not exactly one constraint, no choices)."""
@@ -81,7 +103,7 @@ def to_grammar(spec: StructuredOutput) -> str:
     if sum(part is not None for part in given) != 1:
         raise ValueError("set exactly one of json, regex, choice and grammar")
     if spec.grammar is not None:  # Lark, or GBNF (llama.cpp's) turned into Lark
-        return llguidance.grammar_from("grammar", spec.grammar)
+        return llguidance.LLMatcher.grammar_from_lark(lark_grammar(spec.grammar))
     if spec.json is not None:
         schema = _without_outermost_bounds(spec.json)
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)

@@ -45,7 +45,7 @@ class FieldLimits:
     # llguidance builds a grammar recursively (engine/structured_output.py): these bound
     # the stack a chain of $refs or rules can take, and GBNF's conversion time.
     max_structured_output_schema_chars: int = 512 * 1024
-    max_structured_output_grammar_chars: int = 32 * 1024
+    max_structured_output_grammar_chars: int = 16 * 1024
 
     @classmethod
     def of(cls, settings: Any) -> FieldLimits:

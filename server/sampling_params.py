@@ -15,7 +15,7 @@ from tokenizers import Tokenizer
 
 from engine.errors import ContextLengthExceeded, InvalidRequest, too_long_for_kv_cache
 from engine.generation_defaults import SamplingDefaults
-from engine.protocol import DEFAULT_MAX_LOGPROBS, SamplingParams
+from engine.protocol import DEFAULT_MAX_LOGPROBS, SamplingParams, StructuredOutput
 from server.field_limits import check_lengths
 from server.openai_models import SamplingFields
 
@@ -38,24 +38,39 @@ class GrammarRefused(InvalidRequest):
         self.detail = detail
 
 
+# A check's answer: why the spec cannot constrain a request (None: it can), and the spec
+# the engine gets (a GBNF grammar as Lark, converted once, here).
+Verdict = tuple[str | None, StructuredOutput]
+
+
 class _GrammarVerdicts:
-    """An LRU of grammar checks' answers (None, or why not), keyed by the blake3 of the
-    spec: a schema can be megabytes, its digest is 32 bytes. Looked up on the event loop;
-    only a spec not seen yet goes to a check thread, once however many requests carry it."""
+    """An LRU of grammar checks' answers, keyed by the blake3 of the spec: a schema can be
+    megabytes, its digest is 32 bytes. Looked up on the event loop; only a spec not seen
+    yet goes to a check thread, once however many requests carry it."""
 
     def __init__(self, capacity: int) -> None:
         self._capacity = capacity
-        self._verdicts: OrderedDict[bytes, str | None] = OrderedDict()
+        self._verdicts: OrderedDict[bytes, Verdict] = OrderedDict()
         self._in_flight: dict[bytes, asyncio.Future] = {}
 
-    async def check(self, spec) -> str | None:
-        key = blake3.blake3(msgspec.msgpack.encode(spec)).digest()
+    @staticmethod
+    def _key(spec: StructuredOutput) -> bytes:
+        return blake3.blake3(msgspec.msgpack.encode(spec)).digest()
+
+    def engine_spec(self, spec: StructuredOutput) -> StructuredOutput:
+        """What the engine gets for a checked `spec` (`spec` itself if its verdict is gone:
+        the engine converts a GBNF grammar then)."""
+        verdict = self._verdicts.get(self._key(spec))
+        return spec if verdict is None else verdict[1]
+
+    async def check(self, spec: StructuredOutput) -> Verdict:
+        key = self._key(spec)
         if key in self._verdicts:
             self._verdicts.move_to_end(key)
             return self._verdicts[key]
         if key not in self._in_flight:
             loop = asyncio.get_running_loop()
-            future = loop.run_in_executor(_grammar_checks, _grammar_error, spec)
+            future = loop.run_in_executor(_grammar_checks, _grammar_verdict, spec)
             future.add_done_callback(functools.partial(self._settle, key))
             self._in_flight[key] = future
         # shielded: a request that leaves does not cancel the others' shared check
@@ -69,11 +84,16 @@ class _GrammarVerdicts:
                 self._verdicts.popitem(last=False)
 
 
-def _grammar_error(spec) -> str | None:
-    from engine.structured_output import grammar_error  # llguidance only when asked for
+def _grammar_verdict(spec: StructuredOutput) -> Verdict:
+    # llguidance only when asked for
+    from engine.structured_output import grammar_error, lark_spec
 
-    error = grammar_error(spec)
-    return None if error is None else error[:GRAMMAR_ERROR_CHARS]
+    try:
+        ready = lark_spec(spec)
+    except ValueError as exc:
+        return str(exc)[:GRAMMAR_ERROR_CHARS], spec
+    error = grammar_error(ready)
+    return (None if error is None else error[:GRAMMAR_ERROR_CHARS]), ready
 
 
 _grammar_verdicts = _GrammarVerdicts(GRAMMAR_CHECKS_REMEMBERED)
@@ -89,7 +109,7 @@ async def check_structured_output(request: SamplingFields) -> None:
         check_lengths(spec.json or "", "max_structured_output_schema_chars", "a JSON schema")
     except ValueError as exc:
         raise InvalidRequest(str(exc), param=param) from None
-    error = await _grammar_verdicts.check(spec)
+    error, _ = await _grammar_verdicts.check(spec)
     if error is not None:
         raise GrammarRefused(param, error)
 
@@ -211,7 +231,9 @@ def build_sampling_params(
         allowed_token_ids=None
         if request.allowed_token_ids is None
         else tuple(sorted(set(request.allowed_token_ids))),
-        structured_output=msgspec.structs.replace(constraint[0], param=constraint[1])
+        structured_output=msgspec.structs.replace(
+            _grammar_verdicts.engine_spec(constraint[0]), param=constraint[1]
+        )
         if constraint
         else None,
     )
