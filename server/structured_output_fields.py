@@ -110,6 +110,10 @@ def with_guided_fields_mapped(data: dict[str, Any]) -> dict[str, Any]:
             f"give one of {', '.join(GUIDED_FIELDS)} and structured_outputs", param=given[-1]
         )
     name = given[0]
+    response_format = data.get("response_format")
+    if isinstance(response_format, dict) and response_format.get("type") not in (None, "text"):
+        # named as sent (fuzz119: the error named structured_outputs, which it did not send)
+        raise InvalidRequest(f"give either response_format or {name}, not both", param=name)
     return {**data, "structured_outputs": {GUIDED_FIELDS[name]: data[name]}}
 
 

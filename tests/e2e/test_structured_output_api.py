@@ -158,6 +158,7 @@ def test_constrained_and_free_requests_share_steps(client):
         ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
         ({"guided_regex": "a", "structured_outputs": {"regex": "a"}}, "guided_regex"),
         ({"guided_regex": "a(b"}, "structured_outputs.regex"),
+        ({"guided_choice": ["a"], "response_format": {"type": "json_object"}}, "guided_choice"),
         (
             {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
             "structured_outputs",
