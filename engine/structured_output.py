@@ -27,6 +27,7 @@ llguidance needs (each token's bytes) is built once per engine, on a thread at s
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -51,6 +52,7 @@ PARSER_LIMITS = llguidance.LLParserLimits()
 # 512 KiB: ~70 MB at worst) so that none needs more.
 GRAMMAR_STACK_BYTES = 512 * 1024**2
 _STACK_SIZE_LOCK = threading.Lock()
+logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -105,7 +107,7 @@ def to_grammar(spec: StructuredOutput) -> str:
     if spec.grammar is not None:  # Lark, or GBNF (llama.cpp's) turned into Lark
         return llguidance.LLMatcher.grammar_from_lark(lark_grammar(spec.grammar))
     if spec.json is not None:
-        schema = _without_outermost_bounds(spec.json)
+        schema = _with_outermost_bounds_moved_in(spec.json)
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
     if spec.regex is not None:
         # \d and \w as ASCII, as in a JSON schema's pattern here and in xgrammar (vLLM's
@@ -120,57 +122,57 @@ def to_grammar(spec: StructuredOutput) -> str:
     )
 
 
-# llguidance writes a number's bounds as a regular expression, and fails on one past about
-# 2**62 in size ("Failed to generate regex for integer range"): pydantic's int64 fields
-# (ge=-2**63) and float32 ranges (3.4e38) were a 400 (fuzz120), which OpenAI's strict mode
-# and vLLM take. A bound that far out on its open side (a minimum below -2**62, a maximum
-# above 2**62) is left out: only a number of 19 digits or more could pass it. One that far
-# in (a minimum above 2**62) stays, and is refused.
-OUTERMOST_BOUND = 2.0**62
+# llguidance writes a number's bounds as a regular expression, and fails on a bound far
+# out on its open side: pydantic's int64 fields (ge=-2**63) and float32 ranges (3.4e38)
+# were a 400 (fuzz120), which OpenAI's strict mode and vLLM take. Such a bound is moved in
+# to OUTERMOST_BOUND, which llguidance builds (as it does every bound up to 2**63 - 1024 on
+# that side): the answer stays within the client's bound, less only the numbers beyond
+# 9.2e18 (dropping the bound let a model write 22 digits: fuzz121). A bound far out on its
+# closed side (a minimum above ~1e17) is left as it is, and llguidance refuses it.
+OUTERMOST_BOUND = 9_200_000_000_000_000_000
 _LOWER_BOUNDS = ("minimum", "exclusiveMinimum")
 _UPPER_BOUNDS = ("maximum", "exclusiveMaximum")
 _LITERAL_KEYWORDS = ("const", "enum", "default", "examples")  # values, not schemas
+# Keywords whose mapping's keys are names (a property named "default"), its values schemas
+_NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
-def _without_outermost_bounds(schema_text: str) -> str:
-    """`schema_text` without the numeric bounds llguidance cannot build that bound nothing
-    a model writes (see OUTERMOST_BOUND); the text itself when it has none."""
+def _with_outermost_bounds_moved_in(schema_text: str) -> str:
+    """`schema_text` with every numeric bound past OUTERMOST_BOUND on its open side moved
+    in to it; the text itself when there is none."""
     if not any(key in schema_text for key in (*_LOWER_BOUNDS, *_UPPER_BOUNDS)):
         return schema_text
     try:
         schema = json.loads(schema_text)
-        if _has_outermost_bound(schema):
-            return json.dumps(_drop_outermost_bounds(schema))
+        moved = _moved_in(schema)
     except (ValueError, RecursionError):
-        pass  # llguidance says what is wrong with the text, or how deep it is
-    return schema_text
+        return schema_text  # llguidance says what is wrong with the text, or how deep it is
+    return schema_text if moved == schema else json.dumps(moved)
 
 
-def _is_outermost(key: str, value: Any) -> bool:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return False
-    return (key in _LOWER_BOUNDS and value <= -OUTERMOST_BOUND) or (
-        key in _UPPER_BOUNDS and value >= OUTERMOST_BOUND
-    )
+def _moved_in(schema: Any) -> Any:
+    """A schema (or a list of them) with its far bounds moved in, recursively."""
+    if isinstance(schema, list):
+        return [_moved_in(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    moved = {}
+    for key, value in schema.items():
+        if key in _LITERAL_KEYWORDS:
+            moved[key] = value
+        elif key in _NAMED_SCHEMAS and isinstance(value, dict):
+            moved[key] = {name: _moved_in(sub) for name, sub in value.items()}
+        elif _is_number(value) and key in _LOWER_BOUNDS:
+            moved[key] = max(value, -OUTERMOST_BOUND)
+        elif _is_number(value) and key in _UPPER_BOUNDS:
+            moved[key] = min(value, OUTERMOST_BOUND)
+        else:
+            moved[key] = _moved_in(value)
+    return moved
 
 
-def _has_outermost_bound(node: Any) -> bool:
-    if isinstance(node, list):
-        return any(_has_outermost_bound(item) for item in node)
-    if not isinstance(node, dict):
-        return False
-    return any(_is_outermost(key, value)
-               or (key not in _LITERAL_KEYWORDS and _has_outermost_bound(value))
-               for key, value in node.items())  # fmt: skip
-
-
-def _drop_outermost_bounds(node: Any) -> Any:
-    if isinstance(node, list):
-        return [_drop_outermost_bounds(item) for item in node]
-    if not isinstance(node, dict):
-        return node
-    return {key: value if key in _LITERAL_KEYWORDS else _drop_outermost_bounds(value)
-            for key, value in node.items() if not _is_outermost(key, value)}  # fmt: skip
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def grammar_error(spec: StructuredOutput) -> str | None:
@@ -260,13 +262,21 @@ def on_grammar_stack(build: Callable[[], T]) -> T:
         except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
             outcome["error"] = exc
 
-    with _STACK_SIZE_LOCK:  # threading.stack_size is the process's: set around one start
+    # threading.stack_size is the process's: set around this one start (a thread another
+    # module starts meanwhile gets the large stack too, address space only).
+    with _STACK_SIZE_LOCK:
         previous = threading.stack_size(GRAMMAR_STACK_BYTES)
         try:
             thread = threading.Thread(target=run, name="grammar-build", daemon=True)
             thread.start()
+        except RuntimeError:  # no room for the stack (a tight `ulimit -v`): this thread's
+            logger.warning("no %d MiB thread stack for a grammar build; building on the "
+                         "caller's", GRAMMAR_STACK_BYTES >> 20)  # fmt: skip
+            thread = None
         finally:
             threading.stack_size(previous)
+    if thread is None:
+        return build()
     thread.join()
     if "error" in outcome:
         raise outcome["error"]

@@ -76,3 +76,22 @@ def test_the_longest_chains_the_limits_allow_build_without_a_crash(kind, tmp_pat
                           text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
     assert "built:" in done.stdout
+
+
+def test_a_build_runs_on_the_callers_thread_when_no_large_stack_can_be_had(monkeypatch, caplog):
+    """fuzz121: under a tight `ulimit -v` the large-stack thread cannot start, and every
+    grammar check raised (a 500); now the build runs where it is called, with a warning."""
+    import threading
+
+    from engine.structured_output import on_grammar_stack
+
+    def no_room(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", no_room)
+    with caplog.at_level("WARNING"):
+        assert on_grammar_stack(threading.get_ident) == threading.get_ident()
+    assert "grammar build" in caplog.text
+    monkeypatch.undo()
+    assert on_grammar_stack(threading.get_ident) != threading.get_ident()  # its own thread
+    assert threading.stack_size() == 0  # the process's default put back

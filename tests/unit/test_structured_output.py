@@ -52,26 +52,35 @@ def test_good_specs_pass(spec):
     assert grammar_error(spec) is None
 
 
-def test_bounds_past_what_llguidance_builds_are_dropped_on_their_open_side(compiler, tokenizer):
+def test_bounds_past_what_llguidance_builds_move_in_on_their_open_side(compiler, tokenizer):
     """pydantic's int64 fields (ge=-2**63) and float32 ranges were a 400 (fuzz120: llguidance
-    builds no regex for a bound past ~2**62), which OpenAI's strict mode and vLLM take. Such
-    a bound on its open side bounds nothing a model writes and is left out; one that far in
-    still is a 400, and a `const` holding such a mapping is a value, kept whole."""
-    from engine.structured_output import to_grammar
+    builds no regex for such a bound), which OpenAI's strict mode and vLLM take. Such a
+    bound moves in to 9.2e18, so that answers stay within it (fuzz121: dropping it let a
+    model write 22 digits); anywhere a schema sits, a property named "default" included
+    (fuzz121: skipped as the keyword), but never inside a `const` value. A bound that far
+    on its closed side still is a 400."""
+    from engine.structured_output import OUTERMOST_BOUND, to_grammar
 
     int64 = {"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1}
     float32 = {"type": "number", "exclusiveMinimum": -3.4e38, "exclusiveMaximum": 3.4e38}
-    row = {"type": "object", "properties": {"id": int64, "x": float32, "minimum": int64,
-           "c": {"const": {"minimum": -1e30}}}, "required": ["id", "x", "minimum", "c"]}  # fmt: skip
+    row = {"type": "object", "properties": {"id": int64, "x": float32, "default": int64,
+           "c": {"const": {"minimum": -1e30}}}, "required": ["id", "x", "default", "c"],
+           "$defs": {"examples": {"anyOf": [int64]}}}  # fmt: skip
     assert grammar_error(StructuredOutput(json=json.dumps(row))) is None
-    built = json.loads(to_grammar(StructuredOutput(json=json.dumps(row))))
-    properties = built["grammars"][0]["json_schema"]["properties"]
-    assert properties["id"] == properties["minimum"] == {"type": "integer"}
-    assert properties["x"] == {"type": "number"}
+    built = json.loads(to_grammar(StructuredOutput(json=json.dumps(row))))["grammars"][0]
+    properties = built["json_schema"]["properties"]
+    moved = {"type": "integer", "minimum": -OUTERMOST_BOUND, "maximum": OUTERMOST_BOUND}
+    assert properties["id"] == properties["default"] == moved
+    assert built["json_schema"]["$defs"]["examples"] == {"anyOf": [moved]}
+    assert properties["x"] == {"type": "number", "exclusiveMinimum": -OUTERMOST_BOUND,
+                               "exclusiveMaximum": OUTERMOST_BOUND}  # fmt: skip
     assert properties["c"] == {"const": {"minimum": -1e30}}
     matcher = compiler.matcher(StructuredOutput(json=json.dumps(int64)))
     for token_id in tokenizer.encode("-42", add_special_tokens=False).ids:
         assert matcher.accept(token_id)
+    too_long = compiler.matcher(StructuredOutput(json=json.dumps(int64)))
+    digits = tokenizer.encode("1" * 22, add_special_tokens=False).ids
+    assert not all(too_long.accept(token_id) for token_id in digits)  # past 9.2e18
     huge_minimum = {"type": "integer", "minimum": 2**63}  # bounds every answer: kept
     assert "integer range" in grammar_error(StructuredOutput(json=json.dumps(huge_minimum)))
 
