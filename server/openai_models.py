@@ -299,7 +299,7 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
         if tools and constrained and (has_format or info.data.get("structured_outputs")):
             raise ValueError(
                 "a required or named tool call constrains the output itself; leave "
-                "response_format and structured_outputs out"
+                "response_format, structured_outputs and guided_* out"
             )
         return tool_choice
 

@@ -189,8 +189,8 @@ async def stream_chat(
         # always there (null when unset).
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
-    # A forced tool call's answer has no content: null from the first chunk, as OpenAI's
-    # (fuzz120: the openai SDK's stream helper ended with content "" where parse() gave None).
+    # A forced tool call's answer has no content: null in every chunk, as OpenAI's (fuzz120,
+    # fuzz121: the openai SDK's stream helper ended with content "" where parse() gave None).
     forced_calls = job.tools is not None and job.tools.mode != "auto"
     role = {"role": "assistant", "content": None if forced_calls else ""}
 
@@ -257,7 +257,8 @@ async def stream_chat(
                 if with_logprobs:
                     entries = chat_logprobs(tokenizer, piece.logprobs, as_ids=job.tokens_as_ids)
                     logprobs = dump(entries)
-                delta: dict[str, Any] = {"content": text or (None if call_deltas else "")}
+                no_content = None if call_deltas or forced_calls else ""
+                delta: dict[str, Any] = {"content": text or no_content}
                 if reasoning:
                     delta["reasoning"] = delta["reasoning_content"] = reasoning
                 if call_deltas:
