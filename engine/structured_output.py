@@ -27,7 +27,6 @@ llguidance needs (each token's bytes) is built once per engine, on a thread at s
 from __future__ import annotations
 
 import json
-import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -38,7 +37,7 @@ import msgspec
 import numpy as np
 import torch
 
-from engine.errors import InvalidRequest
+from engine.errors import InvalidRequest, TesseraError
 from engine.protocol import StructuredOutput
 
 # The server's grammar-level checks (no tokenizer) take llguidance's default limits; the
@@ -52,7 +51,6 @@ PARSER_LIMITS = llguidance.LLParserLimits()
 # 512 KiB: ~70 MB at worst) so that none needs more.
 GRAMMAR_STACK_BYTES = 512 * 1024**2
 _STACK_SIZE_LOCK = threading.Lock()
-logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -140,8 +138,9 @@ _NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "de
 def _with_outermost_bounds_moved_in(schema_text: str) -> str:
     """`schema_text` with every numeric bound past OUTERMOST_BOUND on its open side moved
     in to it; the text itself when there is none."""
-    if not any(key in schema_text for key in (*_LOWER_BOUNDS, *_UPPER_BOUNDS)):
-        return schema_text
+    keys = (*_LOWER_BOUNDS, *_UPPER_BOUNDS)
+    if "\\u" not in schema_text and not any(key in schema_text for key in keys):
+        return schema_text  # (a key may be written with \u escapes: fuzz122)
     try:
         schema = json.loads(schema_text)
         moved = _moved_in(schema)
@@ -156,9 +155,14 @@ def _moved_in(schema: Any) -> Any:
         return [_moved_in(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
+    # Beside a bound far out on its closed side, which llguidance refuses, none moves: the
+    # error names the client's bounds (fuzz122: "maximum (9200000000000000000)", not sent).
+    lower = [v for k, v in schema.items() if k in _LOWER_BOUNDS and _is_number(v)]
+    upper = [v for k, v in schema.items() if k in _UPPER_BOUNDS and _is_number(v)]
+    refused = any(v > OUTERMOST_BOUND for v in lower) or any(v < -OUTERMOST_BOUND for v in upper)
     moved = {}
     for key, value in schema.items():
-        if key in _LITERAL_KEYWORDS:
+        if key in _LITERAL_KEYWORDS or (refused and key in (*_LOWER_BOUNDS, *_UPPER_BOUNDS)):
             moved[key] = value
         elif key in _NAMED_SCHEMAS and isinstance(value, dict):
             moved[key] = {name: _moved_in(sub) for name, sub in value.items()}
@@ -269,14 +273,16 @@ def on_grammar_stack(build: Callable[[], T]) -> T:
         try:
             thread = threading.Thread(target=run, name="grammar-build", daemon=True)
             thread.start()
-        except RuntimeError:  # no room for the stack (a tight `ulimit -v`): this thread's
-            logger.warning("no %d MiB thread stack for a grammar build; building on the "
-                         "caller's", GRAMMAR_STACK_BYTES >> 20)  # fmt: skip
-            thread = None
+        except RuntimeError as exc:  # no room for the stack (a tight `ulimit -v`)
+            # Not on the caller's stack: a chain the limits allow then crashed the engine
+            # (fuzz122), where this fails the request alone.
+            raise TesseraError(
+                f"a grammar build needs a {GRAMMAR_STACK_BYTES >> 20} MiB thread stack, which "
+                f"this process cannot have ({exc}; is `ulimit -v` set?)",
+                code="grammar_stack_unavailable",
+            ) from None
         finally:
             threading.stack_size(previous)
-    if thread is None:
-        return build()
     thread.join()
     if "error" in outcome:
         raise outcome["error"]

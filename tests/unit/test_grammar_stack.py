@@ -78,20 +78,23 @@ def test_the_longest_chains_the_limits_allow_build_without_a_crash(kind, tmp_pat
     assert "built:" in done.stdout
 
 
-def test_a_build_runs_on_the_callers_thread_when_no_large_stack_can_be_had(monkeypatch, caplog):
-    """fuzz121: under a tight `ulimit -v` the large-stack thread cannot start, and every
-    grammar check raised (a 500); now the build runs where it is called, with a warning."""
+def test_no_large_stack_fails_the_build_with_a_reason_and_never_runs_it(monkeypatch):
+    """Under a tight `ulimit -v` the large-stack thread cannot start: every grammar check
+    was an unexplained 500 (fuzz121), and building on the caller's stack instead let a chain
+    within the limits crash the engine (fuzz122). The build fails, saying why."""
     import threading
 
+    from engine.errors import TesseraError
     from engine.structured_output import on_grammar_stack
 
     def no_room(self):
         raise RuntimeError("can't start new thread")
 
+    built = []
     monkeypatch.setattr(threading.Thread, "start", no_room)
-    with caplog.at_level("WARNING"):
-        assert on_grammar_stack(threading.get_ident) == threading.get_ident()
-    assert "grammar build" in caplog.text
+    with pytest.raises(TesseraError, match="ulimit -v") as refused:
+        on_grammar_stack(lambda: built.append(1))
+    assert refused.value.code == "grammar_stack_unavailable" and not built
     monkeypatch.undo()
     assert on_grammar_stack(threading.get_ident) != threading.get_ident()  # its own thread
     assert threading.stack_size() == 0  # the process's default put back

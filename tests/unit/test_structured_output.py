@@ -83,6 +83,12 @@ def test_bounds_past_what_llguidance_builds_move_in_on_their_open_side(compiler,
     assert not all(too_long.accept(token_id) for token_id in digits)  # past 9.2e18
     huge_minimum = {"type": "integer", "minimum": 2**63}  # bounds every answer: kept
     assert "integer range" in grammar_error(StructuredOutput(json=json.dumps(huge_minimum)))
+    # fuzz122: beside it the far maximum stays too, so the error names the client's bounds
+    far_range = {"type": "number", "minimum": 1e20, "maximum": 1e30}
+    assert str(OUTERMOST_BOUND) not in grammar_error(StructuredOutput(json=json.dumps(far_range)))
+    # and a key written with \u escapes is read as JSON reads it (fuzz122)
+    escaped = '{"type": "integer", "\\u006dinimum": -9223372036854775808}'
+    assert grammar_error(StructuredOutput(json=escaped)) is None
 
 
 @pytest.mark.parametrize(
