@@ -18,14 +18,17 @@ _NOT_JSON = (ValueError, RecursionError)  # RecursionError: "[" * 5000
 
 
 def arguments_as_objects(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """`messages` with each assistant tool call's JSON-string arguments as objects (the
-    messages themselves untouched). A call of another shape, which only the offline `LLM`
+    """`messages` with each assistant tool call's JSON-string arguments as objects, and an
+    empty `tool_calls` list left out, as vLLM renders them (the messages themselves
+    untouched). A call of another shape, which only the offline `LLM`
     can be given (the server's are typed), is left for the template to refuse as that
     prompt's error: converting it raised out of `LLM.chat` for the whole batch (fuzz88)."""
     result = []
     for message in messages:
         calls = message.get("tool_calls") if isinstance(message, dict) else None
-        if calls and isinstance(calls, list):
+        if calls == []:  # no calls, as null is (fuzz123: Llama 3.1's template indexed it)
+            message = {key: value for key, value in message.items() if key != "tool_calls"}
+        elif calls and isinstance(calls, list):
             message = {**message, "tool_calls": [
                 _with_object_arguments(call) if _is_call(call) else call for call in calls
             ]}  # fmt: skip

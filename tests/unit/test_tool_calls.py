@@ -123,6 +123,14 @@ def test_arguments_become_objects_for_the_template():
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == '{"x": 1}'  # untouched
 
 
+def test_an_empty_tool_calls_list_is_no_calls():
+    """fuzz123: `tool_calls: []` reached the template, and Llama 3.1's took it for a call
+    (a 400, where vLLM drops the empty list as it drops null)."""
+    messages = [{"role": "assistant", "content": "Hi", "tool_calls": []}]
+    assert arguments_as_objects(messages) == [{"role": "assistant", "content": "Hi"}]
+    assert messages[0]["tool_calls"] == []  # untouched
+
+
 @pytest.mark.parametrize("arguments", ["", "  ", "null", None])
 def test_empty_arguments_are_no_arguments(arguments):
     """An earlier call with `arguments: ""` reached the template as "", and Qwen3's wrote
