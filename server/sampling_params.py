@@ -63,18 +63,21 @@ class _GrammarVerdicts:
         verdict = self._verdicts.get(self._key(spec))
         return spec if verdict is None else verdict[1]
 
-    async def check(self, spec: StructuredOutput) -> Verdict:
+    async def check(self, spec: StructuredOutput) -> str | None:
+        """Why `spec` cannot constrain a request, or None (`engine_spec` then says what the
+        engine gets)."""
         key = self._key(spec)
         if key in self._verdicts:
             self._verdicts.move_to_end(key)
-            return self._verdicts[key]
+            return self._verdicts[key][0]
         if key not in self._in_flight:
             loop = asyncio.get_running_loop()
             future = loop.run_in_executor(_grammar_checks, _grammar_verdict, spec)
             future.add_done_callback(functools.partial(self._settle, key))
             self._in_flight[key] = future
         # shielded: a request that leaves does not cancel the others' shared check
-        return await asyncio.shield(self._in_flight[key])
+        error, _ = await asyncio.shield(self._in_flight[key])
+        return error
 
     def _settle(self, key: bytes, future: asyncio.Future) -> None:
         del self._in_flight[key]
@@ -109,7 +112,7 @@ async def check_structured_output(request: SamplingFields) -> None:
         check_lengths(spec.json or "", "max_structured_output_schema_chars", "a JSON schema")
     except ValueError as exc:
         raise InvalidRequest(str(exc), param=param) from None
-    error, _ = await _grammar_verdicts.check(spec)
+    error = await _grammar_verdicts.check(spec)
     if error is not None:
         raise GrammarRefused(param, error)
 

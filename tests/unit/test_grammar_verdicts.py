@@ -15,9 +15,10 @@ from server import sampling_params
 
 
 class CountingCheck:
-    """Stands in for `_grammar_error`: records each spec it checks, answers "bad <spec>"
-    for a spec starting with "bad", and, while `gate` is clear, blocks (on a check thread,
-    as llguidance does) so that requests pile up on one check."""
+    """Stands in for `_grammar_verdict`: records each spec it checks, answers "bad <spec>"
+    for a spec starting with "bad" (and the spec as the engine's), and, while `gate` is
+    clear, blocks (on a check thread, as llguidance does) so that requests pile up on one
+    check."""
 
     def __init__(self) -> None:
         self.specs: list[str] = []
@@ -25,19 +26,19 @@ class CountingCheck:
         self.gate.set()
         self.fail_next = False
 
-    def __call__(self, spec: str) -> str | None:
+    def __call__(self, spec: str) -> tuple[str | None, str]:
         self.specs.append(spec)
         self.gate.wait(10)
         if self.fail_next:
             self.fail_next = False
             raise RuntimeError("llguidance crashed")
-        return f"bad {spec}" if spec.startswith("bad") else None
+        return (f"bad {spec}" if spec.startswith("bad") else None), spec
 
 
 @pytest.fixture
 def check(monkeypatch) -> CountingCheck:
     counting = CountingCheck()
-    monkeypatch.setattr(sampling_params, "_grammar_error", counting)
+    monkeypatch.setattr(sampling_params, "_grammar_verdict", counting)
     pool = ThreadPoolExecutor(4, thread_name_prefix="test-grammar-check")
     monkeypatch.setattr(sampling_params, "_grammar_checks", pool)
     yield counting

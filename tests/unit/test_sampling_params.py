@@ -105,4 +105,6 @@ def test_requests_with_one_new_schema_share_its_check_and_only_its_reason_is_kep
     errors = asyncio.run(main())
     assert len(calls) == 1 and all(isinstance(e, InvalidRequest) for e in errors)
     assert {len(e.detail) for e in errors} == {sampling_params.GRAMMAR_ERROR_CHARS}
-    assert [len(v) for v in verdicts._verdicts.values()] == [sampling_params.GRAMMAR_ERROR_CHARS]
+    assert [len(v[0]) for v in verdicts._verdicts.values()] == [
+        sampling_params.GRAMMAR_ERROR_CHARS
+    ]
