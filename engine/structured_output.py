@@ -155,11 +155,12 @@ def _moved_in(schema: Any) -> Any:
         return [_moved_in(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    # Beside a bound far out on its closed side, which llguidance refuses, none moves: the
-    # error names the client's bounds (fuzz122: "maximum (9200000000000000000)", not sent).
+    # Beside a bound at or past OUTERMOST_BOUND on its closed side none moves: the bounds
+    # stay the client's, in an error too (fuzz122: "maximum (9200000000000000000)", never
+    # sent; fuzz124: a minimum of exactly 9.2e18 met a maximum moved onto it).
     lower = [v for k, v in schema.items() if k in _LOWER_BOUNDS and _is_number(v)]
     upper = [v for k, v in schema.items() if k in _UPPER_BOUNDS and _is_number(v)]
-    refused = any(v > OUTERMOST_BOUND for v in lower) or any(v < -OUTERMOST_BOUND for v in upper)
+    refused = any(v >= OUTERMOST_BOUND for v in lower) or any(v <= -OUTERMOST_BOUND for v in upper)
     moved = {}
     for key, value in schema.items():
         if key in _LITERAL_KEYWORDS or (refused and key in (*_LOWER_BOUNDS, *_UPPER_BOUNDS)):

@@ -86,6 +86,8 @@ def test_bounds_past_what_llguidance_builds_move_in_on_their_open_side(compiler,
     # fuzz122: beside it the far maximum stays too, so the error names the client's bounds
     far_range = {"type": "number", "minimum": 1e20, "maximum": 1e30}
     assert str(OUTERMOST_BOUND) not in grammar_error(StructuredOutput(json=json.dumps(far_range)))
+    at_edge = {"type": "integer", "minimum": OUTERMOST_BOUND, "exclusiveMaximum": 1e300}
+    assert grammar_error(StructuredOutput(json=json.dumps(at_edge))) is None  # as sent (fuzz124)
     # and a key written with \u escapes is read as JSON reads it (fuzz122)
     escaped = '{"type": "integer", "\\u006dinimum": -9223372036854775808}'
     assert grammar_error(StructuredOutput(json=escaped)) is None
