@@ -49,7 +49,7 @@ from engine.llm_params import SamplingParams
 from engine.llm_results import ChoiceText, CompletionOutput, GenerationResult
 from engine.multimodal.placement import media_input, place_media
 from engine.multimodal.tool_call_history import arguments_as_objects
-from engine.protocol import EngineRequest, Modality
+from engine.protocol import EngineRequest, ErrorInfo, Modality
 from engine.request_checks import check_prompt_token_ids
 from engine.unicode_text import lone_surrogate_path
 
@@ -277,7 +277,7 @@ class LLM:
         for request_id in order:
             error = results[request_id].error
             if raise_on_error and error is not None:
-                raise InvalidRequest(error.message, param=error.param, code=error.code)
+                raise _as_exception(error)
         return [results[request_id] for request_id in order]
 
     def _with_room_left(self, request: EngineRequest) -> EngineRequest:
@@ -413,6 +413,17 @@ class LLM:
             media=media,
         )
         return BuiltRequest(request, tensors, processed.text)
+
+
+def _as_exception(error: ErrorInfo) -> TesseraError:
+    """A result's error as what `raise_on_error` raises: InvalidRequest for a 400, else a
+    TesseraError of the error's own status and type (fuzz124: a server-side 500 was raised
+    as an InvalidRequest)."""
+    if error.status == InvalidRequest.status:
+        return InvalidRequest(error.message, param=error.param, code=error.code)
+    exc = TesseraError(error.message, param=error.param, code=error.code)
+    exc.status, exc.type = error.status, error.type
+    return exc
 
 
 def _vllm_prompt(prompt: dict) -> Any:

@@ -268,3 +268,19 @@ def test_vllms_max_tokens_none_cached_tokens_and_image_pil_parts(reference, prom
         assert as_pil.token_ids == as_image.token_ids
         [no_image] = llm.chat([{"role": "user", "content": [{"type": "image_pil"}]}], two)
         assert "'image_pil'" in no_image.error.message
+
+
+def test_raise_on_error_raises_a_server_side_failure_with_its_own_status(llm, monkeypatch):
+    """fuzz124: every result error was raised as an InvalidRequest (a 400), a grammar build
+    that failed on the engine's side (a 500) too. Here the build cannot get its stack."""
+    import engine.structured_output
+    from engine import StructuredOutput
+    from engine.errors import InvalidRequest, TesseraError
+
+    monkeypatch.setattr(engine.structured_output, "GRAMMAR_STACK_BYTES", 1 << 62)
+    regex = SamplingParams(max_tokens=2, structured_output=StructuredOutput(regex="[ab]+"))
+    with pytest.raises(TesseraError) as raised:
+        llm.generate(["Hello"], regex, raise_on_error=True)
+    assert raised.value.status == 500 and not isinstance(raised.value, InvalidRequest)
+    with pytest.raises(InvalidRequest):  # a 400 is still one
+        llm.generate([[10**9]], GREEDY, raise_on_error=True)
