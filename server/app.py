@@ -384,10 +384,11 @@ async def _chat_tokens(state: AppState, body: TokenizeRequest) -> list[int]:
     to its size, its media fetched and preprocessed (vLLM's /tokenize does the same; one
     placeholder an item counted 32 tokens for a 35-token chat). No bound on the length:
     counting is what /tokenize is for."""
-    fields = body.model_dump(exclude_none=True, include={
-        "messages", "tools", "add_generation_prompt", "continue_final_message",
-        "chat_template_kwargs", "chat_template", "reasoning_effort", "mm_processor_kwargs",
-        "cache_salt"})  # fmt: skip
+    # every rendering field (ChatTemplateFields': a new one renders here too), and the rest
+    # of what the chat's prompt is made of
+    include = {*ChatTemplateFields.model_fields, "messages", "tools", "mm_processor_kwargs",
+               "cache_salt"}  # fmt: skip
+    fields = body.model_dump(exclude_none=True, include=include)
     chat = ChatCompletionRequest.model_validate({**fields, "model": state.model_name})
     prepared = await prepare_chat_prompt(
         chat,
