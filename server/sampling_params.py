@@ -59,7 +59,10 @@ class _GrammarVerdicts:
 
     def engine_spec(self, spec: StructuredOutput) -> StructuredOutput:
         """What the engine gets for a checked `spec` (`spec` itself if its verdict is gone:
-        the engine converts a GBNF grammar then)."""
+        the engine converts a GBNF grammar then). Only a grammar can change: the others
+        are not hashed a second time."""
+        if spec.grammar is None:
+            return spec
         verdict = self._verdicts.get(self._key(spec))
         return spec if verdict is None else verdict[1]
 
