@@ -105,6 +105,14 @@ class ServerOverloaded(TesseraError):
     reason = "server_overloaded"
 
 
+def error_from_info(info: ErrorInfo, param: str | None = None) -> TesseraError:
+    """`error_info`'s inverse: the typed error an ErrorInfo describes, of its status and
+    type (`param`: another name for the field, where the caller maps one)."""
+    exc = TesseraError(info.message, param=param or info.param, code=info.code)
+    exc.status, exc.type = info.status, info.type
+    return exc
+
+
 def error_info(exc: Exception) -> ErrorInfo:
     """The ErrorInfo an engine-side failure reaches its requests as: a typed error's own
     message, status and param; anything else a generic 500 that leaks no internals."""

@@ -42,7 +42,7 @@ from engine.choices import fan_out
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.detokenizer import SequenceDetokenizer
-from engine.errors import InvalidRequest, TesseraError, error_info
+from engine.errors import InvalidRequest, TesseraError, error_from_info, error_info
 from engine.generation_defaults import SamplingDefaults
 from engine.llm_media import inlined, processed_media
 from engine.llm_params import SamplingParams
@@ -421,9 +421,7 @@ def _as_exception(error: ErrorInfo) -> TesseraError:
     as an InvalidRequest)."""
     if error.status == InvalidRequest.status:
         return InvalidRequest(error.message, param=error.param, code=error.code)
-    exc = TesseraError(error.message, param=error.param, code=error.code)
-    exc.status, exc.type = error.status, error.type
-    return exc
+    return error_from_info(error)
 
 
 def _vllm_prompt(prompt: dict) -> Any:

@@ -20,7 +20,13 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.errors import EngineDeadError, InvalidRequest, ServerOverloaded, TesseraError
+from engine.errors import (
+    EngineDeadError,
+    InvalidRequest,
+    ServerOverloaded,
+    TesseraError,
+    error_from_info,
+)
 from engine.protocol import ErrorInfo
 from server.admission import ServerDraining
 
@@ -55,10 +61,7 @@ def error_info_to_exception(info: ErrorInfo, media_params: Sequence[str] = ()) -
     if param is not None and (found := _MEDIA_PARAM.fullmatch(param)) is not None:
         index = int(found.group(1))
         param = media_params[index] if index < len(media_params) else param
-    exc = TesseraError(info.message, param=param, code=info.code)
-    exc.status = info.status
-    exc.type = info.type
-    return exc
+    return error_from_info(info, param)
 
 
 def loc_to_param(loc: Sequence[Any]) -> str | None:
