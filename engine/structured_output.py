@@ -36,6 +36,7 @@ import llguidance
 import msgspec
 import numpy as np
 import torch
+from llguidance.gbnf_to_lark import any_to_lark
 
 from engine.errors import InvalidRequest, TesseraError
 from engine.protocol import StructuredOutput
@@ -80,8 +81,6 @@ def lark_grammar(text: str) -> str:
     llguidance's Python, quadratic in a chain of rules' length (2 s for 32 KB, holding the
     GIL: fuzz119), so the server converts once, in its grammar check, and sends the engine
     Lark (`lark_spec`). ValueError when GBNF does not convert."""
-    from llguidance.gbnf_to_lark import any_to_lark
-
     try:
         return any_to_lark(text)
     except Exception as exc:  # noqa: BLE001 - its parser raises its own and plain ones
